@@ -1,0 +1,340 @@
+"""Block-scaled floating-point formats: NVFP4, MXFP4/6/8 and fp4_b32 (pure PyTorch reference).
+
+One generic path: split the last dim into blocks, take each block's absmax, turn it into a block scale
+of the format's scale type (E4M3, E8M0 or fp32), encode ``x`` times the block's multiplier with the
+element codec, pack. The per-format arithmetic below is pinned to the producers named in
+``docs/formats.md``; the evaluation order of every fp32 operation is part of the format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .codecs import decode_e8m0, decode_minifloat, encode_e8m0, encode_minifloat
+from .packing import pack_fp4, pack_fp6, swizzle_scales, unpack_fp4, unpack_fp6, unswizzle_scales
+from .qtensor import QTensor
+from .spec import E2M1, E4M3, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
+
+F4_MAX = 6.0
+F8E4M3_MAX = 448.0
+_FLT_MAX = torch.finfo(torch.float32).max
+_SUPPORTED_INPUT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_input(x: torch.Tensor, block: int, fmt: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _SUPPORTED_INPUT:
+        raise TypeError(f"{fmt}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{fmt}: x must have at least 1 dimension, got a scalar")
+    if x.shape[-1] % block:
+        raise ValueError(f"{fmt}: the last dim of x must be a multiple of {block}, got {x.shape[-1]}")
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 view ``[rows, K/block, block]`` of ``x`` (a copy: inputs are never modified)."""
+    rows = x.shape[:-1].numel()
+    return x.float().reshape(rows, x.shape[-1] // block, block)
+
+
+def _pack(codes: torch.Tensor, elem: MinifloatSpec) -> torch.Tensor:
+    if elem.torch_dtype is not None:
+        return codes.view(elem.torch_dtype)
+    if elem.bits == 4:
+        return pack_fp4(codes)
+    return pack_fp6(codes)
+
+
+def _unpack(data: torch.Tensor, elem: MinifloatSpec) -> torch.Tensor:
+    if elem.torch_dtype is not None:
+        return data.view(torch.uint8)
+    if elem.bits == 4:
+        return unpack_fp4(data)
+    return unpack_fp6(data)
+
+
+def _layout_scales(scale_2d: torch.Tensor, lead: torch.Size, layout: str) -> torch.Tensor:
+    if layout == "swizzled":
+        return swizzle_scales(scale_2d)
+    return scale_2d.reshape(*lead, scale_2d.shape[-1])
+
+
+def _linear_scales(q: QTensor, block: int) -> torch.Tensor:
+    """Block scales of ``q`` as a ``[rows, K/block]`` tensor, whatever the stored layout."""
+    cols = q.shape[-1] // block
+    rows = q.shape[:-1].numel()
+    if q.scale_layout == "swizzled":
+        return unswizzle_scales(q.scale, rows, cols)
+    return q.scale.reshape(rows, cols)
+
+
+def _check_layout(scale_layout: str) -> None:
+    if scale_layout not in ("linear", "swizzled"):
+        raise ValueError(f"scale_layout must be 'linear' or 'swizzled', got {scale_layout!r}")
+
+
+def _check_global_scale(g: torch.Tensor | float) -> torch.Tensor:
+    if isinstance(g, (int, float)):
+        g = torch.tensor(float(g), dtype=torch.float32)
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"global_scale must be an fp32 tensor, a float, 'none' or None, got {type(g).__name__}")
+    if g.dtype != torch.float32:
+        raise TypeError(f"global_scale must be float32, got {g.dtype}")
+    if g.numel() != 1:
+        raise ValueError(f"global_scale must hold one value, got shape {tuple(g.shape)}")
+    v = g.detach().reshape(()).cpu()
+    if not torch.isfinite(v) or v <= 0:
+        raise ValueError(f"global_scale must be finite and > 0, got {v.item()}")
+    return g.detach().reshape(()).clone()
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the finite elements, in x's dtype (0 for an empty or all-non-finite tensor)."""
+    a = x.detach().abs()
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+    return a.amax() if a.numel() else torch.zeros((), dtype=x.dtype, device=x.device)
+
+
+def nvfp4_default_global_scale(x: torch.Tensor, convention: NVFP4Convention | str = "vllm") -> torch.Tensor:
+    """The per-tensor multiplier ``448*6/amax(x)`` each convention computes when none is given.
+
+    vllm: fp32 ``2688 / amax``; amax == 0 gives 1.0 (as TransformerEngine) and the result is capped at
+    FLT_MAX. compressed-tensors: ``2688 / amax`` evaluated in x's dtype (bf16 gives 13120 where fp32 gives
+    13107.2), amax clamped to the dtype's tiny, non-finite results replaced by 1.0 (``generate_gparam``).
+    torchao: ``1 / (amax/2688)`` of its divisor ``per_tensor_amax_to_scale``. Non-finite elements of x are
+    ignored when taking amax.
+    """
+    convention = NVFP4Convention(convention)
+    amax = finite_amax(x)
+    if convention is NVFP4Convention.COMPRESSED_TENSORS:
+        a = amax.clamp(min=torch.finfo(x.dtype).tiny)
+        g = torch.nan_to_num(F8E4M3_MAX * F4_MAX / a, nan=1.0, posinf=1.0, neginf=1.0)
+        return g.to(torch.float32).reshape(())
+    amax = amax.float()
+    if convention is NVFP4Convention.TORCHAO:
+        return 1.0 / torchao_per_tensor_scale(amax)
+    if amax == 0:
+        return torch.ones((), dtype=torch.float32, device=x.device)
+    return (F8E4M3_MAX * F4_MAX / amax).clamp(max=_FLT_MAX)
+
+
+def torchao_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """torchao's divisor ``amax / (448*6)`` in fp32 (``per_tensor_amax_to_scale``)."""
+    return amax.to(torch.float32) / (F8E4M3_MAX * F4_MAX)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float | str | None = None,
+    convention: NVFP4Convention | str = "vllm",
+    scale_layout: str = "linear",
+) -> QTensor:
+    """NVFP4: E2M1 values, 16-element blocks along the last dim, E4M3 block scales, fp32 global scale.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16, ``K % 16 == 0``.
+        global_scale: the per-tensor multiplier ``S`` (dequant = value * block_scale / S). None computes
+            the convention's default from ``amax(x)`` (see :func:`nvfp4_default_global_scale`); ``"none"``
+            quantizes single-level (no global scale, ``S = 1``).
+        convention: ``"vllm"`` (default; vLLM/LightX2V kernels), ``"torchao"`` or ``"compressed-tensors"``.
+        scale_layout: ``"linear"`` (``[..., K/16]``) or ``"swizzled"`` (128x4 tiles, 2-D).
+
+    Per block with absmax ``a`` (fp32 unless said otherwise), block scale ``sf`` and value multiplier ``m``:
+      - vllm: ``sf = e4m3(S * (a * fp32(1/6)))``; ``m = S * (1/fp32(sf))``, or 0 when ``sf == 0``
+        (so a zero block gets scale byte 0x00 and codes 0); codes ``e2m1(x * m)``.
+      - torchao (divisor ``p = 1/S``, or its own ``amax/2688`` by default): ``sf = e4m3(clamp((a/6)/p,
+        2^-6, 448))``; ``m = (1/p)/fp32(sf)``; single-level: ``sf = e4m3(clamp(a/6, 2^-6, 448))``,
+        ``m = 1/fp32(sf)``.
+      - compressed-tensors: ``sf = e4m3(clamp(S * fp32(a/6 in x.dtype), +-448))``, 0 replaced by 0.125;
+        codes ``e2m1(clamp(x / (fp32(sf)/S), +-6))``.
+    """
+    check_input(x, 16, "nvfp4")
+    convention = NVFP4Convention(convention)
+    _check_layout(scale_layout)
+    lead = x.shape[:-1]
+    xb = _blocks(x, 16)
+    single_level = isinstance(global_scale, str)
+    if single_level and global_scale != "none":
+        raise ValueError(f"global_scale must be a tensor, a float, 'none' or None, got {global_scale!r}")
+    params: dict = {"convention": convention.value}
+
+    if single_level:
+        s = None
+    elif global_scale is None:
+        s = nvfp4_default_global_scale(x, convention)
+    else:
+        s = _check_global_scale(global_scale).to(x.device)
+
+    if convention is NVFP4Convention.TORCHAO:
+        amax_b = xb.abs().amax(dim=-1)
+        block_scale = amax_b / F4_MAX
+        tiny = torch.finfo(torch.float8_e4m3fn).tiny
+        if s is None:
+            sf = block_scale.clamp(min=tiny, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+            mult = 1.0 / sf.float()
+        else:
+            pts = torchao_per_tensor_scale(finite_amax(x)) if global_scale is None else 1.0 / s
+            params["per_tensor_scale"] = pts
+            sf = (block_scale / pts).clamp(min=tiny, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
+            mult = (1.0 / pts) / sf.float()
+        scaled = (xb * mult.unsqueeze(-1)).clamp(-F4_MAX, F4_MAX)
+    elif convention is NVFP4Convention.COMPRESSED_TENSORS:
+        # llm-compressor computes amax/6 in the weight's dtype, then promotes to fp32 for the global scale
+        amax_b = x.detach().reshape(xb.shape).abs().amax(dim=-1)
+        local = (amax_b / F4_MAX).float()
+        s_eff = torch.ones((), dtype=torch.float32, device=x.device) if s is None else s
+        sf = (s_eff * local).clamp(-F8E4M3_MAX, F8E4M3_MAX).to(torch.float8_e4m3fn)
+        sf = torch.where(sf.float() == 0, torch.full_like(sf, 0.125), sf)
+        scaled = (xb / (sf.float() / s_eff).unsqueeze(-1)).clamp(-F4_MAX, F4_MAX)
+    else:
+        codes, sf = quantize_blockscaled(x, E2M1, 16, "e4m3", global_scale=s)
+        scaled = None
+
+    if scaled is not None:
+        codes = encode_minifloat(scaled, E2M1).reshape(x.shape)
+    return QTensor(
+        data=pack_fp4(codes),
+        scale=_layout_scales(sf.reshape(x.shape[:-1].numel(), x.shape[-1] // 16), lead, scale_layout),
+        fmt="nvfp4",
+        shape=x.shape,
+        dtype=x.dtype,
+        global_scale=None if s is None else s.reshape(1),
+        scale_layout=scale_layout,
+        params=params,
+    )
+
+
+def dequantize_nvfp4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``e2m1 * (fp32(sf) / S)`` per block (torchao convention: ``e2m1 * (p * fp32(sf))``), cast to dtype."""
+    values = decode_minifloat(unpack_fp4(q.data), E2M1).reshape(q.shape[:-1].numel(), q.shape[-1] // 16, 16)
+    sf = _linear_scales(q, 16).float()
+    pts = q.params.get("per_tensor_scale")
+    if pts is not None:
+        block = pts * sf
+    elif q.global_scale is not None:
+        block = sf / q.global_scale.reshape(())
+    else:
+        block = sf
+    return (values * block.unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+def quantize_blockscaled(
+    x: torch.Tensor,
+    element: MinifloatSpec,
+    block_size: int,
+    scale_type: str,
+    *,
+    global_scale: torch.Tensor | None = None,
+    scale_rounding: ScaleRounding | str = "rceil",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generic block-scaled quantizer: element type x block size x scale type x optional global scale.
+
+    Blocks of ``block_size`` run along the last dim of ``x`` (``K % block_size == 0``). With block absmax
+    ``a`` (fp32), element max ``E`` and global multiplier ``S`` (1 if None):
+      - ``"e4m3"``: ``sf = e4m3(S * (a * fp32(1/E)))``, multiplier ``m = S * (1/fp32(sf))`` (0 if sf == 0).
+      - ``"e8m0"``: ``sf = 2^e`` by ``scale_rounding`` (RCEIL of ``a * fp32(1/E)``, or FLOOR
+        ``floor(log2 a) - emax``), ``m = 2^-e`` exactly; NaN/Inf blocks get 0xFF.
+      - ``"fp32"``: ``sf = a / E``; elements are ``x / sf`` (IEEE division), 0 where sf == 0.
+    Elements are encoded with round-to-nearest-even and saturation.
+
+    Returns:
+        (codes, scales): uint8 element codes shaped like x, and scales ``[rows, K/block_size]`` as
+        float8_e4m3fn, float8_e8m0fnu or float32.
+    """
+    xb = _blocks(x, block_size)
+    amax_b = xb.abs().amax(dim=-1)
+    rcp_max = torch.tensor(1.0 / element.max_normal, dtype=torch.float32, device=x.device)
+    if scale_type == "e4m3":
+        s = torch.ones((), dtype=torch.float32, device=x.device) if global_scale is None else global_scale
+        # fp32(1/E) times amax: LightX2V's `vecMax * 0.16666666666666666f`, vLLM's `amax * (1/6)`
+        sf = encode_minifloat(s * (amax_b * rcp_max), E4M3).view(torch.float8_e4m3fn)
+        sf32 = sf.float()
+        mult = torch.where(sf32 == 0, torch.zeros_like(sf32), s * (1.0 / sf32))
+        scaled = xb * mult.unsqueeze(-1)
+    elif scale_type == "e8m0":
+        if global_scale is not None:
+            raise ValueError("e8m0-scaled formats take no global_scale")
+        rounding = ScaleRounding(scale_rounding)
+        if rounding is ScaleRounding.RCEIL:
+            code = encode_e8m0(amax_b * rcp_max, ScaleRounding.RCEIL)
+        else:
+            biased = encode_e8m0(amax_b, ScaleRounding.FLOOR).to(torch.int32)
+            code = torch.where(biased == 255, biased, (biased - element.emax).clamp(min=0)).to(torch.uint8)
+        # 2^-e, the exact reciprocal of the scale, is the E8M0 value of code 254 - c (0x00 -> 2^127 ... 0xFE -> 2^-127)
+        inv = decode_e8m0((254 - code.to(torch.int32)).clamp(min=0))
+        inv = torch.where(code == 255, torch.full_like(inv, float("nan")), inv)
+        sf = code.view(torch.float8_e8m0fnu)
+        scaled = xb * inv.unsqueeze(-1)
+    elif scale_type == "fp32":
+        if global_scale is not None:
+            raise ValueError("fp32-scaled formats take no global_scale")
+        sf = amax_b / element.max_normal
+        safe = torch.where(sf == 0, torch.ones_like(sf), sf)
+        scaled = torch.where(sf.unsqueeze(-1) == 0, xb * 0.0, xb / safe.unsqueeze(-1))
+    else:
+        raise ValueError(f"scale_type must be 'e4m3', 'e8m0' or 'fp32', got {scale_type!r}")
+    return encode_minifloat(scaled, element).reshape(x.shape), sf
+
+
+def quantize_mx(
+    x: torch.Tensor,
+    fmt: str,
+    scale_rounding: ScaleRounding | str = "rceil",
+    scale_layout: str = "linear",
+) -> QTensor:
+    """MX (OCP Microscaling): 32-element blocks along the last dim, E8M0 power-of-two scales.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16, ``K % 32 == 0``.
+        fmt: ``"mxfp4"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``.
+        scale_rounding: ``"rceil"`` (default): the smallest power of two >= ``amax * fp32(1/max_elem)``
+            (LightX2V/TransformerEngine/FlashInfer); ``"floor"``: ``2^(floor(log2(amax)) - emax_elem)``
+            (OCP spec, torchao FLOOR), values above the element max then saturate.
+        scale_layout: ``"linear"`` (``[..., K/32]`` float8_e8m0fnu) or ``"swizzled"``.
+
+    Elements are ``x / 2^e`` (exact: a power of two) rounded to nearest even with saturation. A block
+    whose absmax is NaN or Inf gets scale 0xFF (NaN); a zero block gets 0x00 and zero codes.
+    """
+    spec = FORMATS[fmt]
+    check_input(x, 32, fmt)
+    _check_layout(scale_layout)
+    rounding = ScaleRounding(scale_rounding)
+    codes, scale = quantize_blockscaled(x, spec.element, 32, "e8m0", scale_rounding=rounding)
+    return QTensor(
+        data=_pack(codes, spec.element),
+        scale=_layout_scales(scale, x.shape[:-1], scale_layout),
+        fmt=fmt,
+        shape=x.shape,
+        dtype=x.dtype,
+        scale_layout=scale_layout,
+        params={"scale_rounding": rounding.value},
+    )
+
+
+def dequantize_mx(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    elem = q.spec.element
+    values = decode_minifloat(_unpack(q.data, elem), elem).reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 32)
+    scale = decode_e8m0(_linear_scales(q, 32).view(torch.uint8))
+    return (values * scale.unsqueeze(-1)).reshape(q.shape).to(dtype)
+
+
+def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
+    """fp4_b32 (seed 002's packed GEMV format): E2M1, 32-element blocks, fp32 scale ``amax/6``.
+
+    Codes are ``e2m1(x / s)`` with IEEE fp32 division; a zero block has ``s = 0`` and codes 0.
+    """
+    check_input(x, 32, "fp4_b32")
+    codes, scale = quantize_blockscaled(x, E2M1, 32, "fp32")
+    return QTensor(
+        data=pack_fp4(codes),
+        scale=scale.reshape(*x.shape[:-1], x.shape[-1] // 32),
+        fmt="fp4_b32",
+        shape=x.shape,
+        dtype=x.dtype,
+    )
+
+
+def dequantize_fp4_b32(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    values = decode_minifloat(unpack_fp4(q.data), E2M1).reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 32)
+    return (values * q.scale.reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 1).float()).reshape(q.shape).to(dtype)
