@@ -61,7 +61,7 @@ def pack_fp6(codes: torch.Tensor) -> torch.Tensor:
     Codes a, b, c, d form the 24-bit little-endian word ``a | b<<6 | c<<12 | d<<18``.
     """
     _check_last_dim(codes, 4, "pack_fp6")
-    c = (codes & 0x3F).reshape(*codes.shape[:-1], -1, 4).to(torch.int32)
+    c = (codes & 0x3F).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4).to(torch.int32)
     word = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
     out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
     return out.to(torch.uint8).flatten(-2)
@@ -70,7 +70,7 @@ def pack_fp6(codes: torch.Tensor) -> torch.Tensor:
 def unpack_fp6(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp6`: bytes ``[..., 3K/4]`` -> codes ``[..., K]``."""
     _check_last_dim(packed, 3, "unpack_fp6")
-    b = packed.reshape(*packed.shape[:-1], -1, 3).to(torch.int32)
+    b = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 3, 3).to(torch.int32)
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
     out = torch.stack([(word >> s) & 0x3F for s in (0, 6, 12, 18)], dim=-1)
     return out.to(torch.uint8).flatten(-2)

@@ -106,7 +106,17 @@ BNB_FP4 = CodebookSpec(
 )
 
 
-class ScaleRounding(str, Enum):
+class _Choice(str, Enum):
+    """A string option whose bad values raise a ValueError listing the valid ones."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> None:
+        valid = ", ".join(repr(m.value) for m in cls)
+        option = {"ScaleRounding": "scale_rounding", "NVFP4Convention": "convention"}.get(cls.__name__, cls.__name__)
+        raise ValueError(f"{option}: {value!r} is not one of {valid}")
+
+
+class ScaleRounding(_Choice):
     """How an fp32 block scale becomes an E8M0 power of two."""
 
     RCEIL = "rceil"
@@ -115,7 +125,7 @@ class ScaleRounding(str, Enum):
     """``2^(floor(log2(amax)) - emax_elem)``: the OCP MX spec rule and torchao FLOOR."""
 
 
-class NVFP4Convention(str, Enum):
+class NVFP4Convention(_Choice):
     """Whose NVFP4 arithmetic to reproduce where the producers differ (formats.md section 1.3)."""
 
     VLLM = "vllm"

@@ -1,0 +1,54 @@
+"""The public quantize/dequantize surface: option validation, FormatSpec objects, QTensor."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.formats.spec import MXFP4_FORMAT, FormatSpec
+
+
+def test_every_format_is_listed():
+    assert set(lowbit.FORMATS) == {
+        "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
+        "fp4_b32", "fp8_block", "nf4", "int4_awq",
+    }
+
+
+def test_unknown_format_and_option():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="unknown format 'fp3'"):
+        lowbit.quantize(x, "fp3")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['group_size'\] for format 'mxfp4'.*scale_rounding"):
+        lowbit.quantize(x, "mxfp4", group_size=32)
+    with pytest.raises(TypeError, match="fmt must be"):
+        lowbit.quantize(x, 4)
+    with pytest.raises(TypeError, match="q must be a QTensor"):
+        lowbit.dequantize(x)
+    q = lowbit.quantize(x, "mxfp4")
+    with pytest.raises(TypeError, match="dtype must be"):
+        lowbit.dequantize(q, torch.int8)
+
+
+def test_format_spec_objects_and_their_option_defaults():
+    x = torch.randn(4, 64)
+    by_obj = lowbit.quantize(x, MXFP4_FORMAT)
+    by_name = lowbit.quantize(x, "mxfp4")
+    assert torch.equal(by_obj.scale.view(torch.uint8), by_name.scale.view(torch.uint8))
+    floor_spec = FormatSpec("mxfp4", "blockscaled", MXFP4_FORMAT.element, 32, "e8m0", {"scale_rounding": "floor"})
+    assert lowbit.quantize(x, floor_spec).params["scale_rounding"] == "floor"
+    with pytest.raises(ValueError, match="unknown format spec"):
+        lowbit.quantize(x, FormatSpec("mine", "blockscaled", MXFP4_FORMAT.element, 32, "e8m0"))
+
+
+def test_qtensor_surface():
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    q = lowbit.quantize(x, "nvfp4")
+    assert q.fmt == "nvfp4" and q.shape == x.shape and q.dtype == torch.bfloat16
+    assert q.data.dtype == torch.uint8 and q.data.shape == (2, 3, 32)
+    assert q.scale.dtype == torch.float8_e4m3fn and q.scale.shape == (2, 3, 4)
+    assert q.global_scale.dtype == torch.float32 and q.global_scale.shape == (1,)
+    assert q.zeros is None and q.spec.block == 16
+    assert q.nbytes == 2 * 3 * 32 + 2 * 3 * 4 + 4
+    assert "nvfp4" in repr(q)
+    m = lowbit.quantize(x, "mxfp8_e4m3")
+    assert m.data.dtype == torch.float8_e4m3fn and m.scale.dtype == torch.float8_e8m0fnu and m.global_scale is None
