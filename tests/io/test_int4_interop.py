@@ -371,6 +371,7 @@ def test_ct_odd_in_features_pad():
         (lambda t: t.update(weight_zero_point=t["weight_zero_point"].to(torch.int8)), TypeError, "int32"),
         (lambda t: t.update(weight_g_idx=torch.arange(256).flip(0) // 64), ValueError, "activation ordering"),
         (lambda t: t.update(weight_scale=t["weight_scale"][:, :3]), ValueError, "not a multiple"),
+        (lambda t: t.update(weight_g_idx=[0] * 256), TypeError, "weight_g_idx"),
     ],
 )
 def test_from_ct_rejects(mutate, err, match):

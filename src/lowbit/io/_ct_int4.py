@@ -119,6 +119,8 @@ def from_ct_pack_quantized(tensors: Mapping[str, torch.Tensor]) -> QTensor:
     group_size = infer_group_size(in_features, n_groups, None, "weight_scale")
     g_idx = tensors.get("weight_g_idx")
     if g_idx is not None:
+        if not isinstance(g_idx, torch.Tensor):
+            raise TypeError(f"weight_g_idx must be a torch.Tensor, got {type(g_idx).__name__}")
         trivial = torch.arange(in_features, device=g_idx.device) // group_size
         if g_idx.dtype.is_floating_point or not torch.equal(g_idx.reshape(-1).to(torch.int64), trivial):
             raise ValueError(
