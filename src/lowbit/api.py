@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -26,6 +28,40 @@ _IMPLS: dict[str, tuple[str, str, str]] = {
     "int4_awq": ("int4_awq", "quantize_int4_awq", "dequantize_int4_awq"),
 }
 _DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = ("auto", "triton", "torch")
+_warned: set[str] = set()
+
+
+def resolve_backend(backend: str | None) -> str:
+    """``backend`` if given, else ``$LOWBIT_BACKEND``, else ``"auto"``; anything else is a ValueError."""
+    chosen = backend if backend is not None else os.environ.get("LOWBIT_BACKEND", "auto")
+    if chosen not in BACKENDS:
+        source = "backend" if backend is not None else "LOWBIT_BACKEND"
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {chosen!r}")
+    return chosen
+
+
+def _pick(backend: str | None, tensor: torch.Tensor, kernel: Callable[..., Any] | str, reference, what: str):
+    """The function to run: the triton kernel or the torch reference, per the backend rules.
+
+    auto: the kernel for CUDA tensors when one covers the format and options; the reference on CPU.
+    On CUDA, a combination no kernel covers runs the reference with a one-time warning; a kernel that
+    exists but cannot run (no triton) is an error, never a silent fallback.
+    """
+    chosen = resolve_backend(backend)
+    if chosen == "torch":
+        return reference
+    if chosen == "triton" or tensor.is_cuda:
+        if chosen == "triton" and not tensor.is_cuda:
+            raise ValueError(f"backend='triton' needs CUDA tensors; {what} got a tensor on {tensor.device}")
+        if callable(kernel):
+            return kernel
+        if chosen == "triton" or kernel.startswith("triton cannot be imported"):
+            raise RuntimeError(f"{what}: cannot run the triton backend: {kernel}")
+        if kernel not in _warned:
+            _warned.add(kernel)
+            warnings.warn(f"lowbit: {kernel}; {what} runs the torch reference on {tensor.device}", stacklevel=3)
+    return reference
 
 
 def _impl(name: str, which: int) -> Callable[..., Any]:
@@ -50,7 +86,7 @@ def _option_names(fn: Callable[..., Any]) -> list[str]:
     return [p.name for p in params if p.name != "fmt"]
 
 
-def quantize(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> QTensor:
+def quantize(x: torch.Tensor, fmt: str | FormatSpec, *, backend: str | None = None, **options: Any) -> QTensor:
     """Quantize ``x`` to ``fmt``.
 
     Args:
@@ -62,6 +98,9 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> QTensor:
         **options: per format: nvfp4 ``global_scale``, ``convention``, ``scale_layout``; MX
             ``scale_rounding``, ``scale_layout``; fp8_block ``block``, ``scale_fmt``; nf4 ``blocksize``,
             ``double_quant``; int4_awq ``group_size``.
+        backend: ``"auto"`` (default, or ``$LOWBIT_BACKEND``): triton kernels for CUDA tensors where one
+            covers the format, the torch reference otherwise; ``"triton"`` (error where no kernel can
+            run); ``"torch"`` (the reference, on any device).
 
     Returns:
         A :class:`QTensor`. ``x`` is never modified.
@@ -76,15 +115,27 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, **options: Any) -> QTensor:
     kwargs.update(options)
     if "fmt" in inspect.signature(fn).parameters:
         kwargs["fmt"] = name
-    return fn(x, **kwargs)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    kernel = _kernels().quantize_kernel(name, kwargs) if resolve_backend(backend) != "torch" else "unused"
+    return _pick(backend, x, kernel, fn, f"quantize({name!r})")(x, **kwargs)
 
 
-def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode ``q`` to a dense tensor of its logical shape in ``dtype`` (float32, bfloat16 or float16)."""
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, backend: str | None = None) -> torch.Tensor:
+    """Decode ``q`` to a dense tensor of its logical shape in ``dtype`` (float32, bfloat16 or float16).
+
+    ``backend`` as for :func:`quantize`.
+    """
     if not isinstance(q, QTensor):
         raise TypeError(f"q must be a QTensor, got {type(q).__name__}")
     if dtype not in _DEQUANT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     if q.fmt not in _IMPLS:
         raise ValueError(f"unknown format {q.fmt!r}; known formats: {sorted(FORMATS)}")
-    return _impl(q.fmt, 1)(q, dtype)
+    kernel = _kernels().dequantize_kernel(q.fmt, q) if resolve_backend(backend) != "torch" else "unused"
+    return _pick(backend, q.data, kernel, _impl(q.fmt, 1), f"dequantize({q.fmt!r})")(q, dtype)
+
+
+def _kernels():
+    # imported on use: lowbit.kernels is light, but keeps `import lowbit` free of any kernel module
+    return importlib.import_module("lowbit.kernels")

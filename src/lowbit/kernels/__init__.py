@@ -1,0 +1,59 @@
+"""Triton kernels. This package's __init__ never imports triton: launchers load on first CUDA use.
+
+``quantize_kernel`` / ``dequantize_kernel`` say which (format, options) combinations have a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Callable
+
+from ..formats.spec import NVFP4Convention
+
+# format -> (module, launcher, predicate on the options / QTensor params saying the kernel covers them)
+_QUANTIZE: dict[str, tuple[str, str, Callable[[dict], bool]]] = {
+    "nvfp4": ("blockscaled", "quantize_nvfp4",
+              lambda o: NVFP4Convention(o.get("convention", "vllm")) is NVFP4Convention.VLLM),
+    **{f: ("blockscaled", "quantize_mx", lambda o: True)
+       for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")},
+    "fp4_b32": ("blockscaled", "quantize_fp4_b32", lambda o: True),
+}
+_DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
+    "nvfp4": ("blockscaled", "dequantize_nvfp4", lambda q: "per_tensor_scale" not in q.params),
+    **{f: ("blockscaled", "dequantize_mx", lambda q: True)
+       for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")},
+    "fp4_b32": ("blockscaled", "dequantize_fp4_b32", lambda q: True),
+}
+
+
+@functools.cache
+def triton_available() -> str | None:
+    """None if triton imports, else the reason it does not."""
+    try:
+        importlib.import_module("triton")
+    except Exception as e:  # noqa: BLE001 - any import failure means no triton backend
+        return f"triton cannot be imported ({type(e).__name__}: {e})"
+    return None
+
+
+def _lookup(table: dict, fmt: str, arg: Any, what: str) -> Callable[..., Any] | str:
+    entry = table.get(fmt)
+    if entry is None:
+        return f"no triton {what} kernel for format {fmt!r} yet"
+    module, name, covers = entry
+    if not covers(arg):
+        return f"the triton {what} kernel for {fmt!r} does not cover these options"
+    reason = triton_available()
+    if reason:
+        return reason
+    return getattr(importlib.import_module(f"lowbit.kernels.{module}"), name)
+
+
+def quantize_kernel(fmt: str, options: dict) -> Callable[..., Any] | str:
+    """The launcher for (fmt, options), or a string saying why there is none."""
+    return _lookup(_QUANTIZE, fmt, options, "quantize")
+
+
+def dequantize_kernel(fmt: str, q: Any) -> Callable[..., Any] | str:
+    return _lookup(_DEQUANTIZE, fmt, q, "dequantize")

@@ -1,0 +1,225 @@
+"""Triton launchers for NVFP4 / MX / fp4_b32, with the same signatures as ``lowbit.formats.blockscaled``.
+
+Performance notes: quantize reads K*in_bytes and writes K*bits/8 + K/group scale bytes per row;
+dequantize the reverse. Both are one pass; the default NVFP4 global scale costs one extra read of x.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..formats import blockscaled as ref
+from ..formats.packing import swizzled_scale_shape
+from ..formats.qtensor import QTensor
+from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
+from . import _blockscaled as k
+
+_ELEM_KIND = {"e4m3": k.ELEM_E4M3, "e5m2": k.ELEM_E5M2}
+
+
+def _elem_args(elem: MinifloatSpec) -> dict:
+    return dict(
+        ELEM_KIND=_ELEM_KIND.get(elem.name, k.ELEM_MINIFLOAT),
+        EBITS=elem.ebits, MBITS=elem.mbits, BIAS=elem.bias,
+        PACK_BITS=8 if elem.torch_dtype is not None else elem.bits,
+    )
+
+
+TILE_K = (32, 64, 128, 256)
+
+
+def _tiles(m: int, kdim: int) -> tuple[int, int]:
+    block_k = min(TILE_K[-1], max(TILE_K[0], triton.next_power_of_2(kdim)))
+    block_m = max(1, min(64, 8192 // block_k))
+    return block_m, block_k
+
+
+def _tile_choices(fmt: str, swizzled: bool, first_kind: bool) -> tuple[int, ...]:
+    # tile width changes only shapes, not code paths: every path is compiled at the widest tile, and
+    # every tile width once (mxfp4, linear scales)
+    return TILE_K if (fmt == "mxfp4" and not swizzled and first_kind) else TILE_K[-1:]
+
+
+def quantize_variants():
+    """(kernel, signature, constexprs) of every quantize code path the launchers can start."""
+    sig = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "gscale_ptr": "*fp32",
+           "M": "i32", "K": "i32", "stride_xm": "i64", "n_scale_cols_padded4": "i32"}
+    for fmt, group, kinds, has_g in _FORMAT_VARIANTS:
+        elem = FORMATS[fmt].element
+        for kind in kinds:
+            for swizzled in ((False,) if kind == k.SCALE_FP32 else (False, True)):
+                for block_k in _tile_choices(fmt, swizzled, kind == kinds[0]):
+                    consts = dict(BLOCK_M=max(1, min(64, 8192 // block_k)), BLOCK_K=block_k, GROUP=group,
+                                  SCALE_KIND=kind, MAX=elem.max_normal, RCP_MAX=1.0 / elem.max_normal,
+                                  EMAX=elem.emax, HAS_GSCALE=has_g, SWIZZLED=swizzled, **_elem_args(elem))
+                    s = dict(sig, scale_ptr="*fp32" if kind == k.SCALE_FP32 else "*u8")
+                    yield k._quantize_blockscaled_kernel, s, consts
+
+
+def dequantize_variants():
+    sig = {"data_ptr": "*u8", "scale_ptr": "*u8", "gscale_ptr": "*fp32", "out_ptr": "*bf16",
+           "M": "i32", "K": "i32", "n_scale_cols_padded4": "i32"}
+    for fmt, group, kinds, has_g in _FORMAT_VARIANTS:
+        elem = FORMATS[fmt].element
+        for swizzled in ((False,) if kinds[0] == k.SCALE_FP32 else (False, True)):
+            for block_k in _tile_choices(fmt, swizzled, True):
+                outs = ("*bf16", "*fp16", "*fp32") if block_k == TILE_K[-1] and fmt == "mxfp4" else ("*bf16",)
+                for out in outs:
+                    consts = dict(BLOCK_M=max(1, min(64, 8192 // block_k)), BLOCK_K=block_k, GROUP=group,
+                                  SCALE_KIND=kinds[0], HAS_GSCALE=has_g, SWIZZLED=swizzled, **_elem_args(elem))
+                    consts.pop("MAX", None)
+                    s = dict(sig, out_ptr=out, scale_ptr="*fp32" if kinds[0] == k.SCALE_FP32 else "*u8")
+                    yield k._dequantize_blockscaled_kernel, s, consts
+
+
+_MX_KINDS = (k.SCALE_E8M0_RCEIL, k.SCALE_E8M0_FLOOR)
+_FORMAT_VARIANTS = (
+    ("nvfp4", 16, (k.SCALE_E4M3,), True),
+    ("nvfp4", 16, (k.SCALE_E4M3,), False),
+    *((f, 32, _MX_KINDS, False) for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")),
+    ("fp4_b32", 32, (k.SCALE_FP32,), False),
+)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _data_buffer(m: int, kdim: int, elem: MinifloatSpec, device) -> torch.Tensor:
+    width = kdim if elem.torch_dtype is not None else kdim * elem.bits // 8
+    return torch.empty(m, width, dtype=torch.uint8, device=device)
+
+
+def _scale_buffer(m: int, cols: int, swizzled: bool, dtype: torch.dtype, device) -> torch.Tensor:
+    if swizzled:
+        # padding bytes of the 128x4 tiles must be zero; the kernel writes only real scales
+        return torch.zeros(swizzled_scale_shape(m, cols), dtype=dtype, device=device)
+    return torch.empty(m, cols, dtype=dtype, device=device)
+
+
+def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype):
+    x2 = _as_rows(x)
+    m, kdim = x2.shape
+    data = _data_buffer(m, kdim, elem, x.device)
+    cols = kdim // group
+    scale = _scale_buffer(m, cols, swizzled, scale_dtype, x.device)
+    if m and kdim:
+        block_m, block_k = _tiles(m, kdim)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(kdim, block_k))
+        k._quantize_blockscaled_kernel[grid](
+            x2, data, scale, gscale if gscale is not None else scale,
+            m, kdim, x2.stride(0), -(-cols // 4) * 4,
+            BLOCK_M=block_m, BLOCK_K=block_k, GROUP=group, SCALE_KIND=scale_kind,
+            MAX=elem.max_normal, RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax,
+            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, num_warps=4, **_elem_args(elem),
+        )
+    lead = x.shape[:-1]
+    data = data.reshape(*lead, data.shape[-1])
+    if elem.torch_dtype is not None:
+        data = data.view(elem.torch_dtype)
+    if not swizzled:
+        scale = scale.reshape(*lead, cols)
+    return data, scale
+
+
+def finite_absmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 max |x| over finite elements, on x's device, without a host sync."""
+    flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
+    out = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if flat.numel():
+        block = 4096
+        k._finite_absmax_kernel[(triton.cdiv(flat.numel(), block),)](flat, out, flat.numel(), BLOCK=block, num_warps=8)
+    return out.view(torch.float32).reshape(())
+
+
+def nvfp4_default_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """vllm convention ``2688/amax`` (1.0 for amax 0, capped at FLT_MAX), as the reference computes it."""
+    amax = finite_absmax(x).to(x.dtype).float()
+    g = (ref.F8E4M3_MAX * ref.F4_MAX / amax).clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(amax == 0, torch.ones_like(g), g)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float | str | None = None,
+    convention: NVFP4Convention | str = "vllm",
+    scale_layout: str = "linear",
+) -> QTensor:
+    ref.check_input(x, 16, "nvfp4")
+    convention = NVFP4Convention(convention)
+    if convention is not NVFP4Convention.VLLM:
+        raise ValueError(f"the triton nvfp4 kernel implements convention='vllm' only, got {convention.value!r}")
+    ref._check_layout(scale_layout)
+    if isinstance(global_scale, str):
+        if global_scale != "none":
+            raise ValueError(f"global_scale must be a tensor, a float, 'none' or None, got {global_scale!r}")
+        s = None
+    elif global_scale is None:
+        s = nvfp4_default_global_scale(x)
+    else:
+        s = ref._check_global_scale(global_scale).to(x.device)
+    data, scale = _launch_quantize(
+        x, E2M1, 16, k.SCALE_E4M3, None if s is None else s.reshape(1), scale_layout == "swizzled", torch.uint8
+    )
+    return QTensor(
+        data=data, scale=scale.view(torch.float8_e4m3fn), fmt="nvfp4", shape=x.shape, dtype=x.dtype,
+        global_scale=None if s is None else s.reshape(1), scale_layout=scale_layout,
+        params={"convention": convention.value},
+    )
+
+
+def quantize_mx(
+    x: torch.Tensor, fmt: str, scale_rounding: ScaleRounding | str = "rceil", scale_layout: str = "linear"
+) -> QTensor:
+    spec = FORMATS[fmt]
+    ref.check_input(x, 32, fmt)
+    ref._check_layout(scale_layout)
+    rounding = ScaleRounding(scale_rounding)
+    kind = k.SCALE_E8M0_RCEIL if rounding is ScaleRounding.RCEIL else k.SCALE_E8M0_FLOOR
+    data, scale = _launch_quantize(x, spec.element, 32, kind, None, scale_layout == "swizzled", torch.uint8)
+    return QTensor(
+        data=data, scale=scale.view(torch.float8_e8m0fnu), fmt=fmt, shape=x.shape, dtype=x.dtype,
+        scale_layout=scale_layout, params={"scale_rounding": rounding.value},
+    )
+
+
+def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
+    ref.check_input(x, 32, "fp4_b32")
+    data, scale = _launch_quantize(x, E2M1, 32, k.SCALE_FP32, None, False, torch.float32)
+    return QTensor(data=data, scale=scale, fmt="fp4_b32", shape=x.shape, dtype=x.dtype)
+
+
+def _launch_dequantize(q: QTensor, elem, group, scale_kind, dtype):
+    kdim = q.shape[-1]
+    m = q.shape[:-1].numel()
+    out = torch.empty(m, kdim, dtype=dtype, device=q.data.device)
+    swizzled = q.scale_layout == "swizzled"
+    if m and kdim:
+        block_m, block_k = _tiles(m, kdim)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(kdim, block_k))
+        gscale = q.global_scale
+        scale = q.scale if scale_kind == k.SCALE_FP32 else q.scale.view(torch.uint8)
+        k._dequantize_blockscaled_kernel[grid](
+            q.data.view(torch.uint8).contiguous(), scale.contiguous(),
+            gscale if gscale is not None else scale, out,
+            m, kdim, -(-(kdim // group) // 4) * 4,
+            BLOCK_M=block_m, BLOCK_K=block_k, GROUP=group, SCALE_KIND=scale_kind,
+            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, num_warps=4, **_elem_args(elem),
+        )
+    return out.reshape(q.shape)
+
+
+def dequantize_nvfp4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if "per_tensor_scale" in q.params:
+        raise ValueError("the triton nvfp4 dequantize kernel does not implement the torchao convention")
+    return _launch_dequantize(q, E2M1, 16, k.SCALE_E4M3, dtype)
+
+
+def dequantize_mx(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _launch_dequantize(q, q.spec.element, 32, k.SCALE_E8M0_RCEIL, dtype)
+
+
+def dequantize_fp4_b32(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _launch_dequantize(q, E2M1, 32, k.SCALE_FP32, dtype)

@@ -1,0 +1,93 @@
+"""Triton block-scaled kernels are byte-identical to the CPU reference (data bytes and scale bytes)."""
+
+import pytest
+import torch
+
+import lowbit
+
+pytestmark = pytest.mark.gpu
+
+MX = ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2"]
+CASES = [("nvfp4", {}), ("nvfp4", {"global_scale": "none"}), ("fp4_b32", {})] + [
+    (f, {"scale_rounding": r}) for f in MX for r in ("rceil", "floor")
+]
+
+
+def _adversarial(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-6, 6, rows)[:, None].clamp(min=1e-30)
+    if rows >= 8 and k >= 64:
+        x[0, :32] = 0.0                                   # zero blocks
+        x[1, :32] = -0.0                                  # negative zero block
+        x[2, :32] = torch.tensor([6.0, -6.0] * 16)        # all +-max
+        x[3, :32] = 1e-7                                  # tiny: subnormal / zero scales
+        # exact ties of the element grids once scaled (0.25 .. 5 are E2M1 midpoints)
+        x[4, :32] = torch.tensor([6, .25, .75, 1.25, 1.75, 2.5, 3.5, 5] * 4)
+        x[5, 3] = float("nan")
+        x[6, 40] = float("inf")
+        x[7, 33] = -float("inf")
+    return x.to(dtype)
+
+
+def _check(q, r):
+    assert q.fmt == r.fmt and q.shape == r.shape and q.scale_layout == r.scale_layout
+    assert torch.equal(q.data.cpu().view(torch.uint8), r.data.view(torch.uint8)), "data bytes differ"
+    assert torch.equal(q.scale.cpu().contiguous().view(torch.uint8), r.scale.contiguous().view(torch.uint8)), "scales differ"
+    if r.global_scale is None:
+        assert q.global_scale is None
+    else:
+        assert torch.equal(q.global_scale.cpu(), r.global_scale)
+
+
+@pytest.mark.parametrize("fmt, opts", CASES, ids=[f"{f}-{'-'.join(map(str, o.values()))}" for f, o in CASES])
+@pytest.mark.parametrize("rows", [1, 3, 127, 129, 4099])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_quantize_bit_exact(fmt, opts, rows, dtype, layout):
+    if layout == "swizzled" and fmt == "fp4_b32":
+        pytest.skip("fp4_b32 has fp32 scales, no swizzled layout")
+    opts = dict(opts, **({"scale_layout": layout} if fmt != "fp4_b32" else {}))
+    x = _adversarial(rows, 320, dtype, seed=rows)
+    r = lowbit.quantize(x, fmt, backend="torch", **opts)
+    q = lowbit.quantize(x.cuda(), fmt, backend="triton", **opts)
+    _check(q, r)
+    for out in (torch.float32, torch.bfloat16, torch.float16):
+        want = lowbit.dequantize(r, out, backend="torch")
+        got = lowbit.dequantize(r.to("cuda"), out, backend="triton").cpu()
+        assert torch.equal(got.view(torch.uint8 if out != torch.float32 else torch.int32),
+                           want.view(torch.uint8 if out != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("fmt, opts", CASES[:4] + CASES[-2:])
+def test_batch_dims_noncontiguous_and_default_scale(fmt, opts):
+    x = torch.randn(4, 3, 96, 256).transpose(1, 2)  # leading dims, not contiguous
+    r = lowbit.quantize(x, fmt, backend="torch", **opts)
+    q = lowbit.quantize(x.cuda(), fmt, backend="triton", **opts)
+    _check(q, r)
+    assert torch.equal(lowbit.dequantize(q, backend="triton").cpu(), lowbit.dequantize(r, backend="torch"))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e5m2"])
+def test_hundred_thousand_rows(fmt):
+    x = _adversarial(100_000, 256, torch.bfloat16, seed=5)
+    _check(lowbit.quantize(x.cuda(), fmt, backend="triton"), lowbit.quantize(x, fmt, backend="torch"))
+
+
+def test_auto_backend_uses_kernels_on_cuda():
+    x = torch.randn(64, 128, device="cuda")
+    q = lowbit.quantize(x, "mxfp4")  # auto
+    r = lowbit.quantize(x.cpu(), "mxfp4")
+    _check(q, r)
+
+
+def test_int64_indexing_beyond_2_31_elements():
+    k = 8192
+    rows = (1 << 31) // k + 64
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    q = lowbit.quantize(x, "mxfp8_e4m3", backend="triton")
+    tail = x[-64:].cpu()
+    r = lowbit.quantize(tail, "mxfp8_e4m3", backend="torch")
+    assert torch.equal(q.data[-64:].cpu().view(torch.uint8), r.data.view(torch.uint8))
+    assert torch.equal(q.scale[-64:].cpu().view(torch.uint8), r.scale.view(torch.uint8))
+    d = lowbit.dequantize(q, torch.bfloat16, backend="triton")
+    assert torch.equal(d[-64:].cpu(), lowbit.dequantize(r, torch.bfloat16, backend="torch"))
