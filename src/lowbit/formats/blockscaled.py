@@ -22,6 +22,13 @@ _SUPPORTED_INPUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_input(x: torch.Tensor, block: int, fmt: str) -> None:
+    """Raise TypeError/ValueError unless ``x`` is float32/bf16/fp16 ``[..., K]`` with ``K % block == 0``.
+
+    Args:
+        x: the tensor to quantize.
+        block: block size along the last dim.
+        fmt: format name, used in the error messages.
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _SUPPORTED_INPUT:
@@ -78,7 +85,9 @@ def _check_global_scale(g: torch.Tensor | float) -> torch.Tensor:
     if isinstance(g, (int, float)):
         g = torch.tensor(float(g), dtype=torch.float32)
     if not isinstance(g, torch.Tensor):
-        raise TypeError(f"global_scale must be an fp32 tensor, a float, 'none' or None, got {type(g).__name__}")
+        raise TypeError(
+            f"global_scale must be an fp32 tensor, a float, 'none' or None, got {type(g).__name__}"
+        )
     if g.dtype != torch.float32:
         raise TypeError(f"global_scale must be float32, got {g.dtype}")
     if g.numel() != 1:
@@ -90,7 +99,14 @@ def _check_global_scale(g: torch.Tensor | float) -> torch.Tensor:
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over the finite elements, in x's dtype (0 for an empty or all-non-finite tensor)."""
+    """max |x| over the finite elements, in x's dtype (0 for an empty or all-non-finite tensor).
+
+    Args:
+        x: any float tensor.
+
+    Returns:
+        0-dim tensor of ``x.dtype``.
+    """
     a = x.detach().abs()
     a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
     return a.amax() if a.numel() else torch.zeros((), dtype=x.dtype, device=x.device)
@@ -102,8 +118,15 @@ def nvfp4_default_global_scale(x: torch.Tensor, convention: NVFP4Convention | st
     vllm: fp32 ``2688 / amax``; amax == 0 gives 1.0 (as TransformerEngine) and the result is capped at
     FLT_MAX. compressed-tensors: ``2688 / amax`` evaluated in x's dtype (bf16 gives 13120 where fp32 gives
     13107.2), amax clamped to the dtype's tiny, non-finite results replaced by 1.0 (``generate_gparam``).
-    torchao: ``1 / (amax/2688)`` of its divisor ``per_tensor_amax_to_scale``. Non-finite elements of x are
-    ignored when taking amax.
+    torchao: ``1 / (amax/2688)`` of its divisor ``per_tensor_amax_to_scale`` (amax == 0 gives 1.0, where
+    torchao itself divides by zero). Non-finite elements of x are ignored when taking amax.
+
+    Args:
+        x: the tensor to be quantized (float32/bfloat16/float16).
+        convention: ``"vllm"``, ``"torchao"`` or ``"compressed-tensors"``.
+
+    Returns:
+        0-dim fp32 multiplier.
     """
     convention = NVFP4Convention(convention)
     amax = finite_amax(x)
@@ -113,15 +136,29 @@ def nvfp4_default_global_scale(x: torch.Tensor, convention: NVFP4Convention | st
         return g.to(torch.float32).reshape(())
     amax = amax.float()
     if convention is NVFP4Convention.TORCHAO:
-        return 1.0 / torchao_per_tensor_scale(amax)
+        return 1.0 / _torchao_default_pts(amax)
     if amax == 0:
         return torch.ones((), dtype=torch.float32, device=x.device)
     return (F8E4M3_MAX * F4_MAX / amax).clamp(max=_FLT_MAX)
 
 
 def torchao_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
-    """torchao's divisor ``amax / (448*6)`` in fp32 (``per_tensor_amax_to_scale``)."""
+    """torchao's divisor ``amax / (448*6)`` in fp32 (``per_tensor_amax_to_scale``).
+
+    Args:
+        amax: tensor absmax, any float dtype and shape.
+
+    Returns:
+        fp32 tensor of ``amax``'s shape.
+    """
     return amax.to(torch.float32) / (F8E4M3_MAX * F4_MAX)
+
+
+def _torchao_default_pts(amax: torch.Tensor) -> torch.Tensor:
+    # torchao divides by a zero pts for an all-zero tensor and returns NaN scales; 1.0 keeps the
+    # tensor decodable (zero blocks then get the clamped minimum scale 0x08, as any zero block does)
+    pts = torchao_per_tensor_scale(amax)
+    return torch.where(pts == 0, torch.ones_like(pts), pts)
 
 
 def quantize_nvfp4(
@@ -147,7 +184,20 @@ def quantize_nvfp4(
         2^-6, 448))``; ``m = (1/p)/fp32(sf)``; single-level: ``sf = e4m3(clamp(a/6, 2^-6, 448))``,
         ``m = 1/fp32(sf)``.
       - compressed-tensors: ``sf = e4m3(clamp(S * fp32(a/6 in x.dtype), +-448))``, 0 replaced by 0.125;
-        codes ``e2m1(clamp(x / (fp32(sf)/S), +-6))``.
+        codes ``e2m1(clamp(x / (fp32(sf)/S), +-6))``; an exactly -0.0 scaled value gets code 0x0.
+
+    Returns:
+        QTensor: ``data`` uint8 ``[..., K/2]``, ``scale`` float8_e4m3fn, ``global_scale`` fp32 ``[1]``
+        (None when single-level); torchao convention also keeps its exact divisor in
+        ``params["per_tensor_scale"]`` so that dequantization is torchao's ``p * sf``.
+
+    Where lowbit deliberately differs from the producer (tests/interop pin each case):
+      - The default global scale ignores NaN/Inf elements. torchao's ``amax`` then is NaN/Inf (every
+        scale NaN); compressed-tensors gives ``S = 1`` for NaN and ``S = 0`` for Inf.
+      - torchao with an all-zero tensor divides by ``p = 0`` (NaN scales); lowbit uses ``p = 1``.
+      - Elements that are NaN after scaling (NaN inputs, or torchao's ``0 * inf`` when ``1/p``
+        overflows for ``amax < ~2^-117``) get the codec's canonical code 0x7, where torchao's bit
+        trick gives 0x3/0xB and compressed-tensors' int8 cast gives 0x0; their block scale is NaN.
     """
     check_input(x, 16, "nvfp4")
     convention = NVFP4Convention(convention)
@@ -174,7 +224,7 @@ def quantize_nvfp4(
             sf = block_scale.clamp(min=tiny, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
             mult = 1.0 / sf.float()
         else:
-            pts = torchao_per_tensor_scale(finite_amax(x)) if global_scale is None else 1.0 / s
+            pts = _torchao_default_pts(finite_amax(x)) if global_scale is None else 1.0 / s
             params["per_tensor_scale"] = pts
             sf = (block_scale / pts).clamp(min=tiny, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
             mult = (1.0 / pts) / sf.float()
@@ -187,6 +237,9 @@ def quantize_nvfp4(
         sf = (s_eff * local).clamp(-F8E4M3_MAX, F8E4M3_MAX).to(torch.float8_e4m3fn)
         sf = torch.where(sf.float() == 0, torch.full_like(sf, 0.125), sf)
         scaled = (xb / (sf.float() / s_eff).unsqueeze(-1)).clamp(-F4_MAX, F4_MAX)
+        # CT's cast_to_fp4 takes the sign from torch.sign, which is 0 for -0.0: a scaled value that is
+        # exactly -0.0 gets code 0x0, while a negative value that rounds to zero gets 0x8
+        scaled = torch.where(scaled == 0, torch.zeros_like(scaled), scaled)
     else:
         codes, sf = quantize_blockscaled(x, E2M1, 16, "e4m3", global_scale=s)
         scaled = None
@@ -206,7 +259,18 @@ def quantize_nvfp4(
 
 
 def dequantize_nvfp4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``e2m1 * (fp32(sf) / S)`` per block (torchao convention: ``e2m1 * (p * fp32(sf))``), cast to dtype."""
+    """Decode an nvfp4 QTensor: ``e2m1 * (fp32(sf) / S)`` per block, computed in fp32, cast to ``dtype``.
+
+    A QTensor carrying an exact divisor ``params["per_tensor_scale"] = p`` (torchao convention, ModelOpt)
+    decodes ``e2m1 * (p * fp32(sf))`` instead, as those producers do; single-level decodes ``e2m1 * sf``.
+
+    Args:
+        q: nvfp4 QTensor (linear or swizzled scales).
+        dtype: output dtype.
+
+    Returns:
+        Tensor of shape ``q.shape``.
+    """
     values = decode_minifloat(unpack_fp4(q.data), E2M1).reshape(q.shape[:-1].numel(), q.shape[-1] // 16, 16)
     sf = _linear_scales(q, 16).float()
     pts = q.params.get("per_tensor_scale")
@@ -238,6 +302,14 @@ def quantize_blockscaled(
       - ``"fp32"``: ``sf = a / E``; elements are ``x / sf`` (IEEE division), 0 where sf == 0.
     Elements are encoded with round-to-nearest-even and saturation.
 
+    Args:
+        x: ``[..., K]`` float tensor.
+        element: the element codec spec (E2M1, E2M3, E3M2, E4M3, E5M2).
+        block_size: elements per block.
+        scale_type: ``"e4m3"``, ``"e8m0"`` or ``"fp32"``.
+        global_scale: e4m3 only: 0-dim fp32 multiplier ``S``.
+        scale_rounding: e8m0 only: ``"rceil"`` or ``"floor"``.
+
     Returns:
         (codes, scales): uint8 element codes shaped like x, and scales ``[rows, K/block_size]`` as
         float8_e4m3fn, float8_e8m0fnu or float32.
@@ -261,7 +333,8 @@ def quantize_blockscaled(
         else:
             biased = encode_e8m0(amax_b, ScaleRounding.FLOOR).to(torch.int32)
             code = torch.where(biased == 255, biased, (biased - element.emax).clamp(min=0)).to(torch.uint8)
-        # 2^-e, the exact reciprocal of the scale, is the E8M0 value of code 254 - c (0x00 -> 2^127 ... 0xFE -> 2^-127)
+        # 2^-e, the exact reciprocal of the scale, is the E8M0 value of code 254 - c
+        # (0x00 -> 2^127 ... 0xFE -> 2^-127)
         inv = decode_e8m0((254 - code.to(torch.int32)).clamp(min=0))
         inv = torch.where(code == 255, torch.full_like(inv, float("nan")), inv)
         sf = code.view(torch.float8_e8m0fnu)
@@ -295,6 +368,23 @@ def quantize_mx(
 
     Elements are ``x / 2^e`` (exact: a power of two) rounded to nearest even with saturation. A block
     whose absmax is NaN or Inf gets scale 0xFF (NaN); a zero block gets 0x00 and zero codes.
+
+    Returns:
+        QTensor: ``data`` uint8 (FP4 ``[..., K/2]``, FP6 ``[..., 3K/4]``) or float8 ``[..., K]``,
+        ``scale`` float8_e8m0fnu ``[..., K/32]`` (or swizzled 2-D).
+
+    Equal to torchao 0.18.0 ``to_mx`` (FLOOR / RCEIL, every element type) except, by design
+    (tests/interop/test_torchao.py pins each case):
+      - RCEIL: torchao's eager path computes ``ceil(log2(amax/E))`` in floating point; when
+        ``amax/E`` is a few ulps above ``2^k`` with ``|k|`` large, log2 rounds to ``k`` and torchao picks
+        the scale one step smaller (the top elements then saturate). lowbit uses the exact exponent bits
+        (TransformerEngine, torchao HEAD, PTX ``cvt.rp.satfinite.ue8m0x2``). ``amax * fp32(1/E)`` and
+        torchao's ``amax / E`` give the same scale for every fp32 amax (checked near every power of two).
+      - Scale code 0x00 (2^-127) with nonzero elements: lowbit multiplies by 2^127 (OCP, TE, torchao
+        HEAD); torchao 0.18.0 FLOOR divides by 2^-126 and RCEIL multiplies by 1.0.
+      - Inf absmax: lowbit 0xFF (NaN block, torchao HEAD); torchao 0.18.0 FLOOR gives ``255 - emax``
+        (e.g. 247 for E4M3), RCEIL 0xFE, with the Inf element saturated.
+      - Element codes inside a NaN block (scale 0xFF) are unspecified; the block decodes to NaN.
     """
     spec = FORMATS[fmt]
     check_input(x, 32, fmt)
@@ -313,8 +403,18 @@ def quantize_mx(
 
 
 def dequantize_mx(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode an MX QTensor: ``element * 2^(s-127)`` in fp32 (scale 0xFF gives NaN), cast to ``dtype``.
+
+    Args:
+        q: MX QTensor (linear or swizzled scales).
+        dtype: output dtype.
+
+    Returns:
+        Tensor of shape ``q.shape``.
+    """
     elem = q.spec.element
-    values = decode_minifloat(_unpack(q.data, elem), elem).reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 32)
+    rows = q.shape[:-1].numel()
+    values = decode_minifloat(_unpack(q.data, elem), elem).reshape(rows, q.shape[-1] // 32, 32)
     scale = decode_e8m0(_linear_scales(q, 32).view(torch.uint8))
     return (values * scale.unsqueeze(-1)).reshape(q.shape).to(dtype)
 
@@ -323,6 +423,12 @@ def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
     """fp4_b32 (seed 002's packed GEMV format): E2M1, 32-element blocks, fp32 scale ``amax/6``.
 
     Codes are ``e2m1(x / s)`` with IEEE fp32 division; a zero block has ``s = 0`` and codes 0.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16, ``K % 32 == 0``.
+
+    Returns:
+        QTensor: ``data`` uint8 ``[..., K/2]``, ``scale`` fp32 ``[..., K/32]``.
     """
     check_input(x, 32, "fp4_b32")
     codes, scale = quantize_blockscaled(x, E2M1, 32, "fp32")
@@ -336,5 +442,15 @@ def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
 
 
 def dequantize_fp4_b32(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode an fp4_b32 QTensor: ``e2m1 * s`` in fp32, cast to ``dtype``.
+
+    Args:
+        q: fp4_b32 QTensor.
+        dtype: output dtype.
+
+    Returns:
+        Tensor of shape ``q.shape``.
+    """
     values = decode_minifloat(unpack_fp4(q.data), E2M1).reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 32)
-    return (values * q.scale.reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 1).float()).reshape(q.shape).to(dtype)
+    scale = q.scale.reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 1).float()
+    return (values * scale).reshape(q.shape).to(dtype)
