@@ -17,7 +17,7 @@ os.makedirs(out_dir, exist_ok=True)
 what = sys.argv[1:] or ["tests", "bench"]
 
 if "tests" in what:
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-m", "gpu",
+    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--maxfail=8",
                           "tests/kernels", f"--junitxml={out_dir}/gpu_tests.xml"])
     print("gpu tests exit code", rc, flush=True)
 
@@ -30,7 +30,9 @@ if "bench" in what:
 
     header = {
         "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-        "driver": torch.cuda.get_device_properties(0).__dict__.get("driver_version", None),
+        "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout.strip(),
+        "cuda": torch.version.cuda,
         "torch": torch.__version__, "triton": triton.__version__, "lowbit": lowbit.__version__,
         "git_sha": os.environ.get("GIT_SHA") or sha(),
     }

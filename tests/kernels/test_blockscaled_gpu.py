@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import lowbit
+from lowbit.testing import assert_bitexact
 
 pytestmark = pytest.mark.gpu
 
@@ -31,8 +32,8 @@ def _adversarial(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tens
 
 def _check(q, r):
     assert q.fmt == r.fmt and q.shape == r.shape and q.scale_layout == r.scale_layout
-    assert torch.equal(q.data.cpu().view(torch.uint8), r.data.view(torch.uint8)), "data bytes differ"
-    assert torch.equal(q.scale.cpu().contiguous().view(torch.uint8), r.scale.contiguous().view(torch.uint8)), "scales differ"
+    assert_bitexact(q.data.view(torch.uint8), r.data.view(torch.uint8), "data bytes")
+    assert_bitexact(q.scale.contiguous().view(torch.uint8), r.scale.contiguous().view(torch.uint8), "scale bytes")
     if r.global_scale is None:
         assert q.global_scale is None
     else:
@@ -54,8 +55,7 @@ def test_quantize_bit_exact(fmt, opts, rows, dtype, layout):
     for out in (torch.float32, torch.bfloat16, torch.float16):
         want = lowbit.dequantize(r, out, backend="torch")
         got = lowbit.dequantize(r.to("cuda"), out, backend="triton").cpu()
-        assert torch.equal(got.view(torch.uint8 if out != torch.float32 else torch.int32),
-                           want.view(torch.uint8 if out != torch.float32 else torch.int32))
+        assert_bitexact(got, want, f"dequantize to {out}")
 
 
 @pytest.mark.parametrize("fmt, opts", CASES[:4] + CASES[-2:])
@@ -64,7 +64,7 @@ def test_batch_dims_noncontiguous_and_default_scale(fmt, opts):
     r = lowbit.quantize(x, fmt, backend="torch", **opts)
     q = lowbit.quantize(x.cuda(), fmt, backend="triton", **opts)
     _check(q, r)
-    assert torch.equal(lowbit.dequantize(q, backend="triton").cpu(), lowbit.dequantize(r, backend="torch"))
+    assert_bitexact(lowbit.dequantize(q, backend="triton"), lowbit.dequantize(r, backend="torch"), "dequantize")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8_e5m2"])

@@ -50,7 +50,9 @@ def _decode_minifloat(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.c
     normal = (((exp_field - BIAS + 127) << 23) | (mant << (23 - MBITS))).to(tl.float32, bitcast=True)
     sub_unit: tl.constexpr = 2.0 ** (1 - BIAS - MBITS)
     value = tl.where(exp_field == 0, mant.to(tl.float32) * sub_unit, normal)
-    return tl.where(((code >> (EBITS + MBITS)) & 1) != 0, -value, value)
+    # set the sign bit directly: `-value` compiles to 0 - value, which turns code -0 into +0
+    sign = ((code >> (EBITS + MBITS)) & 1) << 31
+    return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

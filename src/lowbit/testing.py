@@ -1,0 +1,30 @@
+"""Assertions for tests and benchmarks (no pytest import): bit-exact comparison with a useful report."""
+
+from __future__ import annotations
+
+import torch
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_bitexact(got: torch.Tensor, want: torch.Tensor, what: str = "tensor") -> None:
+    """Raise AssertionError unless ``got`` and ``want`` have the same shape, dtype and bytes.
+
+    The message counts the differing elements and shows the first few with their values and bits.
+    """
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}")
+    g = got.detach().cpu().contiguous()
+    w = want.detach().cpu().contiguous()
+    iv = _INT_VIEW[g.element_size()]
+    gb, wb = g.view(iv), w.view(iv)
+    diff = gb != wb
+    if not diff.any():
+        return
+    idx = diff.nonzero()[:6].tolist()
+    lines = []
+    for i in idx:
+        t = tuple(i)
+        lines.append(f"  at {t}: got {g[t].item()!r} (0x{gb[t].item() & 0xFFFFFFFF:x}) want {w[t].item()!r} "
+                     f"(0x{wb[t].item() & 0xFFFFFFFF:x})")
+    raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} elements differ\n" + "\n".join(lines))
