@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .codecs import decode_e8m0, decode_minifloat, encode_e8m0, encode_minifloat
+from .codecs import canonical_nan, decode_e8m0, decode_minifloat, encode_e8m0, encode_minifloat
 from .packing import pack_fp4, pack_fp6, swizzle_scales, unpack_fp4, unpack_fp6, unswizzle_scales
 from .qtensor import QTensor
 from .spec import E2M1, E4M3, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
@@ -280,7 +280,7 @@ def dequantize_nvfp4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Te
         block = sf / q.global_scale.reshape(())
     else:
         block = sf
-    return (values * block.unsqueeze(-1)).reshape(q.shape).to(dtype)
+    return canonical_nan((values * block.unsqueeze(-1)).reshape(q.shape), dtype)
 
 
 def quantize_blockscaled(
@@ -342,7 +342,7 @@ def quantize_blockscaled(
     elif scale_type == "fp32":
         if global_scale is not None:
             raise ValueError("fp32-scaled formats take no global_scale")
-        sf = amax_b / element.max_normal
+        sf = canonical_nan(amax_b / element.max_normal)
         safe = torch.where(sf == 0, torch.ones_like(sf), sf)
         scaled = torch.where(sf.unsqueeze(-1) == 0, xb * 0.0, xb / safe.unsqueeze(-1))
     else:
@@ -416,7 +416,7 @@ def dequantize_mx(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tenso
     rows = q.shape[:-1].numel()
     values = decode_minifloat(_unpack(q.data, elem), elem).reshape(rows, q.shape[-1] // 32, 32)
     scale = decode_e8m0(_linear_scales(q, 32).view(torch.uint8))
-    return (values * scale.unsqueeze(-1)).reshape(q.shape).to(dtype)
+    return canonical_nan((values * scale.unsqueeze(-1)).reshape(q.shape), dtype)
 
 
 def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
@@ -453,4 +453,4 @@ def dequantize_fp4_b32(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.
     """
     values = decode_minifloat(unpack_fp4(q.data), E2M1).reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 32)
     scale = q.scale.reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 1).float()
-    return (values * scale).reshape(q.shape).to(dtype)
+    return canonical_nan((values * scale).reshape(q.shape), dtype)

@@ -88,6 +88,24 @@ def decode_minifloat(codes: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
     return table[(codes.to(torch.int64) & ((1 << spec.bits) - 1))]
 
 
+_QNAN_BITS = {torch.float32: (0x7FC00000, torch.int32), torch.bfloat16: (0x7FC0, torch.int16),
+              torch.float16: (0x7E00, torch.int16)}
+
+
+def canonical_nan(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` cast to ``dtype`` (default: its own) with every NaN written as the positive quiet NaN.
+
+    The bits are fp32 0x7FC00000, bf16 0x7FC0, fp16 0x7E00. Decoded tensors and fp32 scales carry only
+    this NaN, so GPU kernels (whose arithmetic yields 0x7FFFFFFF) and the CPU reference (which keeps
+    payloads, and whose bf16 cast writes 0xFFFF) agree bit for bit.
+    """
+    dtype = x.dtype if dtype is None else dtype
+    y = x.to(dtype)
+    bits, int_dtype = _QNAN_BITS[dtype]
+    nan = torch.tensor(bits, dtype=int_dtype, device=x.device).view(dtype)
+    return torch.where(x.isnan(), nan, y)
+
+
 def encode_e8m0(x: torch.Tensor, rounding: ScaleRounding | str) -> torch.Tensor:
     """Power-of-two scale code (uint8) for the magnitude of fp32 ``x``.
 

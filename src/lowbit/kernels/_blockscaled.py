@@ -66,6 +66,21 @@ def _encode_fp8(x, ELEM_KIND: tl.constexpr, MAX: tl.constexpr):
 
 
 @triton.jit
+def _canonical_nan_bits(v, OUT_KIND: tl.constexpr):
+    """Bits of v in the output dtype, NaN replaced by the quiet NaN torch produces on the CPU.
+
+    GPU arithmetic returns NaN as 0x7FFFFFFF; the reference (and torch's casts) give 0x7FC00000,
+    bf16 0x7FC0, fp16 0x7E00. OUT_KIND: 0 fp32, 1 bf16, 2 fp16.
+    """
+    if OUT_KIND == 0:
+        return tl.where(v != v, 0x7FC00000, v.to(tl.int32, bitcast=True))
+    elif OUT_KIND == 1:
+        return tl.where(v != v, 0x7FC0, v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)).to(tl.int16)
+    else:
+        return tl.where(v != v, 0x7E00, v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)).to(tl.int16)
+
+
+@triton.jit
 def _e8m0_value(code):
     """fp32 2^(code-127) for code in [0, 254]; 0 -> 2^-127 (subnormal)."""
     return tl.where(code == 0, 0x00400000, code << 23).to(tl.float32, bitcast=True)
@@ -164,7 +179,7 @@ def _quantize_blockscaled_kernel(
     else:
         soff = rows[:, None] * (K // GROUP) + scols[None, :]
     if SCALE_KIND == 3:
-        tl.store(scale_ptr + soff, scale_out, mask=smask)
+        tl.store(scale_ptr + soff, _canonical_nan_bits(scale_out, 0), mask=smask)
     else:
         tl.store(scale_ptr + soff, scale_out.to(tl.uint8), mask=smask)
 
@@ -176,7 +191,7 @@ def _dequantize_blockscaled_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     SCALE_KIND: tl.constexpr, ELEM_KIND: tl.constexpr,
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-    PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr,
+    PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr, OUT_KIND: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1).to(tl.int64)
@@ -234,7 +249,8 @@ def _dequantize_blockscaled_kernel(
     out = tl.reshape(out, (BLOCK_M, BLOCK_K))
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = row_ok[:, None] & (cols < K)[None, :]
-    tl.store(out_ptr + rows[:, None] * K + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    # out_ptr is an integer view of the output (int32 for fp32, int16 for bf16/fp16)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], _canonical_nan_bits(out, OUT_KIND), mask=mask)
 
 
 @triton.jit

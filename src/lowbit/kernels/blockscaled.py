@@ -58,16 +58,17 @@ def quantize_variants():
 
 
 def dequantize_variants():
-    sig = {"data_ptr": "*u8", "scale_ptr": "*u8", "gscale_ptr": "*fp32", "out_ptr": "*bf16",
+    sig = {"data_ptr": "*u8", "scale_ptr": "*u8", "gscale_ptr": "*fp32", "out_ptr": "*i16",
            "M": "i32", "K": "i32", "n_scale_cols_padded4": "i32"}
     for fmt, group, kinds, has_g in _FORMAT_VARIANTS:
         elem = FORMATS[fmt].element
         for swizzled in ((False,) if kinds[0] == k.SCALE_FP32 else (False, True)):
             for block_k in _tile_choices(fmt, swizzled, True):
-                outs = ("*bf16", "*fp16", "*fp32") if block_k == TILE_K[-1] and fmt == "mxfp4" else ("*bf16",)
-                for out in outs:
+                outs = ((1, "*i16"), (2, "*i16"), (0, "*i32")) if block_k == TILE_K[-1] and fmt == "mxfp4" else ((1, "*i16"),)
+                for out_kind, out in outs:
                     consts = dict(BLOCK_M=max(1, min(64, 8192 // block_k)), BLOCK_K=block_k, GROUP=group,
-                                  SCALE_KIND=kinds[0], HAS_GSCALE=has_g, SWIZZLED=swizzled, **_elem_args(elem))
+                                  SCALE_KIND=kinds[0], HAS_GSCALE=has_g, SWIZZLED=swizzled, OUT_KIND=out_kind,
+                                  **_elem_args(elem))
                     consts.pop("MAX", None)
                     s = dict(sig, out_ptr=out, scale_ptr="*fp32" if kinds[0] == k.SCALE_FP32 else "*u8")
                     yield k._dequantize_blockscaled_kernel, s, consts
@@ -191,10 +192,14 @@ def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
     return QTensor(data=data, scale=scale, fmt="fp4_b32", shape=x.shape, dtype=x.dtype)
 
 
+_OUT_KIND = {torch.float32: (0, torch.int32), torch.bfloat16: (1, torch.int16), torch.float16: (2, torch.int16)}
+
+
 def _launch_dequantize(q: QTensor, elem, group, scale_kind, dtype):
     kdim = q.shape[-1]
     m = q.shape[:-1].numel()
     out = torch.empty(m, kdim, dtype=dtype, device=q.data.device)
+    out_kind, int_view = _OUT_KIND[dtype]
     swizzled = q.scale_layout == "swizzled"
     if m and kdim:
         block_m, block_k = _tiles(m, kdim)
@@ -203,10 +208,11 @@ def _launch_dequantize(q: QTensor, elem, group, scale_kind, dtype):
         scale = q.scale if scale_kind == k.SCALE_FP32 else q.scale.view(torch.uint8)
         k._dequantize_blockscaled_kernel[grid](
             q.data.view(torch.uint8).contiguous(), scale.contiguous(),
-            gscale if gscale is not None else scale, out,
+            gscale if gscale is not None else scale, out.view(int_view),
             m, kdim, -(-(kdim // group) // 4) * 4,
             BLOCK_M=block_m, BLOCK_K=block_k, GROUP=group, SCALE_KIND=scale_kind,
-            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, num_warps=4, **_elem_args(elem),
+            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, OUT_KIND=out_kind, num_warps=4,
+            **_elem_args(elem),
         )
     return out.reshape(q.shape)
 
