@@ -179,7 +179,7 @@ def _quantize_blockscaled_kernel(
     else:
         soff = rows[:, None] * (K // GROUP) + scols[None, :]
     if SCALE_KIND == 3:
-        tl.store(scale_ptr + soff, _canonical_nan_bits(scale_out, 0), mask=smask)
+        tl.store(scale_ptr + soff, _canonical_nan_bits(scale_out, 0).to(tl.float32, bitcast=True), mask=smask)
     else:
         tl.store(scale_ptr + soff, scale_out.to(tl.uint8), mask=smask)
 
