@@ -5,8 +5,8 @@ Importing lowbit does no device work and does not need triton.
 
 __version__ = "0.1.0"
 
-from . import formats
+from . import formats, io
 from .api import dequantize, quantize
 from .formats import FORMATS, QTensor, swizzle_scales, unswizzle_scales
 
-__all__ = ["FORMATS", "QTensor", "dequantize", "formats", "quantize", "swizzle_scales", "unswizzle_scales"]
+__all__ = ["FORMATS", "QTensor", "dequantize", "formats", "io", "quantize", "swizzle_scales", "unswizzle_scales"]
