@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import positive_fp32_scalar
 from .codecs import canonical_nan, decode_e8m0, decode_minifloat, encode_e8m0, encode_minifloat
 from .packing import pack_fp4, pack_fp6, swizzle_scales, unpack_fp4, unpack_fp6, unswizzle_scales
 from .qtensor import QTensor
@@ -79,23 +80,6 @@ def _linear_scales(q: QTensor, block: int) -> torch.Tensor:
 def _check_layout(scale_layout: str) -> None:
     if scale_layout not in ("linear", "swizzled"):
         raise ValueError(f"scale_layout must be 'linear' or 'swizzled', got {scale_layout!r}")
-
-
-def _check_global_scale(g: torch.Tensor | float) -> torch.Tensor:
-    if isinstance(g, (int, float)):
-        g = torch.tensor(float(g), dtype=torch.float32)
-    if not isinstance(g, torch.Tensor):
-        raise TypeError(
-            f"global_scale must be an fp32 tensor, a float, 'none' or None, got {type(g).__name__}"
-        )
-    if g.dtype != torch.float32:
-        raise TypeError(f"global_scale must be float32, got {g.dtype}")
-    if g.numel() != 1:
-        raise ValueError(f"global_scale must hold one value, got shape {tuple(g.shape)}")
-    v = g.detach().reshape(()).cpu()
-    if not torch.isfinite(v) or v <= 0:
-        raise ValueError(f"global_scale must be finite and > 0, got {v.item()}")
-    return g.detach().reshape(()).clone()
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
@@ -214,7 +198,7 @@ def quantize_nvfp4(
     elif global_scale is None:
         s = nvfp4_default_global_scale(x, convention)
     else:
-        s = _check_global_scale(global_scale).to(x.device)
+        s = positive_fp32_scalar(global_scale, "global_scale").to(x.device)
 
     if convention is NVFP4Convention.TORCHAO:
         amax_b = xb.abs().amax(dim=-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.int4_awq import FMT, check_int4_awq
+from ..formats._checks import check_2d
 from ..formats.qtensor import QTensor
 
 
@@ -29,15 +30,6 @@ def to_autoawq(q: QTensor) -> dict[str, torch.Tensor]:
         "qzeros": q.zeros.contiguous().clone(),
         "scales": q.scale.contiguous().clone(),
     }
-
-
-def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
 
 
 def infer_group_size(in_features: int, n_groups: int, group_size: int | None, what: str) -> int:
@@ -96,9 +88,9 @@ def from_autoawq(
         int4_awq QTensor, logical shape ``[out, in]``, ``dtype`` float16 (AutoAWQ quantizes fp16 weights);
         the tensors are copied.
     """
-    _check_tensor(qweight, "qweight", torch.int32)
-    _check_tensor(qzeros, "qzeros", torch.int32)
-    _check_tensor(scales, "scales", torch.float16)
+    check_2d(qweight, "qweight", torch.int32)
+    check_2d(qzeros, "qzeros", torch.int32)
+    check_2d(scales, "scales", torch.float16)
     in_features, out_features = qweight.shape[0], scales.shape[1]
     if qweight.shape[1] * 8 != out_features:
         raise ValueError(

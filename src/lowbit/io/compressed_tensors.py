@@ -34,6 +34,7 @@ from collections.abc import Mapping
 import torch
 
 from ..formats.packing import unswizzle_scales
+from ..formats._checks import positive_fp32_scalar
 from ..formats.qtensor import QTensor
 
 _CT_FORMAT = {
@@ -113,19 +114,6 @@ def _check_qtensor(q: QTensor) -> tuple[int, int]:
     return out_features, in_features
 
 
-def _scalar_fp32(t: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {t.dtype}")
-    if t.numel() != 1:
-        raise ValueError(f"{name} must hold one value, got shape {tuple(t.shape)}")
-    v = t.detach().reshape(()).cpu()
-    if not torch.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {v.item()}")
-    return t.detach().reshape(1).clone()
-
-
 def to_compressed_tensors(
     q: QTensor, input_global_scale: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
@@ -167,10 +155,10 @@ def to_compressed_tensors(
         if q.global_scale is None:
             g = torch.ones(1, dtype=torch.float32, device=q.data.device)
         else:
-            g = _scalar_fp32(q.global_scale, "q.global_scale")
+            g = positive_fp32_scalar(q.global_scale, "q.global_scale").reshape(1)
         out = {"weight_packed": q.data.contiguous(), "weight_scale": scale, "weight_global_scale": g}
         if input_global_scale is not None:
-            out["input_global_scale"] = _scalar_fp32(input_global_scale, "input_global_scale")
+            out["input_global_scale"] = positive_fp32_scalar(input_global_scale, "input_global_scale").reshape(1)
         return out
     scale = scale.view(torch.uint8)
     if q.fmt == "mxfp8_e4m3":
@@ -288,7 +276,7 @@ def from_compressed_tensors(
             f"elements), got {tuple(data.shape)}"
         )
     if fmt == "nvfp4":
-        g = _scalar_fp32(_get(t, "weight_global_scale", fmt), "weight_global_scale")
+        g = positive_fp32_scalar(_get(t, "weight_global_scale", fmt), "weight_global_scale").reshape(1)
         return QTensor(
             data=data,
             scale=scale,

@@ -38,6 +38,7 @@ from ..formats.int4_awq import (
     pack_int4_sequential,
     unpack_int4_sequential,
 )
+from ..formats._checks import check_2d
 from ..formats.qtensor import QTensor
 from .awq import infer_group_size
 
@@ -86,15 +87,6 @@ def to_gptq(q: QTensor, *, strict: bool = False) -> dict[str, torch.Tensor]:
     }
 
 
-def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-
-
 def _group_size_from_g_idx(g_idx: torch.Tensor, in_features: int, n_groups: int) -> int | None:
     if not isinstance(g_idx, torch.Tensor):
         raise TypeError(f"g_idx must be a torch.Tensor or None, got {type(g_idx).__name__}")
@@ -137,9 +129,9 @@ def from_gptq(
     Returns:
         int4_awq QTensor of logical shape ``[out, in]``, ``dtype`` float16, group size ``in / n_groups``.
     """
-    _check_tensor(qweight, "qweight", torch.int32)
-    _check_tensor(qzeros, "qzeros", torch.int32)
-    _check_tensor(scales, "scales", torch.float16)
+    check_2d(qweight, "qweight", torch.int32)
+    check_2d(qzeros, "qzeros", torch.int32)
+    check_2d(scales, "scales", torch.float16)
     in_features, out_features = qweight.shape[0] * 8, qweight.shape[1]
     n_groups = scales.shape[0]
     if scales.shape[1] != out_features:

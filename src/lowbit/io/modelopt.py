@@ -23,22 +23,10 @@ from collections.abc import Mapping
 import torch
 
 from ..formats.packing import unswizzle_scales
+from ..formats._checks import positive_fp32_scalar
 from ..formats.qtensor import QTensor
 
 _NAMES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
-
-
-def _scalar_fp32(t: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} must be float32, got {t.dtype}")
-    if t.numel() != 1:
-        raise ValueError(f"{name} must hold one value, got shape {tuple(t.shape)}")
-    v = t.detach().reshape(()).cpu()
-    if not torch.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {v.item()}")
-    return t.detach().reshape(()).clone()
 
 
 def _check_qtensor(q: QTensor) -> tuple[int, int]:
@@ -82,14 +70,14 @@ def to_modelopt_nvfp4(q: QTensor, input_global_scale: torch.Tensor | None = None
         scale = q.scale.reshape(out_features, cols)
     pts = q.params.get("per_tensor_scale")
     if pts is not None:
-        ws2 = _scalar_fp32(torch.as_tensor(pts), "q.params['per_tensor_scale']")
+        ws2 = positive_fp32_scalar(torch.as_tensor(pts), "q.params['per_tensor_scale']")
     elif q.global_scale is not None:
-        ws2 = 1.0 / _scalar_fp32(q.global_scale, "q.global_scale")
+        ws2 = 1.0 / positive_fp32_scalar(q.global_scale, "q.global_scale")
     else:
         ws2 = torch.ones((), dtype=torch.float32, device=q.data.device)
     out = {"weight": q.data.contiguous(), "weight_scale": scale.contiguous(), "weight_scale_2": ws2}
     if input_global_scale is not None:
-        out["input_scale"] = 1.0 / _scalar_fp32(input_global_scale, "input_global_scale")
+        out["input_scale"] = 1.0 / positive_fp32_scalar(input_global_scale, "input_global_scale")
     return out
 
 
@@ -141,7 +129,7 @@ def from_modelopt_nvfp4(
             f"weight must be [out, in/2] = {(out_features, in_features // 2)} for weight_scale "
             f"{tuple(scale.shape)}, got {tuple(weight.shape)}"
         )
-    ws2 = _scalar_fp32(tensors["weight_scale_2"], "weight_scale_2")
+    ws2 = positive_fp32_scalar(tensors["weight_scale_2"], "weight_scale_2")
     return QTensor(
         data=weight,
         scale=scale,

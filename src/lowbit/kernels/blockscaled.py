@@ -10,6 +10,7 @@ import torch
 import triton
 
 from ..formats import blockscaled as ref
+from ..formats._checks import positive_fp32_scalar
 from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
@@ -160,7 +161,7 @@ def quantize_nvfp4(
     elif global_scale is None:
         s = nvfp4_default_global_scale(x)
     else:
-        s = ref._check_global_scale(global_scale).to(x.device)
+        s = positive_fp32_scalar(global_scale, "global_scale").to(x.device)
     data, scale = _launch_quantize(
         x, E2M1, 16, k.SCALE_E4M3, None if s is None else s.reshape(1), scale_layout == "swizzled", torch.uint8
     )
