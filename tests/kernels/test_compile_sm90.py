@@ -1,4 +1,7 @@
-"""Every shipped kernel variant compiles for Hopper (sm_90) on this CPU-only machine, with the PTX we expect."""
+"""Every shipped kernel code path compiles for Hopper (sm_90) on this CPU-only machine, with the PTX we expect."""
+
+import importlib
+import importlib.util
 
 import pytest
 
@@ -6,35 +9,34 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lowbit.kernels import blockscaled  # noqa: E402
+from lowbit.kernels import KERNEL_MODULES  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, signature, constexprs):
+def _variants():
+    for name in KERNEL_MODULES:
+        if importlib.util.find_spec(f"lowbit.kernels.{name}") is None:
+            continue
+        module = importlib.import_module(f"lowbit.kernels.{name}")
+        for i, (fn, sig, consts) in enumerate(module.compile_variants()):
+            yield pytest.param(fn, sig, consts, id=f"{name}-{fn.__name__}-{i}")
+
+
+VARIANTS = list(_variants())
+
+
+def test_every_kernel_module_ships_variants():
+    names = {p.id.split("-")[0] for p in VARIANTS}
+    present = {n for n in KERNEL_MODULES if importlib.util.find_spec(f"lowbit.kernels.{n}") is not None}
+    assert names == present
+
+
+@pytest.mark.parametrize("fn, signature, constexprs", VARIANTS)
+def test_variant_compiles_for_sm90(fn, signature, constexprs):
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=HOPPER)
-
-
-def _ids(variants):
-    return [f"{c['SCALE_KIND']}-{c.get('ELEM_KIND')}-{c.get('EBITS')}{c.get('MBITS')}-k{c['BLOCK_K']}-"
-            f"g{int(c['HAS_GSCALE'])}-s{int(c['SWIZZLED'])}-{s.get('out_ptr', '')}" for _, s, c in variants]
-
-
-QUANT = list(blockscaled.quantize_variants())
-DEQUANT = list(blockscaled.dequantize_variants())
-
-
-@pytest.mark.parametrize("fn, signature, constexprs", QUANT, ids=_ids(QUANT))
-def test_quantize_variant_compiles_for_sm90(fn, signature, constexprs):
-    ptx = _compile(fn, signature, constexprs).asm["ptx"]
-    # bits must match the reference: no approximate fp32 division or reciprocal anywhere
-    assert "div.full.f32" not in ptx and "div.approx" not in ptx and "rcp.approx" not in ptx
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=HOPPER).asm["ptx"]
     assert ".target sm_90" in ptx
-
-
-@pytest.mark.parametrize("fn, signature, constexprs", DEQUANT, ids=_ids(DEQUANT))
-def test_dequantize_variant_compiles_for_sm90(fn, signature, constexprs):
-    ptx = _compile(fn, signature, constexprs).asm["ptx"]
+    # bits must match the reference: no approximate fp32 division or reciprocal anywhere
     assert "div.full.f32" not in ptx and "div.approx" not in ptx and "rcp.approx" not in ptx

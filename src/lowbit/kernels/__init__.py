@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from typing import Any, Callable
 
 from ..formats.spec import NVFP4Convention
@@ -18,13 +19,20 @@ _QUANTIZE: dict[str, tuple[str, str, Callable[[dict], bool]]] = {
     **{f: ("blockscaled", "quantize_mx", lambda o: True)
        for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")},
     "fp4_b32": ("blockscaled", "quantize_fp4_b32", lambda o: True),
+    "fp8_block": ("fp8_block", "quantize_fp8_block", lambda o: True),
 }
 _DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "nvfp4": ("blockscaled", "dequantize_nvfp4", lambda q: "per_tensor_scale" not in q.params),
     **{f: ("blockscaled", "dequantize_mx", lambda q: True)
        for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")},
     "fp4_b32": ("blockscaled", "dequantize_fp4_b32", lambda q: True),
+    "fp8_block": ("fp8_block", "dequantize_fp8_block", lambda q: True),
+    "nf4": ("nf4", "dequantize_nf4", lambda q: True),
+    "int4_awq": ("int4_awq", "dequantize_int4_awq", lambda q: True),
 }
+# launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)
+# covering every code path it can launch, which CI compiles for sm_90
+KERNEL_MODULES = ("blockscaled", "fp8_block", "nf4", "int4_awq")
 
 
 @functools.cache
@@ -42,6 +50,8 @@ def _lookup(table: dict, fmt: str, arg: Any, what: str) -> Callable[..., Any] | 
     if entry is None:
         return f"no triton {what} kernel for format {fmt!r} yet"
     module, name, covers = entry
+    if importlib.util.find_spec(f"lowbit.kernels.{module}") is None:
+        return f"no triton {what} kernel for format {fmt!r} yet"
     if not covers(arg):
         return f"the triton {what} kernel for {fmt!r} does not cover these options"
     reason = triton_available()

@@ -75,6 +75,11 @@ def dequantize_variants():
                     yield k._dequantize_blockscaled_kernel, s, consts
 
 
+def compile_variants():
+    yield from quantize_variants()
+    yield from dequantize_variants()
+
+
 _MX_KINDS = (k.SCALE_E8M0_RCEIL, k.SCALE_E8M0_FLOOR)
 _FORMAT_VARIANTS = (
     ("nvfp4", 16, (k.SCALE_E4M3,), True),
