@@ -87,45 +87,23 @@ def _e8m0_value(code):
 
 
 @triton.jit
-def _quantize_blockscaled_kernel(
-    x_ptr, data_ptr, scale_ptr, gscale_ptr,
-    M, K, stride_xm,
-    n_scale_cols_padded4,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    SCALE_KIND: tl.constexpr, ELEM_KIND: tl.constexpr,
-    EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr,
-    EMAX: tl.constexpr, PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr,
-):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_k = tl.program_id(1).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < M
-    mask = row_ok[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-    NG: tl.constexpr = BLOCK_K // GROUP
-    xg = tl.reshape(x, (BLOCK_M, NG, GROUP))
-    amax = tl.max(tl.abs(xg), axis=2)
+def _group_scales(x, SCALE_KIND: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr, EMAX: tl.constexpr,
+                  s):
+    """Per-group (row of x) scale bits to store and the scaled values to encode, as in the reference."""
+    amax = tl.max(tl.abs(x), axis=1)
     # tl.max drops NaN; the reference's amax propagates it
-    has_nan = tl.max((xg != xg).to(tl.int32), axis=2) > 0
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
     amax = tl.where(has_nan, float("nan"), amax)
-
     if SCALE_KIND == 0:
-        if HAS_GSCALE:
-            s = tl.load(gscale_ptr)
-        else:
-            s = 1.0
         sf_val = s * (amax * RCP_MAX)
         sf_bits = _encode_fp8(sf_val, 1, 448.0)
         sf32 = sf_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         mult = tl.where(sf32 == 0, 0.0, s * tl.div_rn(1.0, sf32))
-        scaled = xg * mult[:, :, None]
+        scaled = x * mult[:, None]
         scale_out = sf_bits
     elif SCALE_KIND == 1 or SCALE_KIND == 2:
         if SCALE_KIND == 1:
-            v = amax * RCP_MAX
-            vb = v.to(tl.int32, bitcast=True)
+            vb = (amax * RCP_MAX).to(tl.int32, bitcast=True)
             exp = (vb >> 23) & 0xFF
             mant = vb & 0x7FFFFF
             code = tl.where(exp == 0, (mant > 0x400000).to(tl.int32), exp + (mant != 0).to(tl.int32))
@@ -134,91 +112,112 @@ def _quantize_blockscaled_kernel(
             exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
             code = tl.where(exp == 255, 255, tl.maximum(exp - EMAX, 0))
         inv = tl.where(code == 255, float("nan"), _e8m0_value(tl.maximum(254 - code, 0)))
-        scaled = xg * inv[:, :, None]
+        scaled = x * inv[:, None]
         scale_out = code
     else:
         sf = tl.div_rn(amax, MAX)
         safe = tl.where(sf == 0, 1.0, sf)
-        scaled = tl.where(sf[:, :, None] == 0, xg * 0.0, tl.div_rn(xg, safe[:, :, None]))
-        scale_out = sf
+        scaled = tl.where(sf[:, None] == 0, x * 0.0, tl.div_rn(x, safe[:, None]))
+        scale_out = _canonical_nan_bits(sf, 0)
+    return scaled, scale_out
+
+
+@triton.jit
+def _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED: tl.constexpr):
+    """Linear scale index of group g is g itself; the 128x4 swizzle needs its (row, column)."""
+    if SWIZZLED:
+        r = g // groups_per_row
+        k = g % groups_per_row
+        return ((r // 128) * (n_scale_cols_padded4 // 4) + k // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + k % 4
+    return g
+
+
+@triton.jit
+def _quantize_blockscaled_kernel(
+    x_ptr, data_ptr, scale_ptr, gscale_ptr,
+    n_groups, groups_per_row, n_scale_cols_padded4,
+    BLOCK_G: tl.constexpr, GROUP: tl.constexpr,
+    SCALE_KIND: tl.constexpr, ELEM_KIND: tl.constexpr,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr,
+    EMAX: tl.constexpr, PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr,
+):
+    """x is contiguous, so it is a flat sequence of groups: each program quantizes BLOCK_G of them."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)
+    g_ok = g < n_groups
+    e = tl.arange(0, GROUP)
+    x = tl.load(x_ptr + g[:, None] * GROUP + e[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+    if HAS_GSCALE:
+        s = tl.load(gscale_ptr)
+    else:
+        s = 1.0
+    scaled, scale_out = _group_scales(x, SCALE_KIND, MAX, RCP_MAX, EMAX, s)
 
     if ELEM_KIND == 0:
         codes = _encode_minifloat(scaled, EBITS, MBITS, BIAS, MAX)
     else:
         codes = _encode_fp8(scaled, ELEM_KIND, MAX)
-    codes = tl.reshape(codes, (BLOCK_M, BLOCK_K))
 
     if PACK_BITS == 4:
-        pairs = tl.reshape(codes, (BLOCK_M, BLOCK_K // 2, 2))
-        lo, hi = tl.split(pairs)
-        byte = (lo | (hi << 4)).to(tl.uint8)
-        bcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        bmask = row_ok[:, None] & (bcols < K // 2)[None, :]
-        tl.store(data_ptr + rows[:, None] * (K // 2) + bcols[None, :], byte, mask=bmask)
+        lo, hi = tl.split(tl.reshape(codes, (BLOCK_G, GROUP // 2, 2)))
+        b = tl.arange(0, GROUP // 2)
+        tl.store(data_ptr + g[:, None] * (GROUP // 2) + b[None, :], (lo | (hi << 4)).to(tl.uint8),
+                 mask=g_ok[:, None])
     elif PACK_BITS == 6:
-        quads = tl.reshape(codes, (BLOCK_M, BLOCK_K // 4, 2, 2))
-        even, odd = tl.split(quads)
+        # codes a b c d -> 24-bit word -> bytes b0 b1 b2, written as 4-byte slots with the 4th masked off
+        even, odd = tl.split(tl.reshape(codes, (BLOCK_G, GROUP // 4, 2, 2)))
         a, c = tl.split(even)
         b, d = tl.split(odd)
         word = a | (b << 6) | (c << 12) | (d << 18)
-        qcols = pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
-        qmask = row_ok[:, None] & (qcols < K // 4)[None, :]
-        base = data_ptr + rows[:, None] * (K // 4 * 3) + qcols[None, :] * 3
-        tl.store(base, (word & 0xFF).to(tl.uint8), mask=qmask)
-        tl.store(base + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=qmask)
-        tl.store(base + 2, ((word >> 16) & 0xFF).to(tl.uint8), mask=qmask)
+        b0 = word & 0xFF
+        b1 = (word >> 8) & 0xFF
+        b2 = (word >> 16) & 0xFF
+        slots = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b2)), (BLOCK_G, GROUP))
+        col = tl.arange(0, GROUP)
+        off = (col // 4) * 3 + col % 4
+        tl.store(data_ptr + g[:, None] * (GROUP // 4 * 3) + off[None, :], slots.to(tl.uint8),
+                 mask=g_ok[:, None] & (col % 4 < 3)[None, :])
     else:
-        tl.store(data_ptr + rows[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
+        tl.store(data_ptr + g[:, None] * GROUP + e[None, :], codes.to(tl.uint8), mask=g_ok[:, None])
 
-    scols = pid_k * NG + tl.arange(0, NG)
-    smask = row_ok[:, None] & (scols < K // GROUP)[None, :]
-    if SWIZZLED:
-        r = rows[:, None]
-        k = scols[None, :]
-        soff = ((r // 128) * (n_scale_cols_padded4 // 4) + k // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + k % 4
-    else:
-        soff = rows[:, None] * (K // GROUP) + scols[None, :]
+    soff = _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED)
     if SCALE_KIND == 3:
-        tl.store(scale_ptr + soff, _canonical_nan_bits(scale_out, 0).to(tl.float32, bitcast=True), mask=smask)
+        tl.store(scale_ptr + soff, scale_out.to(tl.float32, bitcast=True), mask=g_ok)
     else:
-        tl.store(scale_ptr + soff, scale_out.to(tl.uint8), mask=smask)
+        tl.store(scale_ptr + soff, scale_out.to(tl.uint8), mask=g_ok)
 
 
 @triton.jit
 def _dequantize_blockscaled_kernel(
     data_ptr, scale_ptr, gscale_ptr, out_ptr,
-    M, K, n_scale_cols_padded4,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    n_groups, groups_per_row, n_scale_cols_padded4,
+    BLOCK_G: tl.constexpr, GROUP: tl.constexpr,
     SCALE_KIND: tl.constexpr, ELEM_KIND: tl.constexpr,
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
     PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr, OUT_KIND: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_k = tl.program_id(1).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    row_ok = rows < M
-    NG: tl.constexpr = BLOCK_K // GROUP
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)
+    g_ok = g < n_groups
+    e = tl.arange(0, GROUP)
 
     if PACK_BITS == 4:
-        bcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        bmask = row_ok[:, None] & (bcols < K // 2)[None, :]
-        byte = tl.load(data_ptr + rows[:, None] * (K // 2) + bcols[None, :], mask=bmask, other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_M, BLOCK_K))
+        b = tl.arange(0, GROUP // 2)
+        byte = tl.load(data_ptr + g[:, None] * (GROUP // 2) + b[None, :], mask=g_ok[:, None], other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_G, GROUP))
     elif PACK_BITS == 6:
-        qcols = pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
-        qmask = row_ok[:, None] & (qcols < K // 4)[None, :]
-        base = data_ptr + rows[:, None] * (K // 4 * 3) + qcols[None, :] * 3
-        b0 = tl.load(base, mask=qmask, other=0).to(tl.int32)
-        b1 = tl.load(base + 1, mask=qmask, other=0).to(tl.int32)
-        b2 = tl.load(base + 2, mask=qmask, other=0).to(tl.int32)
+        off = (e // 4) * 3 + e % 4
+        slots = tl.load(data_ptr + g[:, None] * (GROUP // 4 * 3) + off[None, :],
+                        mask=g_ok[:, None] & (e % 4 < 3)[None, :], other=0).to(tl.int32)
+        s02, s13 = tl.split(tl.reshape(slots, (BLOCK_G, GROUP // 4, 2, 2)))
+        b0, b2 = tl.split(s02)
+        b1, _ = tl.split(s13)
         word = b0 | (b1 << 8) | (b2 << 16)
         even = tl.join(word & 0x3F, (word >> 12) & 0x3F)
         odd = tl.join((word >> 6) & 0x3F, (word >> 18) & 0x3F)
-        codes = tl.reshape(tl.join(even, odd), (BLOCK_M, BLOCK_K))
+        codes = tl.reshape(tl.join(even, odd), (BLOCK_G, GROUP))
     else:
-        cols0 = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        m0 = row_ok[:, None] & (cols0 < K)[None, :]
-        codes = tl.load(data_ptr + rows[:, None] * K + cols0[None, :], mask=m0, other=0).to(tl.int32)
+        codes = tl.load(data_ptr + g[:, None] * GROUP + e[None, :], mask=g_ok[:, None], other=0).to(tl.int32)
 
     if ELEM_KIND == 0:
         v = _decode_minifloat(codes, EBITS, MBITS, BIAS)
@@ -227,30 +226,20 @@ def _dequantize_blockscaled_kernel(
     else:
         v = codes.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
 
-    scols = pid_k * NG + tl.arange(0, NG)
-    smask = row_ok[:, None] & (scols < K // GROUP)[None, :]
-    if SWIZZLED:
-        r = rows[:, None]
-        k = scols[None, :]
-        soff = ((r // 128) * (n_scale_cols_padded4 // 4) + k // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + k % 4
-    else:
-        soff = rows[:, None] * (K // GROUP) + scols[None, :]
+    soff = _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED)
     if SCALE_KIND == 0:
-        sf = tl.load(scale_ptr + soff, mask=smask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sf = tl.load(scale_ptr + soff, mask=g_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if HAS_GSCALE:
             sf = tl.div_rn(sf, tl.load(gscale_ptr))
     elif SCALE_KIND == 3:
-        sf = tl.load(scale_ptr + soff, mask=smask, other=0.0)
+        sf = tl.load(scale_ptr + soff, mask=g_ok, other=0.0)
     else:
-        code = tl.load(scale_ptr + soff, mask=smask, other=0).to(tl.int32)
+        code = tl.load(scale_ptr + soff, mask=g_ok, other=0).to(tl.int32)
         sf = tl.where(code == 255, float("nan"), _e8m0_value(code))
 
-    out = tl.reshape(v, (BLOCK_M, NG, GROUP)) * sf[:, :, None]
-    out = tl.reshape(out, (BLOCK_M, BLOCK_K))
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = row_ok[:, None] & (cols < K)[None, :]
+    out = v * sf[:, None]
     # out_ptr is an integer view of the output (int32 for fp32, int16 for bf16/fp16)
-    tl.store(out_ptr + rows[:, None] * K + cols[None, :], _canonical_nan_bits(out, OUT_KIND), mask=mask)
+    tl.store(out_ptr + g[:, None] * GROUP + e[None, :], _canonical_nan_bits(out, OUT_KIND), mask=g_ok[:, None])
 
 
 @triton.jit

@@ -27,52 +27,43 @@ def _elem_args(elem: MinifloatSpec) -> dict:
     )
 
 
-TILE_K = (32, 64, 128, 256)
+# elements per program and warps; tuned on H100/H200 (see benchmarks/gpu_check.py --sweep)
+TILE = {"elems": 4096, "warps": 4}
 
 
-def _tiles(m: int, kdim: int) -> tuple[int, int]:
-    block_k = min(TILE_K[-1], max(TILE_K[0], triton.next_power_of_2(kdim)))
-    block_m = max(1, min(64, 8192 // block_k))
-    return block_m, block_k
-
-
-def _tile_choices(fmt: str, swizzled: bool, first_kind: bool) -> tuple[int, ...]:
-    # tile width changes only shapes, not code paths: every path is compiled at the widest tile, and
-    # every tile width once (mxfp4, linear scales)
-    return TILE_K if (fmt == "mxfp4" and not swizzled and first_kind) else TILE_K[-1:]
+def _block_g(group: int) -> int:
+    return TILE["elems"] // group
 
 
 def quantize_variants():
     """(kernel, signature, constexprs) of every quantize code path the launchers can start."""
     sig = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "gscale_ptr": "*fp32",
-           "M": "i32", "K": "i32", "stride_xm": "i64", "n_scale_cols_padded4": "i32"}
+           "n_groups": "i64", "groups_per_row": "i32", "n_scale_cols_padded4": "i32"}
     for fmt, group, kinds, has_g in _FORMAT_VARIANTS:
         elem = FORMATS[fmt].element
         for kind in kinds:
             for swizzled in ((False,) if kind == k.SCALE_FP32 else (False, True)):
-                for block_k in _tile_choices(fmt, swizzled, kind == kinds[0]):
-                    consts = dict(BLOCK_M=max(1, min(64, 8192 // block_k)), BLOCK_K=block_k, GROUP=group,
-                                  SCALE_KIND=kind, MAX=elem.max_normal, RCP_MAX=1.0 / elem.max_normal,
-                                  EMAX=elem.emax, HAS_GSCALE=has_g, SWIZZLED=swizzled, **_elem_args(elem))
-                    s = dict(sig, scale_ptr="*fp32" if kind == k.SCALE_FP32 else "*u8")
-                    yield k._quantize_blockscaled_kernel, s, consts
+                consts = dict(BLOCK_G=_block_g(group), GROUP=group, SCALE_KIND=kind, MAX=elem.max_normal,
+                              RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax, HAS_GSCALE=has_g,
+                              SWIZZLED=swizzled, **_elem_args(elem))
+                yield k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)), consts
 
 
 def dequantize_variants():
     sig = {"data_ptr": "*u8", "scale_ptr": "*u8", "gscale_ptr": "*fp32", "out_ptr": "*i16",
-           "M": "i32", "K": "i32", "n_scale_cols_padded4": "i32"}
+           "n_groups": "i64", "groups_per_row": "i32", "n_scale_cols_padded4": "i32"}
     for fmt, group, kinds, has_g in _FORMAT_VARIANTS:
         elem = FORMATS[fmt].element
         for swizzled in ((False,) if kinds[0] == k.SCALE_FP32 else (False, True)):
-            for block_k in _tile_choices(fmt, swizzled, True):
-                outs = ((1, "*i16"), (2, "*i16"), (0, "*i32")) if block_k == TILE_K[-1] and fmt == "mxfp4" else ((1, "*i16"),)
-                for out_kind, out in outs:
-                    consts = dict(BLOCK_M=max(1, min(64, 8192 // block_k)), BLOCK_K=block_k, GROUP=group,
-                                  SCALE_KIND=kinds[0], HAS_GSCALE=has_g, SWIZZLED=swizzled, OUT_KIND=out_kind,
-                                  **_elem_args(elem))
-                    consts.pop("MAX", None)
-                    s = dict(sig, out_ptr=out, scale_ptr="*fp32" if kinds[0] == k.SCALE_FP32 else "*u8")
-                    yield k._dequantize_blockscaled_kernel, s, consts
+            outs = ((1, "*i16"), (2, "*i16"), (0, "*i32")) if fmt == "mxfp4" else ((1, "*i16"),)
+            for out_kind, out in outs:
+                consts = dict(BLOCK_G=_block_g(group), GROUP=group, SCALE_KIND=kinds[0], HAS_GSCALE=has_g,
+                              SWIZZLED=swizzled, OUT_KIND=out_kind, **_elem_args(elem))
+                yield k._dequantize_blockscaled_kernel, dict(sig, out_ptr=out, scale_ptr=_scale_sig(kinds[0])), consts
+
+
+def _scale_sig(kind: int) -> str:
+    return "*fp32" if kind == k.SCALE_FP32 else "*u8"
 
 
 def compile_variants():
@@ -89,11 +80,6 @@ _FORMAT_VARIANTS = (
 )
 
 
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def _data_buffer(m: int, kdim: int, elem: MinifloatSpec, device) -> torch.Tensor:
     width = kdim if elem.torch_dtype is not None else kdim * elem.bits // 8
     return torch.empty(m, width, dtype=torch.uint8, device=device)
@@ -107,20 +93,21 @@ def _scale_buffer(m: int, cols: int, swizzled: bool, dtype: torch.dtype, device)
 
 
 def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype):
-    x2 = _as_rows(x)
+    # the kernel sees a contiguous tensor as a flat sequence of groups; other layouts are copied first
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).contiguous()
     m, kdim = x2.shape
     data = _data_buffer(m, kdim, elem, x.device)
     cols = kdim // group
     scale = _scale_buffer(m, cols, swizzled, scale_dtype, x.device)
-    if m and kdim:
-        block_m, block_k = _tiles(m, kdim)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(kdim, block_k))
-        k._quantize_blockscaled_kernel[grid](
+    n_groups = m * cols
+    if n_groups:
+        block_g = _block_g(group)
+        k._quantize_blockscaled_kernel[(triton.cdiv(n_groups, block_g),)](
             x2, data, scale, gscale if gscale is not None else scale,
-            m, kdim, x2.stride(0), -(-cols // 4) * 4,
-            BLOCK_M=block_m, BLOCK_K=block_k, GROUP=group, SCALE_KIND=scale_kind,
+            n_groups, cols, -(-cols // 4) * 4,
+            BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind,
             MAX=elem.max_normal, RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax,
-            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, num_warps=4, **_elem_args(elem),
+            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, num_warps=TILE["warps"], **_elem_args(elem),
         )
     lead = x.shape[:-1]
     data = data.reshape(*lead, data.shape[-1])
@@ -207,17 +194,18 @@ def _launch_dequantize(q: QTensor, elem, group, scale_kind, dtype):
     out = torch.empty(m, kdim, dtype=dtype, device=q.data.device)
     out_kind, int_view = _OUT_KIND[dtype]
     swizzled = q.scale_layout == "swizzled"
-    if m and kdim:
-        block_m, block_k = _tiles(m, kdim)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(kdim, block_k))
+    cols = kdim // group
+    n_groups = m * cols
+    if n_groups:
+        block_g = _block_g(group)
         gscale = q.global_scale
         scale = q.scale if scale_kind == k.SCALE_FP32 else q.scale.view(torch.uint8)
-        k._dequantize_blockscaled_kernel[grid](
+        k._dequantize_blockscaled_kernel[(triton.cdiv(n_groups, block_g),)](
             q.data.view(torch.uint8).contiguous(), scale.contiguous(),
             gscale if gscale is not None else scale, out.view(int_view),
-            m, kdim, -(-(kdim // group) // 4) * 4,
-            BLOCK_M=block_m, BLOCK_K=block_k, GROUP=group, SCALE_KIND=scale_kind,
-            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, OUT_KIND=out_kind, num_warps=4,
+            n_groups, cols, -(-cols // 4) * 4,
+            BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind,
+            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, OUT_KIND=out_kind, num_warps=TILE["warps"],
             **_elem_args(elem),
         )
     return out.reshape(q.shape)
