@@ -19,6 +19,32 @@ ELEM_E5M2 = 2
 
 
 @triton.jit
+def _encode_e2m1(x):
+    """fp32 -> E2M1 code: the grid has step 0.5 below 2, 1 below 4 and 2 above, so one rint per element.
+
+    Ties land on the even code in every piece (0.25->0, 0.75->1.0, 2.5->2, 3.5->4, 5->4), as RNE wants.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(x), 6.0)
+    small = a < 2.0
+    mid = a < 4.0
+    m = tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))
+    base = tl.where(small, 0, tl.where(mid, 2, 4))
+    r = ((a * m + 12582912.0) - 12582912.0).to(tl.int32)
+    code = (r + base) | ((bits >> 28) & 8)
+    return tl.where(x != x, 7, code)
+
+
+@triton.jit
+def _decode_e2m1(code):
+    """E2M1 code -> fp32: magnitudes 0..4 are code/2, then 3, 4, 6."""
+    mag = code & 7
+    m = mag.to(tl.float32)
+    v = tl.where(mag <= 4, m * 0.5, tl.where(mag == 7, 6.0, m - 2.0))
+    return (v.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _encode_minifloat(x, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):
     """fp32 -> sign-magnitude code, round-to-nearest-even, saturating; NaN -> +max code.
 
@@ -90,10 +116,9 @@ def _e8m0_value(code):
 def _group_scales(x, SCALE_KIND: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr, EMAX: tl.constexpr,
                   s):
     """Per-group (row of x) scale bits to store and the scaled values to encode, as in the reference."""
-    amax = tl.max(tl.abs(x), axis=1)
-    # tl.max drops NaN; the reference's amax propagates it
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    amax = tl.where(has_nan, float("nan"), amax)
+    # max of |x| as integer bits: orders like the floats, and any NaN (bits above Inf) wins, as the
+    # reference's amax propagates NaN where tl.max on floats would drop it
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1).to(tl.float32, bitcast=True)
     if SCALE_KIND == 0:
         sf_val = s * (amax * RCP_MAX)
         sf_bits = _encode_fp8(sf_val, 1, 448.0)
@@ -153,7 +178,9 @@ def _quantize_blockscaled_kernel(
         s = 1.0
     scaled, scale_out = _group_scales(x, SCALE_KIND, MAX, RCP_MAX, EMAX, s)
 
-    if ELEM_KIND == 0:
+    if ELEM_KIND == 0 and EBITS == 2 and MBITS == 1:
+        codes = _encode_e2m1(scaled)
+    elif ELEM_KIND == 0:
         codes = _encode_minifloat(scaled, EBITS, MBITS, BIAS, MAX)
     else:
         codes = _encode_fp8(scaled, ELEM_KIND, MAX)
@@ -219,7 +246,9 @@ def _dequantize_blockscaled_kernel(
     else:
         codes = tl.load(data_ptr + g[:, None] * GROUP + e[None, :], mask=g_ok[:, None], other=0).to(tl.int32)
 
-    if ELEM_KIND == 0:
+    if ELEM_KIND == 0 and EBITS == 2 and MBITS == 1:
+        v = _decode_e2m1(codes)
+    elif ELEM_KIND == 0:
         v = _decode_minifloat(codes, EBITS, MBITS, BIAS)
     elif ELEM_KIND == 1:
         v = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -239,7 +268,19 @@ def _dequantize_blockscaled_kernel(
 
     out = v * sf[:, None]
     # out_ptr is an integer view of the output (int32 for fp32, int16 for bf16/fp16)
-    tl.store(out_ptr + g[:, None] * GROUP + e[None, :], _canonical_nan_bits(out, OUT_KIND), mask=g_ok[:, None])
+    optr = out_ptr + g[:, None] * GROUP + e[None, :]
+    if ELEM_KIND == 0:
+        # FP4/FP6 elements are finite: only a NaN scale makes NaN, so test once per group
+        nan_bits: tl.constexpr = 0x7FC00000 if OUT_KIND == 0 else (0x7FC0 if OUT_KIND == 1 else 0x7E00)
+        if OUT_KIND == 0:
+            bits = out.to(tl.int32, bitcast=True)
+        elif OUT_KIND == 1:
+            bits = out.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        else:
+            bits = out.to(tl.float16).to(tl.int16, bitcast=True)
+        tl.store(optr, tl.where((sf != sf)[:, None], nan_bits, bits).to(bits.dtype), mask=g_ok[:, None])
+    else:
+        tl.store(optr, _canonical_nan_bits(out, OUT_KIND), mask=g_ok[:, None])
 
 
 @triton.jit
