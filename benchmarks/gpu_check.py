@@ -1,68 +1,158 @@
-"""One device call: GPU tests, then kernel bandwidth vs the measured copy bandwidth. Results under $OUT."""
+"""One device call: carried wheels, the GPU tests, then the benchmark harness (lowbit.bench); results in $OUT.
 
-import datetime
-import json
+Run on the GPU machine from the repository root, with ``.whl`` carried (bitsandbytes, torchao; see
+/work/.library/device/README.md) and the git sha passed in, since the machine has no git history::
+
+    GIT_SHA=<sha> PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py              # tests + harness
+    GIT_SHA=<sha> python3 benchmarks/gpu_check.py bench --quick --ops 'quantize.*'
+
+Writes ``$OUT/gpu_tests.xml`` and ``$OUT/quant_kernels_<date>.json``; the results table is printed last.
+Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
+start (lowbit's own cases always run and are written to the JSON before any baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
 import os
 import subprocess
 import sys
+import time
+import xml.etree.ElementTree as ET
 
-import torch
-import triton
-from triton.testing import do_bench
+T0 = time.monotonic()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SITE = "/tmp/site"
 
-import lowbit
 
-out_dir = os.environ.get("OUT", "benchmarks/results/tmp")
-os.makedirs(out_dir, exist_ok=True)
-what = sys.argv[1:] or ["tests", "bench"]
+def install_wheels() -> None:
+    """pip-install the carried wheels (no index, no deps) into /tmp/site, as the device README says."""
+    wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
+    if not wheels:
+        print("no .whl/ wheels carried: bitsandbytes/torchao baselines use what is installed, if anything")
+        return
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        SITE,
+        *wheels,
+    ]
+    rc = subprocess.call(cmd)
+    print(
+        f"installed {len(wheels)} wheels into {SITE} (pip exit code {rc}): "
+        + ", ".join(os.path.basename(w) for w in wheels),
+        flush=True,
+    )
 
-if "tests" in what:
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--maxfail=8",
-                          "tests/kernels", f"--junitxml={out_dir}/gpu_tests.xml"])
-    print("gpu tests exit code", rc, flush=True)
 
-if "bench" in what:
-    def sha():
-        try:
-            return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-        except Exception:
-            return os.environ.get("GIT_SHA", "unknown")
+def setup_paths() -> None:
+    paths = [os.path.join(ROOT, "src")] + ([SITE] if os.path.isdir(SITE) else [])
+    for p in reversed(paths):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in paths]
+    )
 
-    header = {
-        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-        "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True).stdout.strip(),
-        "cuda": torch.version.cuda,
-        "torch": torch.__version__, "triton": triton.__version__, "lowbit": lowbit.__version__,
-        "git_sha": os.environ.get("GIT_SHA") or sha(),
-    }
-    big = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(big)
-    t = do_bench(lambda: dst.copy_(big), return_mode="median", warmup=50, rep=300)
-    copy_gbs = 2 * big.numel() * 2 / t / 1e6
-    del big, dst
-    rows = []
-    for n in (4096, 8192, 16384):
-        x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        for fmt, opts in [("nvfp4", {}), ("nvfp4", {"global_scale": torch.tensor(1.0)}), ("mxfp4", {}),
-                          ("mxfp6_e3m2", {}), ("mxfp8_e4m3", {}), ("fp4_b32", {}), ("nvfp4", {"scale_layout": "swizzled"})]:
-            q = lowbit.quantize(x, fmt, backend="triton", **opts)
-            in_b = x.numel() * 2
-            q_b = q.data.numel() * q.data.element_size() + q.scale.numel() * q.scale.element_size()
-            tq = do_bench(lambda: lowbit.quantize(x, fmt, backend="triton", **opts), return_mode="median")
-            td = do_bench(lambda: lowbit.dequantize(q, torch.bfloat16, backend="triton"), return_mode="median")
-            label = fmt + ("" if not opts else "(" + ",".join(k for k in opts) + ")")
-            for op, tt in (("quantize", tq), ("dequantize", td)):
-                gbs = (in_b + q_b) / tt / 1e6
-                rows.append({"op": op, "fmt": label, "shape": [n, n], "ms": tt, "GB/s": gbs,
-                             "pct_copy": 100 * gbs / copy_gbs})
-        del x
-    res = {"header": header, "copy_GBps": copy_gbs, "rows": rows}
-    name = f"{out_dir}/quant_kernels_{header['date']}.json"
-    with open(name, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(header))
-    print(f"copy bandwidth {copy_gbs:.0f} GB/s")
-    print(f"{'op':10} {'fmt':32} {'shape':12} {'us':>9} {'GB/s':>7} {'%copy':>6}")
-    for r in rows:
-        print(f"{r['op']:10} {r['fmt']:32} {str(r['shape'][0]):12} {r['ms']*1e3:9.1f} {r['GB/s']:7.0f} {r['pct_copy']:6.1f}")
+
+def run_tests(out_dir: str, timeout_s: float) -> str:
+    xml = os.path.join(out_dir, "gpu_tests.xml")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "gpu",
+        "--maxfail=8",
+        "tests/kernels",
+        "tests/bench",
+        f"--junitxml={xml}",
+    ]
+    try:
+        rc = subprocess.call(cmd, cwd=ROOT, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    summary = f"gpu tests: exit code {rc}"
+    try:
+        root = ET.parse(xml).getroot()
+        s = root.find("testsuite")
+        s = root if s is None else s
+        summary += (
+            f"; {s.get('tests')} tests, {s.get('failures')} failures, {s.get('errors')} errors, "
+            f"{s.get('skipped')} skipped, {float(s.get('time', 0)):.0f} s"
+        )
+    except (OSError, ET.ParseError):
+        summary += "; no junit xml"
+    print(summary, flush=True)
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", nargs="*", help="tests and/or bench (default: both)")
+    ap.add_argument("--quick", action="store_true", help="harness: each op's quick shapes")
+    ap.add_argument("--ops", default=None, help="harness: op patterns, as `lowbit bench --ops`")
+    ap.add_argument("--shapes", default=None, help="harness: shapes, as `lowbit bench --shapes`")
+    ap.add_argument("--baselines", choices=("one", "all", "none"), default="one")
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=400.0,
+        help="seconds after the script's start past which baselines are skipped (default 400)",
+    )
+    ap.add_argument("--tests-timeout-s", type=float, default=240.0)
+    args = ap.parse_args()
+    what = set(args.what or ["tests", "bench"])
+    if what - {"tests", "bench"}:
+        ap.error(f"unknown step(s) {sorted(what - {'tests', 'bench'})}: use tests and/or bench")
+
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "tmp")
+    os.makedirs(out_dir, exist_ok=True)
+    install_wheels()
+    setup_paths()
+
+    tests_summary = run_tests(out_dir, args.tests_timeout_s) if "tests" in what else None
+    if "bench" not in what:
+        return 0
+
+    from lowbit import bench
+    from lowbit.bench import envinfo
+
+    print(envinfo.format_env(envinfo.env_info()), flush=True)
+    header = envinfo.header()
+    path = os.path.join(out_dir, bench.default_json_name(header))
+    ops = bench.select([p for p in args.ops.split(",") if p] if args.ops else None)
+    shapes = bench.parse_shapes(args.shapes) if args.shapes else None
+    budget = max(0.0, args.deadline_s - (time.monotonic() - T0))
+    result = bench.run(
+        ops,
+        shapes=shapes,
+        quick=args.quick,
+        baselines=args.baselines,
+        budget_s=budget,
+        json_path=path,
+        header=header,
+        progress=lambda s: print(s, flush=True),
+    )
+    if tests_summary:
+        print(tests_summary)
+    print(f"results: {path} (script {time.monotonic() - T0:.0f} s)")
+    print(bench.format_table(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
