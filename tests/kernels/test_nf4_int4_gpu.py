@@ -1,0 +1,292 @@
+"""Triton NF4 and AutoAWQ INT4 dequantize kernels are bit-identical to the CPU reference (x86 host).
+
+Run on the device machine: ``python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_nf4_int4_gpu.py``.
+``test_bandwidth`` writes measured GB/s to ``$OUT/nf4_int4_bandwidth.json`` (``LOWBIT_SWEEP=1`` adds a
+tile sweep).
+"""
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.formats import int4_awq as ref_awq
+from lowbit.formats import nf4 as ref_nf4
+from lowbit.formats.qtensor import QTensor
+from lowbit.kernels import int4_awq as k_awq
+from lowbit.kernels import nf4 as k_nf4
+from lowbit.testing import assert_bitexact
+
+pytestmark = pytest.mark.gpu
+
+OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ELEMS = k_nf4.TILE["elems"]
+
+
+def _bits(values, dtype=torch.int32):
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=dtype)
+
+
+def _f32(*bits):
+    return _bits(bits).view(torch.float32)
+
+
+def _check_nf4(q, what=""):
+    for dt in OUT_DTYPES:
+        want = ref_nf4.dequantize_nf4(q, dt)
+        got = k_nf4.dequantize_nf4(q.to("cuda"), dt)
+        assert_bitexact(got, want, f"nf4 {what} -> {dt}")
+
+
+def _nf4_input(n, seed, adversarial=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n).clamp(min=1e-30)
+    if adversarial and n >= 4096:
+        x[:128] = 0.0                                   # all-zero blocks: absmax 0, codes 7
+        x[128:256] = -0.0
+        x[300] = float("nan")                           # NaN block: absmax NaN, every product NaN
+        x[700] = float("inf")                           # inf block: 0 * inf for code 7
+        x[1100] = -float("inf")
+        x[1500:1564] = 1e-40                            # subnormal absmax
+        x[2000:2064] = torch.tensor([3e38, -3e38] * 32)  # huge absmax
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------- NF4
+
+@pytest.mark.parametrize("blocksize", ref_nf4.BLOCKSIZES)
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("n", [1, 7, 4096, ELEMS * 3, ELEMS * 3 + 1, 100_003])
+def test_nf4_random_and_adversarial(blocksize, double_quant, n):
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _nf4_input(n, seed=n + blocksize, adversarial=True).to(dtype)
+        _check_nf4(ref_nf4.quantize_nf4(x, blocksize, double_quant), f"n={n} bs={blocksize} dq={double_quant}")
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (14336, 4096), (3, 5, 7), (1, 2049)])
+def test_nf4_shapes_via_api(shape):
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    for dq in (False, True):
+        q = lowbit.quantize(x, "nf4", backend="torch", blocksize=64, double_quant=dq)
+        qc = q.to("cuda")
+        for dt in OUT_DTYPES:
+            want = lowbit.dequantize(q, dt, backend="torch")
+            assert_bitexact(lowbit.dequantize(qc, dt, backend="triton"), want, f"triton {shape} dq={dq} {dt}")
+            assert_bitexact(lowbit.dequantize(qc, dt), want, f"auto {shape} dq={dq} {dt}")
+
+
+def test_nf4_nan_payloads_plain_absmax():
+    """NaN absmax keeps its payload (quieted), 0 * inf is the x86 default NaN 0xFFC00000, -0 / negative /
+    subnormal absmax."""
+    n = 64 * 40 + 17
+    q = ref_nf4.quantize_nf4(torch.randn(n), 64)
+    scale = q.scale.clone()
+    special = _f32(0x7F812345, 0xFFA00001, 0x7FFFFFFF, 0xFFFFE001, 0x7F800000, 0xFF800000, 0x80000000,
+                   0x00000001, 0x807FFFFF, 0xBF800000, 0x7F7FFFFF, 0x7FC00000)
+    scale[: special.numel()] = special
+    scale[-1] = float("nan")                            # the tail block
+    data = q.data.clone()
+    data[:64] = torch.arange(64, dtype=torch.uint8) * 4 + 3  # every code, incl. 7 (0.0) next to inf absmax
+    _check_nf4(replace(q, scale=scale, data=data), "nan payloads")
+
+
+def test_nf4_double_quant_nan_rules():
+    """Decoded absmax fp32(dmap[c] * nested) + offset with x86 NaN rules: NaN nested and offset payloads
+    (the offset's NaN wins when both are NaN), 0 * inf (dmap has 0.0), inf - inf."""
+    n = 64 * 256 * 3 + 64 * 5 + 3
+    q = ref_nf4.quantize_nf4(torch.randn(n), 64, double_quant=True)
+    codes = q.scale.clone()
+    codes[:256] = torch.arange(256, dtype=torch.uint8)  # every dynamic-map code, incl. 0.0
+    variants = []
+    for nested_bits in ([0x7F812345, 0x7F800000, 0x3F800000, 0x00000001],
+                        [0xFF800000, 0x7FFFFFFF, 0x80000000, 0x7F7FFFFF]):
+        for off_bits in (0x3C000000, 0xFF854321, 0x7F800000, 0xFF800000, 0x80000000, 0x7FFFFFFF):
+            variants.append((_f32(*nested_bits), _f32(off_bits).reshape(())))
+    for nested, off in variants:
+        qq = replace(q, scale=codes, nested_scale=nested, nested_offset=off)
+        _check_nf4(qq, f"nested={nested.view(torch.int32).tolist()} off={off.view(torch.int32).item():#x}")
+
+
+def test_nf4_every_byte_value():
+    data = torch.arange(256, dtype=torch.uint8).repeat(64)
+    n = data.numel() * 2
+    scale = torch.linspace(-3, 3, n // 64)
+    q = QTensor(data=data, scale=scale, fmt="nf4", shape=torch.Size([n]), dtype=torch.float32,
+                params={"blocksize": 64, "double_quant": False})
+    _check_nf4(q, "every byte")
+
+
+def test_nf4_unaligned_packed_bytes():
+    """A packed payload that is a view at an odd offset is copied to an aligned buffer (word loads)."""
+    n = 64 * 100
+    q = ref_nf4.quantize_nf4(torch.randn(n), 64, double_quant=True)
+    qc = q.to("cuda")
+    buf = torch.empty(qc.data.numel() + 1, dtype=torch.uint8, device="cuda")
+    buf[1:] = qc.data
+    for dt in OUT_DTYPES:
+        assert_bitexact(k_nf4.dequantize_nf4(replace(qc, data=buf[1:]), dt), ref_nf4.dequantize_nf4(q, dt), "odd")
+
+
+def test_nf4_int64_indexing_beyond_2_31_elements():
+    bs = 64
+    n = (1 << 31) + 3 * ELEMS + 4099   # > 2^31 elements, tail program and odd count
+    nbytes = (n + 1) // 2
+    nblocks = -(-n // bs)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=g)
+    codes = torch.randint(0, 256, (nblocks,), dtype=torch.uint8, device="cuda", generator=g)
+    nested = torch.rand(-(-nblocks // 256), device="cuda", generator=g) + 0.5
+    off = torch.tensor(0.25, device="cuda")
+    q = QTensor(data=data, scale=codes, fmt="nf4", shape=torch.Size([n]), dtype=torch.bfloat16,
+                params={"blocksize": bs, "double_quant": True}, nested_scale=nested, nested_offset=off)
+    got = k_nf4.dequantize_nf4(q, torch.bfloat16)
+    # the reference on the last nested group(s), which start at an element multiple of 256 * bs
+    start = ((n - 5 * ELEMS) // (256 * bs)) * (256 * bs)
+    sub = QTensor(data=data[start // 2:].cpu(), scale=codes[start // bs:].cpu(), fmt="nf4",
+                  shape=torch.Size([n - start]), dtype=torch.bfloat16,
+                  params={"blocksize": bs, "double_quant": True},
+                  nested_scale=nested[start // (256 * bs):].cpu(), nested_offset=off.cpu())
+    assert_bitexact(got[start:], ref_nf4.dequantize_nf4(sub, torch.bfloat16), "tail beyond 2^31")
+
+
+# ---------------------------------------------------------------------------------------------- INT4 AWQ
+
+def _check_awq(q, what=""):
+    for dt in OUT_DTYPES:
+        want = ref_awq.dequantize_int4_awq(q, dt)
+        got = k_awq.dequantize_int4_awq(q.to("cuda"), dt)
+        assert_bitexact(got, want, f"int4_awq {what} -> {dt}")
+
+
+def _random_awq(out_f, in_f, group, seed, special_scales=False):
+    """A QTensor with arbitrary packed words (every nibble pattern) and random fp16 scales."""
+    g = torch.Generator().manual_seed(seed)
+    ng = in_f // group
+    qweight = torch.randint(-(1 << 31), 1 << 31, (in_f, out_f // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    qzeros = torch.randint(-(1 << 31), 1 << 31, (ng, out_f // 8), generator=g, dtype=torch.int64).to(torch.int32)
+    scales = (torch.randn(ng, out_f, generator=g) * torch.logspace(-8, 4, out_f)).to(torch.float16)
+    if special_scales:
+        sv = scales.view(torch.int16).view(-1)
+        # +-inf, NaN payloads (signalling, negative, all ones), max, subnormals, +-0
+        pats = [0x7C00, 0xFC00, 0x7D23, 0xFFFF, 0x7E01, 0xFE00, 0x7BFF, 0x0001, 0x8000, 0x0000, 0x8001, 0x03FF,
+                0x7FFF, 0xFC01]
+        pats = torch.tensor([p - (1 << 16) if p >= 1 << 15 else p for p in pats], dtype=torch.int16)
+        idx = torch.randperm(sv.numel(), generator=g)[: 4 * pats.numel()]
+        sv[idx] = pats.repeat(4)[: idx.numel()]
+    return QTensor(data=qweight, scale=scales, fmt="int4_awq", shape=torch.Size((out_f, in_f)),
+                   dtype=torch.float16, zeros=qzeros, params={"group_size": group})
+
+
+@pytest.mark.parametrize("out_f, in_f", [(6144, 4096), (4096, 14336), (14336, 4096), (8, 32), (24, 96), (1032, 384)])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_awq_random_words(out_f, in_f, group):
+    if in_f % group:
+        pytest.skip("group must divide in")
+    _check_awq(_random_awq(out_f, in_f, group, seed=out_f + in_f + group, special_scales=True), f"{out_f}x{in_f} g{group}")
+
+
+@pytest.mark.parametrize("out_f, in_f, group", [(16, 96, 96), (8, 12, 3), (40, 48, 6), (24, 28, 7), (16, 160, 160),
+                                                (256, 14336, 14336), (8, 16, 1), (16, 384, 192)])
+def test_int4_awq_any_group_dividing_in(out_f, in_f, group):
+    _check_awq(_random_awq(out_f, in_f, group, seed=group, special_scales=True), f"{out_f}x{in_f} g{group}")
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_awq_quantized_weight_via_api(group):
+    x = torch.randn(6144, 4096, dtype=torch.bfloat16)
+    q = lowbit.quantize(x[:1536, :], "int4_awq", backend="torch", group_size=group)
+    qc = q.to("cuda")
+    for dt in OUT_DTYPES:
+        want = lowbit.dequantize(q, dt, backend="torch")
+        assert_bitexact(lowbit.dequantize(qc, dt, backend="triton"), want, f"triton g{group} {dt}")
+        assert_bitexact(lowbit.dequantize(qc, dt), want, f"auto g{group} {dt}")
+
+
+def test_int4_awq_int64_indexing_beyond_2_31_elements():
+    out_f, in_f, group = 8 * 32 * 1025, 8192, 128   # 262400 x 8192 > 2^31 outputs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qweight = torch.randint(-(1 << 31), 1 << 31, (in_f, out_f // 8), device="cuda", generator=g, dtype=torch.int64)
+    qweight = qweight.to(torch.int32)
+    qzeros = torch.randint(-(1 << 31), 1 << 31, (in_f // group, out_f // 8), device="cuda", generator=g,
+                           dtype=torch.int64).to(torch.int32)
+    scales = torch.rand(in_f // group, out_f, device="cuda", generator=g).to(torch.float16)
+    q = QTensor(data=qweight, scale=scales, fmt="int4_awq", shape=torch.Size((out_f, in_f)), dtype=torch.float16,
+                zeros=qzeros, params={"group_size": group})
+    got = k_awq.dequantize_int4_awq(q, torch.float16)
+    w = 40   # last 8 * w rows
+    sub = QTensor(data=qweight[:, -w:].cpu().contiguous(), scale=scales[:, -8 * w:].cpu().contiguous(),
+                  fmt="int4_awq", shape=torch.Size((8 * w, in_f)), dtype=torch.float16,
+                  zeros=qzeros[:, -w:].cpu().contiguous(), params={"group_size": group})
+    assert_bitexact(got[-8 * w:], ref_awq.dequantize_int4_awq(sub, torch.float16), "rows beyond 2^31")
+
+
+# --------------------------------------------------------------------------------------------- bandwidth
+
+def _gbs(fn, nbytes):
+    from triton.testing import do_bench
+    return nbytes / do_bench(fn, return_mode="median", warmup=25, rep=200) / 1e6
+
+
+def _copy_gbs():
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return _gbs(lambda: dst.copy_(src), 2 * src.numel() * 2)
+
+
+def test_bandwidth():
+    """GB/s of both kernels at 16384^2 against a same-size device copy (and bitsandbytes if installed).
+    The floor is loose (75% of copy) so that only a real regression fails; the target is >= 90%."""
+    copy = _copy_gbs()
+    n = 16384
+    rows = []
+    x = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    nblocks = n * n // 64
+    q = QTensor(data=torch.randint(0, 256, (n * n // 2,), dtype=torch.uint8, device="cuda"),
+                scale=torch.randint(0, 256, (nblocks,), dtype=torch.uint8, device="cuda"), fmt="nf4",
+                shape=torch.Size((n, n)), dtype=torch.bfloat16, params={"blocksize": 64, "double_quant": True},
+                nested_scale=torch.rand(nblocks // 256, device="cuda"), nested_offset=torch.tensor(0.01, device="cuda"))
+    nf4_bytes = {dt: q.nbytes + n * n * dt.itemsize for dt in OUT_DTYPES}
+    for dt in OUT_DTYPES:
+        gbs = _gbs(lambda dt=dt: k_nf4.dequantize_nf4(q, dt), nf4_bytes[dt])
+        rows.append({"kernel": "nf4 dq bs64", "out": str(dt), "GB/s": gbs, "pct_copy": 100 * gbs / copy})
+    try:
+        import bitsandbytes.functional as bnbf
+        packed, state = bnbf.quantize_4bit(x, blocksize=64, quant_type="nf4", compress_statistics=True)
+        gbs = _gbs(lambda: bnbf.dequantize_4bit(packed, state, quant_type="nf4"), nf4_bytes[torch.bfloat16])
+        rows.append({"kernel": "bitsandbytes dequantize_4bit", "out": "torch.bfloat16", "GB/s": gbs,
+                     "pct_copy": 100 * gbs / copy})
+    except Exception as e:  # noqa: BLE001 - bitsandbytes is optional here
+        rows.append({"kernel": "bitsandbytes", "error": f"{type(e).__name__}: {e}"})
+    qa = _random_awq(n, n, 128, seed=0).to("cuda")
+    for dt in OUT_DTYPES:
+        gbs = _gbs(lambda dt=dt: k_awq.dequantize_int4_awq(qa, dt), qa.nbytes + n * n * dt.itemsize)
+        rows.append({"kernel": "int4_awq g128", "out": str(dt), "GB/s": gbs, "pct_copy": 100 * gbs / copy})
+    sweep = []
+    if os.environ.get("LOWBIT_SWEEP") == "1":
+        saved_n, saved_a = dict(k_nf4.TILE), dict(k_awq.TILE)
+        try:
+            for elems in (2048, 4096, 8192, 16384):
+                for warps in (4, 8):
+                    k_nf4.TILE.update(elems=elems, warps=warps)
+                    gbs = _gbs(lambda: k_nf4.dequantize_nf4(q, torch.bfloat16), nf4_bytes[torch.bfloat16])
+                    sweep.append({"kernel": "nf4", "elems": elems, "warps": warps, "pct_copy": 100 * gbs / copy})
+                    for cols in (64, 128, 256):
+                        k_awq.TILE.update(elems=elems, cols=cols, warps=warps)
+                        gbs = _gbs(lambda: k_awq.dequantize_int4_awq(qa, torch.float16), qa.nbytes + n * n * 2)
+                        sweep.append({"kernel": "int4_awq", "elems": elems, "cols": cols, "warps": warps,
+                                      "pct_copy": 100 * gbs / copy})
+        finally:
+            k_nf4.TILE.update(saved_n)
+            k_awq.TILE.update(saved_a)
+    report = {"gpu": torch.cuda.get_device_name(), "copy_GBps": copy, "rows": rows, "sweep": sweep}
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "nf4_int4_bandwidth.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    print(json.dumps(report, indent=1))
+    for r in rows:
+        if "pct_copy" in r and not r["kernel"].startswith("bitsandbytes"):
+            assert r["pct_copy"] >= 75, f"{r['kernel']} -> {r['out']}: {r['GB/s']:.0f} GB/s is {r['pct_copy']:.1f}% of copy"
