@@ -16,18 +16,20 @@ from ._nf4 import _is_nan
 @triton.jit
 def _dequantize_int4_awq_kernel(
     qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
-    IN, OUT, OUTW,
+    IN, OUT, OUTW, NC,
     GROUP: tl.constexpr, TI: tl.constexpr, TC: tl.constexpr, OUT_KIND: tl.constexpr, ON_GPU: tl.constexpr,
 ):
     """One program writes out[8*c0 : 8*(c0+TC), i0 : i0+TI] (a column tile inside one group: TI divides GROUP).
 
-    qweight int32 [IN, OUTW], qzeros int32 [IN/GROUP, OUTW], scales fp16 [IN/GROUP, OUT], OUTW = OUT/8;
+    qweight int32 [IN, OUTW], qzeros int32 [IN/GROUP, OUTW], scales fp16 [IN/GROUP, OUT], OUTW = OUT/8,
+    NC = cdiv(OUTW, TC);
     nibble j of a word holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][j]. ``out_ptr`` is an integer view of the
     [OUT, IN] output (int32 for fp32, int16 for bf16/fp16; OUT_KIND 0, 1, 2).
     """
-    # consecutive programs take adjacent word columns of the same qweight rows
-    pid_c = tl.program_id(0)
-    pid_i = tl.program_id(1)
+    # a 1-D grid of NC column tiles per row tile: consecutive programs read adjacent words of the same rows
+    pid = tl.program_id(0)
+    pid_c = pid % NC
+    pid_i = pid // NC
     i0 = pid_i.to(tl.int64) * TI
     c0 = pid_c * TC
     g = i0 // GROUP

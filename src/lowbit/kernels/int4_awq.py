@@ -49,10 +49,10 @@ def dequantize_int4_awq(q: QTensor, dtype: torch.dtype = torch.float32) -> torch
     if out.numel():
         ti, tc = _tiles(group_size, out_kind)
         outw = out_features // 8
-        grid = (triton.cdiv(outw, tc), in_features // ti)
-        k._dequantize_int4_awq_kernel[grid](
+        nc = triton.cdiv(outw, tc)
+        k._dequantize_int4_awq_kernel[(nc * (in_features // ti),)](
             q.data.contiguous(), q.zeros.contiguous(), q.scale.contiguous(), out.view(int_view),
-            in_features, out_features, outw,
+            in_features, out_features, outw, nc,
             GROUP=group_size, TI=ti, TC=tc, OUT_KIND=out_kind, ON_GPU=not _interpreting(),
             num_warps=TILE["warps"], enable_fp_fusion=False,
         )
@@ -63,7 +63,7 @@ def compile_variants():
     """(kernel, signature, constexprs) of every code path the launcher can start: each output dtype at
     group 128, and the tile shapes of the other group sizes (32, 64, in = 14336, an odd group)."""
     sig = {"qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*fp16", "out_ptr": "*i16",
-           "IN": "i32", "OUT": "i32", "OUTW": "i32"}
+           "IN": "i32", "OUT": "i32", "OUTW": "i32", "NC": "i32"}
     cases = [(128, 0), (128, 1), (128, 2), (32, 2), (64, 1), (14336, 1), (96, 0), (3, 1)]
     for group_size, out_kind in cases:
         ti, tc = _tiles(group_size, out_kind)
