@@ -3,8 +3,9 @@
 Bytes moved per element: n/2 packed + 4n/blocksize absmax (or n/blocksize codes + 4n/(256 blocksize)
 nested absmax with double quantization) read, 4 (fp32) or 2 (bf16/fp16) written. One pass, no host sync.
 
-NaN bits follow the reference as it runs on x86 (see ``_nf4``): the default NaN of ``0 * inf`` is
-0xFFC00000 there (an aarch64 host would give 0x7FC00000) and fp16 NaN keeps its payload as F16C does.
+NaN bits follow the reference as it runs on an x86 host with vectorized ATen kernels (see ``_nf4``): the
+default NaN of ``0 * inf`` is 0xFFC00000 there (an aarch64 host would give 0x7FC00000) and fp16 NaN keeps
+its payload as F16C does.
 """
 
 from __future__ import annotations
