@@ -545,3 +545,27 @@ def test_column_major_scales_bad_arguments():
         column_major_scales(torch.ones(4, 2, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"scale must be 2-D \[M, G\] or 3-D"):
         column_major_scales(torch.ones(4))
+
+
+def test_column_major_scale_layout_option():
+    from lowbit.formats.fp8_block import column_major_scales
+
+    x = torch.randn(5, 300)
+    lin = lowbit.quantize(x, "fp8_block")
+    col = lowbit.quantize(x, "fp8_block", scale_layout="column_major")
+    assert col.scale_layout == "column_major" and col.scale.stride(-2) == 1
+    assert torch.equal(col.scale, lin.scale)
+    assert torch.equal(col.scale, column_major_scales(lin.scale))
+    assert torch.equal(lowbit.dequantize(col), lowbit.dequantize(lin))
+    with pytest.raises(ValueError, match="column_major"):
+        lowbit.quantize(torch.randn(256, 256), "fp8_block", block=(128, 128), scale_layout="column_major")
+    with pytest.raises(ValueError, match="scale_layout"):
+        lowbit.quantize(x, "fp8_block", scale_layout="row")
+
+
+def test_dequantized_nan_is_canonical():
+    x = torch.randn(2, 256)
+    x[0, 5] = float("nan")
+    out = lowbit.dequantize(lowbit.quantize(x, "fp8_block"), torch.bfloat16)
+    bits = out.view(torch.int16)[0, :128]
+    assert (bits == 0x7FC0).all()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .codecs import encode_minifloat
+from .codecs import canonical_nan, encode_minifloat
 from .qtensor import QTensor
 from .spec import E4M3
 
@@ -129,8 +129,11 @@ def _quantize_128x128(x: torch.Tensor, scale_fmt: str | None) -> tuple[torch.Ten
     return codes[:n, :k].contiguous(), s
 
 
+SCALE_LAYOUTS = ("linear", "column_major")
+
+
 def quantize_fp8_block(
-    x: torch.Tensor, block: tuple[int, int] = (1, 128), scale_fmt: str | None = None
+    x: torch.Tensor, block: tuple[int, int] = (1, 128), scale_fmt: str | None = None, scale_layout: str = "linear"
 ) -> QTensor:
     """DeepSeek-V3 FP8: E4M3 values with one fp32 scale per 1x128 or 128x128 block.
 
@@ -141,6 +144,9 @@ def quantize_fp8_block(
             ``per_block_cast_to_fp8``).
         scale_fmt: None (scale ``amax/448``) or ``"ue8m0"`` (that scale rounded up to a power of two,
             see :func:`ue8m0_ceil`).
+        scale_layout: ``"linear"`` (row-major) or ``"column_major"``: block ``(1, 128)`` on a 2-D or 3-D x
+            only; the same values in the MN-major TMA-aligned layout of :func:`column_major_scales`, which
+            DeepGEMM-style GEMMs read.
 
     Returns:
         QTensor with ``data`` float8_e4m3fn shaped like x and ``scale`` float32 ``[..., ceil(K/128)]``
@@ -151,16 +157,24 @@ def quantize_fp8_block(
     block = _check_block(block)
     scale_fmt = _check_scale_fmt(scale_fmt)
     _check_input(x, block)
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"fp8_block: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if scale_layout == "column_major" and (block != (1, 128) or x.dim() not in (2, 3)):
+        raise ValueError("fp8_block: scale_layout='column_major' needs block (1, 128) and a 2-D [M, K] or "
+                         f"3-D [B, M, K] x, got block {block} and shape {tuple(x.shape)}")
     if block == (1, 128):
         codes, scale = _quantize_1x128(x, scale_fmt)
     else:
         codes, scale = _quantize_128x128(x, scale_fmt)
+    if scale_layout == "column_major":
+        scale = column_major_scales(scale)
     return QTensor(
         data=codes.view(torch.float8_e4m3fn),
         scale=scale,
         fmt="fp8_block",
         shape=x.shape,
         dtype=x.dtype,
+        scale_layout=scale_layout,
         params={"block": block, "scale_fmt": scale_fmt},
     )
 
@@ -209,7 +223,7 @@ def dequantize_fp8_block(q: QTensor, dtype: torch.dtype = torch.float32) -> torc
     else:
         n, k = q.shape
         mult = q.scale.repeat_interleave(BLOCK_SIZE, dim=0)[:n].repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
-    return (values * mult).to(dtype)
+    return canonical_nan(values * mult, dtype)
 
 
 def _check_pow2_scales(scale: torch.Tensor, name: str) -> None:
