@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import positive_fp32_scalar
-from .codecs import canonical_nan, decode_e8m0, decode_minifloat, encode_e8m0, encode_minifloat
+from .codecs import canonical_nan, true_div, decode_e8m0, decode_minifloat, encode_e8m0, encode_minifloat
 from .packing import pack_fp4, pack_fp6, swizzle_scales, unpack_fp4, unpack_fp6, unswizzle_scales
 from .qtensor import QTensor
 from .spec import E2M1, E4M3, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
@@ -135,7 +135,7 @@ def torchao_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     Returns:
         fp32 tensor of ``amax``'s shape.
     """
-    return amax.to(torch.float32) / (F8E4M3_MAX * F4_MAX)
+    return true_div(amax.to(torch.float32), F8E4M3_MAX * F4_MAX)
 
 
 def _torchao_default_pts(amax: torch.Tensor) -> torch.Tensor:
@@ -202,7 +202,7 @@ def quantize_nvfp4(
 
     if convention is NVFP4Convention.TORCHAO:
         amax_b = xb.abs().amax(dim=-1)
-        block_scale = amax_b / F4_MAX
+        block_scale = true_div(amax_b, F4_MAX)
         tiny = torch.finfo(torch.float8_e4m3fn).tiny
         if s is None:
             sf = block_scale.clamp(min=tiny, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
@@ -216,7 +216,7 @@ def quantize_nvfp4(
     elif convention is NVFP4Convention.COMPRESSED_TENSORS:
         # llm-compressor computes amax/6 in the weight's dtype, then promotes to fp32 for the global scale
         amax_b = x.detach().reshape(xb.shape).abs().amax(dim=-1)
-        local = (amax_b / F4_MAX).float()
+        local = true_div(amax_b, F4_MAX).float()
         s_eff = torch.ones((), dtype=torch.float32, device=x.device) if s is None else s
         sf = (s_eff * local).clamp(-F8E4M3_MAX, F8E4M3_MAX).to(torch.float8_e4m3fn)
         sf = torch.where(sf.float() == 0, torch.full_like(sf, 0.125), sf)
@@ -326,7 +326,7 @@ def quantize_blockscaled(
     elif scale_type == "fp32":
         if global_scale is not None:
             raise ValueError("fp32-scaled formats take no global_scale")
-        sf = canonical_nan(amax_b / element.max_normal)
+        sf = canonical_nan(true_div(amax_b, element.max_normal))
         safe = torch.where(sf == 0, torch.ones_like(sf), sf)
         scaled = torch.where(sf.unsqueeze(-1) == 0, xb * 0.0, xb / safe.unsqueeze(-1))
     else:

@@ -106,6 +106,16 @@ def canonical_nan(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     return torch.where(x.isnan(), nan, y)
 
 
+def true_div(a: torch.Tensor, c: float) -> torch.Tensor:
+    """``a / c`` as an IEEE division on every device.
+
+    On CUDA, PyTorch turns ``tensor / python_number`` into a multiply by the rounded reciprocal, which
+    differs from the division in the last bit; dividing by a same-device tensor keeps true division, so the
+    reference gives the CPU's bits everywhere.
+    """
+    return a / torch.tensor(c, dtype=a.dtype, device=a.device)
+
+
 def encode_e8m0(x: torch.Tensor, rounding: ScaleRounding | str) -> torch.Tensor:
     """Power-of-two scale code (uint8) for the magnitude of fp32 ``x``.
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .codecs import canonical_nan, encode_minifloat
+from .codecs import canonical_nan, encode_minifloat, true_div
 from .qtensor import QTensor
 from .spec import E4M3
 
@@ -89,7 +89,7 @@ def ue8m0_ceil(s: torch.Tensor) -> torch.Tensor:
 
 
 def _block_scale(amax: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
-    s = amax.clamp(min=AMAX_EPS) / FP8_E4M3_MAX
+    s = true_div(amax.clamp(min=AMAX_EPS), FP8_E4M3_MAX)
     if scale_fmt == "ue8m0":
         s = ue8m0_ceil(s)
     # NaN payloads differ between torch kernels (CPU max can give 0xFFFFFFFF); store one NaN pattern

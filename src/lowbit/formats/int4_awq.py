@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from .codecs import true_div
 from .qtensor import QTensor
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -221,7 +222,7 @@ def quantize_int4_awq(x: torch.Tensor, group_size: int = 128) -> QTensor:
 
     max_val = wg.amax(dim=-1, keepdim=True)
     min_val = wg.amin(dim=-1, keepdim=True)
-    scales = (max_val - min_val).clamp(min=1e-5) / _MAX_INT
+    scales = true_div((max_val - min_val).clamp(min=1e-5), _MAX_INT)
     zeros = (-torch.round(min_val / scales)).clamp(0, _MAX_INT)
     w_fq = (torch.clamp(torch.round(wg / scales) + zeros, 0, _MAX_INT) - zeros) * scales
     if not (torch.isfinite(scales).all() and torch.isfinite(w_fq).all()):
