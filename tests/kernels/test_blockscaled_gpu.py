@@ -91,3 +91,11 @@ def test_int64_indexing_beyond_2_31_elements():
     assert torch.equal(q.scale[-64:].cpu().view(torch.uint8), r.scale.view(torch.uint8))
     d = lowbit.dequantize(q, torch.bfloat16, backend="triton")
     assert torch.equal(d[-64:].cpu(), lowbit.dequantize(r, torch.bfloat16, backend="torch"))
+
+
+def test_cuda_global_scale_matches_cpu_scale():
+    x = torch.randn(300, 512)
+    g = torch.tensor(3.5)
+    r = lowbit.quantize(x, "nvfp4", global_scale=g, backend="torch")
+    q = lowbit.quantize(x.cuda(), "nvfp4", global_scale=g.cuda(), backend="triton")
+    _check(q, r)

@@ -274,11 +274,15 @@ def _dequantize_blockscaled_kernel(
 
 
 @triton.jit
-def _finite_absmax_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    """max |x| over finite elements into out_ptr[0] (int32 bits of a non-negative fp32, atomic max)."""
+def _finite_absmax_kernel(x_ptr, out_ptr, N, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """max |x| over finite elements into out_ptr[0] (int32 bits of a non-negative fp32, atomic max).
+
+    Each program reduces CHUNKS chunks before its one atomic, so a large tensor costs few atomics.
+    """
     pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-    a = tl.abs(x)
-    a = tl.where((a == a) & (a != float("inf")), a, 0.0)
-    tl.atomic_max(out_ptr, tl.max(a, axis=0).to(tl.int32, bitcast=True))
+    best = tl.zeros((CHUNK,), dtype=tl.float32)
+    for c in range(CHUNKS):
+        offs = (pid * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
+        best = tl.maximum(best, tl.where((a == a) & (a != float("inf")), a, 0.0))
+    tl.atomic_max(out_ptr, tl.max(best, axis=0).to(tl.int32, bitcast=True))

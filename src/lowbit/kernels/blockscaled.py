@@ -69,6 +69,9 @@ def _scale_sig(kind: int) -> str:
 def compile_variants():
     yield from quantize_variants()
     yield from dequantize_variants()
+    for dtype in ("*bf16", "*fp16", "*fp32"):
+        yield (k._finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
+               {"CHUNK": _ABSMAX_CHUNK, "CHUNKS": _ABSMAX_CHUNKS})
 
 
 _MX_KINDS = (k.SCALE_E8M0_RCEIL, k.SCALE_E8M0_FLOOR)
@@ -118,13 +121,18 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype):
     return data, scale
 
 
+_ABSMAX_CHUNK = 4096
+_ABSMAX_CHUNKS = 16
+
+
 def finite_absmax(x: torch.Tensor) -> torch.Tensor:
     """fp32 max |x| over finite elements, on x's device, without a host sync."""
     flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flat.numel():
-        block = 4096
-        k._finite_absmax_kernel[(triton.cdiv(flat.numel(), block),)](flat, out, flat.numel(), BLOCK=block, num_warps=8)
+        per_program = _ABSMAX_CHUNK * _ABSMAX_CHUNKS
+        k._finite_absmax_kernel[(triton.cdiv(flat.numel(), per_program),)](
+            flat, out, flat.numel(), CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=8)
     return out.view(torch.float32).reshape(())
 
 
@@ -133,6 +141,16 @@ def nvfp4_default_global_scale(x: torch.Tensor) -> torch.Tensor:
     amax = finite_absmax(x).to(x.dtype).float()
     g = (ref.F8E4M3_MAX * ref.F4_MAX / amax).clamp(max=torch.finfo(torch.float32).max)
     return torch.where(amax == 0, torch.ones_like(g), g)
+
+
+def _device_global_scale(g: torch.Tensor) -> torch.Tensor:
+    """The QTensor keeps a view of a CUDA global scale (no copy, no sync), as static activation scales are
+    shared buffers in serving engines."""
+    if g.dtype != torch.float32:
+        raise TypeError(f"global_scale must be float32, got {g.dtype}")
+    if g.numel() != 1:
+        raise ValueError(f"global_scale must hold one value, got shape {tuple(g.shape)}")
+    return g.detach().reshape(())
 
 
 def quantize_nvfp4(
@@ -152,6 +170,9 @@ def quantize_nvfp4(
         s = None
     elif global_scale is None:
         s = nvfp4_default_global_scale(x)
+    elif isinstance(global_scale, torch.Tensor) and global_scale.is_cuda:
+        # a CUDA scale is checked for dtype and size only: reading its value would stall the stream
+        s = _device_global_scale(global_scale)
     else:
         s = positive_fp32_scalar(global_scale, "global_scale").to(x.device)
     data, scale = _launch_quantize(
