@@ -19,66 +19,42 @@ ELEM_E5M2 = 2
 
 
 @triton.jit
-def _encode_e2m1(x):
-    """fp32 -> E2M1 code: the grid has step 0.5 below 2, 1 below 4 and 2 above, so one rint per element.
+def _encode_minifloat(x, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr,
+                      NAN_FIXUP: tl.constexpr):
+    """fp32 -> sign-magnitude E{EBITS}M{MBITS} code, round-to-nearest-even, saturating; NaN -> +max code.
 
-    Ties land on the even code in every piece (0.25->0, 0.75->1.0, 2.5->2, 3.5->4, 5->4), as RNE wants.
+    Normal range: the fp32 significand is rounded to MBITS bits on the bit pattern (add half an ulp minus
+    one plus the kept LSB, then shift), which also carries into the exponent; rebasing the exponent by
+    (127 - BIAS) makes the shifted value the code. Subnormal range: one uniform step, rounded with the
+    1.5*2^23 magic number. On the GPU a NaN reaches min(|x|, MAX) as MAX (min returns the number) with a
+    clear sign bit (GPU arithmetic makes the positive canonical NaN), so it already encodes as the max
+    code; NAN_FIXUP adds the explicit test where that does not hold (the interpreter).
     """
     bits = x.to(tl.int32, bitcast=True)
-    a = tl.minimum(tl.abs(x), 6.0)
-    small = a < 2.0
-    mid = a < 4.0
-    m = tl.where(small, 2.0, tl.where(mid, 1.0, 0.5))
-    base = tl.where(small, 0, tl.where(mid, 2, 4))
-    r = ((a * m + 12582912.0) - 12582912.0).to(tl.int32)
-    code = (r + base) | ((bits >> 28) & 8)
-    return tl.where(x != x, 7, code)
-
-
-@triton.jit
-def _decode_e2m1(code):
-    """E2M1 code -> fp32: magnitudes 0..4 are code/2, then 3, 4, 6."""
-    mag = code & 7
-    m = mag.to(tl.float32)
-    v = tl.where(mag <= 4, m * 0.5, tl.where(mag == 7, 6.0, m - 2.0))
-    return (v.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _encode_minifloat(x, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):
-    """fp32 -> sign-magnitude code, round-to-nearest-even, saturating; NaN -> +max code.
-
-    With e = max(exponent(a), emin) and r = rint(a / 2^(e - MBITS)), the code is
-    (e - emin) * 2^MBITS + r: a carry of r into the next binade lands on the right code by itself.
-    """
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
     a = tl.minimum(tl.abs(x), MAX)
-    emin: tl.constexpr = 1 - BIAS
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, emin)
-    # 2^-(e - MBITS), built from exponent bits so the scaling is exact
-    inv_quantum = ((127 - (e - MBITS)) << 23).to(tl.float32, bitcast=True)
-    # adding and removing 1.5*2^23 rounds to an integer, ties to even, for 0 <= y < 2^22
-    y = a * inv_quantum
-    r = ((y + 12582912.0) - 12582912.0).to(tl.int32)
-    code = (e - emin) * (1 << MBITS) + r
-    max_code: tl.constexpr = (1 << (EBITS + MBITS)) - 1
-    code = tl.where(x != x, max_code, code | (sign << (EBITS + MBITS)))
+    ab = a.to(tl.int32, bitcast=True)
+    SHIFT: tl.constexpr = 23 - MBITS
+    normal = (ab + ((1 << (SHIFT - 1)) - 1) + ((ab >> SHIFT) & 1) - ((127 - BIAS) << 23)) >> SHIFT
+    SUB_SCALE: tl.constexpr = 2.0 ** (MBITS - 1 + BIAS)
+    sub = (a * SUB_SCALE + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+    MIN_NORMAL: tl.constexpr = 2.0 ** (1 - BIAS)
+    SIGN: tl.constexpr = 1 << (EBITS + MBITS)
+    code = tl.where(a < MIN_NORMAL, sub, normal) | ((bits >> (31 - EBITS - MBITS)) & SIGN)
+    if NAN_FIXUP:
+        code = tl.where(x != x, SIGN - 1, code)
     return code
 
 
 @triton.jit
 def _decode_minifloat(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
-    mag = code & ((1 << (EBITS + MBITS)) - 1)
-    exp_field = mag >> MBITS
-    mant = mag & ((1 << MBITS) - 1)
-    normal = (((exp_field - BIAS + 127) << 23) | (mant << (23 - MBITS))).to(tl.float32, bitcast=True)
-    sub_unit: tl.constexpr = 2.0 ** (1 - BIAS - MBITS)
-    value = tl.where(exp_field == 0, mant.to(tl.float32) * sub_unit, normal)
-    # set the sign bit directly: `-value` compiles to 0 - value, which turns code -0 into +0
-    sign = ((code >> (EBITS + MBITS)) & 1) << 31
-    return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    """Code -> fp32 by building the fp32 bit pattern; subnormal codes are integer multiples of one step."""
+    SIGN: tl.constexpr = 1 << (EBITS + MBITS)
+    mag = code & (SIGN - 1)
+    normal = (mag + ((127 - BIAS) << MBITS)) << (23 - MBITS)
+    STEP: tl.constexpr = 2.0 ** (1 - BIAS - MBITS)
+    sub = (mag.to(tl.float32) * STEP).to(tl.int32, bitcast=True)
+    vbits = tl.where(mag < (1 << MBITS), sub, normal) | ((code & SIGN) << (31 - EBITS - MBITS))
+    return vbits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -165,6 +141,7 @@ def _quantize_blockscaled_kernel(
     SCALE_KIND: tl.constexpr, ELEM_KIND: tl.constexpr,
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr,
     EMAX: tl.constexpr, PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr,
+    NAN_FIXUP: tl.constexpr,
 ):
     """x is contiguous, so it is a flat sequence of groups: each program quantizes BLOCK_G of them."""
     pid = tl.program_id(0).to(tl.int64)
@@ -178,10 +155,8 @@ def _quantize_blockscaled_kernel(
         s = 1.0
     scaled, scale_out = _group_scales(x, SCALE_KIND, MAX, RCP_MAX, EMAX, s)
 
-    if ELEM_KIND == 0 and EBITS == 2 and MBITS == 1:
-        codes = _encode_e2m1(scaled)
-    elif ELEM_KIND == 0:
-        codes = _encode_minifloat(scaled, EBITS, MBITS, BIAS, MAX)
+    if ELEM_KIND == 0:
+        codes = _encode_minifloat(scaled, EBITS, MBITS, BIAS, MAX, NAN_FIXUP)
     else:
         codes = _encode_fp8(scaled, ELEM_KIND, MAX)
 
@@ -246,9 +221,7 @@ def _dequantize_blockscaled_kernel(
     else:
         codes = tl.load(data_ptr + g[:, None] * GROUP + e[None, :], mask=g_ok[:, None], other=0).to(tl.int32)
 
-    if ELEM_KIND == 0 and EBITS == 2 and MBITS == 1:
-        v = _decode_e2m1(codes)
-    elif ELEM_KIND == 0:
+    if ELEM_KIND == 0:
         v = _decode_minifloat(codes, EBITS, MBITS, BIAS)
     elif ELEM_KIND == 1:
         v = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
