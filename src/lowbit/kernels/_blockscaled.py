@@ -254,7 +254,8 @@ def _finite_absmax_kernel(x_ptr, out_ptr, N, CHUNK: tl.constexpr, CHUNKS: tl.con
     """
     pid = tl.program_id(0).to(tl.int64)
     best = tl.zeros((CHUNK,), dtype=tl.float32)
-    for c in range(CHUNKS):
+    # unrolled, so the chunk loads are all in flight before the first max
+    for c in tl.static_range(CHUNKS):
         offs = (pid * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
         a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
         best = tl.maximum(best, tl.where((a == a) & (a != float("inf")), a, 0.0))

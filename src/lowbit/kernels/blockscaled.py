@@ -129,8 +129,8 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype):
     return data, scale
 
 
-_ABSMAX_CHUNK = 4096
-_ABSMAX_CHUNKS = 16
+_ABSMAX_CHUNK = 2048
+_ABSMAX_CHUNKS = 8
 
 
 def finite_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +140,7 @@ def finite_absmax(x: torch.Tensor) -> torch.Tensor:
     if flat.numel():
         per_program = _ABSMAX_CHUNK * _ABSMAX_CHUNKS
         k._finite_absmax_kernel[(triton.cdiv(flat.numel(), per_program),)](
-            flat, out, flat.numel(), CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=8)
+            flat, out, flat.numel(), CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4)
     return out.view(torch.float32).reshape(())
 
 
