@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -64,9 +65,17 @@ def _pick(backend: str | None, tensor: torch.Tensor, kernel: Callable[..., Any] 
     return reference
 
 
+@functools.cache
 def _impl(name: str, which: int) -> Callable[..., Any]:
     module, *fns = _IMPLS[name]
     return getattr(importlib.import_module(f"lowbit.formats.{module}"), fns[which])
+
+
+@functools.cache
+def _signature(name: str) -> tuple[tuple[str, ...], bool]:
+    """(option names, whether the function takes ``fmt``) of a format's reference quantize function."""
+    params = list(inspect.signature(_impl(name, 0)).parameters)[1:]
+    return tuple(p for p in params if p != "fmt"), "fmt" in params
 
 
 def _resolve(fmt: str | FormatSpec) -> tuple[str, dict[str, Any]]:
@@ -79,11 +88,6 @@ def _resolve(fmt: str | FormatSpec) -> tuple[str, dict[str, Any]]:
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; known formats: {sorted(FORMATS)}")
     return fmt, {}
-
-
-def _option_names(fn: Callable[..., Any]) -> list[str]:
-    params = list(inspect.signature(fn).parameters.values())[1:]
-    return [p.name for p in params if p.name != "fmt"]
 
 
 def quantize(x: torch.Tensor, fmt: str | FormatSpec, *, backend: str | None = None, **options: Any) -> QTensor:
@@ -107,13 +111,13 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, *, backend: str | None = No
     """
     name, defaults = _resolve(fmt)
     fn = _impl(name, 0)
-    allowed = _option_names(fn)
-    unknown = sorted(set(options) - set(allowed))
+    allowed, takes_fmt = _signature(name)
+    unknown = [k for k in options if k not in allowed]
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for format {name!r}; valid options: {allowed}")
+        raise ValueError(f"unknown option(s) {sorted(unknown)} for format {name!r}; valid options: {list(allowed)}")
     kwargs = {k: v for k, v in defaults.items() if k in allowed}
     kwargs.update(options)
-    if "fmt" in inspect.signature(fn).parameters:
+    if takes_fmt:
         kwargs["fmt"] = name
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

@@ -45,19 +45,28 @@ def triton_available() -> str | None:
     return None
 
 
+@functools.cache
+def _launcher(module: str, name: str) -> Callable[..., Any] | None:
+    # cached: module lookups cost microseconds, which small launches cannot afford on every call
+    if importlib.util.find_spec(f"lowbit.kernels.{module}") is None:
+        return None
+    return getattr(importlib.import_module(f"lowbit.kernels.{module}"), name)
+
+
 def _lookup(table: dict, fmt: str, arg: Any, what: str) -> Callable[..., Any] | str:
     entry = table.get(fmt)
     if entry is None:
         return f"no triton {what} kernel for format {fmt!r} yet"
     module, name, covers = entry
-    if importlib.util.find_spec(f"lowbit.kernels.{module}") is None:
-        return f"no triton {what} kernel for format {fmt!r} yet"
-    if not covers(arg):
-        return f"the triton {what} kernel for {fmt!r} does not cover these options"
     reason = triton_available()
     if reason:
         return reason
-    return getattr(importlib.import_module(f"lowbit.kernels.{module}"), name)
+    launcher = _launcher(module, name)
+    if launcher is None:
+        return f"no triton {what} kernel for format {fmt!r} yet"
+    if not covers(arg):
+        return f"the triton {what} kernel for {fmt!r} does not cover these options"
+    return launcher
 
 
 def quantize_kernel(fmt: str, options: dict) -> Callable[..., Any] | str:

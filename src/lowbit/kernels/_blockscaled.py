@@ -135,21 +135,31 @@ def _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED: tl.constex
 
 @triton.jit
 def _quantize_blockscaled_kernel(
-    x_ptr, data_ptr, scale_ptr, gscale_ptr,
+    x_ptr, data_ptr, scale_ptr, gscale_ptr, amax_ptr,
     n_groups, groups_per_row, n_scale_cols_padded4,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr,
     SCALE_KIND: tl.constexpr, ELEM_KIND: tl.constexpr,
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr,
     EMAX: tl.constexpr, PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr,
-    NAN_FIXUP: tl.constexpr,
+    NAN_FIXUP: tl.constexpr, GSCALE_FROM_AMAX: tl.constexpr = False,
 ):
-    """x is contiguous, so it is a flat sequence of groups: each program quantizes BLOCK_G of them."""
+    """x is contiguous, so it is a flat sequence of groups: each program quantizes BLOCK_G of them.
+
+    GSCALE_FROM_AMAX: the global scale is the default ``2688/amax`` (1 for amax 0, capped at FLT_MAX) of
+    the finite absmax in ``amax_ptr`` (fp32 bits), computed here as the reference does; program 0 writes it
+    to ``gscale_ptr``.
+    """
     pid = tl.program_id(0).to(tl.int64)
     g = pid * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)
     g_ok = g < n_groups
     e = tl.arange(0, GROUP)
     x = tl.load(x_ptr + g[:, None] * GROUP + e[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
-    if HAS_GSCALE:
+    if GSCALE_FROM_AMAX:
+        amax_t = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+        s = tl.where(amax_t == 0, 1.0, tl.minimum(tl.div_rn(2688.0, amax_t), 3.4028234663852886e38))
+        if pid == 0:
+            tl.store(gscale_ptr, s)
+    elif HAS_GSCALE:
         s = tl.load(gscale_ptr)
     else:
         s = 1.0

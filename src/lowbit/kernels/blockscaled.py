@@ -44,7 +44,7 @@ def _block_g(group: int) -> int:
 
 def quantize_variants():
     """(kernel, signature, constexprs) of every quantize code path the launchers can start."""
-    sig = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "gscale_ptr": "*fp32",
+    sig = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "gscale_ptr": "*fp32", "amax_ptr": "*i32",
            "n_groups": "i64", "groups_per_row": "i32", "n_scale_cols_padded4": "i32"}
     for fmt, group, kinds, has_g in _FORMAT_VARIANTS:
         elem = FORMATS[fmt].element
@@ -54,6 +54,9 @@ def quantize_variants():
                               RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax, HAS_GSCALE=has_g,
                               SWIZZLED=swizzled, NAN_FIXUP=False, **_elem_args(elem))
                 yield k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)), consts
+                if fmt == "nvfp4" and not has_g:
+                    yield (k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)),
+                           dict(consts, GSCALE_FROM_AMAX=True))
 
 
 def dequantize_variants():
@@ -102,7 +105,7 @@ def _scale_buffer(m: int, cols: int, swizzled: bool, dtype: torch.dtype, device)
     return torch.empty(m, cols, dtype=dtype, device=device)
 
 
-def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype):
+def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, amax=None):
     # the kernel sees a contiguous tensor as a flat sequence of groups; other layouts are copied first
     x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).contiguous()
     m, kdim = x2.shape
@@ -113,11 +116,12 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype):
     if n_groups:
         block_g = _block_g(group)
         k._quantize_blockscaled_kernel[(triton.cdiv(n_groups, block_g),)](
-            x2, data, scale, gscale if gscale is not None else scale,
+            x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
             n_groups, cols, -(-cols // 4) * 4,
             BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind,
             MAX=elem.max_normal, RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax,
-            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, NAN_FIXUP=_interpreting(),
+            HAS_GSCALE=gscale is not None and amax is None, SWIZZLED=swizzled, NAN_FIXUP=_interpreting(),
+            GSCALE_FROM_AMAX=amax is not None,
             num_warps=TILE["warps"], **_elem_args(elem),
         )
     lead = x.shape[:-1]
@@ -133,22 +137,20 @@ _ABSMAX_CHUNK = 2048
 _ABSMAX_CHUNKS = 8
 
 
-def finite_absmax(x: torch.Tensor) -> torch.Tensor:
-    """fp32 max |x| over finite elements, on x's device, without a host sync."""
+def _finite_absmax_bits(x: torch.Tensor) -> torch.Tensor:
+    """int32 [1] holding the fp32 bits of max |x| over finite elements (no host sync)."""
     flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flat.numel():
         per_program = _ABSMAX_CHUNK * _ABSMAX_CHUNKS
         k._finite_absmax_kernel[(triton.cdiv(flat.numel(), per_program),)](
             flat, out, flat.numel(), CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4)
-    return out.view(torch.float32).reshape(())
+    return out
 
 
-def nvfp4_default_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """vllm convention ``2688/amax`` (1.0 for amax 0, capped at FLT_MAX), as the reference computes it."""
-    amax = finite_absmax(x).to(x.dtype).float()
-    g = (ref.F8E4M3_MAX * ref.F4_MAX / amax).clamp(max=torch.finfo(torch.float32).max)
-    return torch.where(amax == 0, torch.ones_like(g), g)
+def finite_absmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 max |x| over finite elements, on x's device, without a host sync."""
+    return _finite_absmax_bits(x).view(torch.float32).reshape(())
 
 
 def _device_global_scale(g: torch.Tensor) -> torch.Tensor:
@@ -177,15 +179,23 @@ def quantize_nvfp4(
             raise ValueError(f"global_scale must be a tensor, a float, 'none' or None, got {global_scale!r}")
         s = None
     elif global_scale is None:
-        s = nvfp4_default_global_scale(x)
+        s = None
     elif isinstance(global_scale, torch.Tensor) and global_scale.is_cuda:
         # a CUDA scale is checked for dtype and size only: reading its value would stall the stream
         s = _device_global_scale(global_scale)
     else:
         s = positive_fp32_scalar(global_scale, "global_scale").to(x.device)
+    amax = None
+    if global_scale is None:
+        # default 2688/amax: one absmax pass, then the quantize kernel derives and stores the scale
+        amax = _finite_absmax_bits(x)
+        s = torch.empty((), dtype=torch.float32, device=x.device)
     data, scale = _launch_quantize(
-        x, E2M1, 16, k.SCALE_E4M3, None if s is None else s.reshape(1), scale_layout == "swizzled", torch.uint8
+        x, E2M1, 16, k.SCALE_E4M3, None if s is None else s.reshape(1), scale_layout == "swizzled", torch.uint8,
+        amax=amax,
     )
+    if amax is not None and data.numel() == 0:
+        s.fill_(1.0)
     return QTensor(
         data=data, scale=scale.view(torch.float8_e4m3fn), fmt="nvfp4", shape=x.shape, dtype=x.dtype,
         global_scale=None if s is None else s.reshape(1), scale_layout=scale_layout,
