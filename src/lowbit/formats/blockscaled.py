@@ -123,6 +123,8 @@ def nvfp4_default_global_scale(x: torch.Tensor, convention: NVFP4Convention | st
         return 1.0 / _torchao_default_pts(amax)
     if amax == 0:
         return torch.ones((), dtype=torch.float32, device=x.device)
+    # `2688 / amax` on a tensor is torch's __rtruediv__, i.e. 2688 * reciprocal(amax): two roundings, as in
+    # every torch-side producer that writes this expression (vLLM's tests, LightX2V); kernels copy the order
     return (F8E4M3_MAX * F4_MAX / amax).clamp(max=_FLT_MAX)
 
 

@@ -145,7 +145,7 @@ def _quantize_blockscaled_kernel(
 ):
     """x is contiguous, so it is a flat sequence of groups: each program quantizes BLOCK_G of them.
 
-    GSCALE_FROM_AMAX: the global scale is the default ``2688/amax`` (1 for amax 0, capped at FLT_MAX) of
+    GSCALE_FROM_AMAX: the global scale is the default ``2688 * (1/amax)`` (1 for amax 0, capped at FLT_MAX) of
     the finite absmax in ``amax_ptr`` (fp32 bits), computed here as the reference does; program 0 writes it
     to ``gscale_ptr``.
     """
@@ -156,7 +156,8 @@ def _quantize_blockscaled_kernel(
     x = tl.load(x_ptr + g[:, None] * GROUP + e[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
     if GSCALE_FROM_AMAX:
         amax_t = tl.load(amax_ptr).to(tl.float32, bitcast=True)
-        s = tl.where(amax_t == 0, 1.0, tl.minimum(tl.div_rn(2688.0, amax_t), 3.4028234663852886e38))
+        # 2688 * (1/amax): what torch computes for `2688.0 / amax` (Tensor.__rtruediv__ is reciprocal-then-multiply)
+        s = tl.where(amax_t == 0, 1.0, tl.minimum(2688.0 * tl.div_rn(1.0, amax_t), 3.4028234663852886e38))
         if pid == 0:
             tl.store(gscale_ptr, s)
     elif HAS_GSCALE:
