@@ -2,7 +2,7 @@
 
 Dequantize is compared with ``canonical_nan(reference)``: the reference's NaN bits depend on the CPU
 (0x7FF00000 / 0xFFC00000 payloads, bf16 0xFFFF), the kernels write the canonical NaN like every other
-lowbit kernel. Performance checks run only with LOWBIT_PERF=1 (``pytest -s -k perf``).
+lowbit kernel. Speed is measured by ``lowbit bench`` (benchmarks/gpu_check.py), not here.
 """
 
 import math
@@ -306,83 +306,3 @@ def test_int64_indexing_beyond_2_31_elements():
     rw = R.quantize_fp8_block(w[-128:].cpu(), (128, 128))
     assert_bitexact(qw.data[-128:], rw.data, "128x128 tail data")
     assert_bitexact(qw.scale[-1:], rw.scale, "128x128 tail scales")
-
-
-# ----------------------------------------------------------------------------------------- performance
-
-perf = pytest.mark.skipif(os.environ.get("LOWBIT_PERF") != "1", reason="set LOWBIT_PERF=1 to measure")
-
-
-def _gpu_time(fn, iters=50):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e-3
-
-
-def _host_time(fn, iters=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
-@perf
-def test_perf_bandwidth():
-    k = _kernels()
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(big)
-    copy_bw = 2 * big.numel() / _gpu_time(lambda: dst.copy_(big), 20)
-    cases = []
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(65536, 7168, device="cuda", dtype=dtype)
-        nbytes = x.numel() * (x.element_size() + 1) + x.numel() // 128 * 4
-        for fmt in FMTS:
-            cases.append((f"quant 1x128 {dtype} {fmt}", lambda x=x, f=fmt: k.quantize_fp8_block(x, (1, 128), f), nbytes))
-        cases.append((f"quant 1x128 {dtype} column", lambda x=x: k.quantize_fp8_block(x, scale_layout="column_major"), nbytes))
-        w = torch.randn(16384, 16384, device="cuda", dtype=dtype)
-        nb = w.numel() * (w.element_size() + 1) + w.numel() // 16384 * 4
-        cases.append((f"quant 128x128 {dtype}", lambda w=w: k.quantize_fp8_block(w, (128, 128)), nb))
-        del x, w
-    q = k.quantize_fp8_block(torch.randn(65536, 7168, device="cuda", dtype=torch.bfloat16))
-    for out in (torch.bfloat16, torch.float32):
-        nb = q.data.numel() * (1 + torch.empty((), dtype=out).element_size()) + q.scale.numel() * 4
-        cases.append((f"dequant 1x128 -> {out}", lambda o=out: k.dequantize_fp8_block(q, o), nb))
-    worst = 1.0
-    print(f"\ncopy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    for name, fn, nb in cases:
-        bw = nb / _gpu_time(fn)
-        worst = min(worst, bw / copy_bw)
-        print(f"{name:40s} {bw / 1e9:7.0f} GB/s  {100 * bw / copy_bw:5.1f}% of copy")
-    assert worst >= 0.9
-
-
-@perf
-def test_perf_small_m_latency():
-    import triton
-
-    @triton.jit
-    def _empty(x_ptr, n):
-        pass
-
-    k = _kernels()
-    dummy = torch.empty(16, device="cuda")
-    empty = _host_time(lambda: _empty[(1,)](dummy, 1))
-    print(f"\nempty triton launch {empty * 1e6:.2f} us")
-    ratios = {}
-    for m in (1, 16, 4096):
-        x = torch.randn(m, 7168, device="cuda", dtype=torch.bfloat16)
-        for layout in ("linear", "column_major"):
-            t = _host_time(lambda x=x, layout=layout: k.quantize_fp8_block(x, scale_layout=layout))
-            ratios[(m, layout)] = t / empty
-            print(f"M={m:5d} {layout:13s} {t * 1e6:7.2f} us per call  ({t / empty:.2f}x empty launch)")
-    assert all(ratios[(m, lay)] <= 2.0 for m in (1, 16) for lay in ("linear", "column_major"))
