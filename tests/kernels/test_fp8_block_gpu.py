@@ -6,8 +6,6 @@ lowbit kernel. Speed is measured by ``lowbit bench`` (benchmarks/gpu_check.py), 
 """
 
 import math
-import os
-import time
 
 import pytest
 import torch

@@ -8,8 +8,6 @@ Run on the device machine: ``python -m pytest -q -p no:cacheprovider -m gpu test
 tile sweep).
 """
 
-import json
-import os
 from dataclasses import replace
 
 import pytest
