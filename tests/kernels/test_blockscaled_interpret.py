@@ -1,0 +1,92 @@
+"""Block-scaled kernels under TRITON_INTERPRET=1 on tiny CPU tensors (CI has no GPU).
+
+The interpreter is trusted for indexing, masking, packing and fp32/integer arithmetic, not for fp8 casts,
+so FP4/FP6 formats (MX scales, fp4_b32) are compared bit for bit and NVFP4 only where every fp8 cast is
+exact (power-of-two scales). The same comparisons run on the GPU for every format in test_blockscaled_gpu.py.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch, triton, triton.language as tl
+    from lowbit.formats import blockscaled as ref, codecs
+    from lowbit.formats.spec import E2M1, E2M3, E3M2
+    from lowbit.kernels import blockscaled as kb
+    from lowbit.kernels._blockscaled import _decode_minifloat, _encode_minifloat
+
+    def same(a, b):
+        return (torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                and torch.equal(a.scale.contiguous().view(torch.uint8), b.scale.contiguous().view(torch.uint8)))
+
+    def same_bits(a, b):
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 96) * torch.logspace(-4, 4, 5)[:, None]
+    x[1, :32] = 0; x[1, 40] = -0.0; x[2, 3] = float("nan"); x[3, 40] = float("inf"); x[0, :32] = 1e-30
+    bad = []
+    for fmt in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2"):
+        for rounding in ("rceil", "floor"):
+            for layout in ("linear", "swizzled"):
+                r, k = ref.quantize_mx(x, fmt, rounding, layout), kb.quantize_mx(x, fmt, rounding, layout)
+                if not same(r, k) or not same_bits(ref.dequantize_mx(r), kb.dequantize_mx(k)):
+                    bad.append((fmt, rounding, layout))
+    xb = x.to(torch.bfloat16)[:, :64].reshape(2, 5, 32)
+    r, k = ref.quantize_fp4_b32(xb), kb.quantize_fp4_b32(xb)
+    if not same(r, k) or not same_bits(ref.dequantize_fp4_b32(r), kb.dequantize_fp4_b32(k)):
+        bad.append("fp4_b32")
+    # nvfp4 single level with block maxima 6 * 2^k: every E4M3 scale is a power of two, so no inexact fp8 cast
+    y = (torch.randint(-12, 13, (7, 64)).float() / 2).clamp(-6, 6)
+    y[:, ::16] = 6.0
+    y = y * torch.exp2(torch.randint(-6, 6, (7, 4)).float()).repeat_interleave(16, -1)
+    for layout in ("linear", "swizzled"):
+        r, k = ref.quantize_nvfp4(y, "none", "vllm", layout), kb.quantize_nvfp4(y, "none", "vllm", layout)
+        if not same(r, k) or not same_bits(ref.dequantize_nvfp4(r), kb.dequantize_nvfp4(k)):
+            bad.append(("nvfp4", layout))
+    for n in (1, 4097, 70001):
+        z = torch.randn(n) * 3
+        z[0] = float("inf") if n > 1 else z[0]
+        if kb.finite_absmax(z).item() != ref.finite_amax(z).float().item():
+            bad.append(("absmax", n))
+
+    @triton.jit
+    def codec(x_ptr, c_ptr, v_ptr, N, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+              MAX: tl.constexpr, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        c = _encode_minifloat(tl.load(x_ptr + o, mask=m, other=0.0), EBITS, MBITS, BIAS, MAX, True)
+        tl.store(c_ptr + o, c, mask=m)
+        tl.store(v_ptr + o, _decode_minifloat(c, EBITS, MBITS, BIAS), mask=m)
+
+    for spec in (E2M1, E2M3, E3M2):
+        tab = codecs.minifloat_table(spec)[: spec.max_code + 1]
+        mids = (tab[:-1] + tab[1:]) / 2
+        pts = torch.cat([tab, mids, torch.nextafter(mids, torch.full_like(mids, 100.0)),
+                         torch.nextafter(mids, torch.zeros_like(mids)), torch.randn(4000) * spec.max_normal / 3,
+                         torch.tensor([1e-30, 1e-40, spec.max_normal * 1.01, 1e30, float("inf"), float("nan")])])
+        v = torch.cat([pts, -pts])
+        c = torch.empty(v.numel(), dtype=torch.int32)
+        d = torch.empty(v.numel())
+        codec[(triton.cdiv(v.numel(), 1024),)](v, c, d, v.numel(), EBITS=spec.ebits, MBITS=spec.mbits,
+                                               BIAS=spec.bias, MAX=spec.max_normal, BLOCK=1024)
+        want = codecs.encode_minifloat(v, spec)
+        if not torch.equal(c, want.to(torch.int32)) or not same_bits(d, codecs.decode_minifloat(want, spec)):
+            bad.append(("codec", spec.name))
+    print("BAD", bad)
+    """
+)
+
+
+def test_blockscaled_kernels_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "BAD []" in out.stdout, out.stdout[-2000:]
