@@ -1,0 +1,583 @@
+"""lowbit.linear on CPU: the reference against an independent float64 computation, validation, dispatch
+rules (with stand-in kernel modules), the custom op's fake implementation and torch.compile."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lowbit
+from lowbit.formats import NF4
+from lowbit.formats.int4_awq import AWQ_ORDER
+from lowbit.formats.nf4 import NESTED_BLOCKSIZE, dynamic_map
+
+# the package re-exports the function ``linear``, which shadows the module attribute of the same name
+lin = sys.modules["lowbit.ops.linear"]
+
+ACTS = [None, "gelu", "gelu_tanh", "silu"]
+XDTYPES = [torch.bfloat16, torch.float16]
+
+# (format, options): every weight format and the variants that change how it decodes
+VARIANTS = [
+    ("nvfp4", {}),
+    ("nvfp4", {"convention": "torchao"}),
+    ("nvfp4", {"convention": "compressed-tensors"}),
+    ("nvfp4", {"global_scale": "none"}),
+    ("nvfp4", {"scale_layout": "swizzled"}),
+    ("mxfp4", {}),
+    ("mxfp4", {"scale_rounding": "floor", "scale_layout": "swizzled"}),
+    ("nf4", {}),
+    ("nf4", {"double_quant": True}),
+    ("nf4", {"blocksize": 128, "double_quant": True}),
+    ("int4_awq", {}),
+    ("int4_awq", {"group_size": 32}),
+    ("int4_awq", {"group_size": 192}),
+    ("fp4_b32", {}),
+]
+VARIANT_IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in VARIANTS]
+
+
+# ---------------------------------------------------------------------------------- independent decoders
+# Written from docs/formats.md, not from lowbit's dequantize functions.
+
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _fp4_values(data: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    table = torch.tensor(_E2M1 + [-v for v in _E2M1], dtype=torch.float64)
+    b = data.reshape(n, k // 2).to(torch.int64)
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(n, k)  # element 2i in the low nibble
+    return table[codes]
+
+
+def _unswizzle(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    flat = scale.reshape(-1)
+    out = torch.empty(rows, cols, dtype=scale.dtype)
+    n_col_tiles = -(-cols // 4)
+    for r in range(rows):
+        for c in range(cols):
+            i = ((r // 128) * n_col_tiles + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
+            out[r, c] = flat[i]
+    return out
+
+
+def _scales(q, block: int) -> torch.Tensor:
+    n, k = q.shape
+    s = q.scale if q.scale_layout == "linear" else _unswizzle(q.scale, n, k // block)
+    return s.reshape(n, k // block)
+
+
+def _decode(q) -> torch.Tensor:
+    """float64 ``[N, K]`` weight of a QTensor, from the bits."""
+    n, k = q.shape
+    if q.fmt == "nvfp4":
+        sf = _scales(q, 16).to(torch.float64)
+        if "per_tensor_scale" in q.params:
+            sf = sf * float(q.params["per_tensor_scale"])
+        elif q.global_scale is not None:
+            sf = sf / float(q.global_scale)
+        return _fp4_values(q.data, n, k) * sf.repeat_interleave(16, dim=1)
+    if q.fmt == "mxfp4":
+        e = _scales(q, 32).view(torch.uint8).to(torch.float64)
+        return _fp4_values(q.data, n, k) * torch.pow(2.0, e - 127).repeat_interleave(32, dim=1)
+    if q.fmt == "fp4_b32":
+        return _fp4_values(q.data, n, k) * q.scale.to(torch.float64).reshape(n, k // 32).repeat_interleave(32, 1)
+    if q.fmt == "nf4":
+        bs = q.params["blocksize"]
+        b = q.data.to(torch.int64)
+        codes = torch.stack([b >> 4, b & 0xF], dim=-1).reshape(-1)[: n * k]  # element 2i in the high nibble
+        if q.params["double_quant"]:
+            table = dynamic_map().to(torch.float64)
+            nested = q.nested_scale.to(torch.float64).repeat_interleave(NESTED_BLOCKSIZE)[: q.scale.numel()]
+            absmax = table[q.scale.to(torch.int64)] * nested + float(q.nested_offset)
+        else:
+            absmax = q.scale.to(torch.float64)
+        vals = torch.tensor(NF4.levels, dtype=torch.float64)[codes]
+        return (vals * absmax.repeat_interleave(bs)[: n * k]).reshape(n, k)
+    if q.fmt == "int4_awq":
+        g = q.params["group_size"]
+
+        def unpack(words):  # [rows, cols/8] int32 -> [rows, cols]; nibble i holds column 8c + AWQ_ORDER[i]
+            rows, c8 = words.shape
+            out = torch.empty(rows, c8 * 8, dtype=torch.int64)
+            w64 = words.to(torch.int64) & 0xFFFFFFFF
+            for i, col in enumerate(AWQ_ORDER):
+                out[:, col::8] = (w64 >> (4 * i)) & 0xF
+            return out
+
+        iw = unpack(q.data)  # [K, N]
+        z = unpack(q.zeros).repeat_interleave(g, dim=0)
+        s = q.scale.repeat_interleave(g, dim=0)
+        # AutoAWQ: (q - z) * s is one float16 multiply
+        return ((iw - z).to(torch.float16) * s).to(torch.float64).T
+    raise AssertionError(q.fmt)
+
+
+def _act64(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation == "gelu":
+        return 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))
+    if activation == "gelu_tanh":
+        return 0.5 * y * (1 + torch.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y**3)))
+    if activation == "silu":
+        return y / (1 + torch.exp(-y))
+    return y
+
+
+def _independent(x, q, bias, activation) -> torch.Tensor:
+    y = x.to(torch.float64) @ _decode(q).T
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return _act64(y, activation)
+
+
+def _check_against_independent(out, x, q, bias, activation):
+    want = _independent(x, q, bias, activation)
+    assert out.shape == want.shape and out.dtype == x.dtype
+    # one rounding to x's dtype (plus fp32 accumulation noise, far below it)
+    eps = torch.finfo(x.dtype).eps
+    torch.testing.assert_close(out.to(torch.float64), want, rtol=eps, atol=1e-5 * want.abs().max().item() + 1e-6)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 384, generator=g) * 0.1
+    return {vid: lowbit.quantize(w, f, **o) for vid, (f, o) in zip(VARIANT_IDS, VARIANTS)}
+
+
+def _x(shape, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+# ---------------------------------------------------------------------------------- reference
+
+
+def test_decoders_agree_with_dequantize(weights):
+    # equal up to the fp32 rounding of the block multiplier (nvfp4 computes sf / S in fp32 first)
+    for vid, q in weights.items():
+        torch.testing.assert_close(_decode(q), lowbit.dequantize(q).double(), rtol=2**-23, atol=0, msg=vid)
+
+
+@pytest.mark.parametrize("vid", VARIANT_IDS)
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", XDTYPES)
+def test_linear_matches_independent_fp64(weights, vid, activation, with_bias, dtype):
+    q = weights[vid]
+    x = _x((2, 3, 384), dtype)
+    bias = _x((48,), dtype, seed=2) if with_bias else None
+    out = lowbit.linear(x, q, bias, activation)
+    _check_against_independent(out, x, q, bias, activation)
+    ref32 = lin.linear_reference(x, q, bias, activation, out_dtype=torch.float32)
+    torch.testing.assert_close(ref32.double(), _independent(x, q, bias, activation), rtol=1e-5, atol=1e-5)
+    # linear on CPU *is* the reference, bit for bit, whichever backend name selects it
+    assert torch.equal(out, lin.linear_reference(x, q, bias, activation))
+    assert torch.equal(out, lowbit.linear(x, q, bias, activation, backend="torch"))
+
+
+@pytest.mark.parametrize("shape", [(384,), (1, 384), (7, 384), (2, 3, 384), (2, 1, 5, 384), (0, 384), (3, 0, 384)])
+def test_leading_dims(weights, shape):
+    q = weights["nvfp4"]
+    x = _x(shape, torch.bfloat16)
+    out = lowbit.linear(x, q, None, "silu")
+    assert out.shape == (*shape[:-1], 48)
+    if x.numel():
+        _check_against_independent(out, x, q, None, "silu")
+        flat = lowbit.linear(x.reshape(-1, 384), q, None, "silu")
+        assert torch.equal(out.reshape(-1, 48), flat)
+
+
+def test_non_contiguous_x(weights):
+    q = weights["int4_awq"]
+    base = _x((384, 6), torch.float16)
+    x = base.T  # [6, 384], stride (1, 6)
+    assert not x.is_contiguous()
+    out = lowbit.linear(x, q)
+    assert torch.equal(out, lowbit.linear(x.contiguous(), q))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    fmt=st.sampled_from(["nvfp4", "mxfp4", "nf4", "int4_awq", "fp4_b32"]),
+    n8=st.integers(1, 6),
+    k64=st.integers(1, 4),
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    activation=st.sampled_from(ACTS),
+    with_bias=st.booleans(),
+    dtype=st.sampled_from(XDTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes(fmt, n8, k64, lead, activation, with_bias, dtype, seed):
+    n, k = 8 * n8, 64 * k64
+    g = torch.Generator().manual_seed(seed)
+    opts = {"group_size": 64} if fmt == "int4_awq" else {}
+    q = lowbit.quantize(torch.randn(n, k, generator=g), fmt, **opts)
+    x = torch.randn(*lead, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    _check_against_independent(lowbit.linear(x, q, bias, activation), x, q, bias, activation)
+
+
+def test_inputs_not_modified(weights):
+    for q in weights.values():
+        x = _x((4, 384), torch.bfloat16)
+        bias = _x((48,), torch.bfloat16, seed=3)
+        before = (x.clone(), bias.clone(), {k: t.clone() for k, t in q.tensors().items()}, dict(q.params))
+        lowbit.linear(x, q, bias, "gelu")
+        lin.linear_reference(x, q, bias, "gelu")
+        assert torch.equal(x, before[0]) and torch.equal(bias, before[1])
+        for name, t in q.tensors().items():
+            assert torch.equal(t, before[2][name]), name
+        assert q.params.keys() == before[3].keys()
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+def test_errors(weights):
+    q = weights["nvfp4"]
+    x = _x((2, 384), torch.bfloat16)
+    b = _x((48,), torch.bfloat16)
+    cases = [
+        (ValueError, "K mismatch", lambda: lowbit.linear(_x((2, 383), torch.bfloat16), q)),
+        (ValueError, "K mismatch", lambda: lowbit.linear(torch.tensor(1.0, dtype=torch.bfloat16), q)),
+        (TypeError, "bfloat16 or float16", lambda: lowbit.linear(x.float(), q)),
+        (TypeError, "bfloat16 or float16", lambda: lowbit.linear(x.to(torch.float8_e4m3fn), q)),
+        (TypeError, "x must be a torch.Tensor", lambda: lowbit.linear(x.tolist(), q)),
+        (TypeError, "QTensor", lambda: lowbit.linear(x, torch.randn(48, 384))),
+        (ValueError, "unsupported weight format 'mxfp8_e4m3'",
+         lambda: lowbit.linear(x, lowbit.quantize(torch.randn(48, 384), "mxfp8_e4m3"))),
+        (ValueError, "unsupported weight format 'fp8_block'",
+         lambda: lowbit.linear(x, lowbit.quantize(torch.randn(48, 384), "fp8_block", block=(128, 128)))),
+        (ValueError, "2-D", lambda: lowbit.linear(x, lowbit.quantize(torch.randn(2, 48, 384), "nvfp4"))),
+        (ValueError, "2-D", lambda: lowbit.linear(x, lowbit.quantize(torch.randn(384), "nf4"))),
+        (ValueError, "activation must be one of", lambda: lowbit.linear(x, q, activation="relu")),
+        (ValueError, "activation must be one of", lambda: lowbit.linear(x, q, activation="GELU")),
+        (ValueError, r"bias must have shape \[N\]", lambda: lowbit.linear(x, q, b[:47])),
+        (ValueError, r"bias must have shape \[N\]", lambda: lowbit.linear(x, q, b.reshape(1, 48))),
+        (TypeError, "bias dtype", lambda: lowbit.linear(x, q, b.half())),
+        (TypeError, "bias must be None or a torch.Tensor", lambda: lowbit.linear(x, q, b.tolist())),
+        (ValueError, "devices differ", lambda: lowbit.linear(x.to("meta"), q)),
+        (ValueError, "devices differ", lambda: lowbit.linear(x, q, b.to("meta"))),
+        (ValueError, "backend must be one of", lambda: lowbit.linear(x, q, backend="cuda")),
+        (ValueError, "backend='triton' needs CUDA", lambda: lowbit.linear(x, q, backend="triton")),
+    ]
+    for exc, match, fn in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+    # the reference validates the same way
+    with pytest.raises(ValueError, match="K mismatch"):
+        lin.linear_reference(_x((2, 383), torch.bfloat16), q)
+
+
+def test_env_backend(weights, monkeypatch):
+    q, x = weights["mxfp4"], _x((2, 384), torch.bfloat16)
+    monkeypatch.setenv("LOWBIT_BACKEND", "triton")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        lowbit.linear(x, q)
+    assert lowbit.linear(x, q, backend="auto").shape == (2, 48)
+    monkeypatch.setenv("LOWBIT_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="LOWBIT_BACKEND"):
+        lowbit.linear(x, q)
+
+
+# ---------------------------------------------------------------------------------- dispatch
+
+
+def test_explain_cpu(weights):
+    q = weights["nf4-double_quant=True"]
+    text = lowbit.explain((3, 5, 384), q)
+    assert "M=15" in text and "N=48" in text and "reference" in text and "nf4" in text
+    x = _x((3, 384), torch.bfloat16)
+    assert lowbit.explain(x, q) == str(lin.plan_linear(x, q))
+    plan = lin.plan_linear(x, q, backend="torch")
+    assert (plan.path, plan.backend, plan.m, plan.n, plan.k) == ("reference", "torch", 3, 48, 384)
+    plan = lin.plan_linear(x, q, backend="triton")
+    assert plan.path == "unavailable" and plan.error is ValueError
+    assert "raises ValueError" in lowbit.explain(x, q, backend="triton")
+    with pytest.raises(ValueError, match="K mismatch"):
+        lowbit.explain((3, 100), q)
+    with pytest.raises(ValueError, match="unsupported weight format"):
+        lowbit.explain((3, 384), lowbit.quantize(torch.randn(8, 384), "mxfp6_e2m3"))
+
+
+def _stand_in(name, reason=None, calls=None):
+    def kernel(x, w, bias, activation):
+        if calls is not None:
+            calls.append((name, tuple(x.shape), x.is_contiguous(), bias is not None, activation))
+        return lin.linear_reference(x, w, bias, activation)
+
+    return SimpleNamespace(supports=lambda w: reason, **{name: kernel})
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Replace the kernel-module lookup: ``kernels["gemv_w4"] = module or None``."""
+    table = {"gemv_w4": None, "gemm_w4": None}
+    monkeypatch.setattr(lin, "_kernel_module", lambda name: table[name])
+    monkeypatch.setattr("lowbit.kernels.triton_available", lambda: None)
+    return table
+
+
+CUDA = torch.device("cuda", 0)
+
+
+def _path(w, m, backend="auto", device=CUDA):
+    return lin._plan(m, w.shape[0], w.shape[1], device, w, backend)
+
+
+def test_dispatch_rules(weights, kernels):
+    w = weights["nvfp4"]
+    kernels["gemv_w4"] = _stand_in("gemv_w4")
+    kernels["gemm_w4"] = _stand_in("gemm_w4")
+    for m in (1, 2, 7, lin.GEMV_MAX_M):
+        assert _path(w, m).path == "gemv_w4"
+        assert _path(w, m, "triton").path == "gemv_w4"
+    for m in (lin.GEMV_MAX_M + 1, 33, 4096):
+        assert _path(w, m).path == "gemm_w4"
+    assert _path(w, 0).path == "empty"
+    assert _path(w, 1, "torch").path == "reference"
+    assert _path(w, 1, "auto", torch.device("cpu")).path == "reference"
+    plan = _path(w, 1)
+    assert "GEMV_MAX_M=16" in plan.reason and "cuda:0" in str(plan)
+
+    # a GEMV that does not cover the weight, or no GEMV module: the GEMM takes small M, and says why
+    kernels["gemv_w4"] = _stand_in("gemv_w4", reason="swizzled scales not supported")
+    plan = _path(w, 4)
+    assert plan.path == "gemm_w4" and "swizzled scales not supported" in plan.reason
+    kernels["gemv_w4"] = None
+    plan = _path(w, 4)
+    assert plan.path == "gemm_w4" and "no module lowbit.kernels.gemv_w4" in plan.reason
+
+    # no kernel at all on CUDA: an error naming every reason, never a silent reference
+    kernels["gemm_w4"] = _stand_in("gemm_w4", reason="nf4 not yet")
+    for m in (1, 100):
+        plan = _path(w, m)
+        assert plan.path == "unavailable" and plan.error is RuntimeError
+        assert "nf4 not yet" in plan.reason and "backend='torch'" in plan.reason
+    assert "no module lowbit.kernels.gemv_w4" in _path(w, 1).reason
+    kernels["gemm_w4"] = None
+    assert _path(w, 1000).path == "unavailable"
+    assert _path(w, 1000, "torch").path == "reference"
+
+
+def test_dispatch_no_triton(weights, kernels, monkeypatch):
+    monkeypatch.setattr("lowbit.kernels.triton_available", lambda: "triton cannot be imported (boom)")
+    kernels["gemm_w4"] = _stand_in("gemm_w4")
+    plan = _path(weights["mxfp4"], 64)
+    assert plan.path == "unavailable" and "triton cannot be imported" in plan.reason
+
+
+def test_run_calls_the_kernel(weights, kernels, monkeypatch):
+    """The CPU stand-in for CUDA: _run hands the kernel a contiguous [M, K] x and reshapes its result."""
+    calls = []
+    kernels["gemv_w4"] = _stand_in("gemv_w4", calls=calls)
+    kernels["gemm_w4"] = _stand_in("gemm_w4", calls=calls)
+    real_decide = lin._decide
+    monkeypatch.setattr(lin, "_decide", lambda m, device, w, backend: real_decide(m, CUDA, w, backend))
+    q = weights["fp4_b32"]
+    x = _x((384, 2, 3), torch.bfloat16).permute(1, 2, 0)  # [2, 3, 384], not contiguous
+    b = _x((48,), torch.bfloat16)
+    out = lowbit.linear(x, q, b, "gelu_tanh")
+    assert calls == [("gemv_w4", (6, 384), True, True, "gelu_tanh")]
+    assert out.shape == (2, 3, 48)
+    assert torch.equal(out, lin.linear_reference(x, q, b, "gelu_tanh"))
+    lowbit.linear(_x((40, 384), torch.bfloat16), q)
+    assert calls[-1][:2] == ("gemm_w4", (40, 384))
+    assert lowbit.linear(_x((0, 384), torch.bfloat16), q).shape == (0, 48)
+    assert len(calls) == 2
+    kernels["gemv_w4"] = kernels["gemm_w4"] = None
+    with pytest.raises(RuntimeError, match="no triton kernel runs lowbit.linear"):
+        lowbit.linear(x, q)
+
+
+def test_kernel_module_lookup():
+    # the real lookup: absent modules are None (the kernels may land later), present ones are imported
+    lin._kernel_module.cache_clear()
+    assert lin._kernel_module("no_such_kernel_module") is None
+    lin._kernel_module.cache_clear()
+
+
+# ---------------------------------------------------------------------------------- custom op
+
+
+def _op_args(x2, q, bias=None, activation=None, backend="auto"):
+    tensors, meta = lin._flatten(q)
+    return (x2, *tensors, bias, q.fmt, list(q.shape), meta, activation, backend)
+
+
+@pytest.mark.parametrize("vid", VARIANT_IDS)
+def test_flatten_round_trip(weights, vid):
+    q = weights[vid]
+    tensors, meta = lin._flatten(q)
+    r = lin._unflatten(tensors[0], tensors[1], tensors[2:6], tensors[6], q.fmt, list(q.shape), meta)
+    assert (r.fmt, r.shape, r.dtype, r.scale_layout) == (q.fmt, q.shape, q.dtype, q.scale_layout)
+    assert r.params.keys() == q.params.keys()
+    for k, v in q.params.items():
+        assert (torch.equal(r.params[k], v) if isinstance(v, torch.Tensor) else r.params[k] == v), k
+    assert r.tensors().keys() == q.tensors().keys()
+    assert all(r.tensors()[k] is t for k, t in q.tensors().items())
+    assert torch.equal(lowbit.dequantize(r), lowbit.dequantize(q))
+
+
+def test_flatten_rejects_unencodable_params(weights):
+    from dataclasses import replace
+
+    q = replace(weights["mxfp4"], params={"scale_rounding": "a;b"})
+    with pytest.raises(TypeError, match="cannot pass QTensor param"):
+        lin._flatten(q)
+
+
+@pytest.mark.parametrize("vid", ["nvfp4-convention=torchao", "nf4-double_quant=True", "int4_awq", "mxfp4"])
+def test_custom_op_opcheck(weights, vid):
+    q = weights[vid]
+    x2 = _x((5, 384), torch.bfloat16)
+    b = _x((48,), torch.bfloat16)
+    utils = ["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"]
+    if any(t.dtype.is_floating_point and t.element_size() == 1 for t in q.tensors().values()):
+        utils.remove("test_schema")  # SchemaCheckMode compares inputs with ops float8 has no CPU kernel for
+    op = torch.ops.lowbit.linear_w4a16.default
+    torch.library.opcheck(op, _op_args(x2, q, b, "gelu"), test_utils=utils)
+    torch.library.opcheck(op, _op_args(x2, q, None, None, "torch"), test_utils=utils)
+
+
+def test_custom_op_eager_equals_linear(weights):
+    q = weights["nf4-double_quant=True"]
+    x2 = _x((5, 384), torch.float16)
+    b = _x((48,), torch.float16)
+    out = torch.ops.lowbit.linear_w4a16(*_op_args(x2, q, b, "silu"))
+    assert torch.equal(out, lowbit.linear(x2, q, b, "silu"))
+
+
+def test_fake_impl_shapes(weights):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = weights["int4_awq-group_size=32"]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        for m, dtype in [(1, torch.bfloat16), (17, torch.float16), (0, torch.bfloat16)]:
+            x2 = mode.from_tensor(_x((m, 384), dtype))
+            out = torch.ops.lowbit.linear_w4a16(*_op_args(x2, q, None, "gelu"))
+            assert out.shape == (m, 48) and out.dtype == dtype
+    # meta tensors run the fake implementation too
+    qm = q.to("meta")
+    out = torch.ops.lowbit.linear_w4a16(*_op_args(torch.empty(9, 384, dtype=torch.bfloat16, device="meta"), qm))
+    assert out.shape == (9, 48) and out.device.type == "meta"
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo caches per code object; parametrized tests reuse one, so start each from an empty cache."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _GraphRecorder:
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_compile_fullgraph_emits_the_op(weights, backend, fresh_dynamo):
+    q = weights["nvfp4-convention=torchao"]
+    b = _x((48,), torch.bfloat16)
+    rec = _GraphRecorder()
+
+    @torch.compile(fullgraph=True, backend=rec)
+    def f(x):
+        return lowbit.linear(x, q, b, "gelu", backend=backend) * 2
+
+    x = _x((2, 3, 384), torch.bfloat16)
+    assert torch.equal(f(x), lowbit.linear(x, q, b, "gelu") * 2)
+    assert len(rec.graphs) == 1
+    targets = [n.target for n in rec.graphs[0].graph.nodes if n.op == "call_function"]
+    assert any(str(t).startswith("lowbit.linear_w4a16") for t in targets), targets
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("vid", ["nvfp4", "nf4-double_quant=True", "int4_awq-group_size=32", "mxfp4", "fp4_b32"])
+def test_compile_matches_eager(weights, compile_backend, vid, fresh_dynamo):
+    q = weights[vid]
+    b = _x((48,), torch.float16)
+
+    def f(x, w, bias):
+        return lowbit.linear(x, w, bias, "silu") + 1
+
+    cf = torch.compile(f, fullgraph=True, backend=compile_backend)
+    for shape in [(1, 384), (4, 5, 384)]:
+        x = _x(shape, torch.float16)
+        torch.testing.assert_close(cf(x, q, b), f(x, q, b), rtol=0, atol=0)
+
+
+def test_compile_dynamic_m_does_not_recompile(weights, fresh_dynamo):
+    q = weights["mxfp4"]
+    counter = torch._dynamo.testing.CompileCounter()
+    cf = torch.compile(lambda x: lowbit.linear(x, q, None, "gelu"), fullgraph=True, dynamic=True, backend=counter)
+    # the GEMV/GEMM choice is made inside the op at run time, so M crossing GEMV_MAX_M does not recompile
+    # (M = 0 and 1 would: dynamo specializes sizes 0 and 1 itself)
+    for m in (3, 16, 17, 40, 1000):
+        x = _x((m, 384), torch.bfloat16)
+        assert torch.equal(cf(x), lowbit.linear(x, q, None, "gelu"))
+    assert counter.frame_count == 1
+
+
+def test_compile_reports_validation_errors(weights, fresh_dynamo):
+    q = weights["mxfp4"]
+    cf = torch.compile(lambda x: lowbit.linear(x, q), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="K mismatch"):
+        cf(_x((2, 100), torch.bfloat16))
+
+
+def test_cpu_linear_needs_no_triton():
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        sys.modules["triton"] = None
+        import lowbit
+        q = lowbit.quantize(torch.randn(16, 64), "nvfp4")
+        y = lowbit.linear(torch.randn(2, 64, dtype=torch.bfloat16), q, None, "gelu")
+        assert y.shape == (2, 16)
+        print(lowbit.explain((2, 64), q))
+        assert "triton" not in [m for m in sys.modules if sys.modules[m] is not None]
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_compiled_op_sees_the_weights_own_tensors(weights, compile_backend, fresh_dynamo, monkeypatch):
+    """Kernel modules may cache per weight keyed on ``w.data``: the op must receive the same tensor objects
+    (it rebuilds the QTensor around them on every call), in eager and compiled calls alike."""
+    q = weights["nf4-double_quant=True"]
+    b = _x((48,), torch.bfloat16)
+    seen = []
+    real_run = lin._run
+
+    def spy(x2, w, bias, activation, backend):
+        seen.append(all(getattr(w, n) is t for n, t in q.tensors().items()) and bias is b)
+        return real_run(x2, w, bias, activation, backend)
+
+    monkeypatch.setattr(lin, "_run", spy)
+    closure = torch.compile(lambda x: lowbit.linear(x, q, b), backend=compile_backend, fullgraph=True)
+    argument = torch.compile(lambda x, w: lowbit.linear(x, w, b), backend=compile_backend, fullgraph=True)
+    x = _x((3, 384), torch.bfloat16)
+    for _ in range(2):
+        closure(x)
+        argument(x, q)
+        lowbit.linear(x, q, b)
+    assert seen == [True] * 6
