@@ -1,0 +1,568 @@
+"""Triton kernels of the weight-only 4-bit GEMV (decode regime, M <= 16): ``out = act(x @ W.T + bias)``.
+
+The weight arrives as int32 words ``[N, K/8]`` (8 consecutive K elements per word, see
+``gemv_w4.prepare_w4``) plus per-block scales. A program owns ``BN`` output rows and a range of K
+iterations (split-K). Each iteration loads a ``[C, BN, 4]`` word tile: ``C`` 16-byte chunks (32 elements)
+per row, chunk-major so that consecutive lanes read consecutive chunks of one row (coalesced 16-byte
+loads); ``tl.range(num_stages=STAGES)`` pipelines the tile through shared memory with cp.async, so
+``STAGES - 1`` tiles are in flight while one is decoded. A chunk never straddles two scale blocks, so the
+scales are loaded once per (chunk, block), never per element.
+
+Two kernels share the decode and the epilogue:
+
+- ``_gemv_w4_fma_kernel`` (small M): CUDA-core FMAs in fp32, ``MP`` (= M, 1..4) rows of x per program.
+  The 8 elements of a word are decoded by one inline-asm block to 8 fp32 values, multiplied by the 8 x
+  values of the matching 16-byte x load, summed per scale block and scaled once per block.
+- ``_gemv_w4_dot_kernel`` (larger M): the decoded, scaled tile is cast to x's dtype and fed to ``tl.dot``
+  (wgmma on Hopper) against a ``[32C, 16]`` x tile; accumulation in fp32.
+
+Decode (``ON_GPU``; the interpreter runs the plain-Triton equivalents, same values):
+
+- FP4 (E2M1): a nibble ``s e1 e0 m`` becomes the E4M3 byte ``s 000 e1e0 m00``, whose value is exactly
+  ``e2m1 * 2^-6`` (E2M1's subnormal 0.5 lands on E4M3's subnormal range), then ``cvt.rn.f16x2.e4m3x2``
+  converts two at a time; the 2^6 is applied once in the epilogue.
+- NF4: 16-entry fp32 table (64 bytes, 64-byte aligned) gathered with ``ld.global.nc``.
+- INT4 (AWQ): ``lop3(w >> s, 0x000F000F, 0x64006400)`` gives the fp16 pair ``1024 + q``; subtracting the
+  fp16 pair ``1024 + z`` gives ``q - z`` exactly.
+
+Split-K (``SPLIT > 1``): every program writes its fp32 partial ``[MP, BN]`` to a workspace, then bumps a
+per-N-tile counter (acq_rel, gpu scope); the program that arrives last sums the partials (L1-bypassing
+loads), resets the counter to 0 for the next launch and runs the epilogue. One launch, no memset.
+
+Epilogue: ``y = acc * POST [/ S or * p]``, ``+ bias``, activation (erf GELU, tanh GELU, SiLU; no
+approximate division), cast to the output dtype.
+"""
+
+import triton
+import triton.language as tl
+
+from ._blockscaled import _decode_minifloat
+
+# FMT
+FMT_NVFP4 = tl.constexpr(0)
+FMT_MXFP4 = tl.constexpr(1)
+FMT_FP4_B32 = tl.constexpr(2)
+FMT_NF4 = tl.constexpr(3)
+FMT_NF4_DQ = tl.constexpr(4)
+FMT_AWQ = tl.constexpr(5)
+# ACT
+ACT_NONE = tl.constexpr(0)
+ACT_GELU = tl.constexpr(1)
+ACT_GELU_TANH = tl.constexpr(2)
+ACT_SILU = tl.constexpr(3)
+# GS_KIND: what the epilogue does with gs_ptr[0]
+GS_NONE = tl.constexpr(0)
+GS_DIVIDE = tl.constexpr(1)  # nvfp4 global scale S (dequant = value * sf / S)
+GS_MULTIPLY = tl.constexpr(2)  # nvfp4 per_tensor_scale p (dequant = value * p * sf)
+
+# table layout in tab_ptr (fp32): NF4 levels at 0..15, bitsandbytes dynamic map at 16..271, nested offset at 272
+TAB_DMAP = tl.constexpr(16)
+TAB_OFFSET = tl.constexpr(272)
+
+_FP4_ASM = tl.constexpr("""{
+.reg .b32 e, o, t;
+.reg .b16 h0, h1, h2, h3, q0, q1, q2, q3, q4, q5, q6, q7;
+.reg .b32 p0, p1, p2, p3;
+shl.b32 t, $8, 4;
+and.b32 t, t, 0x80808080;
+shl.b32 e, $8, 2;
+and.b32 e, e, 0x1C1C1C1C;
+or.b32 e, e, t;
+shr.u32 o, $8, 2;
+and.b32 o, o, 0x1C1C1C1C;
+and.b32 t, $8, 0x80808080;
+or.b32 o, o, t;
+mov.b32 {h0, h1}, e;
+mov.b32 {h2, h3}, o;
+cvt.rn.f16x2.e4m3x2 p0, h0;
+cvt.rn.f16x2.e4m3x2 p1, h1;
+cvt.rn.f16x2.e4m3x2 p2, h2;
+cvt.rn.f16x2.e4m3x2 p3, h3;
+mov.b32 {q0, q1}, p0;
+mov.b32 {q2, q3}, p1;
+mov.b32 {q4, q5}, p2;
+mov.b32 {q6, q7}, p3;
+cvt.f32.f16 $0, q0;
+cvt.f32.f16 $2, q1;
+cvt.f32.f16 $4, q2;
+cvt.f32.f16 $6, q3;
+cvt.f32.f16 $1, q4;
+cvt.f32.f16 $3, q5;
+cvt.f32.f16 $5, q6;
+cvt.f32.f16 $7, q7;
+}""")
+
+# element j of the word is nibble j ^ 1 (bitsandbytes: element 2i in the high nibble); the table pointer's
+# low 32 bits are ORed with 4 * code (the table is 64-byte aligned, so OR is addition)
+_NF4_ASM = tl.constexpr("""{
+.reg .b32 lo, hi, a;
+.reg .b64 p;
+mov.b64 {lo, hi}, $9;
+shr.u32 a, $8, 2;
+lop3.b32 a, a, 0x3C, lo, 0xEA;
+mov.b64 p, {a, hi};
+ld.global.nc.f32 $0, [p];
+shl.b32 a, $8, 2;
+lop3.b32 a, a, 0x3C, lo, 0xEA;
+mov.b64 p, {a, hi};
+ld.global.nc.f32 $1, [p];
+shr.u32 a, $8, 10;
+lop3.b32 a, a, 0x3C, lo, 0xEA;
+mov.b64 p, {a, hi};
+ld.global.nc.f32 $2, [p];
+shr.u32 a, $8, 6;
+lop3.b32 a, a, 0x3C, lo, 0xEA;
+mov.b64 p, {a, hi};
+ld.global.nc.f32 $3, [p];
+shr.u32 a, $8, 18;
+lop3.b32 a, a, 0x3C, lo, 0xEA;
+mov.b64 p, {a, hi};
+ld.global.nc.f32 $4, [p];
+shr.u32 a, $8, 14;
+lop3.b32 a, a, 0x3C, lo, 0xEA;
+mov.b64 p, {a, hi};
+ld.global.nc.f32 $5, [p];
+shr.u32 a, $8, 26;
+lop3.b32 a, a, 0x3C, lo, 0xEA;
+mov.b64 p, {a, hi};
+ld.global.nc.f32 $6, [p];
+shr.u32 a, $8, 22;
+lop3.b32 a, a, 0x3C, lo, 0xEA;
+mov.b64 p, {a, hi};
+ld.global.nc.f32 $7, [p];
+}""")
+
+# $8: word (nibble j = element j), $9: fp16 pair (1024 + z, 1024 + z); outputs q_j - z as fp32
+_AWQ_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, t2, t3, u;
+.reg .b16 a, b;
+lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 u, $8, 4;
+lop3.b32 t1, u, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 u, $8, 8;
+lop3.b32 t2, u, 0x000F000F, 0x64006400, 0xEA;
+shr.u32 u, $8, 12;
+lop3.b32 t3, u, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t0, t0, $9;
+sub.f16x2 t1, t1, $9;
+sub.f16x2 t2, t2, $9;
+sub.f16x2 t3, t3, $9;
+mov.b32 {a, b}, t0;
+cvt.f32.f16 $0, a;
+cvt.f32.f16 $4, b;
+mov.b32 {a, b}, t1;
+cvt.f32.f16 $1, a;
+cvt.f32.f16 $5, b;
+mov.b32 {a, b}, t2;
+cvt.f32.f16 $2, a;
+cvt.f32.f16 $6, b;
+mov.b32 {a, b}, t3;
+cvt.f32.f16 $3, a;
+cvt.f32.f16 $7, b;
+}""")
+
+# 16 bytes of x (8 bf16 or 8 fp16) -> 8 fp32
+_X_BF16_ASM = tl.constexpr("""{
+.reg .b32 a, b, c, d;
+ld.global.nc.v4.b32 {a, b, c, d}, [$8];
+shl.b32 $0, a, 16;
+and.b32 $1, a, 0xFFFF0000;
+shl.b32 $2, b, 16;
+and.b32 $3, b, 0xFFFF0000;
+shl.b32 $4, c, 16;
+and.b32 $5, c, 0xFFFF0000;
+shl.b32 $6, d, 16;
+and.b32 $7, d, 0xFFFF0000;
+}""")
+_X_FP16_ASM = tl.constexpr("""{
+.reg .b32 a, b, c, d;
+.reg .b16 l, h;
+ld.global.nc.v4.b32 {a, b, c, d}, [$8];
+mov.b32 {l, h}, a;
+cvt.f32.f16 $0, l;
+cvt.f32.f16 $1, h;
+mov.b32 {l, h}, b;
+cvt.f32.f16 $2, l;
+cvt.f32.f16 $3, h;
+mov.b32 {l, h}, c;
+cvt.f32.f16 $4, l;
+cvt.f32.f16 $5, h;
+mov.b32 {l, h}, d;
+cvt.f32.f16 $6, l;
+cvt.f32.f16 $7, h;
+}""")
+
+# scale loads (one per chunk and block): E4M3 byte -> fp32; E8M0 byte -> fp32 2^(c-127) (0 -> 2^-127,
+# 255 -> NaN); AWQ: int32 (fp16 scale bits | (0x6400 + z) << 16) -> (fp32 scale, fp16 pair of 1024 + z)
+_E4M3_ASM = tl.constexpr("""{
+.reg .b16 s, lo, hi;
+.reg .b32 h;
+ld.global.nc.u8 s, [$1];
+cvt.rn.f16x2.e4m3x2 h, s;
+mov.b32 {lo, hi}, h;
+cvt.f32.f16 $0, lo;
+}""")
+_E8M0_ASM = tl.constexpr("""{
+.reg .b32 c, v, n;
+ld.global.nc.u8 c, [$1];
+shl.b32 v, c, 23;
+max.u32 v, v, 0x00400000;
+add.u32 n, c, 1;
+and.b32 n, n, 0x100;
+shl.b32 n, n, 14;
+or.b32 $0, v, n;
+}""")
+_F32_ASM = tl.constexpr("ld.global.nc.f32 $0, [$1];")
+# nf4 double quant: dmap[code] * nested + offset ($1 code, $2 nested absmax, $3 dmap table, $4 offset)
+_NF4_DQ_ASM = tl.constexpr("""{
+.reg .b32 c;
+.reg .b64 a;
+.reg .f32 d, n, o, t;
+ld.global.nc.u8 c, [$1];
+mad.wide.u32 a, c, 4, $3;
+ld.global.nc.f32 d, [a];
+ld.global.nc.f32 n, [$2];
+ld.global.nc.f32 o, [$4];
+mul.rn.f32 t, d, n;
+add.rn.f32 $0, t, o;
+}""")
+_AWQ_SZ_ASM = tl.constexpr("""{
+.reg .b32 v;
+.reg .b16 l, h;
+ld.global.nc.b32 v, [$2];
+mov.b32 {l, h}, v;
+cvt.f32.f16 $0, l;
+prmt.b32 $1, v, v, 0x3232;
+}""")
+
+
+@triton.jit
+def _decode8(words, zz, tab_ptr, FMT: tl.constexpr, ON_GPU: tl.constexpr):
+    """The 8 elements of each int32 word as fp32 (element j of the word is ``8 * word + j`` along K).
+
+    FP4 formats return ``e2m1 * 2^-6``, NF4 the table level, AWQ ``q - z`` (``zz``: per-word fp16 pair
+    ``1024 + z`` as int32)."""
+    if FMT == FMT_NF4 or FMT == FMT_NF4_DQ:
+        if ON_GPU:
+            return tl.inline_asm_elementwise(_NF4_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,l",
+                                             [words, tl.broadcast_to(tab_ptr, words.shape)],
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            return (tl.load(tab_ptr + ((words >> 4) & 0xF)), tl.load(tab_ptr + (words & 0xF)),
+                    tl.load(tab_ptr + ((words >> 12) & 0xF)), tl.load(tab_ptr + ((words >> 8) & 0xF)),
+                    tl.load(tab_ptr + ((words >> 20) & 0xF)), tl.load(tab_ptr + ((words >> 16) & 0xF)),
+                    tl.load(tab_ptr + ((words >> 28) & 0xF)), tl.load(tab_ptr + ((words >> 24) & 0xF)))
+    elif FMT == FMT_AWQ:
+        if ON_GPU:
+            return tl.inline_asm_elementwise(_AWQ_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,r",
+                                             [words, tl.broadcast_to(zz, words.shape)],
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            z = ((zz >> 16) & 0x3FF).to(tl.float32)
+            return (((words >> 0) & 0xF).to(tl.float32) - z, ((words >> 4) & 0xF).to(tl.float32) - z,
+                    ((words >> 8) & 0xF).to(tl.float32) - z, ((words >> 12) & 0xF).to(tl.float32) - z,
+                    ((words >> 16) & 0xF).to(tl.float32) - z, ((words >> 20) & 0xF).to(tl.float32) - z,
+                    ((words >> 24) & 0xF).to(tl.float32) - z, ((words >> 28) & 0xF).to(tl.float32) - z)
+    else:
+        if ON_GPU:
+            return tl.inline_asm_elementwise(_FP4_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [words],
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            S: tl.constexpr = 0.015625
+            return (_decode_minifloat((words >> 0) & 0xF, 2, 1, 1) * S,
+                    _decode_minifloat((words >> 4) & 0xF, 2, 1, 1) * S,
+                    _decode_minifloat((words >> 8) & 0xF, 2, 1, 1) * S,
+                    _decode_minifloat((words >> 12) & 0xF, 2, 1, 1) * S,
+                    _decode_minifloat((words >> 16) & 0xF, 2, 1, 1) * S,
+                    _decode_minifloat((words >> 20) & 0xF, 2, 1, 1) * S,
+                    _decode_minifloat((words >> 24) & 0xF, 2, 1, 1) * S,
+                    _decode_minifloat((words >> 28) & 0xF, 2, 1, 1) * S)
+
+
+@triton.jit
+def _load_x8(ptrs, X_FP16: tl.constexpr, ON_GPU: tl.constexpr):
+    """8 consecutive x elements starting at each pointer (16-byte aligned) as fp32."""
+    if ON_GPU:
+        if X_FP16:
+            return tl.inline_asm_elementwise(_X_FP16_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,l", [ptrs],
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_X_BF16_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,l", [ptrs],
+                                             dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        if X_FP16:
+            return (tl.load(ptrs + 0).to(tl.float32), tl.load(ptrs + 1).to(tl.float32),
+                    tl.load(ptrs + 2).to(tl.float32), tl.load(ptrs + 3).to(tl.float32),
+                    tl.load(ptrs + 4).to(tl.float32), tl.load(ptrs + 5).to(tl.float32),
+                    tl.load(ptrs + 6).to(tl.float32), tl.load(ptrs + 7).to(tl.float32))
+        else:
+            # bf16 bits -> fp32 (the interpreter has no bf16 arithmetic)
+            p = ptrs.to(tl.pointer_type(tl.int16), bitcast=True)
+            return ((tl.load(p + 0).to(tl.int32) << 16).to(tl.float32, bitcast=True),
+                    (tl.load(p + 1).to(tl.int32) << 16).to(tl.float32, bitcast=True),
+                    (tl.load(p + 2).to(tl.int32) << 16).to(tl.float32, bitcast=True),
+                    (tl.load(p + 3).to(tl.int32) << 16).to(tl.float32, bitcast=True),
+                    (tl.load(p + 4).to(tl.int32) << 16).to(tl.float32, bitcast=True),
+                    (tl.load(p + 5).to(tl.int32) << 16).to(tl.float32, bitcast=True),
+                    (tl.load(p + 6).to(tl.int32) << 16).to(tl.float32, bitcast=True),
+                    (tl.load(p + 7).to(tl.int32) << 16).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _load_scales(s_ptr, blk, row_blk, nested_ptr, tab_ptr, FMT: tl.constexpr, ON_GPU: tl.constexpr):
+    """(fp32 block scale, AWQ zero pair) for scale pointers ``s_ptr + row_blk + blk``.
+
+    ``row_blk + blk`` is the flat block index (row * blocks_per_row + block): NF4 double quantization
+    needs it for the nested absmax (one per 256 blocks)."""
+    ptrs = s_ptr + (row_blk + blk)
+    zz = 0
+    if FMT == FMT_NVFP4:
+        if ON_GPU:
+            sf = tl.inline_asm_elementwise(_E4M3_ASM, "=f,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            sf = _decode_minifloat(tl.load(ptrs).to(tl.int32), 4, 3, 7)
+    elif FMT == FMT_MXFP4:
+        if ON_GPU:
+            sf = tl.inline_asm_elementwise(_E8M0_ASM, "=f,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            c = tl.load(ptrs).to(tl.int32)
+            v = tl.where(c == 0, 0x00400000, c << 23).to(tl.float32, bitcast=True)
+            sf = tl.where(c == 255, float("nan"), v)
+    elif FMT == FMT_AWQ:
+        if ON_GPU:
+            sf, zz = tl.inline_asm_elementwise(_AWQ_SZ_ASM, "=f,=r,l", [ptrs], dtype=(tl.float32, tl.int32),
+                                               is_pure=True, pack=1)
+        else:
+            v = tl.load(ptrs)
+            sf = (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            zz = v
+    elif FMT == FMT_NF4_DQ:
+        flat = row_blk + blk
+        nptrs = nested_ptr + flat // 256
+        if ON_GPU:
+            zero = (flat * 0).to(tl.int32)
+            sf = tl.inline_asm_elementwise(
+                _NF4_DQ_ASM, "=f,l,l,l,l",
+                # one pointer type for all operands (inline asm type-checks them together)
+                [ptrs.to(tl.pointer_type(tl.float32), bitcast=True), nptrs, tab_ptr + (TAB_DMAP + zero),
+                 tab_ptr + (TAB_OFFSET + zero)],
+                dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            code = tl.load(ptrs).to(tl.int32)
+            sf = tl.load(tab_ptr + TAB_DMAP + code) * tl.load(nptrs) + tl.load(tab_ptr + TAB_OFFSET)
+    else:
+        # FP4_B32 and NF4: fp32 scale / absmax. (Inline-asm loads take the layout of their consumers; a
+        # tl.load would be pipelined into a layout of its own and cost a conversion per iteration.)
+        if ON_GPU:
+            sf = tl.inline_asm_elementwise(_F32_ASM, "=f,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            sf = tl.load(ptrs)
+    return sf, zz
+
+
+@triton.jit
+def _activation(y, ACT: tl.constexpr):
+    if ACT == ACT_GELU:
+        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    elif ACT == ACT_GELU_TANH:
+        u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
+        # tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits +-1 for large |u|
+        t = 1.0 - tl.div_rn(2.0, tl.exp(2.0 * u) + 1.0)
+        y = 0.5 * y * (1.0 + t)
+    elif ACT == ACT_SILU:
+        y = tl.div_rn(y, 1.0 + tl.exp(-y))
+    return y
+
+
+@triton.jit
+def _finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, GS_KIND: tl.constexpr,
+            HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """acc: fp32 [MP, BN] for x rows ``m`` and output rows ``rows``; writes out[m, rows]."""
+    y = acc * POST
+    if GS_KIND == GS_DIVIDE:
+        y = tl.div_rn(y, tl.load(gs_ptr))
+    elif GS_KIND == GS_MULTIPLY:
+        y = y * tl.load(gs_ptr)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+    y = _activation(y, ACT)
+    tl.store(out_ptr + m[:, None] * N + rows[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=(m < M)[:, None] & (rows < N)[None, :])
+
+
+@triton.jit
+def _epilogue(acc, pid_n, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+              MP: tl.constexpr, SPLIT: tl.constexpr, POST: tl.constexpr, GS_KIND: tl.constexpr,
+              HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    if SPLIT == 1:
+        _finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
+    else:
+        # workspace [SPLIT, MP, N] fp32; rows past N are never read back, rows m >= M are zero partials
+        wmask = (rows < N)[None, :]
+        tl.store(ws_ptr + (pid_k * MP + m)[:, None] * N + rows[None, :], acc, mask=wmask)
+        tl.debug_barrier()
+        prev = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if prev == SPLIT - 1:
+            tot = tl.zeros_like(acc)
+            for s in range(SPLIT):
+                tot += tl.load(ws_ptr + (s * MP + m)[:, None] * N + rows[None, :], mask=wmask, other=0.0,
+                               cache_modifier=".cg")
+            # every program of this tile has arrived: reset the counter for the next launch
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            _finish(tot, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
+
+
+@triton.jit
+def _stack_rows(r0, r1, r2, r3, MP: tl.constexpr):
+    """[BN] partial sums of x rows 0..MP-1 -> [MP, BN]."""
+    if MP == 1:
+        return r0[None, :]
+    elif MP == 2:
+        return tl.trans(tl.join(r0, r1))
+    else:
+        # join(join(r0, r2), join(r1, r3))[n, a, b] = r_{a + 2b}
+        t = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+        return tl.reshape(tl.permute(t, (1, 2, 0)), (4, r0.shape[0]))
+
+
+@triton.jit
+def _row_dot(dec, xp, X_FP16: tl.constexpr, ON_GPU: tl.constexpr):
+    """Per-word sums of decoded weight * x (the 8 x values of a word come from one 16-byte load)."""
+    d0, d1, d2, d3, d4, d5, d6, d7 = dec
+    x0, x1, x2, x3, x4, x5, x6, x7 = _load_x8(xp, X_FP16, ON_GPU)
+    p = d0 * x0
+    p += d1 * x1
+    p += d2 * x2
+    p += d3 * x3
+    p += d4 * x4
+    p += d5 * x5
+    p += d6 * x6
+    p += d7 * x7
+    return p
+
+
+@triton.jit
+def _block_sum(p, C: tl.constexpr, BN: tl.constexpr, BPC: tl.constexpr):
+    """[C, BN, 4] per-word sums -> [C, BN, BPC] per-block sums (a block is 4 / BPC words of a chunk)."""
+    return tl.sum(tl.reshape(p, (C, BN, BPC, 4 // BPC)), axis=3)
+
+
+@triton.jit
+def _gemv_w4_fma_kernel(
+    x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, KW, SK,
+    FMT: tl.constexpr, WPB: tl.constexpr, IPS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    GS_KIND: tl.constexpr, POST: tl.constexpr, X_FP16: tl.constexpr, ON_GPU: tl.constexpr,
+):
+    """out[m, n] = act(sum_k x[m, k] W[n, k] + bias[n]) for m < M <= MP (MP: 1, 2 or 4).
+
+    w_ptr: int32 words [N, KW]; s_ptr: scales [N, SK] (one per WPB words; for WPB > 4 several chunks share
+    one). Each program runs IPS iterations of 4 C words per row, starting at word ``pid_k * IPS * 4 C``
+    (grid axis 1 splits K; SPLIT * IPS * 4 C = KW).
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    BPC: tl.constexpr = 4 // WPB if WPB < 4 else 1       # scale blocks per 4-word chunk
+    CW: tl.constexpr = 4 * C                              # words per row per iteration
+    rows = pid_n * BN + tl.arange(0, BN)
+    rows_c = tl.minimum(rows, N - 1)
+    cc = tl.arange(0, C)
+    q4 = tl.arange(0, 4)
+    kq = cc[:, None, None] * 4 + q4[None, None, :]        # [C, 1, 4] word offset inside the tile
+    w_rows = w_ptr + rows_c.to(tl.int64)[None, :, None] * KW + kq
+    # block index of chunk c, block b inside the tile: (4c + b * 4 / BPC) // WPB
+    bq = (cc[:, None, None] * 4 + tl.arange(0, BPC)[None, None, :] * (4 // BPC)) // WPB
+    row_blk = rows_c.to(tl.int64)[None, :, None] * SK
+    xq = kq * 8
+    # x rows 1..3 (a row past M - 1 re-reads the last row; its output is masked)
+    x1 = tl.minimum(1, M - 1).to(tl.int64) * KW * 8
+    x2 = tl.minimum(2, M - 1).to(tl.int64) * KW * 8
+    x3 = tl.minimum(3, M - 1).to(tl.int64) * KW * 8
+
+    acc0 = tl.zeros((C, BN, BPC), dtype=tl.float32)
+    acc1 = tl.zeros((C, BN, BPC), dtype=tl.float32)
+    acc2 = tl.zeros((C, BN, BPC), dtype=tl.float32)
+    acc3 = tl.zeros((C, BN, BPC), dtype=tl.float32)
+    kw_start = pid_k * (IPS * CW)
+    for it in tl.range(0, IPS, num_stages=STAGES):
+        kw0 = kw_start + it * CW
+        words = tl.load(w_rows + kw0)
+        sf, zz = _load_scales(s_ptr, bq + kw0 // WPB, row_blk, nested_ptr, tab_ptr, FMT, ON_GPU)
+        dec = _decode8(words, zz, tab_ptr, FMT, ON_GPU)
+        xp = x_ptr + (xq + kw0 * 8)
+        acc0 += _block_sum(_row_dot(dec, xp, X_FP16, ON_GPU), C, BN, BPC) * sf
+        if MP > 1:
+            acc1 += _block_sum(_row_dot(dec, xp + x1, X_FP16, ON_GPU), C, BN, BPC) * sf
+        if MP > 2:
+            acc2 += _block_sum(_row_dot(dec, xp + x2, X_FP16, ON_GPU), C, BN, BPC) * sf
+            acc3 += _block_sum(_row_dot(dec, xp + x3, X_FP16, ON_GPU), C, BN, BPC) * sf
+
+    r0 = tl.sum(tl.sum(acc0, axis=2), axis=0)
+    r1 = tl.sum(tl.sum(acc1, axis=2), axis=0)
+    r2 = tl.sum(tl.sum(acc2, axis=2), axis=0)
+    r3 = tl.sum(tl.sum(acc3, axis=2), axis=0)
+    acc = _stack_rows(r0, r1, r2, r3, MP)
+    m = tl.arange(0, MP)
+    _epilogue(acc, pid_n, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+              MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+
+
+@triton.jit
+def _gemv_w4_dot_kernel(
+    x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, KW, SK,
+    FMT: tl.constexpr, WPB: tl.constexpr, IPS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    GS_KIND: tl.constexpr, POST: tl.constexpr, X_FP16: tl.constexpr, ON_GPU: tl.constexpr,
+):
+    """Same contract as the FMA kernel for M <= MP (16): the scaled weight tile, cast to x's dtype (fp32
+    under the interpreter), goes through ``tl.dot`` with a [32 C, MP] x tile."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    BPC: tl.constexpr = 4 // WPB if WPB < 4 else 1
+    CW: tl.constexpr = 4 * C
+    rows = pid_n * BN + tl.arange(0, BN)
+    rows_c = tl.minimum(rows, N - 1)
+    cc = tl.arange(0, C)
+    q4 = tl.arange(0, 4)
+    kq = cc[:, None, None] * 4 + q4[None, None, :]
+    w_rows = w_ptr + rows_c.to(tl.int64)[None, :, None] * KW + kq
+    bq = (cc[:, None, None] * 4 + tl.arange(0, BPC)[None, None, :] * (4 // BPC)) // WPB
+    row_blk = rows_c.to(tl.int64)[None, :, None] * SK
+    m = tl.arange(0, MP)
+    kk = tl.arange(0, 8 * CW)
+    x_tile = x_ptr + m[None, :] * (KW * 8) + kk[:, None]
+    x_mask = (m < M)[None, :]
+    if ON_GPU:
+        OP_TY: tl.constexpr = tl.float16 if X_FP16 else tl.bfloat16
+    else:
+        OP_TY: tl.constexpr = tl.float32
+
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
+    kw_start = pid_k * (IPS * CW)
+    for it in tl.range(0, IPS, num_stages=STAGES):
+        kw0 = kw_start + it * CW
+        words = tl.load(w_rows + kw0)
+        sf, zz = _load_scales(s_ptr, bq + kw0 // WPB, row_blk, nested_ptr, tab_ptr, FMT, ON_GPU)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _decode8(words, zz, tab_ptr, FMT, ON_GPU)
+        s4 = tl.reshape(tl.broadcast_to(sf[:, :, :, None], (C, BN, BPC, 4 // BPC)), (C, BN, 4))
+        # t[c, n, q, i, s, r] = element 8 (4c + q) + 4i + 2s + r (join appends the last dim): swapping c
+        # and n gives the natural K order
+        t = tl.join(tl.join(tl.join((d0 * s4).to(OP_TY), (d4 * s4).to(OP_TY)),
+                            tl.join((d2 * s4).to(OP_TY), (d6 * s4).to(OP_TY))),
+                    tl.join(tl.join((d1 * s4).to(OP_TY), (d5 * s4).to(OP_TY)),
+                            tl.join((d3 * s4).to(OP_TY), (d7 * s4).to(OP_TY))))
+        wt = tl.reshape(tl.permute(t, (1, 0, 2, 3, 4, 5)), (BN, 8 * CW))
+        if ON_GPU:
+            xt = tl.load(x_tile + kw0 * 8, mask=x_mask, other=0.0)
+            acc = tl.dot(wt, xt, acc)
+        else:
+            if X_FP16:
+                xf = tl.load(x_tile + kw0 * 8, mask=x_mask, other=0.0).to(tl.float32)
+            else:
+                xb = tl.load((x_tile + kw0 * 8).to(tl.pointer_type(tl.int16), bitcast=True), mask=x_mask, other=0)
+                xf = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            acc += tl.dot(wt, xf, input_precision="ieee")
+    _epilogue(tl.trans(acc), pid_n, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+              MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)

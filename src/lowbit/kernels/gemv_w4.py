@@ -1,0 +1,497 @@
+"""Weight-only 4-bit GEMV for the decode regime (M <= 16): ``gemv_w4(x, w, bias, activation)``.
+
+``out = act(x @ dequant(w).T + bias)`` with fp32 accumulation, for ``w`` in nvfp4, mxfp4, fp4_b32, nf4 (plain
+or double-quantized absmax) and int4_awq; the weight is decoded in registers, never written to HBM.
+
+Pre-layout (:func:`prepare_w4`, done once per QTensor and cached; the QTensor is never modified):
+
+- nvfp4 / mxfp4 / fp4_b32 / nf4: zero-copy. The packed bytes ``[N, K/2]`` are read as int32 words
+  ``[N, K/8]`` (8 consecutive K elements per word; nf4 keeps bitsandbytes' high-nibble-first order and the
+  kernel decodes it as is). Swizzled scales are unswizzled once (a copy of the scales only).
+- int4_awq: ``qweight [K, N/8]`` (AutoAWQ interleave, N-major nibbles) is repacked to N-major, K-contiguous
+  words ``[N, K/8]`` (nibble j = element 8w + j), so that a row of W is one contiguous run of 16-byte
+  loads; scales and zero points become one int32 per (row, group): fp16 scale bits | (0x6400 + z) << 16.
+  This copy (0.5 byte per weight) is what the cache holds; the QTensor still holds the AutoAWQ tensors.
+
+The cache is keyed by the QTensor object (weakly: it goes when the QTensor goes) and checks the version
+counters of the source tensors, so an in-place update of ``q.data`` / ``q.scale`` is re-prepared.
+
+Kernels (``_gemv_w4``): M <= ``TILE["fma_max_m"]`` runs the CUDA-core FMA kernel (M rows of x per
+program, so the weights are read once); larger M runs the ``tl.dot`` (wgmma) kernel with M padded to
+16. Both split K across programs when there are too few N tiles to fill the GPU, and reduce the
+split-K partials inside the same launch (last-arriving program, self-resetting counter), so a call is
+one kernel launch: safe to capture in a CUDA graph.
+
+Bytes per weight element read from HBM (the kernel is bandwidth-bound at M=1; bf16 weights are 2 bytes):
+nvfp4 0.5 + 1/16 (E4M3 per 16), mxfp4 0.5 + 1/32, fp4_b32 0.5 + 4/32, nf4 0.5 + 4/bs (fp32 absmax) or
+0.5 + 1/bs (double quant), int4_awq 0.5 + 4/g (packed scale+zero).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+from ..formats import int4_awq as ref_awq
+from ..formats import nf4 as ref_nf4
+from ..formats.codecs import codebook_table
+from ..formats.packing import unswizzle_scales
+from ..formats.qtensor import QTensor
+from ..formats.spec import NF4
+from . import _gemv_w4 as k
+
+FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
+ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+MAX_M = 16
+
+TILE = {
+    # M <= fma_max_m: FMA kernel (MP = 1, 2 or 4 rows of x per program); else the tl.dot kernel (MP = 16)
+    "fma_max_m": 2,
+    # bn: output rows per program; chunks: 16-byte chunks (32 weights) per row per iteration;
+    # stages: cp.async pipeline depth (stages - 1 tiles in flight while one is decoded)
+    "fma": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3},
+    "dot": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3},
+    # split K until about ctas_per_sm programs per SM exist, at most max_split ways, each split at least
+    # min_iters iterations long, the fp32 partials (split * M * N * 4 bytes, written and read back) at most
+    # ws_ratio of the weight bytes
+    "ctas_per_sm": 4,
+    "max_split": 16,
+    "min_iters": 2,
+    "ws_ratio": 0.25,
+}
+"""Tile configuration per regime (data, no autotuning). ``benchmarks/bench_w4a16.py --sweep`` tries
+variants; ``gemv_w4(..., config=...)`` overrides it per call."""
+
+DIRECT_LAUNCH = True
+"""Launch cached compiled kernels without Triton's per-call argument binding (tests turn it off)."""
+
+_FMT = {"nvfp4": k.FMT_NVFP4.value, "mxfp4": k.FMT_MXFP4.value, "fp4_b32": k.FMT_FP4_B32.value,
+        "nf4": k.FMT_NF4.value, "nf4_dq": k.FMT_NF4_DQ.value, "int4_awq": k.FMT_AWQ.value}
+_X_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------- pre-layout
+
+@dataclass(eq=False)
+class PreparedW4:
+    """A 4-bit weight laid out for the GEMV kernels (see the module docstring). ``source`` is the QTensor
+    it was made from (unchanged; use it for saving)."""
+
+    fmt: str
+    fmt_code: int
+    n: int
+    k: int
+    words: torch.Tensor          # int32 [N, K/8]
+    scales: torch.Tensor         # [N, SK]: uint8 (E4M3 / E8M0 / nf4 dq codes), fp32, or int32 (awq)
+    words_per_block: int         # WPB: int32 words per scale block
+    post: float                  # constant multiplier of the accumulator (2^6 for the FP4 decode)
+    gs_kind: int                 # what the epilogue does with gs (k.GS_*)
+    gs: torch.Tensor             # fp32 [1] (global scale S or per_tensor_scale p; unused for GS_NONE)
+    nested: torch.Tensor         # fp32 nested absmax (nf4 double quant), else a dummy
+    tab: torch.Tensor            # fp32 [288]: NF4 levels, dynamic map, nested offset (64-byte aligned)
+    source: QTensor | None = field(default=None, repr=False)
+    versions: tuple = field(default=(), repr=False)
+
+    @property
+    def sk(self) -> int:
+        return self.scales.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+
+def _why_not(w: QTensor) -> str | None:
+    if not isinstance(w, QTensor):
+        return f"w must be a QTensor, got {type(w).__name__}"
+    if w.fmt not in FORMATS:
+        return f"gemv_w4 covers {FORMATS}, not {w.fmt!r}"
+    if len(w.shape) != 2:
+        return f"w must be a 2-D [N, K] weight, got shape {tuple(w.shape)}"
+    n, kdim = w.shape
+    if n < 1 or kdim < 32 or kdim % 32:
+        return f"K must be a positive multiple of 32 (16-byte chunks of packed weights), got K={kdim}"
+    if w.fmt in ("nvfp4", "mxfp4", "fp4_b32"):
+        if w.data.dtype != torch.uint8 or w.data.numel() != n * kdim // 2:
+            return f"{w.fmt}: data must be uint8 with N*K/2 bytes, got {w.data.dtype} {tuple(w.data.shape)}"
+        if w.fmt == "fp4_b32" and (w.scale.dtype != torch.float32 or w.scale.numel() != n * kdim // 32):
+            return "fp4_b32: scale must be fp32 [N, K/32]"
+        if w.fmt == "nvfp4":
+            pts = w.params.get("per_tensor_scale")
+            if pts is not None and isinstance(pts, torch.Tensor) and pts.numel() != 1:
+                return "nvfp4: per_tensor_scale must be a scalar"
+            if w.global_scale is not None and w.global_scale.numel() != 1:
+                return "nvfp4: global_scale must hold one value"
+    elif w.fmt == "nf4":
+        try:
+            _, blocksize, _ = ref_nf4.check_nf4_qtensor(w)
+        except (TypeError, ValueError) as e:
+            return str(e)
+        if kdim % blocksize:
+            return f"nf4: K ({kdim}) must be a multiple of the blocksize ({blocksize}) so no block spans two rows"
+    else:
+        try:
+            _, _, g = ref_awq.check_int4_awq(w)
+        except (TypeError, ValueError) as e:
+            return str(e)
+        if g % 32:
+            return f"int4_awq: group_size must be a multiple of 32 (a 32-weight chunk in one group), got {g}"
+    return None
+
+
+def supports(w: QTensor) -> str | None:
+    """None if :func:`gemv_w4` covers ``w``, else the reason it does not."""
+    return _why_not(w)
+
+
+@functools.lru_cache(maxsize=16)
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(16, dtype=dtype, device=device)
+
+
+def _tab(device: torch.device, offset: torch.Tensor | None) -> torch.Tensor:
+    tab = torch.zeros(288, dtype=torch.float32, device=device)
+    tab[:16] = codebook_table(NF4).to(device)
+    tab[k.TAB_DMAP.value:k.TAB_DMAP.value + 256] = ref_nf4.dynamic_map(device)
+    if offset is not None:
+        tab[k.TAB_OFFSET.value] = offset.reshape(()).to(device=device, dtype=torch.float32)
+    return tab
+
+
+def _as_words(data: torch.Tensor, n: int, kdim: int) -> torch.Tensor:
+    flat = data.reshape(-1)
+    if not flat.is_contiguous() or flat.data_ptr() % 16:
+        flat = flat.clone()
+    return flat.view(torch.int32).view(n, kdim // 8)
+
+
+def _to_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _awq_layout(q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(words int32 [N, K/8] N-major with nibble j = element 8w + j, sz int32 [N, K/g])."""
+    n, kdim, _ = ref_awq.check_int4_awq(q)
+    dev = q.data.device
+    words = torch.empty(n, kdim // 8, dtype=torch.int32, device=dev)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=dev)
+    step = max(8, min(kdim, (1 << 22) // max(n, 1) // 8 * 8))  # bounded temporaries
+    for k0 in range(0, kdim, step):
+        k1 = min(kdim, k0 + step)
+        nib = ref_awq.unpack_awq(q.data[k0:k1])                      # [k1-k0, N] natural column order
+        t = nib.t().reshape(n, (k1 - k0) // 8, 8).to(torch.int64)
+        words[:, k0 // 8:k1 // 8] = _to_int32((t << shifts).sum(dim=-1))
+    z = ref_awq.unpack_awq(q.zeros).t()                              # [N, K/g]
+    s_bits = q.scale.t().contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    sz = (s_bits | ((0x6400 + z) << 16)).contiguous()
+    return words, sz
+
+
+def _versions(q: QTensor) -> tuple:
+    return tuple(t._version for t in q.tensors().values())
+
+
+def _prepare(q: QTensor) -> PreparedW4:
+    reason = _why_not(q)
+    if reason:
+        raise ValueError(f"gemv_w4: {reason}")
+    n, kdim = q.shape
+    dev = q.data.device
+    dummy = _dummy(dev, torch.float32)
+    gs_kind, gs, post = k.GS_NONE.value, dummy, 1.0
+    nested, tab = dummy, None
+    if q.fmt in ("nvfp4", "mxfp4", "fp4_b32"):
+        fmt = q.fmt
+        block = 16 if q.fmt == "nvfp4" else 32
+        if q.scale_layout == "swizzled":
+            scales = unswizzle_scales(q.scale, n, kdim // block)
+        else:
+            scales = q.scale.reshape(n, kdim // block)
+        scales = scales.contiguous()
+        if q.fmt != "fp4_b32":
+            scales = scales.view(torch.uint8)
+        words = _as_words(q.data, n, kdim)
+        post = 64.0  # the E4M3 route decodes e2m1 * 2^-6
+        if q.fmt == "nvfp4":
+            pts = q.params.get("per_tensor_scale")
+            if pts is not None:
+                gs_kind = k.GS_MULTIPLY.value
+                gs = torch.as_tensor(pts, dtype=torch.float32).reshape(1).to(dev)
+            elif q.global_scale is not None:
+                gs_kind = k.GS_DIVIDE.value
+                gs = q.global_scale.reshape(1).to(device=dev, dtype=torch.float32).contiguous()
+        wpb = block // 8
+    elif q.fmt == "nf4":
+        _, blocksize, dq = ref_nf4.check_nf4_qtensor(q)
+        fmt = "nf4_dq" if dq else "nf4"
+        words = _as_words(q.data, n, kdim)
+        scales = q.scale.reshape(n, kdim // blocksize).contiguous()
+        if dq:
+            nested = q.nested_scale.reshape(-1).to(torch.float32).contiguous()
+        tab = _tab(dev, q.nested_offset if dq else None)
+        wpb = blocksize // 8
+    else:
+        fmt = "int4_awq"
+        words, scales = _awq_layout(q)
+        wpb = q.params["group_size"] // 8
+    if tab is None:
+        tab = dummy
+    return PreparedW4(fmt=fmt, fmt_code=_FMT[fmt], n=n, k=kdim, words=words, scales=scales,
+                      words_per_block=wpb, post=post, gs_kind=gs_kind, gs=gs, nested=nested, tab=tab,
+                      source=None, versions=_versions(q))
+
+
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prepare_w4(w: QTensor) -> PreparedW4:
+    """The kernel layout of ``w``, made once and cached for as long as ``w`` lives (re-made if a tensor
+    of ``w`` was modified in place). Call it at load time to keep the first ``gemv_w4`` call cheap."""
+    if isinstance(w, PreparedW4):
+        return w
+    p = _PREPARED.get(w)
+    if p is not None and p.versions == _versions(w):
+        return p
+    p = _prepare(w)
+    _PREPARED[w] = p
+    return p
+
+
+def clear_cache() -> None:
+    """Drop every cached prepared weight."""
+    _PREPARED.clear()
+    _PLANS.clear()
+
+
+# ------------------------------------------------------------------------------------------------ launch
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _chunks(kw: int, want: int) -> int:
+    """Largest power of two <= want whose 4 c words divide the row (kw is a multiple of 4)."""
+    c = want
+    while c > 1 and kw % (4 * c):
+        c //= 2
+    return c
+
+
+@dataclass
+class _Plan:
+    fn: object
+    grid: tuple
+    consts: dict
+    num_warps: int
+    ints: tuple              # M, N, KW, SK
+    split: int
+    mp: int
+    n_tiles: int
+    compiled: dict = field(default_factory=dict)
+
+
+def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim: int, sk: int, m: int,
+               x_fp16: bool, has_bias: bool, act: int, device_index: int | None, cfg: dict) -> _Plan:
+    use_fma = m <= cfg["fma_max_m"]
+    t = cfg["fma"] if use_fma else cfg["dot"]
+    kw = kdim // 8
+    c = _chunks(kw, t["chunks"])
+    bn = t["bn"]
+    iters = kw // (4 * c)
+    n_tiles = _cdiv(n, bn)
+    sms = _num_sms(device_index) if device_index is not None else 4
+    mp = (1 if m == 1 else 2 if m == 2 else 4) if use_fma else 16
+    # split-K partials: split * MP * N fp32 written and read back (in L2); keep them under ws_ratio of
+    # the N * K / 2 weight bytes
+    ws_cap = max(1, int(cfg.get("ws_ratio", 0.25) * kdim / (16 * mp)))
+    want = max(1, min(cfg["max_split"], ws_cap, (cfg["ctas_per_sm"] * sms) // n_tiles,
+                      iters // max(1, cfg["min_iters"])))
+    split = max(d for d in range(1, want + 1) if iters % d == 0)  # equal splits: no tail iterations
+    ips = iters // split
+    consts = {"FMT": fmt_code, "WPB": wpb, "IPS": ips, "MP": mp, "BN": bn, "C": c, "STAGES": t["stages"], "SPLIT": split,
+              "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": post, "X_FP16": x_fp16,
+              "ON_GPU": not _interpreting()}
+    fn = k._gemv_w4_fma_kernel if use_fma else k._gemv_w4_dot_kernel
+    return _Plan(fn=fn, grid=(n_tiles, split, 1), consts=consts, num_warps=t["warps"],
+                 ints=(m, n, kw, sk), split=split, mp=mp, n_tiles=n_tiles)
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _cfg_key(cfg: dict) -> tuple:
+    return (cfg["fma_max_m"], tuple(cfg["fma"].values()), tuple(cfg["dot"].values()), cfg["ctas_per_sm"],
+            cfg["max_split"], cfg["min_iters"], cfg.get("ws_ratio", 0.25))
+
+
+# split-K workspace and tile counters, per (device, stream); the counters reset themselves in the kernel
+_SCRATCH: dict = {}
+
+
+def _scratch(device: torch.device, stream: int, ws_numel: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # graph-owned buffers: never cached (the graph keeps them alive)
+        return (torch.empty(ws_numel, dtype=torch.float32, device=device),
+                torch.zeros(n_cnt, dtype=torch.int32, device=device))
+    key = (device, stream)
+    ws, cnt = _SCRATCH.get(key, (None, None))
+    if ws is None or ws.numel() < ws_numel:
+        ws = torch.empty(max(ws_numel, 1 << 16), dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < n_cnt:
+        cnt = torch.zeros(max(n_cnt, 4096), dtype=torch.int32, device=device)
+    _SCRATCH[key] = (ws, cnt)
+    return ws, cnt
+
+
+def _launch(plan: _Plan, key, args: tuple) -> None:
+    fn = plan.fn
+    if DIRECT_LAUNCH and isinstance(fn, JITFunction) and key is not None:
+        hooks = triton.knobs.runtime
+        if not hooks.launch_enter_hook.calls and not hooks.launch_exit_hook.calls:
+            device = torch._C._cuda_getDevice()
+            ck = plan.compiled.get((device, key))
+            if ck is not None:
+                g = plan.grid
+                ck.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), ck.function,
+                       ck.packed_metadata, None, None, None, *args, *plan.consts.values())
+                return
+            ck = fn[plan.grid](*args, **plan.consts, num_warps=plan.num_warps)
+            if hasattr(ck, "result"):
+                ck = ck.result()
+            if hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
+                plan.compiled[(device, key)] = ck
+            return
+    fn[plan.grid](*args, **plan.consts, num_warps=plan.num_warps)
+
+
+def _check_x(x: torch.Tensor, p: PreparedW4) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"gemv_w4: x must be a tensor, got {type(x).__name__}")
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"gemv_w4: x must be bfloat16 or float16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"gemv_w4: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.shape[1] != p.k:
+        raise ValueError(f"gemv_w4: x has K={x.shape[1]}, the weight has K={p.k}")
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"gemv_w4: M={x.shape[0]} rows; the GEMV covers M <= {MAX_M}")
+    if x.device != p.device:
+        raise ValueError(f"gemv_w4: x is on {x.device}, the weight on {p.device}")
+
+
+def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None = None,
+            activation: str | None = None, config: dict | None = None) -> torch.Tensor:
+    """``act(x @ dequant(w).T + bias)`` in x's dtype, accumulated in fp32, for M <= 16.
+
+    Args:
+        x: ``[M, K]`` bfloat16/float16 CUDA tensor (CPU under ``TRITON_INTERPRET=1``), ``M <= 16``; a
+            non-contiguous or misaligned x is copied.
+        w: QTensor with logical shape ``[N, K]`` (see :func:`supports`), or :func:`prepare_w4`'s result.
+        bias: None or ``[N]`` (any float dtype; added in fp32).
+        activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``.
+        config: a TILE-shaped dict overriding :data:`TILE` (sweeps).
+
+    Returns:
+        ``[M, N]`` tensor of x's dtype.
+    """
+    p = prepare_w4(w)
+    _check_x(x, p)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gemv_w4: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    m, n = x.shape[0], p.n
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (n,) or not bias.dtype.is_floating_point:
+            raise ValueError(f"gemv_w4: bias must be a float tensor of shape ({n},), got "
+                             f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+        if bias.device != x.device:
+            raise ValueError(f"gemv_w4: bias is on {bias.device}, x on {x.device}")
+        if not bias.is_contiguous():
+            bias = bias.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.contiguous_format)
+    cfg = TILE if config is None else config
+    act = ACTIVATIONS[activation]
+    on_gpu = x.is_cuda
+    dev_index = x.device.index if on_gpu else None
+    pkey = (p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m, x.dtype, bias is not None, act,
+            dev_index, _cfg_key(cfg))
+    plan = _PLANS.get(pkey)
+    if plan is None:
+        plan = _make_plan(p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m,
+                          x.dtype == torch.float16, bias is not None, act, dev_index, cfg)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[pkey] = plan
+    if plan.split > 1:
+        stream = torch._C._cuda_getCurrentRawStream(dev_index) if on_gpu else 0
+        ws, cnt = _scratch(x.device, stream, plan.split * plan.mp * n, plan.n_tiles)
+    else:
+        ws, cnt = _dummy(x.device, torch.float32), _dummy(x.device, torch.int32)
+    b = bias if bias is not None else _dummy(x.device, x.dtype)
+    args = (x, p.words, p.scales, p.nested, p.tab, p.gs, b, out, ws, cnt, *plan.ints)
+    key = (bias is None or bias.data_ptr() % 16 == 0, p.gs.data_ptr() % 16 == 0, bias.dtype if bias is not None
+           else None)
+    _launch(plan, key, args)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- compile test
+
+def _sig(fmt: str, x_dtype: str, bias_dtype: str) -> dict:
+    s_ty = {"nvfp4": "*u8", "mxfp4": "*u8", "fp4_b32": "*fp32", "nf4": "*fp32", "nf4_dq": "*u8",
+            "int4_awq": "*i32"}[fmt]
+    return {"x_ptr": x_dtype, "w_ptr": "*i32", "s_ptr": s_ty, "nested_ptr": "*fp32", "tab_ptr": "*fp32",
+            "gs_ptr": "*fp32", "bias_ptr": bias_dtype, "out_ptr": x_dtype, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+            "M": "i32", "N": "i32", "KW": "i32", "SK": "i32"}
+
+
+_WPB = {"nvfp4": 2, "mxfp4": 4, "fp4_b32": 4, "nf4": 8, "nf4_dq": 8, "int4_awq": 16}
+_POST = {"nvfp4": 64.0, "mxfp4": 64.0, "fp4_b32": 64.0, "nf4": 1.0, "nf4_dq": 1.0, "int4_awq": 1.0}
+
+
+def compile_variants():
+    """(kernel, signature, constexprs) of the code paths the launcher starts (CI compiles them for sm_90):
+    every format through both kernels (FMA at M = 1, 2, 4 and dot), bf16 and fp16 x, split-K, each
+    activation, bias, each global-scale kind, and the other nf4 / int4 block sizes."""
+    cases = []
+    for fmt in _FMT:
+        gs = k.GS_DIVIDE.value if fmt == "nvfp4" else k.GS_NONE.value
+        cases += [
+            (fmt, "fma", 1, "*bf16", 1, False, 0, gs, _WPB[fmt]),
+            (fmt, "fma", 2, "*fp16", 4, True, 1, gs, _WPB[fmt]),
+            (fmt, "dot", 16, "*bf16", 2, True, 3, gs, _WPB[fmt]),
+            (fmt, "dot", 16, "*fp16", 1, False, 0, gs, _WPB[fmt]),
+        ]
+    cases += [
+        ("nvfp4", "fma", 4, "*bf16", 2, True, 2, k.GS_MULTIPLY.value, 2),
+        ("nvfp4", "fma", 1, "*bf16", 1, False, 0, k.GS_NONE.value, 2),
+        ("int4_awq", "fma", 1, "*bf16", 1, True, 1, k.GS_NONE.value, 4),   # group 32
+        ("int4_awq", "dot", 16, "*bf16", 1, False, 0, k.GS_NONE.value, 8),  # group 64
+        ("nf4_dq", "fma", 1, "*fp16", 1, False, 0, k.GS_NONE.value, 4),     # blocksize 32
+    ]
+    for fmt, path, mp, xd, split, has_bias, act, gs_kind, wpb in cases:
+        t = TILE["fma"] if path == "fma" else TILE["dot"]
+        consts = {"FMT": _FMT[fmt], "WPB": wpb, "IPS": 16 // split, "MP": mp, "BN": t["bn"], "C": t["chunks"], "STAGES": t["stages"],
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": _POST[fmt],
+                  "X_FP16": xd == "*fp16", "ON_GPU": True}
+        fn = k._gemv_w4_fma_kernel if path == "fma" else k._gemv_w4_dot_kernel
+        yield fn, _sig(fmt, xd, "*fp32" if has_bias and act == 1 else xd), consts
