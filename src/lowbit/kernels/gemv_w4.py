@@ -13,8 +13,11 @@ Pre-layout (:func:`prepare_w4`, done once per QTensor and cached; the QTensor is
   loads; scales and zero points become one int32 per (row, group): fp16 scale bits | (0x6400 + z) << 16.
   This copy (0.5 byte per weight) is what the cache holds; the QTensor still holds the AutoAWQ tensors.
 
-The cache is keyed by the QTensor object (weakly: it goes when the QTensor goes) and checks the version
-counters of the source tensors, so an in-place update of ``q.data`` / ``q.scale`` is re-prepared.
+The cache is keyed weakly on ``w.data`` (the entry goes when that tensor goes; torch.compile rebuilds the
+QTensor around the same tensors on every call, so the QTensor object itself is no key) and checks the
+identity and version counter of every tensor of ``w``: a replaced tensor or an in-place update of
+``q.data`` / ``q.scale`` is re-prepared. The prepared tensors alias the QTensor's storage where no copy is
+needed (nvfp4 / mxfp4 / fp4_b32 / nf4: no extra memory; int4_awq: one extra 0.5 byte per weight).
 
 Kernels (``_gemv_w4``): M <= ``TILE["fma_max_m"]`` runs the CUDA-core FMA kernel (M rows of x per
 program, so the weights are read once); larger M runs the ``tl.dot`` (wgmma) kernel with M padded to
@@ -30,6 +33,7 @@ nvfp4 0.5 + 1/16 (E4M3 per 16), mxfp4 0.5 + 1/32, fp4_b32 0.5 + 4/32, nf4 0.5 + 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -88,8 +92,9 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(eq=False)
 class PreparedW4:
-    """A 4-bit weight laid out for the GEMV kernels (see the module docstring). ``source`` is the QTensor
-    it was made from (unchanged; use it for saving)."""
+    """A 4-bit weight laid out for the GEMV kernels (see the module docstring). Its tensors alias the
+    QTensor's storage where no copy is needed, without referencing the QTensor's tensor objects (so the
+    cache entry can die with them); the QTensor itself is never modified (save that one)."""
 
     fmt: str
     fmt_code: int
@@ -103,16 +108,17 @@ class PreparedW4:
     gs: torch.Tensor             # fp32 [1] (global scale S or per_tensor_scale p; unused for GS_NONE)
     nested: torch.Tensor         # fp32 nested absmax (nf4 double quant), else a dummy
     tab: torch.Tensor            # fp32 [288]: NF4 levels, dynamic map, nested offset (64-byte aligned)
-    source: QTensor | None = field(default=None, repr=False)
-    versions: tuple = field(default=(), repr=False)
+    sig: tuple = field(default=(), repr=False)  # identity and version counters of the source tensors
+    plans: dict = field(default_factory=dict, repr=False)  # launch plans under the default TILE
+
+    device: torch.device = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.device = self.words.device
 
     @property
     def sk(self) -> int:
         return self.scales.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.words.device
 
 
 def _why_not(w: QTensor) -> str | None:
@@ -154,7 +160,13 @@ def _why_not(w: QTensor) -> str | None:
 
 
 def supports(w: QTensor) -> str | None:
-    """None if :func:`gemv_w4` covers ``w``, else the reason it does not."""
+    """None if :func:`gemv_w4` covers ``w``, else the reason it does not (cheap for a prepared weight)."""
+    if isinstance(w, PreparedW4):
+        return None
+    if isinstance(w, QTensor):
+        hit = _PREPARED.get(id(w.data))
+        if hit is not None and hit[0]() is w.data and hit[1].sig == _sig_of(w):
+            return None
     return _why_not(w)
 
 
@@ -172,11 +184,22 @@ def _tab(device: torch.device, offset: torch.Tensor | None) -> torch.Tensor:
     return tab
 
 
+def _alias(t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """A contiguous ``dtype`` tensor of ``shape`` over t's bytes, copying only when t is not contiguous or
+    not 16-byte aligned. A fresh tensor on the same storage (``set_``), not a view: it keeps the memory
+    alive but not the tensor object ``t`` (whose death drops the cache entry)."""
+    t = t.reshape(-1)
+    esize = torch.empty((), dtype=dtype).element_size()
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.clone()
+    offset = t.storage_offset() * t.element_size()
+    out = torch.empty(0, dtype=dtype, device=t.device)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return out.set_(t.untyped_storage(), offset // esize, shape, stride)
+
+
 def _as_words(data: torch.Tensor, n: int, kdim: int) -> torch.Tensor:
-    flat = data.reshape(-1)
-    if not flat.is_contiguous() or flat.data_ptr() % 16:
-        flat = flat.clone()
-    return flat.view(torch.int32).view(n, kdim // 8)
+    return _alias(data, torch.int32, (n, kdim // 8))
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -201,8 +224,16 @@ def _awq_layout(q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return words, sz
 
 
-def _versions(q: QTensor) -> tuple:
-    return tuple(t._version for t in q.tensors().values())
+def _sig_of(q: QTensor) -> tuple:
+    """What a prepared layout depends on besides ``q.data``'s identity: format, shape, the tensors' identities,
+    the version counters of the tensors whose values the layout copies, and the per-tensor scale value. An
+    in-place update of ``q.data`` / ``q.scale`` / ``q.zeros`` / ``q.nested_offset`` or a swapped tensor
+    invalidates the layout (``q.global_scale`` and ``q.nested_scale`` are aliased, read at each launch)."""
+    d, sc, z, no = q.data, q.scale, q.zeros, q.nested_offset
+    pts = q.params.get("per_tensor_scale")
+    return (q.fmt, q.shape, q.scale_layout, d._version, id(sc), sc._version,
+            None if z is None else (id(z), z._version), None if no is None else (id(no), no._version),
+            id(q.global_scale), id(q.nested_scale), id(pts) if isinstance(pts, torch.Tensor) else pts)
 
 
 def _prepare(q: QTensor) -> PreparedW4:
@@ -217,13 +248,8 @@ def _prepare(q: QTensor) -> PreparedW4:
     if q.fmt in ("nvfp4", "mxfp4", "fp4_b32"):
         fmt = q.fmt
         block = 16 if q.fmt == "nvfp4" else 32
-        if q.scale_layout == "swizzled":
-            scales = unswizzle_scales(q.scale, n, kdim // block)
-        else:
-            scales = q.scale.reshape(n, kdim // block)
-        scales = scales.contiguous()
-        if q.fmt != "fp4_b32":
-            scales = scales.view(torch.uint8)
+        scales = unswizzle_scales(q.scale, n, kdim // block) if q.scale_layout == "swizzled" else q.scale
+        scales = _alias(scales, torch.float32 if q.fmt == "fp4_b32" else torch.uint8, (n, kdim // block))
         words = _as_words(q.data, n, kdim)
         post = 64.0  # the E4M3 route decodes e2m1 * 2^-6
         if q.fmt == "nvfp4":
@@ -233,15 +259,15 @@ def _prepare(q: QTensor) -> PreparedW4:
                 gs = torch.as_tensor(pts, dtype=torch.float32).reshape(1).to(dev)
             elif q.global_scale is not None:
                 gs_kind = k.GS_DIVIDE.value
-                gs = q.global_scale.reshape(1).to(device=dev, dtype=torch.float32).contiguous()
+                gs = _alias(q.global_scale.to(device=dev, dtype=torch.float32), torch.float32, (1,))
         wpb = block // 8
     elif q.fmt == "nf4":
         _, blocksize, dq = ref_nf4.check_nf4_qtensor(q)
         fmt = "nf4_dq" if dq else "nf4"
         words = _as_words(q.data, n, kdim)
-        scales = q.scale.reshape(n, kdim // blocksize).contiguous()
+        scales = _alias(q.scale, q.scale.dtype, (n, kdim // blocksize))
         if dq:
-            nested = q.nested_scale.reshape(-1).to(torch.float32).contiguous()
+            nested = _alias(q.nested_scale.to(torch.float32), torch.float32, (q.nested_scale.numel(),))
         tab = _tab(dev, q.nested_offset if dq else None)
         wpb = blocksize // 8
     else:
@@ -252,27 +278,43 @@ def _prepare(q: QTensor) -> PreparedW4:
         tab = dummy
     return PreparedW4(fmt=fmt, fmt_code=_FMT[fmt], n=n, k=kdim, words=words, scales=scales,
                       words_per_block=wpb, post=post, gs_kind=gs_kind, gs=gs, nested=nested, tab=tab,
-                      source=None, versions=_versions(q))
+                      sig=_sig_of(q))
 
 
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(w.data) -> (weakref to w.data, PreparedW4). Keyed on w.data, not on the QTensor: torch.compile
+# rebuilds the QTensor around the same tensors on every call. The entry goes when w.data goes.
+_PREPARED: dict = {}
+
+
+def _forget(data_id: int):
+    def drop(_ref):
+        _PREPARED.pop(data_id, None)
+    return drop
 
 
 def prepare_w4(w: QTensor) -> PreparedW4:
-    """The kernel layout of ``w``, made once and cached for as long as ``w`` lives (re-made if a tensor
-    of ``w`` was modified in place). Call it at load time to keep the first ``gemv_w4`` call cheap."""
-    if isinstance(w, PreparedW4):
+    """The kernel layout of ``w``, made once and cached for as long as ``w.data`` lives; re-made when a
+    tensor of ``w`` is replaced or modified in place (see ``_sig_of``). Call it at load time to keep the
+    first ``gemv_w4`` call cheap (int4_awq repacks the weight)."""
+    if type(w) is PreparedW4:
         return w
-    p = _PREPARED.get(w)
-    if p is not None and p.versions == _versions(w):
-        return p
+    if not isinstance(w, QTensor):
+        raise TypeError(f"gemv_w4: w must be a QTensor or PreparedW4, got {type(w).__name__}")
+    data = w.data
+    hit = _PREPARED.get(id(data))
+    if hit is not None and hit[0]() is data:
+        p = hit[1]
+        if p.sig == _sig_of(w):
+            return p
     p = _prepare(w)
-    _PREPARED[w] = p
+    _PREPARED[id(data)] = (weakref.ref(data, _forget(id(data))), p)
     return p
 
 
 def clear_cache() -> None:
-    """Drop every cached prepared weight."""
+    """Drop every cached prepared weight and launch plan (call it after editing :data:`TILE` in place)."""
+    for _, p in _PREPARED.values():
+        p.plans.clear()
     _PREPARED.clear()
     _PLANS.clear()
 
@@ -344,27 +386,28 @@ def _cfg_key(cfg: dict) -> tuple:
 _SCRATCH: dict = {}
 
 
-def _scratch(device: torch.device, stream: int, ws_numel: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+def _scratch(device: torch.device, dev_index: int | None, ws_numel: int, n_cnt: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    if dev_index is not None and torch._C._cuda_isCurrentStreamCapturing():
         # graph-owned buffers: never cached (the graph keeps them alive)
         return (torch.empty(ws_numel, dtype=torch.float32, device=device),
                 torch.zeros(n_cnt, dtype=torch.int32, device=device))
-    key = (device, stream)
+    key = (dev_index, torch._C._cuda_getCurrentRawStream(dev_index) if dev_index is not None else 0)
     ws, cnt = _SCRATCH.get(key, (None, None))
-    if ws is None or ws.numel() < ws_numel:
-        ws = torch.empty(max(ws_numel, 1 << 16), dtype=torch.float32, device=device)
-    if cnt is None or cnt.numel() < n_cnt:
-        cnt = torch.zeros(max(n_cnt, 4096), dtype=torch.int32, device=device)
-    _SCRATCH[key] = (ws, cnt)
+    if ws is None or ws.numel() < ws_numel or cnt.numel() < n_cnt:
+        if ws is None or ws.numel() < ws_numel:
+            ws = torch.empty(max(ws_numel, 1 << 16), dtype=torch.float32, device=device)
+        if cnt is None or cnt.numel() < n_cnt:
+            cnt = torch.zeros(max(n_cnt, 4096), dtype=torch.int32, device=device)
+        _SCRATCH[key] = (ws, cnt)
     return ws, cnt
 
 
-def _launch(plan: _Plan, key, args: tuple) -> None:
+def _launch(plan: _Plan, key, args: tuple, device: int | None) -> None:
     fn = plan.fn
-    if DIRECT_LAUNCH and isinstance(fn, JITFunction) and key is not None:
+    if DIRECT_LAUNCH and device is not None and type(fn) is JITFunction:
         hooks = triton.knobs.runtime
         if not hooks.launch_enter_hook.calls and not hooks.launch_exit_hook.calls:
-            device = torch._C._cuda_getDevice()
             ck = plan.compiled.get((device, key))
             if ck is not None:
                 g = plan.grid
@@ -395,6 +438,15 @@ def _check_x(x: torch.Tensor, p: PreparedW4) -> None:
         raise ValueError(f"gemv_w4: x is on {x.device}, the weight on {p.device}")
 
 
+def _check_bias(bias, x: torch.Tensor, n: int) -> torch.Tensor:
+    if not isinstance(bias, torch.Tensor) or bias.shape != (n,) or not bias.dtype.is_floating_point:
+        raise ValueError(f"gemv_w4: bias must be a float tensor of shape ({n},), got "
+                         f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
+    if bias.device != x.device:
+        raise ValueError(f"gemv_w4: bias is on {bias.device}, x on {x.device}")
+    return bias if bias.is_contiguous() else bias.contiguous()
+
+
 def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None = None,
             activation: str | None = None, config: dict | None = None) -> torch.Tensor:
     """``act(x @ dequant(w).T + bias)`` in x's dtype, accumulated in fp32, for M <= 16.
@@ -405,52 +457,57 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         w: QTensor with logical shape ``[N, K]`` (see :func:`supports`), or :func:`prepare_w4`'s result.
         bias: None or ``[N]`` (any float dtype; added in fp32).
         activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``.
-        config: a TILE-shaped dict overriding :data:`TILE` (sweeps).
+        config: a TILE-shaped dict overriding :data:`TILE` (sweeps). Without it the plan is cached on the
+            prepared weight: call :func:`clear_cache` after editing :data:`TILE` in place.
 
     Returns:
         ``[M, N]`` tensor of x's dtype.
     """
-    p = prepare_w4(w)
-    _check_x(x, p)
-    if activation not in ACTIVATIONS:
+    p = w if type(w) is PreparedW4 else prepare_w4(w)
+    if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() != 2 or x.shape[1] != p.k \
+            or x.shape[0] > MAX_M or x.device != p.device:
+        _check_x(x, p)
+    act = ACTIVATIONS.get(activation, -1) if activation is None or type(activation) is str else -1
+    if act < 0:
         raise ValueError(f"gemv_w4: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     m, n = x.shape[0], p.n
     if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (n,) or not bias.dtype.is_floating_point:
-            raise ValueError(f"gemv_w4: bias must be a float tensor of shape ({n},), got "
-                             f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
-        if bias.device != x.device:
-            raise ValueError(f"gemv_w4: bias is on {bias.device}, x on {x.device}")
-        if not bias.is_contiguous():
-            bias = bias.contiguous()
+        bias = _check_bias(bias, x, n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
-    cfg = TILE if config is None else config
-    act = ACTIVATIONS[activation]
-    on_gpu = x.is_cuda
-    dev_index = x.device.index if on_gpu else None
-    pkey = (p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m, x.dtype, bias is not None, act,
-            dev_index, _cfg_key(cfg))
-    plan = _PLANS.get(pkey)
-    if plan is None:
-        plan = _make_plan(p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m,
-                          x.dtype == torch.float16, bias is not None, act, dev_index, cfg)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[pkey] = plan
-    if plan.split > 1:
-        stream = torch._C._cuda_getCurrentRawStream(dev_index) if on_gpu else 0
-        ws, cnt = _scratch(x.device, stream, plan.split * plan.mp * n, plan.n_tiles)
+    dev_index = p.device.index if p.device.type == "cuda" else None
+    bias_dtype = None if bias is None else bias.dtype
+    if config is None:
+        pk = (m, x.dtype, bias_dtype, act)
+        plan = p.plans.get(pk)
+        if plan is None:
+            plan = p.plans[pk] = _make_plan(p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m,
+                                            x.dtype == torch.float16, bias is not None, act, dev_index, TILE)
     else:
-        ws, cnt = _dummy(x.device, torch.float32), _dummy(x.device, torch.int32)
-    b = bias if bias is not None else _dummy(x.device, x.dtype)
-    args = (x, p.words, p.scales, p.nested, p.tab, p.gs, b, out, ws, cnt, *plan.ints)
-    key = (bias is None or bias.data_ptr() % 16 == 0, p.gs.data_ptr() % 16 == 0, bias.dtype if bias is not None
-           else None)
-    _launch(plan, key, args)
+        pkey = (p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m, x.dtype, bias_dtype, act,
+                dev_index, _cfg_key(config))
+        plan = _PLANS.get(pkey)
+        if plan is None:
+            plan = _make_plan(p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m,
+                              x.dtype == torch.float16, bias is not None, act, dev_index, config)
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[pkey] = plan
+    dev = x.device
+    if plan.split > 1:
+        ws, cnt = _scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
+    else:
+        ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
+    args = (x, p.words, p.scales, p.nested, p.tab, p.gs, _dummy(dev, x.dtype) if bias is None else bias, out, ws,
+            cnt, *plan.ints)
+    if dev_index is not None and torch._C._cuda_getDevice() != dev_index:
+        with torch.cuda.device(dev_index):
+            _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
+    else:
+        _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
     return out
 
 
