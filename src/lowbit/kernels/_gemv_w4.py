@@ -192,47 +192,17 @@ cvt.f32.f16 $6, l;
 cvt.f32.f16 $7, h;
 }""")
 
-# scale loads (one per chunk and block): E4M3 byte -> fp32; E8M0 byte -> fp32 2^(c-127) (0 -> 2^-127,
-# 255 -> NaN); AWQ: int32 (fp16 scale bits | (0x6400 + z) << 16) -> (fp32 scale, fp16 pair of 1024 + z)
+# raw scale loads (read-only path) and the E4M3 byte -> fp32 decode
+_U8_ASM = tl.constexpr("ld.global.nc.u8 $0, [$1];")
+_B32_ASM = tl.constexpr("ld.global.nc.b32 $0, [$1];")
+_F32_ASM = tl.constexpr("ld.global.nc.f32 $0, [$1];")
 _E4M3_ASM = tl.constexpr("""{
 .reg .b16 s, lo, hi;
 .reg .b32 h;
-ld.global.nc.u8 s, [$1];
+cvt.u16.u32 s, $1;
 cvt.rn.f16x2.e4m3x2 h, s;
 mov.b32 {lo, hi}, h;
 cvt.f32.f16 $0, lo;
-}""")
-_E8M0_ASM = tl.constexpr("""{
-.reg .b32 c, v, n;
-ld.global.nc.u8 c, [$1];
-shl.b32 v, c, 23;
-max.u32 v, v, 0x00400000;
-add.u32 n, c, 1;
-and.b32 n, n, 0x100;
-shl.b32 n, n, 14;
-or.b32 $0, v, n;
-}""")
-_F32_ASM = tl.constexpr("ld.global.nc.f32 $0, [$1];")
-# nf4 double quant: dmap[code] * nested + offset ($1 code, $2 nested absmax, $3 dmap table, $4 offset)
-_NF4_DQ_ASM = tl.constexpr("""{
-.reg .b32 c;
-.reg .b64 a;
-.reg .f32 d, n, o, t;
-ld.global.nc.u8 c, [$1];
-mad.wide.u32 a, c, 4, $3;
-ld.global.nc.f32 d, [a];
-ld.global.nc.f32 n, [$2];
-ld.global.nc.f32 o, [$4];
-mul.rn.f32 t, d, n;
-add.rn.f32 $0, t, o;
-}""")
-_AWQ_SZ_ASM = tl.constexpr("""{
-.reg .b32 v;
-.reg .b16 l, h;
-ld.global.nc.b32 v, [$2];
-mov.b32 {l, h}, v;
-cvt.f32.f16 $0, l;
-prmt.b32 $1, v, v, 0x3232;
 }""")
 
 
@@ -309,54 +279,69 @@ def _load_x8(ptrs, X_FP16: tl.constexpr, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _load_scales(s_ptr, blk, row_blk, nested_ptr, tab_ptr, FMT: tl.constexpr, ON_GPU: tl.constexpr):
-    """(fp32 block scale, AWQ zero pair) for scale pointers ``s_ptr + row_blk + blk``.
+def _load_scales(s_ptr, blk, row_blk, nested_ptr, FMT: tl.constexpr, ON_GPU: tl.constexpr):
+    """Raw scale data for scale pointers ``s_ptr + row_blk + blk`` (decoded by :func:`_decode_scales` one
+    iteration later, so the load latency is hidden). ``row_blk + blk`` is the flat block index (row *
+    blocks_per_row + block); NF4 double quantization needs it for the nested absmax (one per 256 blocks).
 
-    ``row_blk + blk`` is the flat block index (row * blocks_per_row + block): NF4 double quantization
-    needs it for the nested absmax (one per 256 blocks)."""
+    Returns (raw, nested): raw is the int32 code (E4M3 / E8M0 / nf4 dq byte, AWQ scale|zero word) or the
+    fp32 scale; nested is the fp32 nested absmax (nf4 dq) or 0.
+    """
     ptrs = s_ptr + (row_blk + blk)
+    nested = 0.0
+    if FMT == FMT_FP4_B32 or FMT == FMT_NF4:
+        if ON_GPU:
+            raw = tl.inline_asm_elementwise(_F32_ASM, "=f,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            raw = tl.load(ptrs)
+    elif FMT == FMT_AWQ:
+        if ON_GPU:
+            raw = tl.inline_asm_elementwise(_B32_ASM, "=r,l", [ptrs], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            raw = tl.load(ptrs)
+    else:
+        if ON_GPU:
+            raw = tl.inline_asm_elementwise(_U8_ASM, "=r,l", [ptrs], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            raw = tl.load(ptrs).to(tl.int32)
+        if FMT == FMT_NF4_DQ:
+            nptrs = nested_ptr + (row_blk + blk) // 256
+            if ON_GPU:
+                nested = tl.inline_asm_elementwise(_F32_ASM, "=f,l", [nptrs], dtype=tl.float32, is_pure=True,
+                                                   pack=1)
+            else:
+                nested = tl.load(nptrs)
+    return raw, nested
+
+
+@triton.jit
+def _decode_scales(raw, nested, tab_ptr, FMT: tl.constexpr, ON_GPU: tl.constexpr):
+    """(fp32 block scale, AWQ zero pair) from :func:`_load_scales`' raw data."""
     zz = 0
     if FMT == FMT_NVFP4:
         if ON_GPU:
-            sf = tl.inline_asm_elementwise(_E4M3_ASM, "=f,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1)
+            sf = tl.inline_asm_elementwise(_E4M3_ASM, "=f,r", [raw], dtype=tl.float32, is_pure=True, pack=1)
         else:
-            sf = _decode_minifloat(tl.load(ptrs).to(tl.int32), 4, 3, 7)
+            sf = _decode_minifloat(raw, 4, 3, 7)
     elif FMT == FMT_MXFP4:
-        if ON_GPU:
-            sf = tl.inline_asm_elementwise(_E8M0_ASM, "=f,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1)
-        else:
-            c = tl.load(ptrs).to(tl.int32)
-            v = tl.where(c == 0, 0x00400000, c << 23).to(tl.float32, bitcast=True)
-            sf = tl.where(c == 255, float("nan"), v)
+        # 2^(c - 127); code 0 is 2^-127 (subnormal), 255 is NaN
+        v = (tl.maximum(raw << 23, 0x00400000) | (((raw + 1) & 0x100) << 14)).to(tl.float32, bitcast=True)
+        sf = v
     elif FMT == FMT_AWQ:
-        if ON_GPU:
-            sf, zz = tl.inline_asm_elementwise(_AWQ_SZ_ASM, "=f,=r,l", [ptrs], dtype=(tl.float32, tl.int32),
-                                               is_pure=True, pack=1)
-        else:
-            v = tl.load(ptrs)
-            sf = (v & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            zz = v
+        # raw = fp16 scale bits | (0x6400 + z) << 16; zz = the fp16 pair (1024 + z, 1024 + z)
+        sf = (raw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (raw >> 16) & 0xFFFF
+        zz = hi | (hi << 16)
     elif FMT == FMT_NF4_DQ:
-        flat = row_blk + blk
-        nptrs = nested_ptr + flat // 256
+        # dmap[code] * nested + offset (bitsandbytes: dequantize_blockwise, then + offset)
         if ON_GPU:
-            zero = (flat * 0).to(tl.int32)
-            sf = tl.inline_asm_elementwise(
-                _NF4_DQ_ASM, "=f,l,l,l,l",
-                # one pointer type for all operands (inline asm type-checks them together)
-                [ptrs.to(tl.pointer_type(tl.float32), bitcast=True), nptrs, tab_ptr + (TAB_DMAP + zero),
-                 tab_ptr + (TAB_OFFSET + zero)],
-                dtype=tl.float32, is_pure=True, pack=1)
+            d = tl.inline_asm_elementwise(_F32_ASM, "=f,l", [tab_ptr + TAB_DMAP + raw], dtype=tl.float32,
+                                          is_pure=True, pack=1)
         else:
-            code = tl.load(ptrs).to(tl.int32)
-            sf = tl.load(tab_ptr + TAB_DMAP + code) * tl.load(nptrs) + tl.load(tab_ptr + TAB_OFFSET)
+            d = tl.load(tab_ptr + TAB_DMAP + raw)
+        sf = d * nested + tl.load(tab_ptr + TAB_OFFSET)
     else:
-        # FP4_B32 and NF4: fp32 scale / absmax. (Inline-asm loads take the layout of their consumers; a
-        # tl.load would be pipelined into a layout of its own and cost a conversion per iteration.)
-        if ON_GPU:
-            sf = tl.inline_asm_elementwise(_F32_ASM, "=f,l", [ptrs], dtype=tl.float32, is_pure=True, pack=1)
-        else:
-            sf = tl.load(ptrs)
+        sf = raw
     return sf, zz
 
 
@@ -485,10 +470,15 @@ def _gemv_w4_fma_kernel(
     acc2 = tl.zeros((C, BN, BPC), dtype=tl.float32)
     acc3 = tl.zeros((C, BN, BPC), dtype=tl.float32)
     kw_start = pid_k * (IPS * CW)
+    # the scales of iteration i + 1 are loaded during iteration i (register prefetch: their latency is
+    # not exposed); the prefetch after the last iteration re-reads the row's last tile
+    raw, nest = _load_scales(s_ptr, bq + kw_start // WPB, row_blk, nested_ptr, FMT, ON_GPU)
     for it in tl.range(0, IPS, num_stages=STAGES):
         kw0 = kw_start + it * CW
         words = tl.load(w_rows + kw0)
-        sf, zz = _load_scales(s_ptr, bq + kw0 // WPB, row_blk, nested_ptr, tab_ptr, FMT, ON_GPU)
+        sf, zz = _decode_scales(raw, nest, tab_ptr, FMT, ON_GPU)
+        kw_next = tl.minimum(kw0 + CW, KW - CW)
+        raw, nest = _load_scales(s_ptr, bq + kw_next // WPB, row_blk, nested_ptr, FMT, ON_GPU)
         dec = _decode8(words, zz, tab_ptr, FMT, ON_GPU)
         xp = x_ptr + (xq + kw0 * 8)
         acc0 += _block_sum(_row_dot(dec, xp, X_FP16, ON_GPU), C, BN, BPC) * sf
@@ -541,10 +531,15 @@ def _gemv_w4_dot_kernel(
 
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     kw_start = pid_k * (IPS * CW)
+    # the scales of iteration i + 1 are loaded during iteration i (register prefetch: their latency is
+    # not exposed); the prefetch after the last iteration re-reads the row's last tile
+    raw, nest = _load_scales(s_ptr, bq + kw_start // WPB, row_blk, nested_ptr, FMT, ON_GPU)
     for it in tl.range(0, IPS, num_stages=STAGES):
         kw0 = kw_start + it * CW
         words = tl.load(w_rows + kw0)
-        sf, zz = _load_scales(s_ptr, bq + kw0 // WPB, row_blk, nested_ptr, tab_ptr, FMT, ON_GPU)
+        sf, zz = _decode_scales(raw, nest, tab_ptr, FMT, ON_GPU)
+        kw_next = tl.minimum(kw0 + CW, KW - CW)
+        raw, nest = _load_scales(s_ptr, bq + kw_next // WPB, row_blk, nested_ptr, FMT, ON_GPU)
         d0, d1, d2, d3, d4, d5, d6, d7 = _decode8(words, zz, tab_ptr, FMT, ON_GPU)
         s4 = tl.reshape(tl.broadcast_to(sf[:, :, :, None], (C, BN, BPC, 4 // BPC)), (C, BN, 4))
         # t[c, n, q, i, s, r] = element 8 (4c + q) + 4i + 2s + r (join appends the last dim): swapping c
