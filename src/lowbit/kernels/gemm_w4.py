@@ -1,0 +1,498 @@
+"""Prefill-regime W4A16 GEMM launcher: ``gemm_w4(x, w, bias, activation) = act(x @ dequant(w).T + bias)``.
+
+``x`` is a contiguous bf16/fp16 [M, K] CUDA tensor (CPU under ``TRITON_INTERPRET=1``), ``w`` a QTensor with
+logical shape [N, K] in nvfp4, mxfp4, fp4_b32, nf4 or int4_awq. The weight is decoded tile by tile in
+registers and multiplied on the tensor cores (see ``_gemm_w4``); the dequantized matrix never exists in
+memory. Accumulation is fp32; bias and activation are applied to the fp32 accumulator before the one
+rounding to x's dtype.
+
+Tile configurations are data: ``CONFIGS`` maps an M regime to tile sizes, warps, pipeline stages and the
+GROUP_M program order (``M_REGIMES`` gives each regime's largest M), ``FORMAT_CONFIGS`` overrides entries per
+format, and ``choose_config`` adds split-K (fp32 partials, then a small reduce+epilogue kernel) when the
+(M, N) tiles alone cannot fill the GPU. Nothing is autotuned at run time. A sweep can edit these dicts in
+place or pass ``config=`` to ``gemm_w4`` (``X_TMA`` there switches x between TMA and pointer loads).
+
+Weights are used as stored, except int4_awq: its codes are transposed once into a K-packed copy
+(``prelayout_int4_awq``, N*K/2 bytes, cached per weight and keyed on ``w.data``, since lowbit.linear may
+rebuild the QTensor object on every call). No host synchronization anywhere; x, outputs and split-K
+workspaces are plain allocations, so calls can be captured in CUDA graphs once the per-weight caches and the
+nf4 tables are warm (first call outside the capture).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import weakref
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..formats import int4_awq as ref_awq
+from ..formats import nf4 as ref_nf4
+from ..formats.codecs import codebook_table
+from ..formats.packing import swizzled_scale_shape
+from ..formats.qtensor import QTensor
+from ..formats.spec import NF4
+from . import _gemm_w4 as k
+
+FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
+_FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp4_b32": 2, "nf4": 3, "int4_awq": 4}
+ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+
+# Largest M of each regime, ascending; M above the last one uses "large".
+M_REGIMES: list[tuple[int, str]] = [(32, "m32"), (64, "m64"), (128, "m128"), (512, "m512")]
+# BLOCK_M: x rows per program (the wgmma N dimension, <= 256); BLOCK_N: weight rows (the wgmma M dimension,
+# 64 per warpgroup); BLOCK_K: reduction step; num_stages: software-pipeline depth of the x / packed-weight /
+# scale loads; GROUP_M: row tiles of x per group of programs (L2 reuse of weight tiles).
+# Not yet tuned on a GPU (compiled and inspected on sm_90 only): the large-M tile is the 128x256 (weight
+# rows x x rows) cuBLAS-like shape, 2 warpgroups of m64n256k16 wgmmas, 4 stages (~185 KB shared memory, one
+# program per SM); the small-M tiles keep shared memory under ~110 KB so that two programs share an SM (the
+# decode is most of their work, and it is done once per BLOCK_M rows of x: hence BLOCK_M = 128 from M = 65).
+# benchmarks/bench_w4a16_gemm.py --sweep tries the alternatives.
+CONFIGS: dict[str, dict[str, int]] = {
+    "m32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, GROUP_M=1),
+    "m64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=1),
+    "m128": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, GROUP_M=4),
+    "m512": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8),
+    "large": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8),
+}
+# x tiles through TMA (host tensor descriptors) where x allows it (16-byte aligned base and row stride);
+# a config may set "X_TMA" to override
+X_TMA = True
+# (format, regime) -> entries replacing those of CONFIGS[regime]
+FORMAT_CONFIGS: dict[tuple[str, str], dict[str, int]] = {}
+# split-K: used when the output tiles fill less than half of the SMs; each split keeps >= this many K tiles
+SPLIT_K_MIN_TILES = 4
+SPLIT_K_MAX = 8
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def regime(m: int) -> str:
+    for limit, name in M_REGIMES:
+        if m <= limit:
+            return name
+    return "large"
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _k_block(fmt: str, block_k: int, group: int) -> int:
+    """BLOCK_K the kernel can use with this group: int4 tiles must not straddle a group unless they hold
+    whole groups (group a multiple of 16)."""
+    if fmt == "int4_awq" and group % block_k and block_k % group:
+        block_k = group & -group                      # largest power of two dividing the group
+    return block_k
+
+
+def choose_config(m: int, n: int, k_dim: int, fmt: str, group: int = 0, device: torch.device | None = None) -> dict:
+    """The launch configuration for an [m, k] x [n, k]^T problem: CONFIGS[regime(m)] with the format's
+    overrides, BLOCK_K adjusted to the int4 group size, and SPLIT_K."""
+    name = regime(m)
+    cfg = dict(CONFIGS[name])
+    cfg.update(FORMAT_CONFIGS.get((fmt, name), {}))
+    cfg["BLOCK_K"] = _k_block(fmt, cfg["BLOCK_K"], group)
+    cfg.setdefault("SPLIT_K", _split_k(m, n, k_dim, cfg, device))
+    cfg["regime"] = name
+    return cfg
+
+
+def _split_k(m: int, n: int, k_dim: int, cfg: dict, device) -> int:
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    sms = _sm_count(device if device is not None else torch.device("cuda"))
+    if 2 * tiles > sms:
+        return 1
+    k_tiles = triton.cdiv(k_dim, cfg["BLOCK_K"])
+    return _nonempty_split(k_tiles, min(SPLIT_K_MAX, sms // tiles, k_tiles // SPLIT_K_MIN_TILES))
+
+
+def _nonempty_split(k_tiles: int, split: int) -> int:
+    """The largest split <= ``split`` whose every slice of ceil(k_tiles / split) K tiles is non-empty (the
+    kernel computes the first tile of its slice unconditionally)."""
+    split = max(1, min(split, k_tiles))
+    while split > 1 and (split - 1) * triton.cdiv(k_tiles, split) >= k_tiles:
+        split -= 1
+    return split
+
+
+def supports(w) -> str | None:
+    """None if ``gemm_w4`` runs this weight, else the reason it does not."""
+    if not isinstance(w, QTensor):
+        return f"w must be a QTensor, got {type(w).__name__}"
+    if w.fmt not in _FMT_ID:
+        return f"no W4A16 GEMM kernel for format {w.fmt!r} (have {', '.join(FORMATS)})"
+    if len(w.shape) != 2:
+        return f"w must be a 2-D [N, K] weight, got shape {tuple(w.shape)}"
+    n, k_dim = w.shape
+    if w.fmt == "nf4":
+        try:
+            ref_nf4.check_nf4_qtensor(w)
+        except (TypeError, ValueError) as e:
+            return str(e)
+        if k_dim % 2:
+            return f"nf4: K = {k_dim} is odd (packed bytes would straddle rows)"
+    elif w.fmt == "int4_awq":
+        try:
+            _, _, group = ref_awq.check_int4_awq(w)
+        except (TypeError, ValueError) as e:
+            return str(e)
+        if group % 16:
+            return f"int4_awq: group_size {group} is not a multiple of 16"
+    else:
+        block = 16 if w.fmt == "nvfp4" else 32
+        if k_dim % block:
+            return f"{w.fmt}: K = {k_dim} is not a multiple of {block}"
+        if w.data.dtype not in (torch.uint8, getattr(torch, "float4_e2m1fn_x2", torch.uint8)) or tuple(
+                w.data.shape) != (n, k_dim // 2):
+            return f"{w.fmt}: data must be uint8 [{n}, {k_dim // 2}], got {w.data.dtype} {tuple(w.data.shape)}"
+        if w.scale_layout not in ("linear", "swizzled"):
+            return f"{w.fmt}: unknown scale layout {w.scale_layout!r}"
+        cols = k_dim // block
+        if w.fmt == "fp4_b32":
+            ok_dtypes, layouts = (torch.float32,), ("linear",)
+        else:
+            ok_dtypes = (torch.uint8, torch.float8_e4m3fn if w.fmt == "nvfp4" else torch.float8_e8m0fnu)
+            layouts = ("linear", "swizzled")
+        want = n * cols if w.scale_layout == "linear" else math.prod(swizzled_scale_shape(n, cols))
+        if w.scale.dtype not in ok_dtypes or w.scale_layout not in layouts or w.scale.numel() != want:
+            return (f"{w.fmt}: scale must be {ok_dtypes[-1]} with {want} elements ({w.scale_layout}), got "
+                    f"{w.scale.dtype} {tuple(w.scale.shape)}")
+        if w.global_scale is not None and w.global_scale.numel() != 1:
+            return f"nvfp4: global_scale must hold one value, got shape {tuple(w.global_scale.shape)}"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _nf4_tables(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(NF4 levels in ``dtype`` [16], bitsandbytes dynamic map fp32 [256]) on ``device``."""
+    return codebook_table(NF4).to(device=device, dtype=dtype), ref_nf4.dynamic_map(device)
+
+
+def _check_inputs(x: torch.Tensor, w: QTensor, bias, activation) -> None:
+    reason = supports(w)
+    if reason:
+        raise ValueError(f"gemm_w4: {reason}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"gemm_w4: x must be a 2-D [M, K] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"gemm_w4: x must be bfloat16 or float16, got {x.dtype}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemm_w4: x has K = {x.shape[1]} but w has shape {tuple(w.shape)} ([N, K])")
+    if x.device != w.data.device:
+        raise ValueError(f"gemm_w4: x is on {x.device}, w on {w.data.device}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gemm_w4: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (w.shape[0],):
+            raise ValueError(f"gemm_w4: bias must have shape ({w.shape[0]},), got {getattr(bias, 'shape', bias)}")
+        if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"gemm_w4: bias must be a float tensor, got {bias.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"gemm_w4: bias is on {bias.device}, x on {x.device}")
+
+
+# Per-weight derived tensors (int4 pre-layout, padded nf4 codes, a per-tensor divisor on the device), keyed
+# weakly on a tensor of the weight: lowbit.linear rebuilds the QTensor from the same tensors on every call
+# under torch.compile, so a QTensor key would miss every time. An entry is rebuilt when one of the tensors it
+# was derived from is replaced or modified in place (version counter).
+_CACHE: dict[int, tuple[weakref.ref, dict]] = {}   # id(key tensor) -> (weak reference to it, entries)
+_PRELAYOUT_CHUNK = 1024
+
+
+def _stamp(deps) -> tuple:
+    out = []
+    for t in deps:
+        if isinstance(t, torch.Tensor):
+            try:
+                version = t._version
+            except RuntimeError:          # inference tensors have no version counter (and cannot change)
+                version = -1
+            out.append((id(t), version))
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def _entries(key: torch.Tensor) -> dict:
+    # not a WeakKeyDictionary: it compares keys with ==, which is elementwise for tensors
+    k = id(key)
+    hit = _CACHE.get(k)
+    if hit is not None and hit[0]() is key:
+        return hit[1]
+
+    def forget(ref, k=k):
+        if _CACHE.get(k, (None,))[0] is ref:
+            del _CACHE[k]
+
+    entries: dict = {}
+    _CACHE[k] = (weakref.ref(key, forget), entries)
+    return entries
+
+
+def _cached(key: torch.Tensor, tag: str, deps: tuple, build):
+    stamp = _stamp(deps)
+    entries = _entries(key)
+    hit = entries.get(tag)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    value = build()
+    entries[tag] = (stamp, value)
+    return value
+
+
+def prelayout_int4_awq(w: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM layout of an int4_awq weight, computed once and cached while ``w.data`` lives:
+    (codes uint8 [N, K/2] with element 2i in the low nibble, int32 [N, K/g] words ``fp16 scale bits |
+    zero point << 16``).
+
+    AutoAWQ packs eight output channels per int32 along N; the tensor-core operand needs pairs of
+    consecutive K per register, so the codes are transposed once (N*K/2 bytes more memory, the size of
+    ``qweight``, plus 4 bytes per group). ``w`` itself is not modified and stays the format that is saved.
+    Call it at load time to keep the first forward pass (and CUDA-graph capture) free of the conversion.
+    """
+    n, k_dim, _ = ref_awq.check_int4_awq(w)
+
+    def build():
+        codes = torch.empty(n, k_dim // 2, dtype=torch.uint8, device=w.data.device)
+        for k0 in range(0, k_dim, _PRELAYOUT_CHUNK):
+            q = ref_awq.unpack_awq(w.data[k0:k0 + _PRELAYOUT_CHUNK])          # int32 [kc, N]
+            codes[:, k0 // 2:(k0 + q.shape[0]) // 2] = (q[0::2] | (q[1::2] << 4)).t().to(torch.uint8)
+        zeros = ref_awq.unpack_awq(w.zeros)                                     # int32 [K/g, N]
+        scale_bits = w.scale.view(torch.int16).to(torch.int32) & 0xFFFF
+        return codes, (scale_bits | (zeros << 16)).t().contiguous()
+
+    return _cached(w.data, "int4", (w.data, w.zeros, w.scale), build)
+
+
+def _nf4_codes(w: QTensor) -> torch.Tensor:
+    """Double-quantized nf4 absmax codes, read by the kernel as int32 words: 4-byte aligned and padded to a
+    multiple of 4 bytes (a padded copy, made once per weight, when the stored tensor is not)."""
+    codes = w.scale.reshape(-1)
+    if codes.is_contiguous() and codes.data_ptr() % 4 == 0 and codes.numel() % 4 == 0:
+        return codes
+
+    def build():
+        padded = torch.zeros(-(-codes.numel() // 4) * 4, dtype=torch.uint8, device=codes.device)
+        padded[:codes.numel()] = codes
+        return padded
+
+    return _cached(w.data, "nf4_codes", (w.scale,), build)
+
+
+def _per_tensor_scale(w: QTensor, device: torch.device) -> torch.Tensor:
+    pts = w.params["per_tensor_scale"]
+    if isinstance(pts, torch.Tensor) and pts.device == device and pts.dtype == torch.float32 and pts.numel() == 1:
+        return pts.reshape(1)
+    return _cached(w.data, "pts", (pts,) if isinstance(pts, torch.Tensor) else (float(pts),),
+                   lambda: torch.as_tensor(pts, dtype=torch.float32).reshape(1).to(device))
+
+
+def _format_args(w: QTensor, x: torch.Tensor) -> tuple[list, dict]:
+    """Pointer/int arguments (w_ptr, s_ptr, z_ptr, nested_ptr, offset_ptr, lut_ptr, dmap_ptr, gscale_ptr,
+    stride_wn, stride_sn, s_cols4) and constexprs of the weight format."""
+    k_dim = w.shape[1]
+    fmt = w.fmt
+    consts = dict(FMT=_FMT_ID[fmt], SCALE_SWIZZLED=False, SCALE_WORDS=False, GROUP=1, DOUBLE_QUANT=False,
+                  NF4_MODE=0, GSCALE_MODE=0)
+    if fmt in ("nvfp4", "mxfp4", "fp4_b32"):
+        block = 16 if fmt == "nvfp4" else 32
+        data = w.data.view(torch.uint8).contiguous()
+        scale = w.scale.contiguous()
+        if fmt != "fp4_b32":
+            scale = scale.view(torch.uint8)
+        consts["SCALE_SWIZZLED"] = w.scale_layout == "swizzled"
+        consts["GROUP"] = block
+        # one-byte scales are fetched as aligned int32 words where rows start on a 4-byte boundary
+        consts["SCALE_WORDS"] = fmt != "fp4_b32" and (consts["SCALE_SWIZZLED"] or (k_dim // block) % 4 == 0) \
+            and scale.data_ptr() % 4 == 0
+        gscale = scale
+        if fmt == "nvfp4":
+            if w.params.get("per_tensor_scale") is not None:
+                gscale = _per_tensor_scale(w, x.device)
+                consts["GSCALE_MODE"] = 2
+            elif w.global_scale is not None:
+                gscale = w.global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
+                consts["GSCALE_MODE"] = 1
+        cols = k_dim // block
+        args = [data, scale, scale, scale, scale, scale, scale, gscale, k_dim // 2, cols, -(-cols // 4) * 4]
+    elif fmt == "nf4":
+        _, blocksize, dq = ref_nf4.check_nf4_qtensor(w)
+        lut, dmap = _nf4_tables(x.device, x.dtype)
+        data = w.data.reshape(-1)
+        scale = _nf4_codes(w) if dq else w.scale.reshape(-1).contiguous()
+        if dq:
+            nested = w.nested_scale.reshape(-1).contiguous()
+            offset = w.nested_offset.reshape(1).to(device=x.device, dtype=torch.float32)
+        else:
+            nested = offset = scale
+        consts.update(GROUP=blocksize, DOUBLE_QUANT=dq)
+        args = [data, scale, scale, nested, offset, lut, dmap, scale, 0, 0, 0]
+    else:
+        codes, sz = prelayout_int4_awq(w)
+        group = w.params["group_size"]
+        consts["GROUP"] = group
+        args = [codes, sz, sz, sz, sz, sz, sz, sz, k_dim // 2, k_dim // group, 0]
+    return args, consts
+
+
+def _tma_ok(x: torch.Tensor) -> bool:
+    return x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0 and x.stride(1) == 1
+
+
+def _nf4_mode(k_dim: int, blocksize: int, block_k: int) -> int:
+    if k_dim % blocksize:
+        return 2
+    return 0 if block_k <= blocksize else 1
+
+
+def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activation: str | None = None,
+            config: dict | None = None) -> torch.Tensor:
+    """``act(x @ dequant(w).T + bias)`` with fp32 accumulation, returned in x's dtype.
+
+    Args:
+        x: [M, K] bfloat16/float16 CUDA tensor (row stride may exceed K; the last dim must be contiguous).
+        w: QTensor of logical shape [N, K] (nvfp4, mxfp4, fp4_b32, nf4, int4_awq; see ``supports``).
+        bias: None or [N] (fp32/bf16/fp16), added in fp32.
+        activation: None, "gelu" (erf), "gelu_tanh" or "silu".
+        config: launch configuration (keys of ``CONFIGS`` entries plus SPLIT_K); default ``choose_config``.
+
+    Returns:
+        [M, N] tensor of x's dtype.
+    """
+    _check_inputs(x, w, bias, activation)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k_dim = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k_dim == 0:
+        return out.copy_(_torch_epilogue(torch.zeros(m, n, device=x.device), bias, activation))
+    args, consts = _format_args(w, x)
+    cfg = dict(config) if config is not None else choose_config(m, n, k_dim, w.fmt, consts["GROUP"], x.device)
+    cfg.setdefault("SPLIT_K", 1)
+    cfg["BLOCK_K"] = _k_block(w.fmt, cfg["BLOCK_K"], consts["GROUP"])
+    if w.fmt == "nf4":
+        consts["NF4_MODE"] = _nf4_mode(k_dim, consts["GROUP"], cfg["BLOCK_K"])
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split = _nonempty_split(triton.cdiv(k_dim, bk), cfg["SPLIT_K"])
+    has_bias = bias is not None
+    b = bias.contiguous() if has_bias else out
+    act = ACTIVATIONS[activation]
+    on_gpu = not _interpreting()
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    x_tma = cfg.get("X_TMA", X_TMA) and _tma_ok(x)
+    x_desc = TensorDescriptor.from_tensor(x, block_shape=[bm, bk]) if x_tma else x
+    k._gemm_w4_kernel[grid](
+        x, x_desc, *args[:8], b, target, m, n, k_dim, x.stride(0), out.stride(0), *args[8:],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
+        EVEN_K=k_dim % bk == 0, X_TMA=x_tma, HAS_BIAS=has_bias, ACT=act, ON_GPU=on_gpu,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **consts,
+    )
+    if split > 1:
+        rm, rn = 32, 128
+        k._split_k_reduce_kernel[(triton.cdiv(m, rm), triton.cdiv(n, rn))](
+            target, args[7], b, out, m, n, out.stride(0),
+            SPLIT_K=split, BLOCK_M=rm, BLOCK_N=rn, GSCALE_MODE=consts["GSCALE_MODE"], HAS_BIAS=has_bias,
+            ACT=act, ON_GPU=on_gpu, num_warps=4,
+        )
+    return out
+
+
+def _torch_epilogue(acc: torch.Tensor, bias, activation) -> torch.Tensor:
+    if bias is not None:
+        acc = acc + bias.float()
+    if activation == "gelu":
+        acc = torch.nn.functional.gelu(acc)
+    elif activation == "gelu_tanh":
+        acc = torch.nn.functional.gelu(acc, approximate="tanh")
+    elif activation == "silu":
+        acc = torch.nn.functional.silu(acc)
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compile coverage
+
+def _variant(fmt: str, dtype: str, regime_name: str, *, swizzled=False, words=True, group=0, double_quant=False,
+             nf4_mode=0, gscale=0, bias=False, act=0, even_k=True, split=1, tma=True):
+    cfg = dict(CONFIGS[regime_name])
+    cfg.update(FORMAT_CONFIGS.get((fmt, regime_name), {}))
+    group = group or {"nvfp4": 16, "mxfp4": 32, "fp4_b32": 32, "nf4": 64, "int4_awq": 128}[fmt]
+    cfg["BLOCK_K"] = _k_block(fmt, cfg["BLOCK_K"], group)
+    x_t = "*bf16" if dtype == "bf16" else "*fp16"
+    if fmt in ("nvfp4", "mxfp4"):
+        w_t, s_t, z_t, n_t, o_t, l_t, d_t = "*u8", "*u8", "*u8", "*u8", "*u8", "*u8", "*u8"
+    elif fmt == "fp4_b32":
+        w_t, s_t, z_t, n_t, o_t, l_t, d_t = "*u8", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"
+    elif fmt == "nf4":
+        w_t, s_t = "*u8", "*u8" if double_quant else "*fp32"
+        z_t, n_t, o_t, l_t, d_t = s_t, "*fp32", "*fp32", x_t, "*fp32"
+    else:
+        w_t, s_t, z_t, n_t, o_t, l_t, d_t = "*u8", "*i32", "*i32", "*i32", "*i32", "*i32", "*i32"
+    desc_t = f"tensordesc<{x_t[1:]}[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>" if tma else x_t
+    sig = {"x_ptr": x_t, "x_desc": desc_t, "w_ptr": w_t, "s_ptr": s_t, "z_ptr": z_t, "nested_ptr": n_t,
+           "offset_ptr": o_t, "lut_ptr": l_t, "dmap_ptr": d_t, "gscale_ptr": "*fp32" if gscale else s_t,
+           "bias_ptr": x_t, "out_ptr": x_t if split == 1 else "*fp32",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_om": "i32",
+           "stride_wn": "i32", "stride_sn": "i32", "s_cols4": "i32"}
+    consts = dict(FMT=_FMT_ID[fmt], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                  GROUP_M=cfg["GROUP_M"], SPLIT_K=split, EVEN_K=even_k, X_TMA=tma, SCALE_SWIZZLED=swizzled,
+                  SCALE_WORDS=words and fmt in ("nvfp4", "mxfp4"),
+                  GROUP=group, DOUBLE_QUANT=double_quant, NF4_MODE=nf4_mode, GSCALE_MODE=gscale,
+                  HAS_BIAS=bias, ACT=act, ON_GPU=True)
+    return k._gemm_w4_kernel, sig, consts, cfg
+
+
+def compile_variants():
+    """(kernel, signature, constexprs) covering the launcher's code paths: every format in both activation
+    dtypes, each regime's tiles, each epilogue, masked K, byte-wise and swizzled scales, the nf4 absmax modes
+    and double quantization, int4 group sizes, split-K and its reduction kernel.
+
+    The CI compile test builds these with its default 4 warps, so the per-format cases use the 128x128 tiles
+    of the "m512" regime (valid with one warpgroup); the 8-warp large-M tiles appear once."""
+    cases = [("nvfp4", "bf16", "large", {})]
+    for fmt in FORMATS:
+        for dtype in ("bf16", "fp16"):
+            cases.append((fmt, dtype, "m512", {}))
+    for name in CONFIGS:
+        if name not in ("large", "m512"):
+            cases.append(("nvfp4", "bf16", name, {}))
+    cases += [
+        ("nvfp4", "bf16", "m512", dict(swizzled=True, gscale=1, bias=True, act=1)),
+        ("nvfp4", "fp16", "m128", dict(gscale=2, bias=True, act=2, even_k=False)),
+        ("mxfp4", "bf16", "m512", dict(swizzled=True, act=3)),
+        ("mxfp4", "fp16", "m512", dict(words=False, even_k=False, tma=False)),
+        ("int4_awq", "bf16", "m512", dict(tma=False)),
+        ("nvfp4", "bf16", "m64", dict(words=False, swizzled=True)),
+        ("fp4_b32", "bf16", "m64", dict(bias=True, even_k=False, split=2)),
+        ("nf4", "bf16", "m512", dict(double_quant=True)),
+        ("nf4", "fp16", "m128", dict(double_quant=True, group=32, nf4_mode=1, even_k=False)),
+        ("nf4", "bf16", "m512", dict(group=64, nf4_mode=2, even_k=False)),
+        ("nf4", "bf16", "m32", dict(group=4096, nf4_mode=0, split=2)),
+        ("int4_awq", "bf16", "m512", dict(group=32, bias=True, act=3)),
+        ("int4_awq", "fp16", "m128", dict(group=64, even_k=False)),
+        ("int4_awq", "bf16", "m32", dict(group=14336, split=2)),
+        ("int4_awq", "fp16", "m512", dict(group=96)),
+    ]
+    for fmt, dtype, name, kw in cases:
+        fn, sig, consts, _ = _variant(fmt, dtype, name, **kw)
+        yield fn, sig, consts
+    for dtype in ("*bf16", "*fp16"):
+        for gscale, bias, act in ((0, False, 0), (1, True, 1), (2, True, 3)):
+            yield k._split_k_reduce_kernel, {
+                "ws_ptr": "*fp32", "gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": dtype,
+                "M": "i32", "N": "i32", "stride_om": "i32"}, dict(
+                SPLIT_K=2, BLOCK_M=32, BLOCK_N=128, GSCALE_MODE=gscale, HAS_BIAS=bias, ACT=act, ON_GPU=True)
