@@ -20,6 +20,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
 
 import torch
@@ -28,6 +29,9 @@ from triton.testing import do_bench
 
 import lowbit
 from lowbit.kernels import gemv_w4 as G
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _peers  # the benchmarks folder is not a package
 
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192), (8192, 28672), (6144, 4096), (4096, 14336)]
 FORMATS = {
@@ -110,21 +114,6 @@ def _reference_error(x, q, y) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def _bnb_nf4(w_list, x):
-    """bitsandbytes matmul_4bit (nf4, blocksize 64) on the same shape, or None if it does not run here."""
-    try:
-        import bitsandbytes as bnb
-        import bitsandbytes.functional as F
-
-        packed = [F.quantize_4bit(w, blocksize=64, quant_type="nf4") for w in w_list]
-        fns = [lambda p=p: bnb.matmul_4bit(x, p[0].t(), quant_state=p[1]) for p in packed]
-        fns[0]()
-        return fns
-    except Exception as e:  # noqa: BLE001 - optional baseline
-        print(f"  bitsandbytes baseline unavailable: {type(e).__name__}: {e}")
-        return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default=",".join(FORMATS))
@@ -165,17 +154,29 @@ def main() -> None:
             base = {"eager": _time_eager(cublas)}
             if not args.no_graph:
                 base["graph"] = _time_graph(cublas)
-            bnb_t = None
-            if any(FORMATS[f][0] == "nf4" for f in formats) and m in (1, 16):
-                fns = _bnb_nf4(w_bf16, x)
-                if fns is not None:
-                    bnb_t = {"eager": _time_eager(_rotating(fns))}
+            ref = x.float() @ w_bf16[0].float().t()
+            peers = {}
+            if m in (1, 16):
+                wanted = {"bitsandbytes_nf4": "nf4", "gemlite_int4": "int4_awq", "gemlite_mxfp4": "mxfp4"}
+                for peer, ours in wanted.items():
+                    if not any(FORMATS[f][0] == ours for f in formats):
+                        continue
+                    fns = (_peers.bnb_nf4(w_bf16) if peer == "bitsandbytes_nf4"
+                           else _peers.gemlite(w_bf16, peer.split("_")[1]))
+                    if fns is None:
+                        continue
+                    calls = [lambda f=f, x=x: f(x) for f in fns]
+                    t = {"eager": _time_eager(_rotating(calls))}
                     if not args.no_graph:
-                        bnb_t["graph"] = _time_graph(_rotating(fns))
-                    del fns
+                        try:
+                            t["graph"] = _time_graph(_rotating(calls))
+                        except Exception as e:  # noqa: BLE001 - a peer that cannot be captured
+                            print(f"  {peer}: no CUDA graph ({type(e).__name__})")
+                    peers[peer] = {"for": ours, "us": t, "rel_err_vs_bf16": _peers.rel_error(fns[0](x), ref)}
+                    del fns, calls
             print(f"{n}x{k} M={m}: cuBLAS bf16 eager {base['eager']:.1f} us"
                   + (f", graph {base['graph']:.1f} us" if "graph" in base else "")
-                  + (f"; bitsandbytes nf4 eager {bnb_t['eager']:.1f} us" if bnb_t else ""), flush=True)
+                  + "".join(f"; {p} eager {v['us']['eager']:.1f} us" for p, v in peers.items()), flush=True)
             for name in formats:
                 q0, ps = prepared[name]
                 err = _reference_error(x, q0, G.gemv_w4(x, ps[0]))
@@ -190,9 +191,11 @@ def main() -> None:
                     row["bias_gelu_us"] = {"eager": _time_eager(fused)}
                     if not args.no_graph:
                         row["bias_gelu_us"]["graph"] = _time_graph(fused)
-                if bnb_t is not None and FORMATS[name][0] == "nf4":
-                    row["bnb_us"] = bnb_t
-                    row["speedup_vs_bnb"] = {md: bnb_t[md] / row["us"][md] for md in bnb_t}
+                for peer, v in peers.items():
+                    if v["for"] == FORMATS[name][0]:
+                        row.setdefault("peers", {})[peer] = v
+                        row.setdefault("speedup_vs", {})[peer] = {md: v["us"][md] / row["us"][md]
+                                                                  for md in v["us"] if md in row["us"]}
                 for mode, t in row["us"].items():
                     row.setdefault("speedup", {})[mode] = base[mode] / t
                     row.setdefault("GBps", {})[mode] = q0.nbytes / (t * 1e-6) / 1e9
@@ -207,7 +210,7 @@ def main() -> None:
                          if gt else "")
                       + (f"  bias+gelu {row['epilogue_overhead_pct'].get('graph', row['epilogue_overhead_pct']['eager']):+.1f}%"
                          if "epilogue_overhead_pct" in row else "")
-                      + (f"  vs bnb {row['speedup_vs_bnb']['eager']:.2f}x" if "speedup_vs_bnb" in row else ""),
+                      + "".join(f"  vs {p} {v.get('graph', v['eager']):.2f}x" for p, v in row.get("speedup_vs", {}).items()),
                       flush=True)
                 if args.sweep:
                     for cfg_delta in SWEEP:

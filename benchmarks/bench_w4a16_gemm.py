@@ -28,6 +28,9 @@ import torch
 import lowbit
 from lowbit.kernels import gemm_w4 as g
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _peers  # the benchmarks folder is not a package
+
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192), (8192, 28672), (6144, 4096), (4096, 14336)]  # (N, K)
 FORMATS = {
     "nvfp4": ("nvfp4", {}),
@@ -99,6 +102,28 @@ def _time_case(row: dict, x, q, cfg, t_cublas: float, rep: int, check: bool = Tr
     return row
 
 
+def _time_peers(x, w, args) -> dict:
+    """bitsandbytes nf4 and gemlite int4/mxfp4 on the same x and bf16 weight, where they run."""
+    out = {}
+    ref = x.float() @ w.float().T
+    wanted = {"bitsandbytes_nf4": "nf4", "gemlite_int4": "int4_awq", "gemlite_mxfp4": "mxfp4"}
+    for peer, ours in wanted.items():
+        if not any(FORMATS[f][0] == ours for f in args.formats):
+            continue
+        fns = _peers.bnb_nf4([w]) if peer == "bitsandbytes_nf4" else _peers.gemlite([w], peer.split("_")[1])
+        if fns is None:
+            continue
+        try:
+            err = _peers.rel_error(fns[0](x), ref)
+            t = bench(lambda f=fns[0]: f(x), args.rep)
+        except Exception as e:  # noqa: BLE001 - optional baseline
+            print(f"  {peer} failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        out[peer] = {"for": ours, "ms": t, "tflops": 2.0 * x.shape[0] * w.shape[0] * w.shape[1] / t / 1e9,
+                     "rel_err_vs_bf16": err}
+    return out
+
+
 def run(args) -> dict:
     dev = torch.device("cuda")
     rows = []
@@ -106,6 +131,7 @@ def run(args) -> dict:
         for m in args.m:
             x, w = _problem(n, k, m, dev)
             t_cublas = bench(lambda: x @ w.T, args.rep)  # noqa: B023 - called right here
+            peers = _time_peers(x, w, args) if args.peers else {}
             for name in args.formats:
                 q = _quantize(w, name)
                 cfg = g.choose_config(m, n, k, q.fmt, q.params.get("group_size", 0), dev)
@@ -115,8 +141,13 @@ def run(args) -> dict:
                 if args.dequant_baseline and "error" not in row:
                     row["dequant_then_cublas_ms"] = bench(
                         lambda: x @ lowbit.dequantize(q, torch.bfloat16).T, args.rep)  # noqa: B023
+                for peer, v in peers.items():
+                    if v["for"] == FORMATS[name][0] and "ms" in row:
+                        row.setdefault("peers", {})[peer] = v
+                        row.setdefault("ratio_vs", {})[peer] = v["ms"] / row["ms"]
                 rows.append(row)
-                print(_line(row), flush=True)
+                print(_line(row) + "".join(f"  vs {p} {r:.2f}x" for p, r in row.get("ratio_vs", {}).items()),
+                      flush=True)
         torch.cuda.empty_cache()
     return {"header": header(), "rows": rows}
 
@@ -176,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement budget per case, ms")
     p.add_argument("--sweep", action="store_true",
                    help="sweep the tile configs of the first --m's regime (e.g. --sweep --m 4096 --formats nvfp4)")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="skip the bitsandbytes / gemlite baselines")
     p.add_argument("--dequant-baseline", action="store_true", help="also time dequantize + cuBLAS")
     p.add_argument("--out", default=None, help="output directory (default $OUT or benchmarks/results/tmp)")
     args = p.parse_args(argv)

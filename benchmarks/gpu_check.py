@@ -65,7 +65,7 @@ def setup_paths() -> None:
     )
 
 
-def run_tests(out_dir: str, timeout_s: float) -> str:
+def run_tests(out_dir: str, timeout_s: float, paths: list[str]) -> str:
     xml = os.path.join(out_dir, "gpu_tests.xml")
     cmd = [
         sys.executable,
@@ -77,8 +77,7 @@ def run_tests(out_dir: str, timeout_s: float) -> str:
         "-m",
         "gpu",
         "--maxfail=8",
-        "tests/kernels",
-        "tests/bench",
+        *paths,
         f"--junitxml={xml}",
     ]
     try:
@@ -102,7 +101,9 @@ def run_tests(out_dir: str, timeout_s: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="*", help="tests and/or bench (default: both)")
+    ap.add_argument("what", nargs="*", help="tests and/or bench (default: both), or install (wheels only)")
+    ap.add_argument("--tests", default="tests/kernels,tests/bench,tests/ops",
+                    help="comma-separated test paths for the tests step")
     ap.add_argument("--quick", action="store_true", help="harness: each op's quick shapes")
     ap.add_argument("--ops", default=None, help="harness: op patterns, as `lowbit bench --ops`")
     ap.add_argument("--shapes", default=None, help="harness: shapes, as `lowbit bench --shapes`")
@@ -116,15 +117,17 @@ def main() -> int:
     ap.add_argument("--tests-timeout-s", type=float, default=240.0)
     args = ap.parse_args()
     what = set(args.what or ["tests", "bench"])
-    if what - {"tests", "bench"}:
-        ap.error(f"unknown step(s) {sorted(what - {'tests', 'bench'})}: use tests and/or bench")
+    if what - {"tests", "bench", "install"}:
+        ap.error(f"unknown step(s) {sorted(what - {'tests', 'bench', 'install'})}: use tests, bench or install")
 
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "tmp")
     os.makedirs(out_dir, exist_ok=True)
     install_wheels()
     setup_paths()
+    if what == {"install"}:
+        return 0
 
-    tests_summary = run_tests(out_dir, args.tests_timeout_s) if "tests" in what else None
+    tests_summary = run_tests(out_dir, args.tests_timeout_s, args.tests.split(",")) if "tests" in what else None
     if "bench" not in what:
         return 0
 
