@@ -5,12 +5,24 @@ Importing lowbit does no device work and does not need triton.
 
 __version__ = "0.1.0"
 
-from . import formats, io
+from . import formats, io, nn
 from .api import dequantize, quantize
 from .formats import FORMATS, QTensor, swizzle_scales, unswizzle_scales
+from .nn import SCHEMES, quantize_model
 from .ops import explain, linear
 
 __all__ = [
-    "FORMATS", "QTensor", "dequantize", "explain", "formats", "io", "linear", "quantize", "swizzle_scales",
+    "FORMATS",
+    "SCHEMES",
+    "QTensor",
+    "dequantize",
+    "explain",
+    "formats",
+    "io",
+    "linear",
+    "nn",
+    "quantize",
+    "quantize_model",
+    "swizzle_scales",
     "unswizzle_scales",
 ]

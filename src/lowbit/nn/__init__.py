@@ -1,0 +1,20 @@
+"""Model-level API: ``QuantLinear`` (a drop-in ``nn.Linear``), the scheme registry and ``quantize_model``.
+
+Importing this package does not import triton or transformers.
+"""
+
+from .modules import QuantLinear
+from .quantize import DEFAULT_SKIP, FUSED_GROUPS, calibrate_absmax, fused_groups, quantize_model
+from .schemes import SCHEMES, Scheme, get_scheme
+
+__all__ = [
+    "DEFAULT_SKIP",
+    "FUSED_GROUPS",
+    "SCHEMES",
+    "QuantLinear",
+    "Scheme",
+    "calibrate_absmax",
+    "fused_groups",
+    "get_scheme",
+    "quantize_model",
+]

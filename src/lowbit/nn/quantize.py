@@ -1,0 +1,236 @@
+"""``quantize_model``: swap a model's ``nn.Linear`` layers for ``QuantLinear`` in place, with calibration."""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..formats.blockscaled import finite_amax, nvfp4_default_global_scale
+from .modules import QuantLinear
+from .schemes import Scheme, get_scheme
+
+DEFAULT_SKIP = ("lm_head", "*.lm_head")
+"""Module-name patterns (fnmatch) left in full precision unless ``skip=`` says otherwise."""
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
+"""Sibling projections that serving engines fuse into one GEMM; NVFP4 weights of the siblings present under
+one parent share one global scale (llm-compressor's ``update_fused_layer_weight_global_scales``)."""
+
+
+def _patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:
+    if skip is None:
+        return ()
+    if isinstance(skip, str):
+        return (skip,)
+    out = tuple(skip)
+    bad = [p for p in out if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"skip must hold module-name patterns (str), got {bad[:3]}")
+    return out
+
+
+def is_skipped(name: str, patterns: Iterable[str]) -> bool:
+    """True if the module name matches one of the fnmatch patterns."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` modules ``quantize_model`` may replace, by qualified name (not yet quantized ones;
+    ``nn.MultiheadAttention.out_proj`` is left out: MultiheadAttention reads its weight directly)."""
+    out: dict[str, nn.Linear] = {}
+    for parent_name, parent in model.named_modules():
+        if isinstance(parent, nn.MultiheadAttention):
+            continue
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                out[f"{parent_name}.{child_name}" if parent_name else child_name] = child
+    return out
+
+
+def fused_groups(names: Iterable[str]) -> list[tuple[str, ...]]:
+    """Groups of sibling module names (same parent, names from :data:`FUSED_GROUPS`), two or more each."""
+    present = set(names)
+    parents = {n.rpartition(".")[0] for n in present}
+    groups = []
+    for parent in sorted(parents):
+        prefix = f"{parent}." if parent else ""
+        for members in FUSED_GROUPS:
+            found = tuple(prefix + m for m in members if prefix + m in present)
+            if len(found) >= 2:
+                groups.append(found)
+    return groups
+
+
+def _batches(calibration: Iterable[Any]):
+    if isinstance(calibration, (torch.Tensor, Mapping)):
+        yield calibration
+        return
+    yield from calibration
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, Mapping):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def calibrate_absmax(
+    model: nn.Module, layers: Mapping[str, nn.Module], calibration: Iterable[Any]
+) -> dict[str, torch.Tensor]:
+    """Run ``model`` on every calibration batch and return each layer's input absmax (fp32 scalar, finite values).
+
+    A batch that is a dict runs ``model(**batch)``, a tuple/list ``model(*batch)``, anything else ``model(batch)``;
+    tensors are moved to the model's device. Layers that never ran are missing from the result.
+    """
+    absmax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def fn(module, args):
+            x = args[0]
+            a = finite_amax(x).float()
+            absmax[name] = a if name not in absmax else torch.maximum(absmax[name], a)
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
+    device = _model_device(model)
+    was_training = model.training
+    model.eval()
+    n = 0
+    try:
+        for batch in _batches(calibration):
+            batch = _to(batch, device)
+            if isinstance(batch, Mapping):
+                model(**batch)
+            elif isinstance(batch, (tuple, list)):
+                model(*batch)
+            else:
+                model(batch)
+            n += 1
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if n == 0:
+        raise ValueError("calibration is empty: pass an iterable of model inputs (dicts, tuples or tensors)")
+    return absmax
+
+
+def activation_global_scale(absmax: torch.Tensor) -> torch.Tensor:
+    """Static NVFP4 activation multiplier ``2688 / absmax`` in fp32 (seed 000; 1.0 for absmax 0), shape ``[1]``."""
+    return nvfp4_default_global_scale(absmax.float().reshape(1)).reshape(1)
+
+
+def quantize_model(
+    model: nn.Module,
+    scheme: str | Scheme,
+    *,
+    skip: str | Iterable[str] | None = DEFAULT_SKIP,
+    calibration: Iterable[Any] | None = None,
+    backend: str | None = None,
+) -> nn.Module:
+    """Replace the model's ``nn.Linear`` layers by :class:`QuantLinear` in place and return the model.
+
+    Args:
+        model: any ``nn.Module`` (e.g. a transformers model); layers are quantized on their own device.
+        scheme: a name from ``lowbit.SCHEMES`` (``"w4a16-nvfp4"``, ...) or a :class:`Scheme`.
+        skip: fnmatch patterns of module names to keep in full precision (default :data:`DEFAULT_SKIP`:
+            ``lm_head``); None or ``()`` quantizes every Linear.
+        calibration: optional iterable of model inputs (dicts -> ``model(**batch)``, tuples -> ``model(*batch)``,
+            tensors -> ``model(t)``). For NVFP4 activations (``w4a4-nvfp4``) each layer's input absmax over
+            all batches gives a static activation global scale ``2688 / absmax`` (seed 000;
+            ``alpha = 1 / (gs_in * gs_w)`` follows in the GEMM). Without calibration activations are scaled
+            dynamically per tensor. Other schemes have no static activation scales and ignore it.
+        backend: lowbit backend for quantization and for the layers' forward.
+
+    Fused projections (q/k/v, gate/up, BERT query/key/value under one parent) share one NVFP4 weight global
+    scale ``2688 / max(amax)``, as llm-compressor writes them for vLLM's fused layers.
+
+    Layers whose shape the scheme cannot take are left as they are, with one warning listing them.
+
+    Raises:
+        ValueError: unknown scheme, or no layer could be quantized.
+    """
+    scheme = get_scheme(scheme)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    patterns = _patterns(skip)
+    layers = linear_layers(model)
+    targets: dict[str, nn.Linear] = {}
+    unsupported: list[str] = []
+    for name, lin in layers.items():
+        if is_skipped(name, patterns):
+            continue
+        why = scheme.unsupported(lin.out_features, lin.in_features)
+        if why is not None:
+            unsupported.append(f"{name} [{lin.out_features}, {lin.in_features}]: {why}")
+            continue
+        targets[name] = lin
+    if not targets:
+        detail = f"; unsupported shapes: {'; '.join(unsupported)}" if unsupported else ""
+        raise ValueError(
+            f"quantize_model: no nn.Linear layer can take scheme {scheme.name} "
+            f"({len(layers)} Linear layers, skip={list(patterns)}){detail}"
+        )
+    if unsupported:
+        warnings.warn(
+            f"lowbit.quantize_model: {len(unsupported)} layer(s) left unquantized, their shapes do not fit "
+            f"{scheme.name}: " + "; ".join(unsupported),
+            stacklevel=2,
+        )
+
+    input_scales: dict[str, torch.Tensor] = {}
+    if calibration is not None and scheme.static_act_scale:
+        for name, a in calibrate_absmax(model, targets, calibration).items():
+            input_scales[name] = activation_global_scale(a)
+
+    global_scales: dict[str, torch.Tensor] = {}
+    if scheme.shared_global_scale:
+        for group in fused_groups(targets):
+            amax = torch.stack([finite_amax(targets[n].weight.detach()).float().cpu() for n in group])
+            g = nvfp4_default_global_scale(amax)
+            for n in group:
+                global_scales[n] = g.to(targets[n].weight.device)
+
+    modules = dict(model.named_modules())
+    for name, lin in targets.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        q = QuantLinear.from_linear(
+            lin,
+            scheme,
+            global_scale=global_scales.get(name),
+            input_global_scale=input_scales.get(name),
+            backend=backend,
+        )
+        setattr(parent, child, q)
+    return model
+
+
+__all__ = [
+    "DEFAULT_SKIP",
+    "FUSED_GROUPS",
+    "activation_global_scale",
+    "calibrate_absmax",
+    "fused_groups",
+    "is_skipped",
+    "linear_layers",
+    "quantize_model",
+]
