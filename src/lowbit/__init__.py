@@ -9,7 +9,7 @@ from . import formats, io, nn
 from .api import dequantize, quantize
 from .formats import FORMATS, QTensor, swizzle_scales, unswizzle_scales
 from .nn import SCHEMES, quantize_model
-from .ops import explain, linear
+from .ops import explain, linear, scaled_mm
 
 __all__ = [
     "FORMATS",
@@ -23,6 +23,7 @@ __all__ = [
     "nn",
     "quantize",
     "quantize_model",
+    "scaled_mm",
     "swizzle_scales",
     "unswizzle_scales",
 ]

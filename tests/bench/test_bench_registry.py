@@ -55,7 +55,9 @@ HAND_BYTES = {
 def test_registry_has_every_format_op():
     assert set(bench.REGISTRY) == set(HAND_BYTES)
     fmts = {name.split(".")[1] for name in bench.REGISTRY}
-    assert fmts == set(lowbit.FORMATS)
+    # fp8_rowwise (per-token FP8 activations for lowbit.scaled_mm) has no Triton quantize/dequantize kernel of
+    # its own yet, so no bench op
+    assert fmts == set(lowbit.FORMATS) - {"fp8_rowwise"}
 
 
 @pytest.mark.parametrize("name", sorted(HAND_BYTES))

@@ -163,6 +163,8 @@ MXFP8_E4M3_FORMAT = FormatSpec("mxfp8_e4m3", "blockscaled", E4M3, 32, "e8m0", _M
 MXFP8_E5M2_FORMAT = FormatSpec("mxfp8_e5m2", "blockscaled", E5M2, 32, "e8m0", _MX_OPTIONS)
 FP4_B32_FORMAT = FormatSpec("fp4_b32", "blockscaled", E2M1, 32, "fp32", {})
 FP8_BLOCK_FORMAT = FormatSpec("fp8_block", "fp8_block", E4M3, (1, 128), "fp32", {"block": (1, 128), "scale_fmt": None})
+# one scale per row: the block is 1 x (the whole last dim), written (1, -1)
+FP8_ROWWISE_FORMAT = FormatSpec("fp8_rowwise", "fp8_rowwise", E4M3, (1, -1), "fp32", {})
 NF4_FORMAT = FormatSpec("nf4", "codebook", NF4, 64, "fp32", {"blocksize": 64, "double_quant": False})
 INT4_AWQ_FORMAT = FormatSpec("int4_awq", "int_group", UINT4, 128, "fp16", {"group_size": 128})
 
@@ -170,6 +172,6 @@ FORMATS: dict[str, FormatSpec] = {
     f.name: f
     for f in (
         NVFP4_FORMAT, MXFP4_FORMAT, MXFP6_E2M3_FORMAT, MXFP6_E3M2_FORMAT, MXFP8_E4M3_FORMAT,
-        MXFP8_E5M2_FORMAT, FP4_B32_FORMAT, FP8_BLOCK_FORMAT, NF4_FORMAT, INT4_AWQ_FORMAT,
+        MXFP8_E5M2_FORMAT, FP4_B32_FORMAT, FP8_BLOCK_FORMAT, FP8_ROWWISE_FORMAT, NF4_FORMAT, INT4_AWQ_FORMAT,
     )
 }
