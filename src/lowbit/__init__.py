@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 from . import formats, io, nn
 from .api import dequantize, quantize
 from .formats import FORMATS, QTensor, swizzle_scales, unswizzle_scales
+from .io.checkpoint import load_quantized, save_quantized
 from .nn import SCHEMES, quantize_model
 from .ops import explain, linear, scaled_mm
 
@@ -20,9 +21,11 @@ __all__ = [
     "formats",
     "io",
     "linear",
+    "load_quantized",
     "nn",
     "quantize",
     "quantize_model",
+    "save_quantized",
     "scaled_mm",
     "swizzle_scales",
     "unswizzle_scales",

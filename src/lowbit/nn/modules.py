@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -28,33 +27,6 @@ def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation == "gelu_tanh":
         return F.gelu(y, approximate="tanh")
     return F.silu(y)
-
-
-def _scaled_linear():
-    """``lowbit.ops.scaled_linear`` if that module is there, else None (then the local reference runs)."""
-    try:
-        return importlib.import_module("lowbit.ops.scaled_mm").scaled_linear
-    except (ImportError, AttributeError):
-        return None
-
-
-def _scaled_linear_reference(
-    x: torch.Tensor,
-    w: QTensor,
-    act_format: str,
-    act_options: dict[str, Any],
-    act_global_scale: torch.Tensor | None,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """fp32 ``dequant(quant(x)) @ dequant(w).T + bias``: used only while ``lowbit.ops.scaled_linear`` is absent."""
-    opts = dict(act_options)
-    if act_global_scale is not None:
-        opts["global_scale"] = act_global_scale
-    xq = dequantize(quantize(x.reshape(-1, x.shape[-1]), act_format, **opts), torch.float32)
-    y = xq @ dequantize(w, torch.float32).T
-    if bias is not None:
-        y = y + bias.float()
-    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 class QuantLinear(nn.Module):
@@ -260,13 +232,9 @@ class QuantLinear(nn.Module):
                 x.float(), self.dequantize_weight(torch.float32), None if bias is None else bias.float()
             )
             return _act(y, self.activation).to(x.dtype)
+        from ..ops.scaled_mm import scaled_linear
+
         act_opts = dict(self.scheme.act_options)
-        scaled_linear = _scaled_linear()
-        if scaled_linear is None:
-            y = _scaled_linear_reference(
-                x, w, self.scheme.act_format, act_opts, self.input_global_scale, bias
-            )
-            return _act(y, self.activation).to(x.dtype)
         y = scaled_linear(
             x,
             w,

@@ -1,0 +1,360 @@
+"""Checkpoint files: safetensors sources with clear errors, sharded writing, atomic directories.
+
+Only safetensors is ever read (never pickle). Every error names the file and the rule it broke.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+WEIGHT_NAMES = (INDEX_FILE, "pytorch_model.bin.index.json", CONFIG_NAME)
+
+
+def read_json(path: Path, what: str = "JSON file") -> dict:
+    """Parse a JSON object; FileNotFoundError / ValueError naming the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: {what} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: {what} must hold a JSON object, got {type(data).__name__}")  # noqa: TRY004
+    return data
+
+
+def weight_files(model_dir: Path) -> tuple[dict[str, Path], dict | None]:
+    """``{tensor name: shard path}`` of a safetensors model directory, and the parsed index (None if single file).
+
+    Raises:
+        FileNotFoundError: the directory, the index's shards, or any safetensors weights are missing.
+        ValueError: only pickle weights are present (never unpickled), or the index is malformed.
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: checkpoint directory not found")
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        index = read_json(index_path, "safetensors index")
+        wmap = index.get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise ValueError(
+                f"{index_path}: 'weight_map' must be a non-empty object of tensor name -> shard file"
+            )
+        out = {}
+        for name, shard in wmap.items():
+            if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard.startswith("."):
+                raise ValueError(f"{index_path}: shard of {name!r} must be a plain file name, got {shard!r}")
+            out[name] = model_dir / shard
+        for shard in sorted(set(out.values())):
+            if not shard.is_file():
+                raise FileNotFoundError(f"{shard}: shard listed in {index_path} is missing")
+        return out, index
+    single = model_dir / SINGLE_FILE
+    files = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = [p for p in PICKLE_WEIGHTS if (model_dir / p).exists()]
+        if pickles:
+            raise ValueError(
+                f"{model_dir}: only pickle weights ({', '.join(pickles)}); lowbit reads safetensors only and never "
+                "unpickles (convert them with transformers' save_pretrained(safe_serialization=True) first)"
+            )
+        raise FileNotFoundError(f"{model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
+    out = {}
+    for f in files:
+        for name in safetensors_keys(f):
+            if name in out:
+                raise ValueError(
+                    f"{f}: tensor {name!r} is also in {out[name]} (no index to say which one counts)"
+                )
+            out[name] = f
+    return out, None
+
+
+def _open(path: Path, device: str = "cpu"):
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: safetensors file not found")
+    try:
+        return safe_open(str(path), framework="pt", device=device)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: not a valid safetensors file (corrupt or truncated?): {e}") from None
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    """Tensor names of one safetensors file (header only); ValueError for a corrupt or truncated file."""
+    size = path.stat().st_size
+    with _open(path) as f:
+        keys = list(f.keys())
+        # safetensors checks that the header's byte ranges fit the file; keep our own check for clarity
+        end = _data_end(path)
+        if end is not None and end > size:
+            raise ValueError(f"{path}: truncated: the header describes {end} bytes, the file has {size}")
+    return keys
+
+
+def _data_end(path: Path) -> int | None:
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError):
+        return None
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    return 8 + n + (max(ends) if ends else 0)
+
+
+class TensorSource:
+    """Lazy access to the tensors of a safetensors model directory (one open handle per shard)."""
+
+    def __init__(self, model_dir: Path | str, device: str = "cpu") -> None:
+        self.dir = Path(model_dir)
+        self.device = device
+        self.files, self.index = weight_files(self.dir)
+        self._handles: dict[Path, Any] = {}
+        self._checked: set[Path] = set()
+
+    def keys(self) -> list[str]:
+        return list(self.files)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def _handle(self, path: Path):
+        h = self._handles.get(path)
+        if h is None:
+            if path not in self._checked:
+                names = set(safetensors_keys(path))
+                listed = {k for k, p in self.files.items() if p == path}
+                missing = sorted(listed - names)
+                if missing:
+                    raise ValueError(
+                        f"{path}: tensors listed in the index are missing from the file: {missing[:5]}"
+                    )
+                self._checked.add(path)
+            h = _open(path, self.device)
+            self._handles[path] = h
+        return h
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.files:
+            raise KeyError(key)
+        path = self.files[key]
+        try:
+            return self._handle(path).get_tensor(key)
+        except (ValueError, FileNotFoundError):
+            raise
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for bad data)
+            raise ValueError(
+                f"{path}: cannot read tensor {key!r} (corrupt or truncated file?): {e}"
+            ) from None
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._handle(self.files[key]).get_slice(key).get_shape())
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON via a temp file + fsync + rename (atomic on POSIX)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """Write a safetensors file via a temp name + fsync + rename; tensors are made contiguous CPU copies."""
+    from safetensors.torch import save_file
+
+    clean = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    save_file(clean, str(tmp), metadata={"format": "pt", **(metadata or {})})
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def dedupe_shared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Drop tensors that alias an earlier one (tied weights); returns (kept, dropped names)."""
+    seen: dict[tuple, str] = {}
+    kept, dropped = {}, []
+    for k, t in tensors.items():
+        key = (
+            t.device,
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.dtype,
+        )
+        if t.numel() and key in seen:
+            dropped.append(k)
+            continue
+        seen[key] = k
+        kept[k] = t
+    return kept, dropped
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB`` / ``500MB`` / an int of bytes -> bytes."""
+    if isinstance(size, int):
+        return size
+    s = str(size).strip().upper()
+    for unit, mult in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+    ):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    s = s.removesuffix("B")
+    return int(s)
+
+
+def write_sharded(
+    tensors: Mapping[str, torch.Tensor], out_dir: Path, max_shard_size: int | str = "5GB"
+) -> dict:
+    """Write ``tensors`` as ``model.safetensors`` or as shards ``model-0000i-of-0000n.safetensors`` + index.
+
+    Returns the weight map ``{name: file}``.
+    """
+    limit = parse_size(max_shard_size)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        n = tensor_nbytes(t)
+        if shards[-1] and size + n > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += n
+    if len(shards) == 1:
+        save_safetensors(shards[0], out_dir / SINGLE_FILE)
+        return dict.fromkeys(shards[0], SINGLE_FILE)
+    wmap = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors(shard, out_dir / name)
+        wmap.update(dict.fromkeys(shard, name))
+        total += sum(tensor_nbytes(t) for t in shard.values())
+    write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": wmap})
+    return wmap
+
+
+def copy_extra_files(src_dir: Path, out_dir: Path) -> list[str]:
+    """Copy everything but weights and config.json (tokenizer, generation config, sentence-transformers
+    modules, README, ...) from ``src_dir`` into ``out_dir``; files already in ``out_dir`` are kept."""
+    src_dir = Path(src_dir)
+    if not src_dir.is_dir():
+        raise FileNotFoundError(f"{src_dir}: source directory not found")
+    copied = []
+    for p in sorted(src_dir.rglob("*")):
+        rel = p.relative_to(src_dir)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.is_dir():
+            continue
+        if rel.parts[0] in ("onnx", "openvino") or p.name in WEIGHT_NAMES or p.suffix in WEIGHT_SUFFIXES:
+            continue
+        dest = out_dir / rel
+        if dest.exists():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(p, dest)
+        copied.append(str(rel))
+    return copied
+
+
+def temp_dir_for(out_dir: Path, tag: str | None = None) -> Path:
+    """A sibling temp directory of ``out_dir`` (same filesystem, so the final rename is atomic)."""
+    out_dir = Path(out_dir)
+    name = f".{out_dir.name}.lowbit-{tag or uuid.uuid4().hex[:12]}.tmp"
+    return out_dir.parent / name
+
+
+def fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            fsync_file(p)
+    for p in sorted({q.parent for q in root.rglob("*")} | {root}):
+        _fsync_dir(p)
+
+
+def publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
+    """fsync ``tmp`` and rename it to ``out_dir``. An existing ``out_dir`` is an error unless ``overwrite``
+    (then it is moved aside and removed only after the new directory is in place)."""
+    fsync_tree(tmp)
+    old = None
+    if out_dir.exists() or out_dir.is_symlink():
+        if not overwrite:
+            raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+        old = out_dir.parent / f".{out_dir.name}.lowbit-old-{uuid.uuid4().hex[:8]}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path | str, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temp directory next to ``out_dir``; on success it replaces ``out_dir`` in one rename, on any
+    error it is removed (a crash leaves at most a hidden ``.<name>.lowbit-*.tmp`` sibling, never ``out_dir``)."""
+    out_dir = Path(out_dir)
+    if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
+        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_dir_for(out_dir)
+    tmp.mkdir()
+    try:
+        yield tmp
+        publish(tmp, out_dir, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

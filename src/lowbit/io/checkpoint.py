@@ -1,0 +1,412 @@
+"""Quantized model checkpoints: ``save_quantized`` and ``load_quantized``.
+
+``save_quantized`` writes safetensors + ``config.json`` with a ``quantization_config`` in the format the
+ecosystem reads (compressed-tensors, bitsandbytes, AutoAWQ, GPTQ, DeepSeek/HF FP8, ModelOpt) or, for schemes
+no ecosystem format covers, lowbit's native layout. Writes are atomic: everything goes to a hidden sibling
+directory that is fsynced and renamed into place, so a crash never leaves a half checkpoint at ``out_dir``.
+
+``load_quantized`` reads those formats, whoever wrote them (lowbit, llm-compressor, ModelOpt, bitsandbytes via
+transformers, AutoAWQ, GPTQ, DeepSeek), into a transformers model whose quantized Linear layers are
+:class:`~lowbit.nn.QuantLinear`. Only safetensors is read, never pickle. See ``docs/models.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..nn.modules import BUFFER_NAMES, QuantLinear
+from ..nn.quantize import linear_layers
+from ._files import (
+    CONFIG_NAME,
+    TensorSource,
+    atomic_dir,
+    copy_extra_files,
+    dedupe_shared,
+    read_json,
+    write_json,
+    write_sharded,
+)
+from ._layouts import DTYPE_NAMES, FORMAT_ALIASES, LAYOUTS, NAME_DTYPES, Layout, layout_for_config
+
+FORMATS = ("auto", *LAYOUTS)
+"""``save_quantized(format=...)`` values (aliases: ``ct``, ``bnb``, ``deepseek``, ``native``, ``autoawq``)."""
+_QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "qweight", "qzeros", "weight_scale_inv",
+                   "weight_scale_2", "weight_data", "absmax", "quant_state")  # fmt: skip
+
+
+def require_transformers():
+    """Import transformers or raise ImportError saying what needs it."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as e:
+        raise ImportError(
+            "lowbit model loading/conversion needs transformers (pip install transformers); "
+            f"import failed: {e}"
+        ) from None
+
+
+def _resolve_layout(format: str) -> str:
+    if not isinstance(format, str):
+        raise TypeError(f"format must be a str, got {type(format).__name__}")
+    name = FORMAT_ALIASES.get(format.lower(), format.lower())
+    if name != "auto" and name not in LAYOUTS:
+        raise ValueError(
+            f"format must be one of {FORMATS} (or an alias {sorted(FORMAT_ALIASES)}), got {format!r}"
+        )
+    return name
+
+
+def choose_layout(mods: Mapping[str, QuantLinear], format: str = "auto") -> Layout:
+    """The layout ``save_quantized`` uses for these modules (ValueError if ``format`` cannot store them all)."""
+    name = _resolve_layout(format)
+    if name == "auto":
+        wanted = {m.scheme.checkpoint for m in mods.values()}
+        name = wanted.pop() if len(wanted) == 1 else "lowbit"
+    layout = LAYOUTS[name]
+    bad = [
+        f"{n} ({m.scheme.name}): {why}" for n, m in mods.items() if (why := layout.unsupported(m)) is not None
+    ]
+    if bad:
+        raise ValueError(f"format {name!r} cannot store {len(bad)} layer(s): " + "; ".join(bad[:8]))
+    return layout
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype | None:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return None
+
+
+def _config_dict(model: nn.Module) -> dict:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_json_string"):
+        data = json.loads(cfg.to_json_string(use_diff=False))
+        data["architectures"] = [type(model).__name__]
+        return data
+    return {}
+
+
+def quantized_state_dict(model: nn.Module, layout: Layout) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The model's state dict with every QuantLinear written in ``layout``; also the names of the Linear layers
+    left unquantized (the ``ignore`` list)."""
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    own = {f"{n}.{b}" for n in mods for b in (*BUFFER_NAMES, "input_global_scale")}
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for key, t in model.state_dict().items():
+        prefix = key.rpartition(".")[0]
+        if prefix in mods and prefix not in done:
+            done.add(prefix)
+            out.update({f"{prefix}.{k}": v for k, v in layout.export(mods[prefix]).items()})
+        if key in own:
+            continue
+        out[key] = t
+    ignore = sorted(linear_layers(model))
+    return out, ignore
+
+
+def save_quantized(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    format: str = "auto",
+    source_dir: str | Path | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write a quantized model (one that went through :func:`lowbit.quantize_model`) as a checkpoint directory.
+
+    Args:
+        model: a model holding :class:`QuantLinear` layers (transformers models get their config written).
+        out_dir: the directory to create. It must not exist unless ``overwrite``.
+        format: ``"auto"`` (each scheme's ecosystem format, see ``lowbit.SCHEMES[...].checkpoint``; mixed schemes
+            go to ``"lowbit"``), ``"compressed-tensors"``, ``"bitsandbytes"``, ``"awq"``, ``"gptq"``, ``"fp8"``
+            (DeepSeek/HF), ``"modelopt"`` or ``"lowbit"`` (native).
+        source_dir: a model directory whose non-weight files (tokenizer, generation config, sentence-transformers
+            modules, README) are copied alongside.
+        max_shard_size: shard the safetensors above this size (``"5GB"``, bytes as int).
+        overwrite: replace an existing ``out_dir`` (atomically: the old one is removed after the new one is in place).
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        ValueError: no QuantLinear in the model, or ``format`` cannot store a layer's scheme.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    mods = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if not mods:
+        raise ValueError(
+            "save_quantized: the model has no QuantLinear layer (run lowbit.quantize_model first)"
+        )
+    layout = choose_layout(mods, format)
+    tensors, ignore = quantized_state_dict(model, layout)
+    tensors, _tied = dedupe_shared(tensors)
+    dtype = _model_dtype(model)
+    config = _config_dict(model)
+    config["quantization_config"] = layout.config(mods, ignore, dtype)
+    if dtype is not None and config:
+        config["dtype"] = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        write_sharded(tensors, tmp, max_shard_size)
+        write_json(tmp / CONFIG_NAME, config)
+        for name, data in layout.extra_files(mods, ignore).items():
+            write_json(tmp / name, data)
+        if source_dir is not None:
+            copy_extra_files(Path(source_dir), tmp)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Create parameters on the meta device (buffers stay real), like accelerate's ``init_empty_weights``."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def build_skeleton(
+    model_dir: str | Path, model_class: Any = None, trust_remote_code: bool = False
+) -> nn.Module:
+    """The transformers model of ``model_dir/config.json`` with its parameters on the meta device.
+
+    The class is ``model_class`` if given, else ``config.architectures[0]`` from transformers, else ``AutoModel``.
+    """
+    transformers = require_transformers()
+    model_dir = Path(model_dir)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(
+            f"{model_dir / CONFIG_NAME}: transformers cannot build a config from it: {e}"
+        ) from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    cls = model_class
+    if cls is None:
+        for arch in getattr(config, "architectures", None) or ():
+            cls = getattr(transformers, arch, None)
+            if cls is not None:
+                break
+    with empty_weights(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if cls is None:
+            model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+        elif hasattr(cls, "_from_config"):
+            model = cls._from_config(config)
+        else:
+            model = cls(config)
+    return model
+
+
+def _quant_config(model_dir: Path, cfg: dict) -> dict:
+    qc = cfg.get("quantization_config")
+    if qc is None and (model_dir / "hf_quant_config.json").is_file():
+        hf = read_json(model_dir / "hf_quant_config.json", "ModelOpt hf_quant_config.json")
+        qc = {"quant_method": "modelopt", **(hf.get("quantization") or {})}
+    if qc is None:
+        raise ValueError(
+            f"{model_dir / CONFIG_NAME}: no quantization_config (and no hf_quant_config.json): not a quantized "
+            "checkpoint; quantize it with lowbit.convert_checkpoint or lowbit.quantize_model first"
+        )
+    if not isinstance(qc, dict):
+        raise ValueError(f"{model_dir / CONFIG_NAME}: quantization_config must be a JSON object")  # noqa: TRY004
+    if str(qc.get("quant_method", "")).lower() == "modelopt" and "quant_algo" not in qc:
+        quant = qc.get("quantization")
+        if isinstance(quant, dict):
+            qc = {"quant_method": "modelopt", **quant}
+    return qc
+
+
+def _checkpoint_dtype(cfg: dict) -> torch.dtype | None:
+    name = cfg.get("dtype", cfg.get("torch_dtype"))
+    return NAME_DTYPES.get(str(name).removeprefix("torch.")) if name is not None else None
+
+
+def _device_str(device: str | torch.device) -> str:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def _align_prefix(keys: list[str], model: nn.Module) -> dict[str, str]:
+    """Map checkpoint keys to model keys, adding or removing the base-model prefix when only that differs."""
+    model_keys = set(model.state_dict())
+    ident = {k: k for k in keys}
+    if any(k in model_keys for k in keys):
+        return ident
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix:
+        stripped = {k: k[len(prefix) + 1 :] for k in keys if k.startswith(prefix + ".")}
+        if stripped and any(v in model_keys for v in stripped.values()):
+            return {k: stripped.get(k, k) for k in keys}
+        added = {k: f"{prefix}.{k}" for k in keys}
+        if any(v in model_keys for v in added.values()):
+            return added
+    return ident
+
+
+def load_quantized(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    model: nn.Module | None = None,
+    model_class: Any = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """Load a quantized checkpoint into a model whose quantized Linear layers are :class:`QuantLinear`.
+
+    Reads ``quantization_config`` (``config.json``; ModelOpt's ``hf_quant_config.json`` too) written by lowbit,
+    llm-compressor / compressed-tensors (nvfp4-pack-quantized, mxfp4-pack-quantized, mxfp8-quantized,
+    pack-quantized int4, float-quantized 128x128 FP8), ModelOpt NVFP4, bitsandbytes NF4 (transformers),
+    AutoAWQ GEMM, GPTQ v1/v2 (no act-order) and DeepSeek/HF block FP8.
+
+    Args:
+        path: the checkpoint directory (``config.json`` + ``model.safetensors`` or an index and its shards).
+        device: where tensors are loaded (directly, shard by shard).
+        dtype: cast the non-quantized floating tensors (embeddings, norms, biases) to this dtype; None keeps
+            the checkpoint's dtypes.
+        model: load into this module instead of building one from the config (its Linear layers are replaced;
+            parameters may be on the meta device).
+        model_class: the transformers class to build (default: ``config.architectures[0]``, else AutoModel).
+        trust_remote_code: passed to transformers for custom architectures.
+
+    Returns:
+        The model in eval mode.
+
+    Raises:
+        FileNotFoundError: the directory, config.json or a weight file is missing.
+        ValueError: corrupt/truncated safetensors, malformed or unsupported quantization_config, tensors whose
+            shapes do not match the config, missing tensors, or pickle-only weights.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: checkpoint directory not found")
+    cfg = read_json(path / CONFIG_NAME, "model config")
+    qc = _quant_config(path, cfg)
+    where = str(path / CONFIG_NAME)
+    layout = layout_for_config(qc, where)
+    source = TensorSource(path, device=_device_str(device))
+    if model is None:
+        model = build_skeleton(path, model_class, trust_remote_code)
+    elif not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    qdtype = dtype or _checkpoint_dtype(cfg) or torch.bfloat16
+
+    keymap = _align_prefix(source.keys(), model)
+    by_model_key = {v: k for k, v in keymap.items()}
+    consumed: set[str] = set()
+    linears = linear_layers(model)
+    modules = dict(model.named_modules())
+    for name, lin in linears.items():
+        pre = name + "."
+        local = {mk[len(pre) :]: ck for mk, ck in by_model_key.items() if mk.startswith(pre)}
+        qlocal = set(local) - {"bias"}
+        if not qlocal or not layout.is_quantized(qlocal):
+            continue
+        try:
+            loaded = layout.read(name, qlocal, lambda k, _l=local: source.get(_l[k]), qc, qdtype)
+        except (ValueError, TypeError) as e:
+            files = sorted({str(source.files[local[k]]) for k in qlocal})
+            raise ValueError(f"{', '.join(files)}: module {name!r}: {e}") from None
+        if tuple(loaded.weight.shape) != (lin.out_features, lin.in_features):
+            raise ValueError(
+                f"{source.files[local[min(qlocal)]]}: module {name!r} holds a weight of shape "
+                f"{list(loaded.weight.shape)} but the config's model has Linear [{lin.out_features}, "
+                f"{lin.in_features}] (checkpoint and config.json do not match)"
+            )
+        bias = None
+        if "bias" in local:
+            bias = source.get(local["bias"])
+            if dtype is not None and bias.is_floating_point():
+                bias = bias.to(dtype)
+        q = QuantLinear(
+            lin.in_features,
+            lin.out_features,
+            bias is not None,
+            scheme=loaded.scheme,
+            weight=loaded.weight,
+            bias_tensor=bias,
+            input_global_scale=loaded.input_global_scale,
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, child, q)
+        consumed.update(local.values())
+
+    state = model.state_dict()
+    to_load: dict[str, torch.Tensor] = {}
+    unexpected = []
+    for ck, mk in keymap.items():
+        if ck in consumed:
+            continue
+        if mk not in state:
+            unexpected.append(ck)
+            continue
+        want = state[mk]
+        shape = source.shape(ck)
+        if list(want.shape) != shape:
+            raise ValueError(
+                f"{source.files[ck]}: tensor {ck!r} has shape {shape} but the config's model expects "
+                f"{list(want.shape)} (checkpoint and config.json do not match)"
+            )
+        t = source.get(ck)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        to_load[mk] = t
+    quant_like = [k for k in unexpected if k.rpartition(".")[2] in _QUANT_SUFFIXES or ".weight." in k]
+    if quant_like:
+        raise ValueError(
+            f"{path}: quantized tensors for modules that are not Linear layers of the config's model: "
+            f"{quant_like[:6]} (checkpoint and config.json do not match, or an unsupported layer type)"
+        )
+    if unexpected:
+        warnings.warn(
+            f"lowbit.load_quantized: {len(unexpected)} checkpoint tensor(s) unused: {unexpected[:6]}",
+            stacklevel=2,
+        )
+    model.load_state_dict(to_load, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    missing += [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if missing:
+        raise ValueError(
+            f"{path}: tensors missing from the checkpoint for {len(missing)} parameter(s): {missing[:8]}"
+        )
+    source.close()
+    model.to(torch.device(device))
+    model.eval()
+    return model
+
+
+__all__ = ["FORMATS", "build_skeleton", "choose_layout", "empty_weights", "load_quantized", "save_quantized"]
