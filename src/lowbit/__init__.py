@@ -9,6 +9,7 @@ from . import formats, io, nn
 from .api import dequantize, quantize
 from .formats import FORMATS, QTensor, swizzle_scales, unswizzle_scales
 from .io.checkpoint import load_quantized, save_quantized
+from .io.convert import convert_checkpoint
 from .nn import SCHEMES, quantize_model
 from .ops import explain, linear, scaled_mm
 
@@ -16,6 +17,7 @@ __all__ = [
     "FORMATS",
     "SCHEMES",
     "QTensor",
+    "convert_checkpoint",
     "dequantize",
     "explain",
     "formats",
