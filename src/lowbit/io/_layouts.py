@@ -196,7 +196,7 @@ class CompressedTensorsLayout(Layout):
                 acts = dict(_CT_ACT_ARGS[act])
             formats.add(_CT_FORMATS[fmt])
             config_groups[f"group_{i}"] = {
-                "format": None if single else _CT_FORMATS[fmt],
+                "format": _CT_FORMATS[fmt],
                 "input_activations": acts,
                 "output_activations": None,
                 "targets": ["Linear"] if single else sorted(names),
@@ -208,6 +208,7 @@ class CompressedTensorsLayout(Layout):
             "global_compression_ratio": None,
             "ignore": sorted(ignore),
             "kv_cache_scheme": None,
+            "moe_sparsity_config": None,
             "quant_method": "compressed-tensors",
             "quantization_status": "compressed",
             "sparsity_config": {},

@@ -69,6 +69,18 @@ class Scheme:
         object.__setattr__(self, "weight_options", MappingProxyType(dict(self.weight_options)))
         object.__setattr__(self, "act_options", MappingProxyType(dict(self.act_options)))
 
+    def __copy__(self) -> Scheme:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: dict) -> Scheme:
+        return self
+
+    def __reduce__(self):
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        fields["weight_options"] = dict(self.weight_options)
+        fields["act_options"] = dict(self.act_options)
+        return (_rebuild, (fields,))
+
     @property
     def weight_only(self) -> bool:
         return self.act_format is None
@@ -103,6 +115,11 @@ class Scheme:
 
     def __str__(self) -> str:
         return self.name
+
+
+def _rebuild(fields: dict) -> Scheme:
+    scheme = Scheme(**fields)
+    return SCHEMES.get(scheme.name, scheme) if SCHEMES.get(scheme.name) == scheme else scheme
 
 
 _RCEIL = {"scale_rounding": "rceil"}
