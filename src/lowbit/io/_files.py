@@ -300,7 +300,7 @@ def copy_extra_files(src_dir: Path, out_dir: Path) -> list[str]:
             continue
         if p.is_dir():
             continue
-        if rel.parts[0] in ("onnx", "openvino") or p.name in WEIGHT_NAMES or p.suffix in WEIGHT_SUFFIXES:
+        if rel.parts[0] in ("onnx", "openvino") or str(rel) in WEIGHT_NAMES or p.suffix in WEIGHT_SUFFIXES:
             continue
         dest = out_dir / rel
         if dest.exists():

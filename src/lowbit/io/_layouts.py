@@ -454,13 +454,19 @@ class FP8BlockLayout(Layout):
         fmt = qc.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"quantization_config.fmt must be 'e4m3', got {fmt!r}")
+        scale_fmt = qc.get("scale_fmt")
+        if scale_fmt not in (None, "float", "ue8m0"):
+            raise ValueError(f"quantization_config.scale_fmt must be 'float' or 'ue8m0', got {scale_fmt!r}")
         scale = get("weight_scale_inv")
-        if scale.dtype != torch.float32:
+        if scale.dtype == torch.float8_e8m0fnu:  # transformers stores ue8m0 scales as e8m0 bytes
+            scale = scale.float()
+        elif scale.dtype != torch.float32:
             s32 = scale.float()
             if not torch.equal(s32.to(scale.dtype), scale):
                 raise ValueError(f"module {name!r}: weight_scale_inv does not convert to fp32 exactly")
             scale = s32
-        q = from_deepseek_fp8(get("weight"), scale, dtype=dtype, scale_fmt=qc.get("scale_fmt"))
+        fmt8 = "ue8m0" if scale_fmt == "ue8m0" else None
+        q = from_deepseek_fp8(get("weight"), scale.contiguous(), dtype=dtype, scale_fmt=fmt8)
         return Loaded(find_scheme("fp8_block", "fp8_block", f"module {name!r}"), q)
 
 
