@@ -87,12 +87,27 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _k_block(fmt: str, block_k: int, group: int) -> int:
-    """BLOCK_K the kernel can use with this group: int4 tiles must not straddle a group unless they hold
-    whole groups (group a multiple of 16)."""
+# Groups of >= 32 columns (one scale per row per tile or per half tile) with BLOCK_K = 64 gave wrong results
+# on the H100 (Triton 3.6; mxfp4, fp4_b32 and int4 g128, rel. error 5e-3..0.19 varying with num_stages: the
+# pipelined scale tile of <= 8 bytes per row is read before it lands), while BLOCK_K = 128 was exact in every
+# tile shape swept (benchmarks/results/*_w4a16_gemm_sweep_*.json); so these formats use BLOCK_K >= 128.
+_MIN_BLOCK_K = {"mxfp4": 128, "fp4_b32": 128, "int4_awq": 128}
+_SMEM_BUDGET = 220 * 1024
+
+
+def _fit_tile(fmt: str, cfg: dict, group: int) -> dict:
+    """``cfg`` with the BLOCK_K the kernel can use for this format and group, and num_stages cut to the
+    shared-memory budget (x tile + packed weight tile per stage). int4 tiles must not straddle a group
+    unless they hold whole groups (group a multiple of 16)."""
+    cfg = dict(cfg)
+    block_k = max(cfg["BLOCK_K"], _MIN_BLOCK_K.get(fmt, 0))
     if fmt == "int4_awq" and group % block_k and block_k % group:
         block_k = group & -group                      # largest power of two dividing the group
-    return block_k
+    if block_k != cfg["BLOCK_K"]:
+        per_stage = cfg["BLOCK_M"] * block_k * 2 + cfg["BLOCK_N"] * block_k // 2
+        cfg["num_stages"] = max(1, min(cfg["num_stages"], _SMEM_BUDGET // per_stage))
+    cfg["BLOCK_K"] = block_k
+    return cfg
 
 
 def choose_config(m: int, n: int, k_dim: int, fmt: str, group: int = 0, device: torch.device | None = None) -> dict:
@@ -101,7 +116,7 @@ def choose_config(m: int, n: int, k_dim: int, fmt: str, group: int = 0, device: 
     name = regime(m)
     cfg = dict(CONFIGS[name])
     cfg.update(FORMAT_CONFIGS.get((fmt, name), {}))
-    cfg["BLOCK_K"] = _k_block(fmt, cfg["BLOCK_K"], group)
+    cfg = _fit_tile(fmt, cfg, group)
     cfg.setdefault("SPLIT_K", _split_k(m, n, k_dim, cfg, device))
     cfg["regime"] = name
     return cfg
@@ -382,7 +397,7 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     args, consts = _format_args(w, x)
     cfg = dict(config) if config is not None else choose_config(m, n, k_dim, w.fmt, consts["GROUP"], x.device)
     cfg.setdefault("SPLIT_K", 1)
-    cfg["BLOCK_K"] = _k_block(w.fmt, cfg["BLOCK_K"], consts["GROUP"])
+    cfg = _fit_tile(w.fmt, cfg, consts["GROUP"])
     if w.fmt == "nf4":
         consts["NF4_MODE"] = _nf4_mode(k_dim, consts["GROUP"], cfg["BLOCK_K"])
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -431,7 +446,7 @@ def _variant(fmt: str, dtype: str, regime_name: str, *, swizzled=False, words=Tr
     cfg = dict(CONFIGS[regime_name])
     cfg.update(FORMAT_CONFIGS.get((fmt, regime_name), {}))
     group = group or {"nvfp4": 16, "mxfp4": 32, "fp4_b32": 32, "nf4": 64, "int4_awq": 128}[fmt]
-    cfg["BLOCK_K"] = _k_block(fmt, cfg["BLOCK_K"], group)
+    cfg = _fit_tile(fmt, cfg, group)
     x_t = "*bf16" if dtype == "bf16" else "*fp16"
     if fmt in ("nvfp4", "mxfp4"):
         w_t, s_t, z_t, n_t, o_t, l_t, d_t = "*u8", "*u8", "*u8", "*u8", "*u8", "*u8", "*u8"
