@@ -236,10 +236,6 @@ def _check_fp8_block(q: QTensor, name: str, rows: int, k: int) -> None:
 
 
 def _check_fp8_rowwise(q: QTensor, name: str, rows: int, k: int) -> None:
-    if name != "a":
-        raise ValueError(
-            "lowbit.scaled_mm: fp8_rowwise is an activation format (per-token scales): use it for a"
-        )
     _check_tensor(q.data, f"{name}.data (fp8_rowwise values)", torch.float8_e4m3fn, (rows, k))
     if q.scale_layout != "linear":
         raise ValueError(
@@ -738,7 +734,9 @@ def _encode(key: str, value: Any, tensors: list[torch.Tensor]) -> str:
         return f"{key}=p:{','.join(str(v) for v in value)}"
     if isinstance(value, str) and ";" not in value and "=" not in value:
         return f"{key}=s:{value}"
-    raise TypeError(f"lowbit.scaled_mm: cannot pass the QTensor param or option {key}={value!r} through the custom op")
+    raise TypeError(
+        f"lowbit.scaled_mm: cannot pass the QTensor param or option {key}={value!r} through the custom op"
+    )
 
 
 def _flatten(q: QTensor) -> tuple[list[Any], str]:
