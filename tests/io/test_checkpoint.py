@@ -27,10 +27,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _llama(dtype=torch.bfloat16, seed=0, **kw) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = {
+        "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+    }  # fmt: skip
     cfg.update(kw)
     # built in its dtype (as from_pretrained does), so non-persistent buffers (rotary inv_freq) match a reload
     return transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(**cfg), dtype=dtype).eval()
@@ -75,8 +75,8 @@ def _assert_same_model(a, b, *, params: bool = True) -> None:
     sa = {k: v for k, v in a.state_dict().items() if k.rpartition(".")[0] not in qa}
     sb = {k: v for k, v in b.state_dict().items() if k.rpartition(".")[0] not in qb}
     assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(_bits(sa[k]), _bits(sb[k])), k
+    for k, v in sa.items():
+        assert torch.equal(_bits(v), _bits(sb[k])), k
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +363,7 @@ def test_missing_shard_and_bad_index(tmp_path, llama):
     q = lowbit.quantize_model(copy.deepcopy(llama), "w4a16-nvfp4")
     d = lowbit.save_quantized(q, tmp_path / "s", max_shard_size="10KB")
     index = json.loads((d / "model.safetensors.index.json").read_text())
-    shard = sorted(set(index["weight_map"].values()))[-1]
+    shard = max(set(index["weight_map"].values()))
     (d / shard).rename(tmp_path / "moved")
     with pytest.raises(FileNotFoundError, match=f"{shard}: shard listed in"):
         lowbit.load_quantized(d)
