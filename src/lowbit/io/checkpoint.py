@@ -362,13 +362,15 @@ def load_quantized(
         consumed.update(local.values())
 
     state = model.state_dict()
+    buffers = {n for n, _ in model.named_buffers()}
     to_load: dict[str, torch.Tensor] = {}
     unexpected = []
     for ck, mk in keymap.items():
         if ck in consumed:
             continue
         if mk not in state:
-            unexpected.append(ck)
+            if mk not in buffers:  # older checkpoints hold buffers that are non-persistent now (position_ids)
+                unexpected.append(ck)
             continue
         want = state[mk]
         shape = source.shape(ck)
