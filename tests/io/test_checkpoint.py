@@ -501,3 +501,22 @@ def test_convert_errors(tmp_path, llama, sharded_src, saved):
     back = lowbit.load_quantized(out)
     assert isinstance(back.model.layers[0].mlp.down_proj, QuantLinear)
     assert type(back.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-nf4", "w4a4-nvfp4", "w4a16-fp4b32"])
+def test_inspect_checkpoint(tmp_path, llama, scheme):
+    from lowbit.io.checkpoint import inspect_checkpoint
+
+    q = lowbit.quantize_model(copy.deepcopy(llama), scheme, calibration=[IDS])
+    out = lowbit.save_quantized(q, tmp_path / "c")
+    r = inspect_checkpoint(out)
+    mods = _qlinears(q)
+    assert set(r["modules"]) == set(mods)
+    for name, info in r["modules"].items():
+        assert info["scheme"] == scheme and info["shape"] == [mods[name].out_features, mods[name].in_features]
+        assert info["bytes"] >= mods[name].weight_nbytes
+        assert info["static_input_scale"] == (scheme == "w4a4-nvfp4")
+    assert r["dense_bytes"] == sum(m.out_features * m.in_features * 2 for m in mods.values())
+    assert 3 < r["dense_bytes"] / r["quantized_bytes"] < 4
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    assert r["total_bytes"] <= size < r["total_bytes"] + 20000  # the rest is the safetensors header

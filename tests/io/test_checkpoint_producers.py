@@ -299,6 +299,16 @@ def test_load_gptq_checkpoint_from_autoawq_converter(tmp_path, awq_checkpoint):
     for name in qa:
         for f in ("weight_data", "weight_zeros", "weight_scale"):
             assert torch.equal(getattr(qa[name], f), getattr(qg[name], f)), (name, f)
+    # GPTQModel's v2 format stores the raw zero points
+    v2 = dict(sd)
+    for name in wq:
+        v2[f"{name}.qzeros"] = (v2[f"{name}.qzeros"].to(torch.int64) + 0x11111111).remainder(2**32)
+        v2[f"{name}.qzeros"] = torch.where(
+            v2[f"{name}.qzeros"] >= 2**31, v2[f"{name}.qzeros"] - 2**32, v2[f"{name}.qzeros"]
+        ).to(torch.int32)
+    gptq2 = lowbit.load_quantized(_write(v2, tmp_path / "gptq2", dict(qc, checkpoint_format="gptq_v2"), cfg))
+    for name, m in _qlinears(gptq2).items():
+        assert torch.equal(m.weight_zeros, qa[name].weight_zeros), name
     qc["desc_act"] = True
     d2 = _write(sd, tmp_path / "gptq-act", qc, cfg)
     with pytest.raises(ValueError, match="desc_act=true"):

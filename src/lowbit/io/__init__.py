@@ -5,7 +5,7 @@ No model code here; each converter validates names, dtypes and shapes and raises
 
 from .awq import from_autoawq, to_autoawq
 from .bnb import from_bnb_state_dict, to_bnb_state_dict
-from .checkpoint import load_quantized, save_quantized
+from .checkpoint import inspect_checkpoint, load_quantized, save_quantized
 from .compressed_tensors import from_compressed_tensors, to_compressed_tensors
 from .convert import convert_checkpoint
 from .deepseek import deepseek_quantization_config, from_deepseek_fp8, to_deepseek_fp8
@@ -14,6 +14,6 @@ from .modelopt import from_modelopt_nvfp4, to_modelopt_nvfp4
 
 __all__ = [
     "convert_checkpoint", "deepseek_quantization_config", "from_autoawq", "from_bnb_state_dict", "from_compressed_tensors",
-    "from_deepseek_fp8", "from_gptq", "from_modelopt_nvfp4", "load_quantized", "save_quantized", "to_autoawq",
+    "from_deepseek_fp8", "from_gptq", "from_modelopt_nvfp4", "inspect_checkpoint", "load_quantized", "save_quantized", "to_autoawq",
     "to_bnb_state_dict", "to_compressed_tensors", "to_deepseek_fp8", "to_gptq", "to_modelopt_nvfp4",
 ]
