@@ -91,25 +91,12 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def calibrate_absmax(
-    model: nn.Module, layers: Mapping[str, nn.Module], calibration: Iterable[Any]
-) -> dict[str, torch.Tensor]:
-    """Run ``model`` on every calibration batch and return each layer's input absmax (fp32 scalar, finite values).
+def run_calibration(model: nn.Module, calibration: Iterable[Any]) -> int:
+    """Run ``model`` (in eval mode, no grad) on every batch; returns the number of batches.
 
     A batch that is a dict runs ``model(**batch)``, a tuple/list ``model(*batch)``, anything else ``model(batch)``;
-    tensors are moved to the model's device. Layers that never ran are missing from the result.
+    tensors are moved to the model's device.
     """
-    absmax: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def fn(module, args):
-            x = args[0]
-            a = finite_amax(x).float()
-            absmax[name] = a if name not in absmax else torch.maximum(absmax[name], a)
-
-        return fn
-
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
     device = _model_device(model)
     was_training = model.training
     model.eval()
@@ -125,11 +112,33 @@ def calibrate_absmax(
                 model(batch)
             n += 1
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
     if n == 0:
         raise ValueError("calibration is empty: pass an iterable of model inputs (dicts, tuples or tensors)")
+    return n
+
+
+@torch.no_grad()
+def calibrate_absmax(
+    model: nn.Module, layers: Mapping[str, nn.Module], calibration: Iterable[Any]
+) -> dict[str, torch.Tensor]:
+    """Run ``model`` on every calibration batch (see :func:`run_calibration`) and return each layer's input
+    absmax (fp32 scalar over the finite values). Layers that never ran are missing from the result."""
+    absmax: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def fn(module, args):
+            a = finite_amax(args[0]).float()
+            absmax[name] = a if name not in absmax else torch.maximum(absmax[name], a)
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
+    try:
+        run_calibration(model, calibration)
+    finally:
+        for h in handles:
+            h.remove()
     return absmax
 
 
@@ -144,6 +153,7 @@ def quantize_model(
     *,
     skip: str | Iterable[str] | None = DEFAULT_SKIP,
     calibration: Iterable[Any] | None = None,
+    awq: bool | None = None,
     backend: str | None = None,
 ) -> nn.Module:
     """Replace the model's ``nn.Linear`` layers by :class:`QuantLinear` in place and return the model.
@@ -157,7 +167,11 @@ def quantize_model(
             tensors -> ``model(t)``). For NVFP4 activations (``w4a4-nvfp4``) each layer's input absmax over
             all batches gives a static activation global scale ``2688 / absmax`` (seed 000;
             ``alpha = 1 / (gs_in * gs_w)`` follows in the GEMM). Without calibration activations are scaled
-            dynamically per tensor. Other schemes have no static activation scales and ignore it.
+            dynamically per tensor. For ``w4a16-int4`` the data drives the AWQ scale search (``awq``). Other
+            schemes have no static activation scales and ignore it.
+        awq: ``w4a16-int4`` only: search AWQ activation-aware scales on the calibration data and fold them into
+            the preceding norms/projections before rounding (:mod:`lowbit.nn.awq`; this modifies those float
+            weights of ``model``). None (default): on when calibration data is given; False: round-to-nearest.
         backend: lowbit backend for quantization and for the layers' forward.
 
     Fused projections (q/k/v, gate/up, BERT query/key/value under one parent) share one NVFP4 weight global
@@ -196,6 +210,13 @@ def quantize_model(
             stacklevel=2,
         )
 
+    if awq and (calibration is None or scheme.weight_format != "int4_awq"):
+        raise ValueError("awq=True needs scheme w4a16-int4 (int4_awq weights) and calibration data")
+    if calibration is not None and scheme.weight_format == "int4_awq" and awq is not False:
+        from .awq import apply_awq
+
+        apply_awq(model, targets, scheme.group_size, lambda: run_calibration(model, calibration))
+
     input_scales: dict[str, torch.Tensor] = {}
     if calibration is not None and scheme.static_act_scale:
         for name, a in calibrate_absmax(model, targets, calibration).items():
@@ -233,4 +254,5 @@ __all__ = [
     "is_skipped",
     "linear_layers",
     "quantize_model",
+    "run_calibration",
 ]
