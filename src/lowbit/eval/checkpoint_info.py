@@ -1,0 +1,390 @@
+"""What a checkpoint holds, from its safetensors headers and ``config.json`` only (``lowbit inspect``).
+
+No tensor is loaded: the header of each ``*.safetensors`` file (8-byte length + JSON) gives every tensor's
+dtype, shape and byte range, and a few tensors of at most a few hundred bytes whose values say a layer's
+shape (compressed-tensors ``weight_shape``, bitsandbytes' ``quant_state`` JSON) are read by offset. Truncated
+or corrupt files raise :class:`CheckpointError` (the CLI prints it and exits 2).
+
+Each module's tensors are classified by the names and dtypes the producers write (``docs/formats.md``):
+
+=====================  ======================================================================
+producer convention    module tensors
+=====================  ======================================================================
+compressed-tensors     ``weight_packed`` + ``weight_scale`` (+ ``weight_global_scale``, ``weight_shape``,
+                       ``weight_zero_point``), or fp8 ``weight`` + uint8 ``weight_scale`` (mxfp8)
+ModelOpt               uint8 ``weight`` + e4m3 ``weight_scale`` + ``weight_scale_2``
+bitsandbytes           uint8 ``weight`` + ``weight.absmax`` + ``weight.quant_map`` + ``weight.quant_state.*``
+AutoAWQ / GPTQ         ``qweight`` + ``qzeros`` + ``scales`` (+ ``g_idx`` for GPTQ)
+DeepSeek / HF FP8      e4m3 ``weight`` + fp32 ``weight_scale_inv``
+=====================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "U16": 2,
+    "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1, "F4": 0.5, "F6_E2M3": 0.75, "F6_E3M2": 0.75,
+}  # fmt: skip
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_MAX_HEADER = 100 * 1024 * 1024
+_LOCAL_HEADS = {
+    "weight", "qweight", "qzeros", "scales", "g_idx", "bias", "input_scale", "input_global_scale",
+    "weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale",
+    "weight_zero_point", "weight_shape", "weight_g_idx", "k_scale", "v_scale", "output_scale",
+    "input_zero_point", "weight_format", "SCB",
+}  # fmt: skip
+
+
+class CheckpointError(ValueError):
+    """A path that is not a readable safetensors checkpoint (missing, truncated, corrupt header)."""
+
+
+@dataclass
+class TensorInfo:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    data_start: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Tensor infos of one safetensors file, checked against the file size (a truncated file fails here)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, _MAX_HEADER):
+                raise CheckpointError(
+                    f"{path}: header length {n} exceeds the file ({size} bytes): not safetensors"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        assert isinstance(header, dict)
+    except (UnicodeDecodeError, ValueError, AssertionError):
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON (corrupt file?)") from None
+    data_start = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = (
+                info["dtype"],
+                tuple(int(s) for s in info["shape"]),
+                info["data_offsets"],
+            )
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: malformed header entry for {name!r}") from None
+        if data_start + end > size:
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, the file has {size}"
+            )
+        out[name] = TensorInfo(path, dtype, shape, int(start), int(end), data_start)
+    return out
+
+
+def read_small(t: TensorInfo, limit: int = 4096) -> bytes:
+    """The raw bytes of a tensor of at most ``limit`` bytes."""
+    if t.nbytes > limit:
+        raise CheckpointError(f"{t.file}: refusing to read a {t.nbytes}-byte tensor for metadata")
+    with open(t.file, "rb") as f:
+        f.seek(t.data_start + t.start)
+        return f.read(t.nbytes)
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    parts = key.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in _LOCAL_HEADS:
+            return ".".join(parts[:i]), ".".join(parts[i:])
+    return ".".join(parts[:-1]), parts[-1]
+
+
+@dataclass
+class Layer:
+    name: str
+    format: str
+    """``nvfp4``, ``mxfp4``, ``mxfp6``, ``mxfp8``, ``fp8_block``, ``nf4``, ``int4``, ``float`` (not quantized),
+    ``quantized?`` (unrecognized integer tensors) or ``other`` (norms, biases only)."""
+    convention: str
+    shape: tuple[int, ...] | None
+    params: int
+    nbytes: int
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+
+def _ints(raw: bytes, dtype: str) -> list[int]:
+    code = {"I64": "q", "I32": "i", "U8": "B", "I16": "h", "U32": "I", "U64": "Q"}.get(dtype)
+    if code is None:
+        return []
+    n = len(raw) // struct.calcsize(code)
+    return list(struct.unpack(f"<{n}{code}", raw[: n * struct.calcsize(code)]))
+
+
+def _classify(name: str, t: dict[str, TensorInfo], quant_method: str | None) -> Layer:
+    def dt(k):
+        return t[k].dtype if k in t else None
+
+    def sh(k):
+        return t[k].shape if k in t else None
+
+    nbytes = sum(v.nbytes for k, v in t.items() if k != "bias")
+    fmt, conv, shape = None, "", None
+    if "weight_packed" in t and "weight_scale" in t:
+        conv = "compressed-tensors"
+        rows, cols = sh("weight_packed")[0], sh("weight_packed")[-1]
+        if dt("weight_packed") == "I32":
+            fmt = "int4"
+            shape = (rows, cols * 8)
+            if "weight_shape" in t and t["weight_shape"].nbytes <= 64:
+                vals = _ints(read_small(t["weight_shape"]), dt("weight_shape"))
+                if len(vals) == 2:
+                    shape = tuple(vals)
+        elif dt("weight_scale") == "F8_E4M3" or "weight_global_scale" in t:
+            fmt, shape = "nvfp4", (rows, cols * 2)
+        else:
+            k = sh("weight_scale")[-1] * 32
+            if cols * 4 == k * 3:
+                fmt, shape = "mxfp6", (rows, k)
+            else:
+                fmt, shape = "mxfp4", (rows, cols * 2)
+    elif "weight_scale_inv" in t and dt("weight") in ("F8_E4M3", "F8_E5M2"):
+        fmt, conv, shape = "fp8_block", "DeepSeek/HF FP8", sh("weight")
+    elif "weight_scale_2" in t and dt("weight") == "U8":
+        rows, cols = sh("weight")
+        fmt, conv, shape = "nvfp4", "ModelOpt", (rows, cols * 2)
+    elif dt("weight") in ("F8_E4M3", "F8_E5M2") and dt("weight_scale") in ("U8", "F8_E8M0"):
+        fmt, conv, shape = "mxfp8", "compressed-tensors", sh("weight")
+    elif "weight.absmax" in t and dt("weight") == "U8":
+        qs = next((k for k in t if k.startswith("weight.quant_state.bitsandbytes__")), None)
+        fmt, conv = (qs.rsplit("__", 1)[1] if qs else "nf4"), "bitsandbytes"
+        shape = None
+        if qs is not None:
+            try:
+                meta = json.loads(read_small(t[qs]).decode("utf-8"))
+                shape = tuple(meta["shape"])
+            except (ValueError, KeyError, CheckpointError):
+                pass
+        if shape is None:
+            shape = (t["weight"].numel * 2,)
+    elif "qweight" in t and "qzeros" in t and "scales" in t:
+        q = sh("qweight")
+        gptq = quant_method == "gptq" or (quant_method != "awq" and "g_idx" in t)
+        if gptq:
+            fmt, conv, shape = "int4", "GPTQ", (q[1], q[0] * 8)
+        else:
+            fmt, conv, shape = "int4", "AutoAWQ", (q[1] * 8, q[0])
+    elif "weight" in t and dt("weight") in FLOAT_DTYPES and len(sh("weight")) >= 2:
+        fmt, conv, shape = "float", dt("weight").lower(), sh("weight")
+    elif any(k.startswith("weight") and v.dtype not in FLOAT_DTYPES for k, v in t.items()):
+        w = next(k for k, v in t.items() if k.startswith("weight") and v.dtype not in FLOAT_DTYPES)
+        fmt, conv, shape = "quantized?", "unrecognized", sh(w)
+    else:
+        fmt, conv = "other", ""
+    params = math.prod(shape) if shape and fmt not in ("other",) else sum(v.numel for v in t.values())
+    tensors = {k: (v.dtype, v.shape) for k, v in sorted(t.items())}
+    return Layer(name, fmt, conv, tuple(shape) if shape else None, params, nbytes, tensors)
+
+
+_PRODUCERS = {
+    "compressed-tensors": "compressed-tensors (llm-compressor)",
+    "modelopt": "NVIDIA ModelOpt",
+    "bitsandbytes": "bitsandbytes",
+    "awq": "AutoAWQ",
+    "gptq": "GPTQ",
+    "fp8": "DeepSeek / HF FP8 (weight_scale_inv)",
+}
+
+
+def _files(path: Path) -> tuple[list[Path], Path | None]:
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path}: not a .safetensors file (lowbit never unpickles .bin/.pt files)")
+        return [path], path.parent
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors file")
+    return files, path
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Summary of a checkpoint directory (or one ``.safetensors`` file) without loading its weights.
+
+    Returns a JSON-able dict: ``producer``, ``quantization_config``, ``files``, ``total_bytes``, ``params``,
+    ``formats`` (per format: layers, params, bytes, bits per weight, shapes), ``ratio_vs_bf16`` /
+    ``ratio_vs_fp32`` (the checkpoint against the same parameters stored in 16/32-bit floats),
+    ``quantized_ratio_vs_bf16`` (quantized layers only) and ``layers`` (one entry per module).
+    """
+    path = Path(path)
+    files, root = _files(path)
+    tensors: dict[str, TensorInfo] = {}
+    for f in files:
+        tensors.update(read_header(f))
+    config = {}
+    if root is not None and (root / "config.json").is_file():
+        try:
+            config = json.loads((root / "config.json").read_text())
+        except ValueError:
+            raise CheckpointError(f"{root / 'config.json'}: not valid JSON") from None
+    qcfg = config.get("quantization_config") or config.get("compression_config")
+    if qcfg is None and root is not None and (root / "hf_quant_config.json").is_file():
+        try:
+            qcfg = json.loads((root / "hf_quant_config.json").read_text())
+            qcfg = {"quant_method": "modelopt", **qcfg}
+        except ValueError:
+            qcfg = None
+    quant_method = (qcfg or {}).get("quant_method")
+
+    modules: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
+    for key, info in tensors.items():
+        mod, local = _split_key(key)
+        modules[mod][local] = info
+    layers = [_classify(name, t, quant_method) for name, t in modules.items()]
+
+    formats: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        if layer.format == "other":
+            continue
+        key = layer.format if layer.format != "float" else f"float ({layer.convention})"
+        f = formats.setdefault(
+            key, {"layers": 0, "params": 0, "bytes": 0, "shapes": Counter(), "conventions": set()}
+        )
+        f["layers"] += 1
+        f["params"] += layer.params
+        f["bytes"] += layer.nbytes
+        f["shapes"][str(list(layer.shape)) if layer.shape else "?"] += 1
+        if layer.convention and layer.format != "float":
+            f["conventions"].add(layer.convention)
+    for f in formats.values():
+        f["bits_per_weight"] = 8 * f["bytes"] / f["params"] if f["params"] else None
+        f["shapes"] = dict(f["shapes"])
+        f["conventions"] = sorted(f["conventions"])
+
+    total_bytes = sum(t.nbytes for t in tensors.values())
+    params = sum(layer.params for layer in layers)
+    q_layers = [x for x in layers if x.format not in ("float", "other")]
+    q_params = sum(x.params for x in q_layers)
+    q_bytes = sum(x.nbytes for x in q_layers)
+    conventions = sorted({x.convention for x in q_layers})
+    if quant_method in _PRODUCERS:
+        producer = _PRODUCERS[quant_method]
+        if quant_method == "compressed-tensors" and qcfg.get("format"):
+            producer += f", format {qcfg['format']}"
+        if quant_method == "fp8" and qcfg.get("weight_block_size"):
+            producer += f", weight_block_size {qcfg['weight_block_size']}"
+        if quant_method == "bitsandbytes" and qcfg.get("bnb_4bit_quant_type"):
+            producer += f", {qcfg['bnb_4bit_quant_type']}"
+    elif quant_method:
+        producer = str(quant_method)
+    elif conventions:
+        producer = " + ".join(conventions) + " (from tensor names; no quantization_config)"
+    else:
+        producer = "none (not quantized)"
+    return {
+        "path": str(path),
+        "files": [str(f) for f in files],
+        "producer": producer,
+        "quant_method": quant_method,
+        "quantization_config": qcfg,
+        "architecture": (config.get("architectures") or [None])[0],
+        "tensors": len(tensors),
+        "total_bytes": total_bytes,
+        "params": params,
+        "quantized_layers": len(q_layers),
+        "quantized_params": q_params,
+        "quantized_bytes": q_bytes,
+        "quantized_bits_per_weight": 8 * q_bytes / q_params if q_params else None,
+        "quantized_ratio_vs_bf16": 2 * q_params / q_bytes if q_bytes else None,
+        "ratio_vs_bf16": 2 * params / total_bytes if total_bytes else None,
+        "ratio_vs_fp32": 4 * params / total_bytes if total_bytes else None,
+        "formats": formats,
+        "layers": [
+            {
+                "name": x.name,
+                "format": x.format,
+                "convention": x.convention,
+                "shape": list(x.shape) if x.shape else None,
+                "params": x.params,
+                "bytes": x.nbytes,
+                "tensors": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in x.tensors.items()},
+            }
+            for x in layers
+            if x.format != "other"
+        ],
+    }
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def format_inspect(info: dict[str, Any], *, layers: bool = False) -> str:
+    """The text ``lowbit inspect`` prints."""
+    lines = [
+        (
+            f"path       {info['path']}  ({len(info['files'])} file{'s' * (len(info['files']) != 1)}, "
+            f"{info['tensors']} tensors)"
+        ),
+        f"producer   {info['producer']}",
+    ]
+    if info["architecture"]:
+        lines.append(f"model      {info['architecture']}")
+    lines.append(
+        f"size       {_mb(info['total_bytes'])} for {info['params'] / 1e6:.2f} M parameters: "
+        f"{info['ratio_vs_fp32']:.2f}x smaller than fp32, {info['ratio_vs_bf16']:.2f}x than bf16"
+    )
+    if info["quantized_layers"]:
+        lines.append(
+            f"quantized  {info['quantized_layers']} layers, {info['quantized_params'] / 1e6:.2f} M weights in "
+            f"{_mb(info['quantized_bytes'])} = {info['quantized_bits_per_weight']:.2f} bits/weight "
+            f"({info['quantized_ratio_vs_bf16']:.2f}x vs bf16)"
+        )
+    lines.append("")
+    lines.append(
+        f"{'format':18} {'layers':>6} {'params':>10} {'bytes':>12} {'bits/w':>7}  convention / shapes"
+    )
+    for fmt, f in sorted(info["formats"].items(), key=lambda kv: -kv[1]["bytes"]):
+        bpw = f"{f['bits_per_weight']:.2f}" if f["bits_per_weight"] else "-"
+        shapes = ", ".join(f"{s} x{n}" for s, n in f["shapes"].items())
+        conv = "; ".join(f["conventions"])
+        lines.append(
+            f"{fmt:18} {f['layers']:>6} {f['params']:>10} {f['bytes']:>12} {bpw:>7}  "
+            + (f"{conv}: " if conv else "")
+            + shapes
+        )
+    if layers:
+        lines.append("")
+        lines.append(f"{'layer':48} {'format':10} {'shape':>14} {'bytes':>10}  tensors")
+        for x in info["layers"]:
+            ts = ", ".join(f"{k} {v['dtype']}{v['shape']}" for k, v in x["tensors"].items())
+            lines.append(f"{x['name']:48} {x['format']:10} {x['shape']!s:>14} {x['bytes']:>10}  {ts}")
+    return "\n".join(lines)

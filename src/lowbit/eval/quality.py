@@ -1,0 +1,274 @@
+"""``lowbit quantize``: convert a model with each scheme, then measure what quality each one lost.
+
+For every scheme: the source directory is converted tensor by tensor (:func:`lowbit.convert_checkpoint`; with
+``calib > 0`` and a scheme that has static activation scales, :func:`lowbit.quantize_model` with calibration
+batches + :func:`lowbit.save_quantized`), the written checkpoint is loaded back with
+:func:`lowbit.load_quantized` (so the report measures the files, not an in-memory model), and its sentence
+embeddings and per-layer outputs are compared with the fp32 original on the built-in sentences
+(:mod:`lowbit.eval.metrics`). The report goes to ``out_dir/report.{txt,json,png}``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint_info import inspect_checkpoint
+from .data import load_sentences
+from .encoder import BUNDLED_NAME, ModelDirError, SentenceEncoder, bundled_model_dir, check_model_dir
+from .metrics import LayerErrors, cosine_stats, retrieval_agreement, topic_accuracy
+from .report import format_table, plot_png, write_json
+
+ISOLATED_BATCHES: int | None = None
+"""Batches (of the length-sorted sentences) on which each quantized layer is also run on the fp32 layer's
+input (None: all)."""
+
+
+def resolve_schemes(spec: str | Sequence[str]) -> list[str]:
+    """``"all"``, one name, a comma-separated list or a sequence -> scheme names; ValueError naming the
+    unknown ones and the known schemes."""
+    from ..nn import SCHEMES
+
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = [n.strip() for n in names if n.strip()]
+    if not names:
+        raise ValueError(f"no scheme given; known schemes: all, {', '.join(SCHEMES)}")
+    if names == ["all"]:
+        return list(SCHEMES)
+    unknown = [n for n in names if n not in SCHEMES]
+    if unknown:
+        raise ValueError(
+            f"unknown scheme {', '.join(map(repr, unknown))}; known schemes: all, {', '.join(SCHEMES)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def default_out_dir(model_name: str) -> Path:
+    return Path("lowbit-out") / model_name
+
+
+def _prepare_ckpt_dir(path: Path) -> bool:
+    """True if ``path`` may be (over)written: absent, or a previous output (a config.json with a
+    quantization_config). Anything else is an error, so a typo in ``--out`` never deletes user files."""
+    if not path.exists():
+        return False
+    cfg = path / "config.json"
+    try:
+        if path.is_dir() and "quantization_config" in json.loads(cfg.read_text()):
+            return True
+    except (OSError, ValueError):
+        pass
+    raise ModelDirError(f"{path} exists and is not a lowbit checkpoint; choose another --out directory")
+
+
+def _device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        raise ModelDirError(f"bad --device {device!r}: {e}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ModelDirError(
+            f"--device {device}: CUDA is not available here (torch.cuda.is_available() is False)"
+        )
+    return d
+
+
+def _git_sha() -> str:
+    try:
+        from ..bench.envinfo import git_sha
+
+        return git_sha()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def evaluate(
+    ref: torch.nn.Module,
+    quant: torch.nn.Module,
+    encoder: SentenceEncoder,
+    batches: list,
+    topics: Sequence[str],
+    *,
+    device: torch.device,
+    isolated_batches: int | None = ISOLATED_BATCHES,
+) -> dict[str, Any]:
+    """Metrics of ``quant`` against ``ref`` on the tokenized ``batches`` (see :mod:`lowbit.eval.metrics`)."""
+    errors = LayerErrors(ref, quant)
+    if not errors.names:
+        raise ValueError("the quantized model has no quantized Linear layer matching the fp32 model's")
+    n = sum(len(idx) for idx, _ in batches)
+    r_emb = torch.empty(n, 0)
+    q_emb = torch.empty(n, 0)
+    for b, (idx, enc) in enumerate(batches):
+        enc = encoder.to_device(enc, device)
+        r_out, q_out = errors.run(ref, quant, enc, isolated=isolated_batches is None or b < isolated_batches)
+        r = encoder.pool(r_out, enc["attention_mask"]).float().cpu()
+        q = encoder.pool(q_out, enc["attention_mask"]).float().cpu()
+        if r_emb.shape[1] == 0:
+            r_emb, q_emb = torch.empty(n, r.shape[1]), torch.empty(n, q.shape[1])
+        r_emb[idx], q_emb[idx] = r, q
+    if not torch.isfinite(q_emb).all():
+        raise ValueError("the quantized model produced non-finite embeddings")
+    return {
+        "cosine": cosine_stats(r_emb, q_emb),
+        "retrieval": retrieval_agreement(r_emb, q_emb, k=5),
+        "topic_top1": topic_accuracy(q_emb, topics),
+        "layers": errors.results(),
+    }
+
+
+def run(
+    model_dir: str | Path | None = None,
+    schemes: str | Sequence[str] = "all",
+    out_dir: str | Path | None = None,
+    *,
+    calib: int = 0,
+    device: str | None = None,
+    log: Callable[[str], None] | None = print,
+    convert_progress: bool = False,
+    plot: bool = True,
+) -> dict[str, Any]:
+    """Convert ``model_dir`` (None: the bundled all-MiniLM-L6-v2) with each scheme into ``out_dir/<scheme>``,
+    evaluate each checkpoint against the fp32 model, write ``out_dir/report.{txt,json,png}`` and return the
+    report dict (``report["schemes"][i]["status"]`` is ``"ok"`` or ``"error"`` with ``"error"``).
+
+    Raises:
+        ModelDirError: missing/unusable model directory, bad device, or an output path that is not ours.
+        ValueError: unknown scheme, bad ``calib``.
+    """
+    from .. import convert_checkpoint, load_quantized, quantize_model, save_quantized
+    from ..nn import get_scheme
+
+    say = log or (lambda s: None)
+    names = resolve_schemes(schemes)
+    evalset = load_sentences()
+    calib_sentences = evalset.calibration_sentences(calib)
+    if model_dir is None:
+        src = bundled_model_dir()
+        model_name = BUNDLED_NAME
+    else:
+        src = check_model_dir(model_dir)
+        model_name = src.resolve().name
+    out = Path(out_dir) if out_dir is not None else default_out_dir(model_name)
+    ckpts = {s: out / s for s in names}
+    overwrite = {s: _prepare_ckpt_dir(p) for s, p in ckpts.items()}
+    dev = _device(device)
+
+    t0 = time.perf_counter()
+    encoder = SentenceEncoder(src)
+    batches = encoder.batches(evalset.sentences)
+    topics = [evalset.topics[i] for i in range(len(evalset.sentences))]
+    calib_batches = [enc for _, enc in encoder.batches(calib_sentences)] if calib_sentences else None
+    ref = encoder.load_fp32(dev)
+    ref_emb = encoder.embed(ref, batches, dev)
+    n_tokens = int(sum(enc["attention_mask"].sum().item() for _, enc in batches))
+    src_info = inspect_checkpoint(src)
+    say(
+        f"lowbit quantize: {model_name} ({src}), {len(evalset.sentences)} sentences / {n_tokens} tokens, "
+        f"{len(names)} scheme(s), device {dev}, output {out}"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "model": model_name,
+        "model_dir": str(src),
+        "out_dir": str(out),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "lowbit": _lowbit_version(),
+        "git": _git_sha(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(dev),
+        "n_sentences": len(evalset.sentences),
+        "n_tokens": n_tokens,
+        "calibration_sentences": len(calib_sentences),
+        "isolated_sqnr_batches": ISOLATED_BATCHES if ISOLATED_BATCHES is not None else len(batches),
+        "fp32": {
+            "bytes": src_info["total_bytes"],
+            "topic_top1": topic_accuracy(ref_emb, topics),
+        },
+        "schemes": [],
+    }
+
+    for i, name in enumerate(names, 1):
+        scheme = get_scheme(name)
+        entry: dict[str, Any] = {
+            "scheme": name,
+            "description": scheme.description,
+            "checkpoint": str(ckpts[name]),
+        }
+        t = time.perf_counter()
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if calib_batches and scheme.static_act_scale:
+                    model = encoder.load_fp32(dev)
+                    quantize_model(model, scheme, calibration=calib_batches)
+                    save_quantized(model, ckpts[name], source_dir=src, overwrite=overwrite[name])
+                    del model
+                    entry["calibrated"] = True
+                else:
+                    convert_checkpoint(
+                        src,
+                        ckpts[name],
+                        scheme,
+                        device=dev,
+                        progress=convert_progress,
+                        overwrite=overwrite[name],
+                    )
+                    entry["calibrated"] = False
+                t_convert = time.perf_counter() - t
+                t = time.perf_counter()
+                quant = load_quantized(ckpts[name], device=dev)
+                metrics = evaluate(ref, quant, encoder, batches, topics, device=dev)
+                del quant
+            entry["warnings"] = sorted({str(w.message) for w in caught if "lowbit" in str(w.message)})
+            info = inspect_checkpoint(ckpts[name])
+            entry.update(
+                status="ok",
+                producer=info["producer"],
+                bytes=info["total_bytes"],
+                quantized_layers=info["quantized_layers"],
+                bits_per_weight=info["quantized_bits_per_weight"],
+                ratio_vs_fp32=src_info["total_bytes"] / info["total_bytes"],
+                **metrics,
+                time_s={"convert": t_convert, "eval": time.perf_counter() - t},
+            )
+            net = [x["sqnr_db"] for x in metrics["layers"]]
+            say(
+                f"[{i}/{len(names)}] {name:15} cos {metrics['cosine']['mean']:.4f} (min {metrics['cosine']['min']:.4f})"
+                f"  NN@1 {metrics['retrieval']['top1']:.3f}  layer SQNR min {min(net):.1f} dB  "
+                f"({t_convert:.1f} s convert, {entry['time_s']['eval']:.1f} s eval)"
+            )
+        except Exception as e:  # noqa: BLE001 - one failing scheme must not hide the others
+            entry.update(status="error", error=f"{type(e).__name__}: {e}")
+            say(f"[{i}/{len(names)}] {name:15} FAILED: {entry['error']}")
+        report["schemes"].append(entry)
+
+    report["total_time_s"] = time.perf_counter() - t0
+    files = {"txt": out / "report.txt", "json": out / "report.json", "png": out / "report.png"}
+    report["files"] = {k: str(v) for k, v in files.items()}
+    table = format_table(report)
+    report["table"] = table
+    why_no_png = plot_png(report, files["png"]) if plot else "disabled"
+    if why_no_png is not None:
+        report["files"]["png"] = None
+        report["png_skipped"] = why_no_png
+    files["txt"].write_text(table + "\n")
+    write_json(report, files["json"])
+    return report
+
+
+def _lowbit_version() -> str:
+    from .. import __version__
+
+    return __version__
