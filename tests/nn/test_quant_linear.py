@@ -286,3 +286,15 @@ def test_custom_scheme_object():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m(torch.randn(2, 64))
+
+
+@pytest.mark.parametrize(
+    "scheme", [*SCHEMES, Scheme("nf4-dq", "nf4", {"blocksize": 64, "double_quant": True})]
+)
+def test_load_state_dict_into_an_empty_layer(scheme):
+    lin = nn.Linear(256, 128)
+    q = QuantLinear.from_linear(lin, scheme)
+    empty = QuantLinear(256, 128, True, scheme=scheme)
+    empty.load_state_dict(q.state_dict())
+    x = torch.randn(2, 256)
+    assert torch.equal(empty(x), q(x))

@@ -142,7 +142,7 @@ class QuantLinear(nn.Module):
                 f"{type(self).__name__} has no weight yet (load a state dict or call set_weight)"
             )
         tensors = {f: getattr(self, f"weight_{f}") for f in QTENSOR_FIELDS}
-        meta = self._meta or {"dtype": torch.bfloat16, "scale_layout": "linear", "params": {}}
+        meta = self._meta or self._default_meta()
         return QTensor(
             fmt=self.scheme.weight_format,
             shape=torch.Size((self.out_features, self.in_features)),
@@ -150,6 +150,36 @@ class QuantLinear(nn.Module):
             scale_layout=meta["scale_layout"],
             params=dict(meta["params"]),
             **tensors,
+        )
+
+    def _default_meta(self) -> dict[str, Any]:
+        """Metadata for buffers that came from ``load_state_dict`` (not stored there): the scheme's options, with
+        what the tensors themselves say (nf4 double quantization, int4 group size, layout)."""
+        params = dict(self.scheme.weight_options)
+        fmt = self.scheme.weight_format
+        if fmt == "nf4":
+            params["double_quant"] = self.weight_nested_scale is not None
+            params["blocksize"] = params.get("blocksize", 64)
+        elif fmt == "int4_awq" and self.weight_scale is not None:
+            params = {"group_size": self.in_features // self.weight_scale.shape[0]}
+        elif fmt == "fp8_block":
+            params = {"block": tuple(params.get("block", (128, 128))), "scale_fmt": params.get("scale_fmt")}
+        linear_scale = self.weight_scale is not None and self.weight_scale.shape[0] == self.out_features
+        layout = (
+            "linear" if fmt in ("nf4", "int4_awq", "fp8_block", "fp4_b32") or linear_scale else "swizzled"
+        )
+        return {"dtype": torch.bfloat16, "scale_layout": layout, "params": params}
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # buffers that are None here (a layer built without a weight) take the tensors of the state dict
+        for name in (*BUFFER_NAMES, "input_global_scale", "bias"):
+            key = prefix + name
+            if self._buffers.get(name) is None and key in state_dict:
+                self._buffers[name] = state_dict[key].detach().clone()
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
