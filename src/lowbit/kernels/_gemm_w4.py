@@ -359,7 +359,23 @@ def _tile_product(x_desc, m0, x_rows, offs_k, w_ptr, w_rows, s_ptr, z_ptr, neste
     sa, sb = _load_scales(s_ptr, z_ptr, nested_ptr, offs_n, k0, K, stride_sn, s_cols4, FMT, BLOCK_K, GROUP,
                           SCALE_SWIZZLED, SCALE_WORDS, DOUBLE_QUANT, NF4_MODE, EVEN_K)
     w = _decode_tile(b, sa, sb, offset_ptr, lut_ptr, dmap_ptr, FMT, GROUP, DOUBLE_QUANT, NF4_MODE, DT, ON_GPU)
-    return tl.dot(w, tl.trans(x), acc)
+    return _settled(tl.dot(w, tl.trans(x), acc), ON_GPU)
+
+
+@triton.jit
+def _settled(acc, ON_GPU: tl.constexpr):
+    """``acc``, once every wgmma that produced it has completed.
+
+    Triton 3.6 pipelines a wgmma whose A operand is in registers so that the next tile's decode may overwrite
+    the A registers of the previous tile's wgmmas before they have all run (its ``wgmma.wait_group`` only
+    covers the first of them; triton-lang/triton#9433, fixed after 3.6 by #9514). On the H100 that gave wrong
+    results in some tile shapes (rel. error up to 0.2, varying with num_stages and the epilogue). Reading the
+    accumulator here makes Triton wait for all of this tile's wgmmas before the next decode starts; the
+    decode no longer overlaps the tensor cores of its own warpgroup (other programs on the SM still do)."""
+    if ON_GPU:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
+                                         pack=1)
+    return acc
 
 
 @triton.jit
