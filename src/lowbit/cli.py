@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="calibrate static activation scales (w4a4-nvfp4) on N built-in sentences (0-64; default 0: dynamic)",
+        help="calibrate on N built-in sentences (0-64, default 0): static activation scales for w4a4-nvfp4, "
+        "AWQ scales for w4a16-int4",
     )
     q.add_argument(
         "--device", default=None, help="where to quantize and evaluate (default: cuda if available, else cpu)"
@@ -120,6 +121,17 @@ def _schemes_help() -> str:
     return "\n".join(f"{name:16} {s.description}" for name, s in SCHEMES.items())
 
 
+def _quiet_third_party_logs() -> None:
+    """transformers imports torchao's quantizer when torchao is installed; torchao then logs warnings about
+    its CUDA-only extensions and torch's pytree about enum registration. They say nothing about this run."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.ERROR)
+
+
 def _fail(command: str, message: str) -> int:
     print(f"lowbit {command}: {message}", file=sys.stderr)
     return 2
@@ -131,6 +143,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.scheme in ("list", "help"):
         print(_schemes_help())
         return 0
+    _quiet_third_party_logs()
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     try:
         report = lbeval.run(

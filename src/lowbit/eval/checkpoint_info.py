@@ -16,6 +16,7 @@ ModelOpt               uint8 ``weight`` + e4m3 ``weight_scale`` + ``weight_scale
 bitsandbytes           uint8 ``weight`` + ``weight.absmax`` + ``weight.quant_map`` + ``weight.quant_state.*``
 AutoAWQ / GPTQ         ``qweight`` + ``qzeros`` + ``scales`` (+ ``g_idx`` for GPTQ)
 DeepSeek / HF FP8      e4m3 ``weight`` + fp32 ``weight_scale_inv``
+lowbit-native          ``weight_data`` + ``weight_scale`` (+ ...), formats in ``quantization_config.modules``
 =====================  ======================================================================
 """
 
@@ -41,7 +42,8 @@ _LOCAL_HEADS = {
     "weight", "qweight", "qzeros", "scales", "g_idx", "bias", "input_scale", "input_global_scale",
     "weight_packed", "weight_scale", "weight_scale_inv", "weight_scale_2", "weight_global_scale",
     "weight_zero_point", "weight_shape", "weight_g_idx", "k_scale", "v_scale", "output_scale",
-    "input_zero_point", "weight_format", "SCB",
+    "input_zero_point", "weight_format", "SCB", "weight_data", "weight_zeros", "weight_nested_scale",
+    "weight_nested_offset",
 }  # fmt: skip
 
 
@@ -131,13 +133,15 @@ def _split_key(key: str) -> tuple[str, str]:
 class Layer:
     name: str
     format: str
-    """``nvfp4``, ``mxfp4``, ``mxfp6``, ``mxfp8``, ``fp8_block``, ``nf4``, ``int4``, ``float`` (not quantized),
-    ``quantized?`` (unrecognized integer tensors) or ``other`` (norms, biases only)."""
+    """A lowbit format name (``nvfp4``, ``mxfp4``, ``mxfp6_e2m3``, ``mxfp8_e4m3``, ``fp8_block``, ``nf4``,
+    ``int4_awq`` for every zero-point INT4 layout, ``fp4_b32``), ``float`` (not quantized), ``quantized?``
+    (unrecognized integer tensors) or ``other`` (norms, biases only)."""
     convention: str
     shape: tuple[int, ...] | None
     params: int
     nbytes: int
     tensors: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    bias_params: int = 0
 
 
 def _ints(raw: bytes, dtype: str) -> list[int]:
@@ -148,7 +152,22 @@ def _ints(raw: bytes, dtype: str) -> list[int]:
     return list(struct.unpack(f"<{n}{code}", raw[: n * struct.calcsize(code)]))
 
 
-def _classify(name: str, t: dict[str, TensorInfo], quant_method: str | None) -> Layer:
+def _lowbit_native(name: str, qcfg: dict | None) -> tuple[str, tuple[int, ...] | None]:
+    """(weight format, shape) of a lowbit-native module from ``quantization_config.modules``."""
+    meta = ((qcfg or {}).get("modules") or {}).get(name) or {}
+    shape = meta.get("shape")
+    shape = tuple(shape) if isinstance(shape, list) and all(isinstance(d, int) for d in shape) else None
+    try:
+        from ..nn import SCHEMES
+
+        return SCHEMES[meta["scheme"]].weight_format, shape
+    except (KeyError, TypeError):
+        return "quantized?", shape
+
+
+def _classify(
+    name: str, t: dict[str, TensorInfo], quant_method: str | None, qcfg: dict | None = None
+) -> Layer:
     def dt(k):
         return t[k].dtype if k in t else None
 
@@ -157,11 +176,14 @@ def _classify(name: str, t: dict[str, TensorInfo], quant_method: str | None) -> 
 
     nbytes = sum(v.nbytes for k, v in t.items() if k != "bias")
     fmt, conv, shape = None, "", None
-    if "weight_packed" in t and "weight_scale" in t:
+    if "weight_data" in t and "weight_scale" in t:
+        fmt, shape = _lowbit_native(name, qcfg)
+        conv = "lowbit-native"
+    elif "weight_packed" in t and "weight_scale" in t:
         conv = "compressed-tensors"
         rows, cols = sh("weight_packed")[0], sh("weight_packed")[-1]
         if dt("weight_packed") == "I32":
-            fmt = "int4"
+            fmt = "int4_awq"
             shape = (rows, cols * 8)
             if "weight_shape" in t and t["weight_shape"].nbytes <= 64:
                 vals = _ints(read_small(t["weight_shape"]), dt("weight_shape"))
@@ -172,7 +194,7 @@ def _classify(name: str, t: dict[str, TensorInfo], quant_method: str | None) -> 
         else:
             k = sh("weight_scale")[-1] * 32
             if cols * 4 == k * 3:
-                fmt, shape = "mxfp6", (rows, k)
+                fmt, shape = "mxfp6_e2m3", (rows, k)
             else:
                 fmt, shape = "mxfp4", (rows, cols * 2)
     elif "weight_scale_inv" in t and dt("weight") in ("F8_E4M3", "F8_E5M2"):
@@ -181,7 +203,7 @@ def _classify(name: str, t: dict[str, TensorInfo], quant_method: str | None) -> 
         rows, cols = sh("weight")
         fmt, conv, shape = "nvfp4", "ModelOpt", (rows, cols * 2)
     elif dt("weight") in ("F8_E4M3", "F8_E5M2") and dt("weight_scale") in ("U8", "F8_E8M0"):
-        fmt, conv, shape = "mxfp8", "compressed-tensors", sh("weight")
+        fmt, conv, shape = "mxfp8_e4m3", "compressed-tensors", sh("weight")
     elif "weight.absmax" in t and dt("weight") == "U8":
         qs = next((k for k in t if k.startswith("weight.quant_state.bitsandbytes__")), None)
         fmt, conv = (qs.rsplit("__", 1)[1] if qs else "nf4"), "bitsandbytes"
@@ -198,9 +220,9 @@ def _classify(name: str, t: dict[str, TensorInfo], quant_method: str | None) -> 
         q = sh("qweight")
         gptq = quant_method == "gptq" or (quant_method != "awq" and "g_idx" in t)
         if gptq:
-            fmt, conv, shape = "int4", "GPTQ", (q[1], q[0] * 8)
+            fmt, conv, shape = "int4_awq", "GPTQ", (q[1], q[0] * 8)
         else:
-            fmt, conv, shape = "int4", "AutoAWQ", (q[1] * 8, q[0])
+            fmt, conv, shape = "int4_awq", "AutoAWQ", (q[1] * 8, q[0])
     elif "weight" in t and dt("weight") in FLOAT_DTYPES and len(sh("weight")) >= 2:
         fmt, conv, shape = "float", dt("weight").lower(), sh("weight")
     elif any(k.startswith("weight") and v.dtype not in FLOAT_DTYPES for k, v in t.items()):
@@ -210,7 +232,8 @@ def _classify(name: str, t: dict[str, TensorInfo], quant_method: str | None) -> 
         fmt, conv = "other", ""
     params = math.prod(shape) if shape and fmt not in ("other",) else sum(v.numel for v in t.values())
     tensors = {k: (v.dtype, v.shape) for k, v in sorted(t.items())}
-    return Layer(name, fmt, conv, tuple(shape) if shape else None, params, nbytes, tensors)
+    bias = t["bias"].numel if "bias" in t and fmt != "other" else 0
+    return Layer(name, fmt, conv, tuple(shape) if shape else None, params, nbytes, tensors, bias)
 
 
 _PRODUCERS = {
@@ -220,6 +243,7 @@ _PRODUCERS = {
     "awq": "AutoAWQ",
     "gptq": "GPTQ",
     "fp8": "DeepSeek / HF FP8 (weight_scale_inv)",
+    "lowbit": "lowbit (native layout)",
 }
 
 
@@ -268,7 +292,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     for key, info in tensors.items():
         mod, local = _split_key(key)
         modules[mod][local] = info
-    layers = [_classify(name, t, quant_method) for name, t in modules.items()]
+    layers = [_classify(name, t, quant_method, qcfg) for name, t in modules.items()]
 
     formats: dict[str, dict[str, Any]] = {}
     for layer in layers:
@@ -290,7 +314,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         f["conventions"] = sorted(f["conventions"])
 
     total_bytes = sum(t.nbytes for t in tensors.values())
-    params = sum(layer.params for layer in layers)
+    params = sum(layer.params + layer.bias_params for layer in layers)
     q_layers = [x for x in layers if x.format not in ("float", "other")]
     q_params = sum(x.params for x in q_layers)
     q_bytes = sum(x.nbytes for x in q_layers)
@@ -303,6 +327,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             producer += f", weight_block_size {qcfg['weight_block_size']}"
         if quant_method == "bitsandbytes" and qcfg.get("bnb_4bit_quant_type"):
             producer += f", {qcfg['bnb_4bit_quant_type']}"
+        if quant_method == "awq" and qcfg.get("version"):
+            producer += f", version {qcfg['version']}"
+        if quant_method == "modelopt" and qcfg.get("quant_algo"):
+            producer += f", {qcfg['quant_algo']}"
+        if quant_method == "lowbit" and qcfg.get("schemes"):
+            producer += f", schemes {', '.join(qcfg['schemes'])}"
     elif quant_method:
         producer = str(quant_method)
     elif conventions:
