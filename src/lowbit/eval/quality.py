@@ -205,6 +205,8 @@ def run(
         entry: dict[str, Any] = {
             "scheme": name,
             "description": scheme.description,
+            "weight_format": scheme.weight_format,
+            "act_format": scheme.act_format,
             "checkpoint": str(ckpts[name]),
         }
         t = time.perf_counter()

@@ -109,6 +109,8 @@ def format_table(report: dict) -> str:
         "has the same topic label. SQNR: per quantized Linear output vs fp32 in the quantized network (min and",
         "median over layers); isolated: min over layers fed the fp32 input (the layer's own error).",
     ]
+    if report.get("total_time_s") is not None:
+        lines.append(f"time s: convert + load + evaluate; whole run {report['total_time_s']:.0f} s.")
     return "\n".join(lines)
 
 
@@ -135,8 +137,13 @@ def plot_png(report: dict, path: str | os.PathLike) -> str | None:
                 by_name[n][key] if n in by_name and by_name[n][key] is not None else math.nan for n in names
             ]
             ys = [y if math.isfinite(y) else math.nan for y in ys]
-            ax.plot(range(len(names)), ys, marker="o", ms=3, lw=1.2, color=cmap(i % 10), label=r["scheme"])
-    axes[0].set_title(f"{report['model']}: per-layer output SQNR vs fp32 (in the quantized network)")
+            style = "--" if r.get("act_format") else "-"  # dashed: activations quantized too
+            ax.plot(
+                range(len(names)), ys, style, marker="o", ms=3, lw=1.2, color=cmap(i % 10), label=r["scheme"]
+            )
+    axes[0].set_title(
+        f"{report['model']}: per-layer output SQNR vs fp32 in the quantized network (dashed: activations quantized)"
+    )
     axes[1].set_title("isolated: each quantized layer fed the fp32 layer's input")
     for ax in axes:
         ax.set_ylabel("SQNR (dB), higher is better")
