@@ -32,7 +32,7 @@ _DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
 }
 # launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)
 # covering every code path it can launch, which CI compiles for sm_90
-KERNEL_MODULES = ("blockscaled", "fp8_block", "nf4", "int4_awq", "gemv_w4", "gemm_w4")
+KERNEL_MODULES = ("blockscaled", "fp8_block", "nf4", "int4_awq", "gemv_w4", "gemm_w4", "scaled_mm")
 
 
 @functools.cache

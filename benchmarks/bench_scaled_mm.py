@@ -1,0 +1,118 @@
+"""lowbit.scaled_mm (two quantized operands) vs cuBLAS bf16 and torch._scaled_mm per-tensor FP8; JSON to $OUT.
+
+    PYTHONPATH=src python benchmarks/bench_scaled_mm.py                 # DeepSeek-V3 shapes at M=4096, 8192^3, decode M
+    PYTHONPATH=src python benchmarks/bench_scaled_mm.py --pairs fp8_block --ms 4096
+
+Times are ``triton.testing.do_bench`` medians (L2 flushed before each call). Every case is checked against
+``lowbit.ops.scaled_mm_reference`` first (relative Frobenius error in the JSON). "gemm" times take both operands
+already quantized; "fused" times include quantizing the bf16 activation (``scaled_linear``).
+Ratios: cuBLAS bf16 time / lowbit time, and torch._scaled_mm (FP8 e4m3, per-tensor scales) time / lowbit time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import lowbit
+from lowbit.ops import scaled_linear, scaled_mm_reference
+
+SHAPES = [(7168, 2048), (24576, 1536), (2112, 7168), (7168, 16384), (4096, 7168), (8192, 8192)]  # (N, K)
+# pair -> (activation format, options), (weight format, options)
+PAIRS = {
+    "fp8_block": (("fp8_block", {}), ("fp8_block", {"block": (128, 128)})),
+    "nvfp4": (("nvfp4", {}), ("nvfp4", {})),
+    "mxfp4": (("mxfp4", {}), ("mxfp4", {})),
+    "mxfp8": (("mxfp8_e4m3", {}), ("mxfp8_e4m3", {})),
+    "mxfp6_mxfp8": (("mxfp8_e4m3", {}), ("mxfp6_e3m2", {})),
+    "w4a8_mxfp4": (("fp8_rowwise", {}), ("mxfp4", {})),
+}
+
+
+def _bench(fn, rep: int) -> float:
+    return do_bench(fn, rep=rep, return_mode="median")
+
+
+def _rel(y, ref) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", default=",".join(PAIRS))
+    ap.add_argument("--ms", default="4096,16")
+    ap.add_argument("--shapes", default=None, help="NxK list")
+    ap.add_argument("--rep", type=int, default=40)
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
+    args = ap.parse_args()
+    shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+            "git": os.environ.get("GIT_SHA", "unknown"), "host": platform.node(),
+            "date": time.strftime("%Y-%m-%d")}
+    print(meta, flush=True)
+    rows = []
+    dev = "cuda"
+    for n, k in shapes:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05
+        w8 = w.to(torch.float8_e4m3fn)
+        quantized = {}
+        for pair in args.pairs.split(","):
+            (_, _), (wf, wo) = PAIRS[pair]
+            quantized[pair] = lowbit.quantize(w, wf, **wo)
+        for m in ms + ([8192] if (n, k) == (8192, 8192) and 4096 in ms else []):
+            if (n, k) == (8192, 8192) and m == 4096:
+                continue
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            t_bf16 = _bench(lambda: x @ w.T, args.rep)  # noqa: B023
+            x8 = x.to(torch.float8_e4m3fn)
+            one = torch.ones((), device=dev)
+            try:
+                t_fp8 = _bench(lambda: torch._scaled_mm(x8, w8.T, scale_a=one, scale_b=one,  # noqa: B023
+                                                        out_dtype=torch.bfloat16), args.rep)
+            except Exception as e:  # noqa: BLE001 - baseline not available
+                print(f"torch._scaled_mm unavailable: {e}")
+                t_fp8 = None
+            print(f"{n}x{k} M={m}: cuBLAS bf16 {t_bf16 * 1e3:.1f} us ({2 * m * n * k / t_bf16 / 1e9:.0f} TFLOPS)"
+                  + (f", _scaled_mm fp8 {t_fp8 * 1e3:.1f} us" if t_fp8 else ""), flush=True)
+            for pair, wq in quantized.items():
+                (af, ao), _ = PAIRS[pair]
+                row = {"pair": pair, "M": m, "N": n, "K": k, "cublas_bf16_ms": t_bf16, "scaled_mm_fp8_ms": t_fp8}
+                try:
+                    a = lowbit.quantize(x, af, **ao)
+                    y = lowbit.scaled_mm(a, wq)
+                    row["rel_err"] = _rel(y, scaled_mm_reference(a, wq))
+                    row["ms"] = _bench(lambda: lowbit.scaled_mm(a, wq), args.rep)  # noqa: B023
+                    row["fused_ms"] = _bench(lambda: scaled_linear(x, wq, af, act_options=ao), args.rep)  # noqa: B023
+                    row["tflops"] = 2 * m * n * k / row["ms"] / 1e9
+                    row["vs_cublas_bf16"] = t_bf16 / row["ms"]
+                    row["fused_vs_cublas_bf16"] = t_bf16 / row["fused_ms"]
+                    if t_fp8:
+                        row["vs_scaled_mm_fp8"] = t_fp8 / row["ms"]
+                    row["weight_GBps"] = wq.nbytes / (row["ms"] * 1e-3) / 1e9
+                    print(f"  {pair:12s} {row['ms'] * 1e3:8.1f} us {row['tflops']:6.0f} TFLOPS  "
+                          f"x{row['vs_cublas_bf16']:.2f} bf16" + (f"  x{row['vs_scaled_mm_fp8']:.2f} fp8" if t_fp8 else "")
+                          + f"  fused x{row['fused_vs_cublas_bf16']:.2f}  err {row['rel_err']:.1e}"
+                          + f"  {row['weight_GBps']:.0f} GB/s weights", flush=True)
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    print(f"  {pair:12s} ERROR {row['error']}", flush=True)
+                rows.append(row)
+        del w, w8, quantized
+        torch.cuda.empty_cache()
+    path = os.path.join(args.out, "bench_scaled_mm.json")
+    with open(path, "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

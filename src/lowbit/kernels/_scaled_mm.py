@@ -1,0 +1,199 @@
+"""Triton GEMM on two quantized operands: ``out = alpha * dequant(a) @ dequant(b).T + bias`` (fp32 accumulation).
+
+One kernel, specialized per operand by constexprs. Each operand is read as its packed tile and becomes the
+``tl.dot`` input in registers; its scales are applied where that is exact, so the result equals the reference up
+to fp32 accumulation order:
+
+- KIND 0 FP8 (E4M3/E5M2 data, one byte per element); KIND 1 E2M1 (two per byte, element 2i in the low nibble);
+  KIND 2 FP6 (E2M3 or E3M2, four elements in three bytes, little-endian bit stream).
+- SMODE 1: fp32 scale per 128-element K block (fp8_block: [rows or rows/128, K/128], any strides). The partial
+  product of each 128-wide K tile is multiplied by ``sa[m] * sb[n]`` in fp32 before it is added (DeepSeek-V3's
+  promotion), so the FP8 operands go to the FP8 tensor cores raw.
+- SMODE 2: E8M0 scale per 32 elements (MX), SMODE 4: E4M3 scale per 16 (nvfp4), linear or 128x4 swizzled:
+  multiplied into the decoded tile. Every element x scale product here is exact in bf16 (at most 4 + 4
+  significant bits, exponents in bf16's range), so these tiles feed a bf16 ``tl.dot`` exactly.
+- SMODE 3: fp32 scale per row (fp8_rowwise activations), applied to the accumulator in the epilogue.
+- GMODE 1/2: nvfp4 per-tensor scale (1 / global multiplier, or torchao's per_tensor_scale), in the epilogue.
+
+FP8 x FP8 with SMODE 1 on both sides runs ``tl.dot`` on float8 (wgmma e4m3); every other pair runs a bf16
+``tl.dot`` on decoded tiles (an FP8 value is exact in bf16).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _minifloat_to_f32(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """Code (int32, sign bit at EBITS + MBITS) -> fp32 value, through its bit pattern (no Inf/NaN codes)."""
+    SIGN: tl.constexpr = 1 << (EBITS + MBITS)
+    mag = code & (SIGN - 1)
+    normal = (mag + ((127 - BIAS) << MBITS)) << (23 - MBITS)
+    STEP: tl.constexpr = 2.0 ** (1 - BIAS - MBITS)
+    sub = (mag.to(tl.float32) * STEP).to(tl.int32, bitcast=True)
+    bits = tl.where(mag < (1 << MBITS), sub, normal) | ((code & SIGN) << (31 - EBITS - MBITS))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_f32(code):
+    """E8M0 code (int32) -> 2^(code - 127) as fp32 (code 0 is the subnormal 2^-127; 255 is NaN)."""
+    bits = tl.where(code == 0, 0x00400000, tl.where(code == 255, 0x7FC00000, code << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _swizzled(r, c, cols4):
+    """Offset of scale (r, c) in the 128x4 swizzled layout (torchao ``to_blocked``)."""
+    return ((r >> 7) * (cols4 >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)
+
+
+@triton.jit
+def _fp8_tile(d_ptr, rows, k0, K, stride_d, BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """Raw float8 [R, BK] tile; columns >= K read as zero."""
+    kk = k0 + tl.arange(0, BK)
+    ptrs = d_ptr + rows[:, None] * stride_d + kk[None, :]
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _operand_tile(d_ptr, s_ptr, rows, k0, K, stride_d, stride_s0, stride_s1, s_cols4,
+                  KIND: tl.constexpr, SMODE: tl.constexpr, SWIZZLED: tl.constexpr,
+                  EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+                  BK: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [R, BK] tile of K columns k0.. of the operand rows ``rows`` (int64 [R]) in bf16, with the in-tile
+    (SMODE 2/4) scales applied. Columns >= K read as zero."""
+    R: tl.constexpr = rows.shape[0]
+    if KIND == 0:
+        v = _fp8_tile(d_ptr, rows, k0, K, stride_d, BK, EVEN_K).to(tl.float32)
+    elif KIND == 1:
+        kb = (k0 >> 1) + tl.arange(0, BK // 2)
+        ptrs = d_ptr + rows[:, None] * stride_d + kb[None, :]
+        if EVEN_K:
+            byte = tl.load(ptrs).to(tl.int32)
+        else:
+            byte = tl.load(ptrs, mask=(kb < K // 2)[None, :], other=0).to(tl.int32)
+        codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), (R, BK))
+        v = _minifloat_to_f32(codes, 2, 1, 1)
+    else:
+        # 4 elements in 3 bytes: read bytes 3j, 3j+1, 3j+2 as slots 0..2 of the 4 element slots of group j
+        e = tl.arange(0, BK)
+        off = (k0 // 4) * 3 + (e // 4) * 3 + e % 4
+        ok = (e % 4 < 3)[None, :]
+        if not EVEN_K:
+            ok = ok & ((k0 + e) < K)[None, :]
+        slots = tl.load(d_ptr + rows[:, None] * stride_d + off[None, :], mask=ok, other=0).to(tl.int32)
+        s02, s13 = tl.split(tl.reshape(slots, (R, BK // 4, 2, 2)))
+        b0, b2 = tl.split(s02)
+        b1, _ = tl.split(s13)
+        word = b0 | (b1 << 8) | (b2 << 16)
+        even = tl.join(word & 0x3F, (word >> 12) & 0x3F)
+        odd = tl.join((word >> 6) & 0x3F, (word >> 18) & 0x3F)
+        codes = tl.reshape(tl.join(even, odd), (R, BK))
+        v = _minifloat_to_f32(codes, EBITS, MBITS, BIAS)
+
+    if SMODE == 2 or SMODE == 4:
+        GROUP: tl.constexpr = 32 if SMODE == 2 else 16
+        NG: tl.constexpr = BK // GROUP
+        cols = k0 // GROUP + tl.arange(0, NG)
+        if SWIZZLED:
+            soff = _swizzled(rows[:, None], cols[None, :], s_cols4)
+        else:
+            soff = rows[:, None] * stride_s0 + cols[None, :]
+        if EVEN_K:
+            sc = tl.load(s_ptr + soff).to(tl.int32)
+        else:
+            sc = tl.load(s_ptr + soff, mask=(cols < K // GROUP)[None, :], other=0).to(tl.int32)
+        if SMODE == 2:
+            s = _e8m0_f32(sc)
+        else:
+            s = sc.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        v = tl.reshape(tl.reshape(v, (R, NG, GROUP)) * s[:, :, None], (R, BK))
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _block_scale(s_ptr, rows, k0, stride_s0, stride_s1, ROWS_PER_SCALE: tl.constexpr):
+    """fp32 [R] scales of K block k0 / 128 for ``rows`` (fp8_block; 128x128 weights share one per 128 rows)."""
+    return tl.load(s_ptr + (rows // ROWS_PER_SCALE) * stride_s0 + (k0 // 128) * stride_s1)
+
+
+@triton.jit
+def _settled(acc, ON_GPU: tl.constexpr):
+    """``acc`` after every wgmma producing it has completed: a register A operand must not be overwritten by the
+    next tile's decode while wgmmas still read it (Triton 3.6 does not wait for all of them:
+    triton-lang/triton#9433; see ``_gemm_w4._settled``)."""
+    if ON_GPU:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
+                                         pack=1)
+    return acc
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_ptr, as_ptr, ag_ptr, b_ptr, bs_ptr, bg_ptr, alpha_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_a, stride_as0, stride_as1, a_cols4, stride_b, stride_bs0, stride_bs1, b_cols4, stride_om,
+    A_KIND: tl.constexpr, A_SMODE: tl.constexpr, A_SWIZZLED: tl.constexpr, A_GMODE: tl.constexpr,
+    A_EBITS: tl.constexpr, A_MBITS: tl.constexpr, A_BIAS: tl.constexpr,
+    B_KIND: tl.constexpr, B_SMODE: tl.constexpr, B_SWIZZLED: tl.constexpr, B_GMODE: tl.constexpr,
+    B_EBITS: tl.constexpr, B_MBITS: tl.constexpr, B_BIAS: tl.constexpr, B_ROWS_PER_SCALE: tl.constexpr,
+    HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    ON_GPU: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    # rows past the end re-read a valid row; their results are not stored
+    rows_a = ((pid_m * BM + tl.arange(0, BM)) % M).to(tl.int64)
+    rows_b = ((pid_n * BN + tl.arange(0, BN)) % N).to(tl.int64)
+    RAW_FP8: tl.constexpr = A_KIND == 0 and B_KIND == 0 and A_SMODE == 1 and B_SMODE == 1
+    PROMOTE: tl.constexpr = A_SMODE == 1 or B_SMODE == 1
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if RAW_FP8:
+            a = _fp8_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K)
+            b = _fp8_tile(b_ptr, rows_b, k0, K, stride_b, BK, EVEN_K)
+        else:
+            a = _operand_tile(a_ptr, as_ptr, rows_a, k0, K, stride_a, stride_as0, stride_as1, a_cols4,
+                              A_KIND, A_SMODE, A_SWIZZLED, A_EBITS, A_MBITS, A_BIAS, BK, EVEN_K)
+            b = _operand_tile(b_ptr, bs_ptr, rows_b, k0, K, stride_b, stride_bs0, stride_bs1, b_cols4,
+                              B_KIND, B_SMODE, B_SWIZZLED, B_EBITS, B_MBITS, B_BIAS, BK, EVEN_K)
+        if PROMOTE:
+            part = tl.dot(a, tl.trans(b))
+            if A_SMODE == 1:
+                part = part * _block_scale(as_ptr, rows_a, k0, stride_as0, stride_as1, 1)[:, None]
+            if B_SMODE == 1:
+                part = part * _block_scale(bs_ptr, rows_b, k0, stride_bs0, stride_bs1, B_ROWS_PER_SCALE)[None, :]
+            acc += part
+        else:
+            acc = _settled(tl.dot(a, tl.trans(b), acc), ON_GPU)
+
+    if A_SMODE == 3:
+        acc = acc * tl.load(as_ptr + rows_a * stride_as0)[:, None]
+    if A_GMODE == 1:
+        acc = acc * tl.div_rn(1.0, tl.load(ag_ptr))
+    elif A_GMODE == 2:
+        acc = acc * tl.load(ag_ptr)
+    if B_GMODE == 1:
+        acc = acc * tl.div_rn(1.0, tl.load(bg_ptr))
+    elif B_GMODE == 2:
+        acc = acc * tl.load(bg_ptr)
+    if HAS_ALPHA:
+        acc = acc * tl.load(alpha_ptr)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

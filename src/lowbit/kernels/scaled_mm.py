@@ -1,0 +1,168 @@
+"""Launcher of the two-quantized-operand GEMM (``_scaled_mm``) behind ``lowbit.scaled_mm`` on CUDA.
+
+Contract (``lowbit.ops.scaled_mm``): ``supports(a, b)`` returns None or the reason this module cannot run the
+pair; ``scaled_mm(a, b, alpha, bias, out_dtype)`` gets QTensors ``a`` [M, K] and ``b`` [N, K] the op layer has
+validated, ``alpha`` None or a fp32 [1] tensor, ``bias`` None or contiguous [N], and returns [M, N].
+
+Tiles are data (``CONFIGS``, by M regime); nothing is autotuned. No host synchronization: calls can be captured
+in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..formats.qtensor import QTensor
+from . import _scaled_mm as k
+
+# (largest M, config); the last entry covers every larger M
+CONFIGS: list[tuple[int, dict[str, int]]] = [
+    (64, dict(BM=64, BN=128, BK=128, GROUP_M=1, num_warps=4, num_stages=3)),
+    (1 << 62, dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=3)),
+]
+# per (kind of a, kind of b) overrides: FP8 x FP8 (fp8_block) keeps both raw tiles in shared memory
+FP8_CONFIGS: list[tuple[int, dict[str, int]]] = [
+    (64, dict(BM=64, BN=128, BK=128, GROUP_M=1, num_warps=4, num_stages=4)),
+    (1 << 62, dict(BM=128, BN=128, BK=128, GROUP_M=8, num_warps=8, num_stages=4)),
+]
+
+_MINIFLOAT = {"mxfp6_e2m3": (2, 3, 1), "mxfp6_e3m2": (3, 2, 3), "mxfp4": (2, 1, 1), "nvfp4": (2, 1, 1)}
+_FP8 = ("fp8_block", "fp8_rowwise", "mxfp8_e4m3", "mxfp8_e5m2")
+FORMATS = (*_FP8, "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2")
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _operand(q: QTensor, role: str) -> tuple[list, dict]:
+    """(data, scale, gscale, stride_d, stride_s0, stride_s1, s_cols4) and the constexprs of one operand."""
+    fmt = q.fmt
+    rows, k_dim = q.shape
+    c = {"KIND": 0, "SMODE": 0, "SWIZZLED": False, "GMODE": 0, "EBITS": 0, "MBITS": 0, "BIAS": 0}
+    data = q.data
+    scale = q.scale
+    gscale = scale
+    cols4 = 0
+    if fmt == "fp8_block":
+        c["SMODE"] = 1
+        s0, s1 = scale.stride()
+        c["ROWS_PER_SCALE"] = q.params["block"][0]
+    elif fmt == "fp8_rowwise":
+        c["SMODE"] = 3
+        s0, s1 = scale.stride()
+    else:
+        block = 16 if fmt == "nvfp4" else 32
+        c["SMODE"] = 4 if fmt == "nvfp4" else 2
+        c["SWIZZLED"] = q.scale_layout == "swizzled"
+        scale = scale.contiguous().view(torch.uint8)
+        cols = k_dim // block
+        cols4 = -(-cols // 4) * 4
+        s0, s1 = cols, 1
+        if fmt in _MINIFLOAT:
+            c["KIND"] = 2 if fmt.startswith("mxfp6") else 1
+            c["EBITS"], c["MBITS"], c["BIAS"] = _MINIFLOAT[fmt]
+            data = data.view(torch.uint8)
+        if fmt == "nvfp4":
+            pts = q.params.get("per_tensor_scale")
+            if pts is not None:
+                gscale = torch.as_tensor(pts, dtype=torch.float32, device=data.device).reshape(1)
+                c["GMODE"] = 2
+            elif q.global_scale is not None:
+                gscale = q.global_scale.reshape(1).to(device=data.device, dtype=torch.float32)
+                c["GMODE"] = 1
+    if data.stride(-1) != 1:
+        data = data.contiguous()
+    return [data, scale, gscale, data.stride(0), s0, s1, cols4], c
+
+
+def supports(a, b) -> str | None:
+    if not isinstance(a, QTensor) or not isinstance(b, QTensor):
+        return "a and b must be QTensors"
+    for name, q in (("a", a), ("b", b)):
+        if q.fmt not in FORMATS:
+            return f"no scaled_mm kernel operand for format {q.fmt!r} ({name})"
+        if len(q.shape) != 2:
+            return f"{name} must be 2-D, got shape {tuple(q.shape)}"
+    if b.fmt == "fp8_rowwise":
+        return "fp8_rowwise is an activation (a) format"
+    if a.fmt == "fp8_block" and tuple(a.params.get("block", ())) != (1, 128):
+        return "fp8_block activation (a) must have block (1, 128)"
+    if b.fmt == "fp8_block" and tuple(b.params.get("block", ())) not in ((128, 128), (1, 128)):
+        return "fp8_block weight (b) must have block (128, 128) or (1, 128)"
+    return None
+
+
+def _config(m: int, raw_fp8: bool) -> dict:
+    for limit, cfg in FP8_CONFIGS if raw_fp8 else CONFIGS:
+        if m <= limit:
+            return dict(cfg)
+    raise AssertionError("unreachable")
+
+
+def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None) -> torch.Tensor:
+    m, k_dim = a.shape
+    n = b.shape[0]
+    a_args, ac = _operand(a, "a")
+    b_args, bc = _operand(b, "b")
+    raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1
+    cfg = dict(config) if config is not None else _config(m, raw_fp8)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    alpha_t = alpha if alpha is not None else out
+    bias_t = bias if bias is not None else out
+    k._scaled_mm_kernel[grid](
+        a_args[0], a_args[1], a_args[2], b_args[0], b_args[1], b_args[2], alpha_t, bias_t, out,
+        m, n, k_dim, a_args[3], a_args[4], a_args[5], a_args[6], b_args[3], b_args[4], b_args[5], b_args[6],
+        out.stride(0),
+        A_KIND=ac["KIND"], A_SMODE=ac["SMODE"], A_SWIZZLED=ac["SWIZZLED"], A_GMODE=ac["GMODE"],
+        A_EBITS=ac["EBITS"], A_MBITS=ac["MBITS"], A_BIAS=ac["BIAS"],
+        B_KIND=bc["KIND"], B_SMODE=bc["SMODE"], B_SWIZZLED=bc["SWIZZLED"], B_GMODE=bc["GMODE"],
+        B_EBITS=bc["EBITS"], B_MBITS=bc["MBITS"], B_BIAS=bc["BIAS"], B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1),
+        HAS_ALPHA=alpha is not None, HAS_BIAS=bias is not None,
+        BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=k_dim % bk == 0, ON_GPU=not _interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+_DTYPES = {"fp8_block": "*fp8e4nv", "fp8_rowwise": "*fp8e4nv", "mxfp8_e4m3": "*fp8e4nv", "mxfp8_e5m2": "*fp8e5"}
+
+
+def compile_variants():
+    """(kernel, signature, constexprs) for every pair kind, both M regimes, swizzled scales, masked K, epilogues."""
+    pairs = [
+        ("fp8_block", "fp8_block", {}), ("nvfp4", "nvfp4", {}), ("mxfp4", "mxfp4", {}),
+        ("mxfp8_e4m3", "mxfp8_e4m3", {}), ("mxfp8_e5m2", "mxfp8_e4m3", {}), ("mxfp8_e4m3", "mxfp6_e3m2", {}),
+        ("mxfp6_e2m3", "mxfp8_e4m3", {}), ("fp8_rowwise", "nvfp4", {}), ("fp8_block", "mxfp4", {}),
+        ("nvfp4", "nvfp4", dict(swizzled=True, even_k=False, bias=True, alpha=True, small=True)),
+        ("fp8_block", "fp8_block", dict(even_k=False, small=True, bias=True)),
+        ("mxfp4", "mxfp4", dict(swizzled=True, small=True)),
+    ]
+    for fa, fb, opt in pairs:
+        raw = fa == fb == "fp8_block"
+        cfg = dict((FP8_CONFIGS if raw else CONFIGS)[0 if opt.get("small") else 1][1])
+        consts = {}
+        for side, fmt in (("A", fa), ("B", fb)):
+            kind = 0 if fmt in _FP8 else (2 if fmt.startswith("mxfp6") else 1)
+            smode = {"fp8_block": 1, "fp8_rowwise": 3, "nvfp4": 4}.get(fmt, 2)
+            e, mb, bias = _MINIFLOAT.get(fmt, (0, 0, 0))
+            consts.update({f"{side}_KIND": kind, f"{side}_SMODE": smode,
+                           f"{side}_SWIZZLED": bool(opt.get("swizzled")) and smode in (2, 4),
+                           f"{side}_GMODE": 1 if fmt == "nvfp4" else 0,
+                           f"{side}_EBITS": e, f"{side}_MBITS": mb, f"{side}_BIAS": bias})
+        consts["B_ROWS_PER_SCALE"] = 128 if fb == "fp8_block" else 1
+        consts.update(HAS_ALPHA=bool(opt.get("alpha")), HAS_BIAS=bool(opt.get("bias")), BM=cfg["BM"], BN=cfg["BN"],
+                      BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], EVEN_K=opt.get("even_k", True), ON_GPU=True)
+        sig = {
+            "a_ptr": _DTYPES.get(fa, "*u8"), "as_ptr": "*fp32" if fa in ("fp8_block", "fp8_rowwise") else "*u8",
+            "ag_ptr": "*fp32", "b_ptr": _DTYPES.get(fb, "*u8"), "bs_ptr": "*fp32" if fb == "fp8_block" else "*u8",
+            "bg_ptr": "*fp32", "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        }
+        sig.update({n: "i32" for n in ("M", "N", "K", "stride_a", "stride_as0", "stride_as1", "a_cols4", "stride_b",
+                                       "stride_bs0", "stride_bs1", "b_cols4", "stride_om")})
+        yield k._scaled_mm_kernel, sig, consts
