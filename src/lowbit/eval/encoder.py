@@ -144,6 +144,13 @@ class SentenceEncoder:
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - transformers raises many types here
             raise ModelDirError(f"{self.model_dir}: no usable tokenizer ({type(e).__name__}: {e})") from None
+        if self.tokenizer.pad_token is None:  # decoder-only LMs: pad with EOS (masked out by the pooling)
+            fallback = self.tokenizer.eos_token or self.tokenizer.unk_token
+            if fallback is None:
+                raise ModelDirError(
+                    f"{self.model_dir}: the tokenizer has no pad, EOS or UNK token to pad batches"
+                )
+            self.tokenizer.pad_token = fallback
         self.pooling = Pooling.from_dir(self.model_dir)
         limit = getattr(self.tokenizer, "model_max_length", None) or 512
         if limit > 100_000:  # transformers' "no limit" sentinel
