@@ -214,3 +214,29 @@ def test_other_model_dir(bundled_dir, tmp_path):
     assert report["model"] == "tiny-bert" and r["status"] == "ok" and r["quantized_layers"] == 2 * 6 + 1
     assert 0.5 < r["cosine"]["mean"] <= 1.0 and {x["shape"][1] for x in r["layers"]} == {64, 128}
     assert snapshot(src) == before
+
+
+def test_a_failing_scheme_does_not_hide_the_others(bundled_dir, tmp_path):
+    """K = 16: no layer fits mxfp4's 32-blocks, so that scheme fails with the library's message (exit 1) while
+    nf4 (any shape) is still converted and reported."""
+    import shutil
+
+    import torch
+    import transformers
+
+    src = tmp_path / "k16-bert"
+    cfg = transformers.BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(cfg).save_pretrained(src)
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(bundled_dir / f, src / f)
+    rc, out, err = run_cli(
+        "quantize", str(src), "--scheme", "w4a16-mxfp4,w4a16-nf4", "--out", str(tmp_path / "o")
+    )
+    assert rc == 1, err
+    assert "w4a16-mxfp4     FAILED: ValueError: convert_checkpoint: no Linear weight" in out
+    assert "not a multiple of 32" in out and "Traceback" not in out + err
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert [r["status"] for r in report["schemes"]] == ["error", "ok"]
