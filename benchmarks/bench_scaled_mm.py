@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--ms", default="4096,16")
     ap.add_argument("--shapes", default=None, help="NxK list")
     ap.add_argument("--rep", type=int, default=40)
+    ap.add_argument("--sweep", action="store_true", help="only: tile configs of each pair on 7168x16384, M=4096")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
     args = ap.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -59,6 +60,8 @@ def main() -> None:
             "git": os.environ.get("GIT_SHA", "unknown"), "host": platform.node(),
             "date": time.strftime("%Y-%m-%d")}
     print(meta, flush=True)
+    if args.sweep:
+        return sweep(args, meta)
     rows = []
     dev = "cuda"
     for n, k in shapes:
@@ -112,6 +115,39 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump({**meta, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
+
+
+SWEEP = [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 128, 128, 4, 4), (64, 256, 128, 4, 4),
+         (256, 128, 128, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 5)]
+
+
+def sweep(args, meta) -> None:
+    from lowbit.kernels import scaled_mm as ks
+
+    m, n, k = 4096, 7168, 16384
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    t_bf16 = _bench(lambda: x @ w.T, args.rep)
+    rows = []
+    for pair in args.pairs.split(","):
+        (af, ao), (wf, wo) = PAIRS[pair]
+        a, wq = lowbit.quantize(x, af, **ao), lowbit.quantize(w, wf, **wo)
+        ref = scaled_mm_reference(a, wq)
+        for bm, bn, bk, nw, ns in SWEEP:
+            cfg = {"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "num_warps": nw, "num_stages": ns}
+            row = {"pair": pair, "config": cfg}
+            try:
+                y = ks.scaled_mm(a, wq, None, None, torch.bfloat16, config=cfg)
+                row["rel_err"] = _rel(y, ref)
+                row["ms"] = _bench(lambda c=cfg: ks.scaled_mm(a, wq, None, None, torch.bfloat16, config=c), args.rep)  # noqa: B023
+                row["vs_cublas_bf16"] = t_bf16 / row["ms"]
+                print(f"{pair:12s} {cfg}  x{row['vs_cublas_bf16']:.2f} bf16  err {row['rel_err']:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+                print(f"{pair:12s} {cfg}  ERROR {row['error']}", flush=True)
+            rows.append(row)
+    with open(os.path.join(args.out, "bench_scaled_mm_sweep.json"), "w") as f:
+        json.dump({**meta, "cublas_bf16_ms": t_bf16, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ to fp32 accumulation order:
   product of each 128-wide K tile is multiplied by ``sa[m] * sb[n]`` in fp32 before it is added (DeepSeek-V3's
   promotion), so the FP8 operands go to the FP8 tensor cores raw.
 - SMODE 2: E8M0 scale per 32 elements (MX), SMODE 4: E4M3 scale per 16 (nvfp4), linear or 128x4 swizzled:
-  multiplied into the decoded tile. Every element x scale product here is exact in bf16 (at most 4 + 4
-  significant bits, exponents in bf16's range), so these tiles feed a bf16 ``tl.dot`` exactly.
+  multiplied into the decoded tile in bf16. Every element x scale product here is exact in bf16 (at most
+  4 + 4 significant bits, exponents in bf16's range), so these tiles feed a bf16 ``tl.dot`` exactly. E2M1
+  codes become bf16 through their bit patterns (``_gemm_w4._e2m1_pairs``).
 - SMODE 3: fp32 scale per row (fp8_rowwise activations), applied to the accumulator in the epilogue.
 - GMODE 1/2: nvfp4 per-tensor scale (1 / global multiplier, or torchao's per_tensor_scale), in the epilogue.
 
@@ -21,6 +22,8 @@ FP8 x FP8 with SMODE 1 on both sides runs ``tl.dot`` on float8 (wgmma e4m3); eve
 
 import triton
 import triton.language as tl
+
+from ._gemm_w4 import _e2m1_pairs, _e8m0_to, _mul_groups
 
 
 @triton.jit
@@ -59,15 +62,31 @@ def _fp8_tile(d_ptr, rows, k0, K, stride_d, BK: tl.constexpr, EVEN_K: tl.constex
 
 
 @triton.jit
-def _operand_tile(d_ptr, s_ptr, rows, k0, K, stride_d, stride_s0, stride_s1, s_cols4,
-                  KIND: tl.constexpr, SMODE: tl.constexpr, SWIZZLED: tl.constexpr,
-                  EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-                  BK: tl.constexpr, EVEN_K: tl.constexpr):
+def _operand_tile(
+    d_ptr,
+    s_ptr,
+    rows,
+    k0,
+    K,
+    stride_d,
+    stride_s0,
+    stride_s1,
+    s_cols4,
+    KIND: tl.constexpr,
+    SMODE: tl.constexpr,
+    SWIZZLED: tl.constexpr,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ON_GPU: tl.constexpr,
+):
     """The [R, BK] tile of K columns k0.. of the operand rows ``rows`` (int64 [R]) in bf16, with the in-tile
-    (SMODE 2/4) scales applied. Columns >= K read as zero."""
+    (SMODE 2/4) scales applied in bf16 (exact products). Columns >= K read as zero."""
     R: tl.constexpr = rows.shape[0]
     if KIND == 0:
-        v = _fp8_tile(d_ptr, rows, k0, K, stride_d, BK, EVEN_K).to(tl.float32)
+        v = _fp8_tile(d_ptr, rows, k0, K, stride_d, BK, EVEN_K).to(tl.bfloat16)
     elif KIND == 1:
         kb = (k0 >> 1) + tl.arange(0, BK // 2)
         ptrs = d_ptr + rows[:, None] * stride_d + kb[None, :]
@@ -75,8 +94,7 @@ def _operand_tile(d_ptr, s_ptr, rows, k0, K, stride_d, stride_s0, stride_s1, s_c
             byte = tl.load(ptrs).to(tl.int32)
         else:
             byte = tl.load(ptrs, mask=(kb < K // 2)[None, :], other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), (R, BK))
-        v = _minifloat_to_f32(codes, 2, 1, 1)
+        v = _e2m1_pairs(byte, tl.bfloat16, ON_GPU)
     else:
         # 4 elements in 3 bytes: read bytes 3j, 3j+1, 3j+2 as slots 0..2 of the 4 element slots of group j
         e = tl.arange(0, BK)
@@ -92,7 +110,7 @@ def _operand_tile(d_ptr, s_ptr, rows, k0, K, stride_d, stride_s0, stride_s1, s_c
         even = tl.join(word & 0x3F, (word >> 12) & 0x3F)
         odd = tl.join((word >> 6) & 0x3F, (word >> 18) & 0x3F)
         codes = tl.reshape(tl.join(even, odd), (R, BK))
-        v = _minifloat_to_f32(codes, EBITS, MBITS, BIAS)
+        v = _minifloat_to_f32(codes, EBITS, MBITS, BIAS).to(tl.bfloat16)
 
     if SMODE == 2 or SMODE == 4:
         GROUP: tl.constexpr = 32 if SMODE == 2 else 16
@@ -107,11 +125,11 @@ def _operand_tile(d_ptr, s_ptr, rows, k0, K, stride_d, stride_s0, stride_s1, s_c
         else:
             sc = tl.load(s_ptr + soff, mask=(cols < K // GROUP)[None, :], other=0).to(tl.int32)
         if SMODE == 2:
-            s = _e8m0_f32(sc)
+            sv = _e8m0_to(sc, tl.bfloat16)
         else:
-            s = sc.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        v = tl.reshape(tl.reshape(v, (R, NG, GROUP)) * s[:, :, None], (R, BK))
-    return v.to(tl.bfloat16)
+            sv = sc.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(tl.bfloat16)
+        v = _mul_groups(v, sv)
+    return v
 
 
 @triton.jit
@@ -126,21 +144,57 @@ def _settled(acc, ON_GPU: tl.constexpr):
     next tile's decode while wgmmas still read it (Triton 3.6 does not wait for all of them:
     triton-lang/triton#9433; see ``_gemm_w4._settled``)."""
     if ON_GPU:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
-                                         pack=1)
+        return tl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False, pack=1
+        )
     return acc
 
 
 @triton.jit
 def _scaled_mm_kernel(
-    a_ptr, as_ptr, ag_ptr, b_ptr, bs_ptr, bg_ptr, alpha_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_a, stride_as0, stride_as1, a_cols4, stride_b, stride_bs0, stride_bs1, b_cols4, stride_om,
-    A_KIND: tl.constexpr, A_SMODE: tl.constexpr, A_SWIZZLED: tl.constexpr, A_GMODE: tl.constexpr,
-    A_EBITS: tl.constexpr, A_MBITS: tl.constexpr, A_BIAS: tl.constexpr,
-    B_KIND: tl.constexpr, B_SMODE: tl.constexpr, B_SWIZZLED: tl.constexpr, B_GMODE: tl.constexpr,
-    B_EBITS: tl.constexpr, B_MBITS: tl.constexpr, B_BIAS: tl.constexpr, B_ROWS_PER_SCALE: tl.constexpr,
-    HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    a_ptr,
+    as_ptr,
+    ag_ptr,
+    b_ptr,
+    bs_ptr,
+    bg_ptr,
+    alpha_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_a,
+    stride_as0,
+    stride_as1,
+    a_cols4,
+    stride_b,
+    stride_bs0,
+    stride_bs1,
+    b_cols4,
+    stride_om,
+    A_KIND: tl.constexpr,
+    A_SMODE: tl.constexpr,
+    A_SWIZZLED: tl.constexpr,
+    A_GMODE: tl.constexpr,
+    A_EBITS: tl.constexpr,
+    A_MBITS: tl.constexpr,
+    A_BIAS: tl.constexpr,
+    B_KIND: tl.constexpr,
+    B_SMODE: tl.constexpr,
+    B_SWIZZLED: tl.constexpr,
+    B_GMODE: tl.constexpr,
+    B_EBITS: tl.constexpr,
+    B_MBITS: tl.constexpr,
+    B_BIAS: tl.constexpr,
+    B_ROWS_PER_SCALE: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
     ON_GPU: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -164,16 +218,54 @@ def _scaled_mm_kernel(
             a = _fp8_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K)
             b = _fp8_tile(b_ptr, rows_b, k0, K, stride_b, BK, EVEN_K)
         else:
-            a = _operand_tile(a_ptr, as_ptr, rows_a, k0, K, stride_a, stride_as0, stride_as1, a_cols4,
-                              A_KIND, A_SMODE, A_SWIZZLED, A_EBITS, A_MBITS, A_BIAS, BK, EVEN_K)
-            b = _operand_tile(b_ptr, bs_ptr, rows_b, k0, K, stride_b, stride_bs0, stride_bs1, b_cols4,
-                              B_KIND, B_SMODE, B_SWIZZLED, B_EBITS, B_MBITS, B_BIAS, BK, EVEN_K)
+            a = _operand_tile(
+                a_ptr,
+                as_ptr,
+                rows_a,
+                k0,
+                K,
+                stride_a,
+                stride_as0,
+                stride_as1,
+                a_cols4,
+                A_KIND,
+                A_SMODE,
+                A_SWIZZLED,
+                A_EBITS,
+                A_MBITS,
+                A_BIAS,
+                BK,
+                EVEN_K,
+                ON_GPU,
+            )
+            b = _operand_tile(
+                b_ptr,
+                bs_ptr,
+                rows_b,
+                k0,
+                K,
+                stride_b,
+                stride_bs0,
+                stride_bs1,
+                b_cols4,
+                B_KIND,
+                B_SMODE,
+                B_SWIZZLED,
+                B_EBITS,
+                B_MBITS,
+                B_BIAS,
+                BK,
+                EVEN_K,
+                ON_GPU,
+            )
         if PROMOTE:
             part = tl.dot(a, tl.trans(b))
             if A_SMODE == 1:
                 part = part * _block_scale(as_ptr, rows_a, k0, stride_as0, stride_as1, 1)[:, None]
             if B_SMODE == 1:
-                part = part * _block_scale(bs_ptr, rows_b, k0, stride_bs0, stride_bs1, B_ROWS_PER_SCALE)[None, :]
+                part = (
+                    part * _block_scale(bs_ptr, rows_b, k0, stride_bs0, stride_bs1, B_ROWS_PER_SCALE)[None, :]
+                )
             acc += part
         else:
             acc = _settled(tl.dot(a, tl.trans(b), acc), ON_GPU)

@@ -59,6 +59,7 @@ def _operand(q: QTensor, role: str) -> tuple[list, dict]:
         c["SMODE"] = 4 if fmt == "nvfp4" else 2
         c["SWIZZLED"] = q.scale_layout == "swizzled"
         scale = scale.contiguous().view(torch.uint8)
+        gscale = scale
         cols = k_dim // block
         cols4 = -(-cols // 4) * 4
         s0, s1 = cols, 1
@@ -116,29 +117,76 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
     alpha_t = alpha if alpha is not None else out
     bias_t = bias if bias is not None else out
     k._scaled_mm_kernel[grid](
-        a_args[0], a_args[1], a_args[2], b_args[0], b_args[1], b_args[2], alpha_t, bias_t, out,
-        m, n, k_dim, a_args[3], a_args[4], a_args[5], a_args[6], b_args[3], b_args[4], b_args[5], b_args[6],
+        a_args[0],
+        a_args[1],
+        a_args[2],
+        b_args[0],
+        b_args[1],
+        b_args[2],
+        alpha_t,
+        bias_t,
+        out,
+        m,
+        n,
+        k_dim,
+        a_args[3],
+        a_args[4],
+        a_args[5],
+        a_args[6],
+        b_args[3],
+        b_args[4],
+        b_args[5],
+        b_args[6],
         out.stride(0),
-        A_KIND=ac["KIND"], A_SMODE=ac["SMODE"], A_SWIZZLED=ac["SWIZZLED"], A_GMODE=ac["GMODE"],
-        A_EBITS=ac["EBITS"], A_MBITS=ac["MBITS"], A_BIAS=ac["BIAS"],
-        B_KIND=bc["KIND"], B_SMODE=bc["SMODE"], B_SWIZZLED=bc["SWIZZLED"], B_GMODE=bc["GMODE"],
-        B_EBITS=bc["EBITS"], B_MBITS=bc["MBITS"], B_BIAS=bc["BIAS"], B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1),
-        HAS_ALPHA=alpha is not None, HAS_BIAS=bias is not None,
-        BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=k_dim % bk == 0, ON_GPU=not _interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        A_KIND=ac["KIND"],
+        A_SMODE=ac["SMODE"],
+        A_SWIZZLED=ac["SWIZZLED"],
+        A_GMODE=ac["GMODE"],
+        A_EBITS=ac["EBITS"],
+        A_MBITS=ac["MBITS"],
+        A_BIAS=ac["BIAS"],
+        B_KIND=bc["KIND"],
+        B_SMODE=bc["SMODE"],
+        B_SWIZZLED=bc["SWIZZLED"],
+        B_GMODE=bc["GMODE"],
+        B_EBITS=bc["EBITS"],
+        B_MBITS=bc["MBITS"],
+        B_BIAS=bc["BIAS"],
+        B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1),
+        HAS_ALPHA=alpha is not None,
+        HAS_BIAS=bias is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_M=cfg["GROUP_M"],
+        EVEN_K=k_dim % bk == 0,
+        ON_GPU=not _interpreting(),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 
 
-_DTYPES = {"fp8_block": "*fp8e4nv", "fp8_rowwise": "*fp8e4nv", "mxfp8_e4m3": "*fp8e4nv", "mxfp8_e5m2": "*fp8e5"}
+_DTYPES = {
+    "fp8_block": "*fp8e4nv",
+    "fp8_rowwise": "*fp8e4nv",
+    "mxfp8_e4m3": "*fp8e4nv",
+    "mxfp8_e5m2": "*fp8e5",
+}
 
 
 def compile_variants():
     """(kernel, signature, constexprs) for every pair kind, both M regimes, swizzled scales, masked K, epilogues."""
     pairs = [
-        ("fp8_block", "fp8_block", {}), ("nvfp4", "nvfp4", {}), ("mxfp4", "mxfp4", {}),
-        ("mxfp8_e4m3", "mxfp8_e4m3", {}), ("mxfp8_e5m2", "mxfp8_e4m3", {}), ("mxfp8_e4m3", "mxfp6_e3m2", {}),
-        ("mxfp6_e2m3", "mxfp8_e4m3", {}), ("fp8_rowwise", "nvfp4", {}), ("fp8_block", "mxfp4", {}),
+        ("fp8_block", "fp8_block", {}),
+        ("nvfp4", "nvfp4", {}),
+        ("mxfp4", "mxfp4", {}),
+        ("mxfp8_e4m3", "mxfp8_e4m3", {}),
+        ("mxfp8_e5m2", "mxfp8_e4m3", {}),
+        ("mxfp8_e4m3", "mxfp6_e3m2", {}),
+        ("mxfp6_e2m3", "mxfp8_e4m3", {}),
+        ("fp8_rowwise", "nvfp4", {}),
+        ("fp8_block", "mxfp4", {}),
         ("nvfp4", "nvfp4", dict(swizzled=True, even_k=False, bias=True, alpha=True, small=True)),
         ("fp8_block", "fp8_block", dict(even_k=False, small=True, bias=True)),
         ("mxfp4", "mxfp4", dict(swizzled=True, small=True)),
@@ -151,18 +199,56 @@ def compile_variants():
             kind = 0 if fmt in _FP8 else (2 if fmt.startswith("mxfp6") else 1)
             smode = {"fp8_block": 1, "fp8_rowwise": 3, "nvfp4": 4}.get(fmt, 2)
             e, mb, bias = _MINIFLOAT.get(fmt, (0, 0, 0))
-            consts.update({f"{side}_KIND": kind, f"{side}_SMODE": smode,
-                           f"{side}_SWIZZLED": bool(opt.get("swizzled")) and smode in (2, 4),
-                           f"{side}_GMODE": 1 if fmt == "nvfp4" else 0,
-                           f"{side}_EBITS": e, f"{side}_MBITS": mb, f"{side}_BIAS": bias})
+            consts.update(
+                {
+                    f"{side}_KIND": kind,
+                    f"{side}_SMODE": smode,
+                    f"{side}_SWIZZLED": bool(opt.get("swizzled")) and smode in (2, 4),
+                    f"{side}_GMODE": 1 if fmt == "nvfp4" else 0,
+                    f"{side}_EBITS": e,
+                    f"{side}_MBITS": mb,
+                    f"{side}_BIAS": bias,
+                }
+            )
         consts["B_ROWS_PER_SCALE"] = 128 if fb == "fp8_block" else 1
-        consts.update(HAS_ALPHA=bool(opt.get("alpha")), HAS_BIAS=bool(opt.get("bias")), BM=cfg["BM"], BN=cfg["BN"],
-                      BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], EVEN_K=opt.get("even_k", True), ON_GPU=True)
+        consts.update(
+            HAS_ALPHA=bool(opt.get("alpha")),
+            HAS_BIAS=bool(opt.get("bias")),
+            BM=cfg["BM"],
+            BN=cfg["BN"],
+            BK=cfg["BK"],
+            GROUP_M=cfg["GROUP_M"],
+            EVEN_K=opt.get("even_k", True),
+            ON_GPU=True,
+        )
         sig = {
-            "a_ptr": _DTYPES.get(fa, "*u8"), "as_ptr": "*fp32" if fa in ("fp8_block", "fp8_rowwise") else "*u8",
-            "ag_ptr": "*fp32", "b_ptr": _DTYPES.get(fb, "*u8"), "bs_ptr": "*fp32" if fb == "fp8_block" else "*u8",
-            "bg_ptr": "*fp32", "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "a_ptr": _DTYPES.get(fa, "*u8"),
+            "as_ptr": "*fp32" if fa in ("fp8_block", "fp8_rowwise") else "*u8",
+            "ag_ptr": "*fp32",
+            "b_ptr": _DTYPES.get(fb, "*u8"),
+            "bs_ptr": "*fp32" if fb == "fp8_block" else "*u8",
+            "bg_ptr": "*fp32",
+            "alpha_ptr": "*fp32",
+            "bias_ptr": "*bf16",
+            "out_ptr": "*bf16",
         }
-        sig.update({n: "i32" for n in ("M", "N", "K", "stride_a", "stride_as0", "stride_as1", "a_cols4", "stride_b",
-                                       "stride_bs0", "stride_bs1", "b_cols4", "stride_om")})
+        sig.update(
+            {
+                n: "i32"
+                for n in (
+                    "M",
+                    "N",
+                    "K",
+                    "stride_a",
+                    "stride_as0",
+                    "stride_as1",
+                    "a_cols4",
+                    "stride_b",
+                    "stride_bs0",
+                    "stride_bs1",
+                    "b_cols4",
+                    "stride_om",
+                )
+            }
+        )
         yield k._scaled_mm_kernel, sig, consts
