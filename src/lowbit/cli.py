@@ -144,6 +144,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         print(_schemes_help())
         return 0
     _quiet_third_party_logs()
+    try:
+        from .eval.encoder import quiet_transformers
+
+        quiet_transformers()
+    except ImportError:
+        pass  # no transformers: lbeval.run says what to install
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     try:
         report = lbeval.run(

