@@ -102,7 +102,8 @@ def canonical_nan(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Te
     dtype = x.dtype if dtype is None else dtype
     y = x.to(dtype)
     bits, int_dtype = _QNAN_BITS[dtype]
-    nan = torch.tensor(bits, dtype=int_dtype, device=x.device).view(dtype)
+    # torch.full, not torch.tensor: no host-to-device copy, so this can run inside CUDA-graph capture
+    nan = torch.full((), bits, dtype=int_dtype, device=x.device).view(dtype)
     return torch.where(x.isnan(), nan, y)
 
 
