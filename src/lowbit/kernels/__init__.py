@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -33,6 +34,27 @@ _DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
 # launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)
 # covering every code path it can launch, which CI compiles for sm_90
 KERNEL_MODULES = ("blockscaled", "fp8_block", "nf4", "int4_awq", "gemv_w4", "gemm_w4", "scaled_mm")
+
+
+_per_call_scratch_depth = 0
+
+
+@contextlib.contextmanager
+def per_call_scratch():
+    """Within this context kernels allocate their scratch buffers (split-K partials, counters) on every call
+    instead of reusing cached ones. The custom ops enter it: torch.compile's CUDA graphs (cudagraph trees) run
+    the op's first calls with allocations routed into the graph's memory pool, and a buffer cached across
+    calls from there is an untracked live allocation in that pool (an error); per-call buffers are not."""
+    global _per_call_scratch_depth
+    _per_call_scratch_depth += 1
+    try:
+        yield
+    finally:
+        _per_call_scratch_depth -= 1
+
+
+def scratch_per_call() -> bool:
+    return _per_call_scratch_depth > 0
 
 
 @functools.cache

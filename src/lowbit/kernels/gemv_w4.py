@@ -52,6 +52,7 @@ from ..formats.packing import unswizzle_scales
 from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _gemv_w4 as k
+from . import scratch_per_call
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
@@ -391,7 +392,7 @@ _SCRATCH: dict = {}
 
 def _scratch(device: torch.device, dev_index: int | None, ws_numel: int, n_cnt: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    if dev_index is not None and torch._C._cuda_isCurrentStreamCapturing():
+    if dev_index is not None and (torch._C._cuda_isCurrentStreamCapturing() or scratch_per_call()):
         # graph-owned buffers: never cached (the graph keeps them alive)
         return (torch.empty(ws_numel, dtype=torch.float32, device=device),
                 torch.zeros(n_cnt, dtype=torch.int32, device=device))

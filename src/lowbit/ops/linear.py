@@ -490,7 +490,8 @@ def linear_w4a16(
 ) -> torch.Tensor:
     """``lowbit.linear`` on a flattened QTensor (see the schema comment above); x is ``[M, K]``."""
     w = _unflatten(data, scale, (global_scale, zeros, nested_scale, nested_offset), param_tensors, fmt, shape, meta)
-    return _run(x.contiguous(), w, bias, activation, backend)
+    with _kernels.per_call_scratch():
+        return _run(x.contiguous(), w, bias, activation, backend)
 
 
 @linear_w4a16.register_fake

@@ -725,13 +725,15 @@ def _encode(key: str, value: Any, tensors: list[torch.Tensor]) -> str:
     if isinstance(value, bool):
         return f"{key}=b:{int(value)}"
     if isinstance(value, int):
-        return f"{key}=i:{value}"
+        return f"{key}=i:{int(value)}"
     if isinstance(value, float):
         return f"{key}=f:{value!r}"
     if isinstance(value, (tuple, list)) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
-        return f"{key}=p:{','.join(str(v) for v in value)}"
+        # int(): under torch.compile(dynamic=True) torch 2.11 hands these over as SymInts, whose str() dynamo
+        # cannot trace; int() specializes them (they are format constants)
+        return f"{key}=p:{','.join(str(int(v)) for v in value)}"
     if isinstance(value, str) and ";" not in value and "=" not in value:
         return f"{key}=s:{value}"
     raise TypeError(
