@@ -23,32 +23,8 @@ FP8 x FP8 with SMODE 1 on both sides runs ``tl.dot`` on float8 (wgmma e4m3); eve
 import triton
 import triton.language as tl
 
-from ._gemm_w4 import _e2m1_pairs, _e8m0_to, _mul_groups
-
-
-@triton.jit
-def _minifloat_to_f32(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
-    """Code (int32, sign bit at EBITS + MBITS) -> fp32 value, through its bit pattern (no Inf/NaN codes)."""
-    SIGN: tl.constexpr = 1 << (EBITS + MBITS)
-    mag = code & (SIGN - 1)
-    normal = (mag + ((127 - BIAS) << MBITS)) << (23 - MBITS)
-    STEP: tl.constexpr = 2.0 ** (1 - BIAS - MBITS)
-    sub = (mag.to(tl.float32) * STEP).to(tl.int32, bitcast=True)
-    bits = tl.where(mag < (1 << MBITS), sub, normal) | ((code & SIGN) << (31 - EBITS - MBITS))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0_f32(code):
-    """E8M0 code (int32) -> 2^(code - 127) as fp32 (code 0 is the subnormal 2^-127; 255 is NaN)."""
-    bits = tl.where(code == 0, 0x00400000, tl.where(code == 255, 0x7FC00000, code << 23))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _swizzled(r, c, cols4):
-    """Offset of scale (r, c) in the 128x4 swizzled layout (torchao ``to_blocked``)."""
-    return ((r >> 7) * (cols4 >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)
+from ._blockscaled import _decode_minifloat
+from ._gemm_w4 import _e2m1_pairs, _e8m0_to, _mul_groups, _settled, _swizzled_offsets
 
 
 @triton.jit
@@ -110,14 +86,14 @@ def _operand_tile(
         even = tl.join(word & 0x3F, (word >> 12) & 0x3F)
         odd = tl.join((word >> 6) & 0x3F, (word >> 18) & 0x3F)
         codes = tl.reshape(tl.join(even, odd), (R, BK))
-        v = _minifloat_to_f32(codes, EBITS, MBITS, BIAS).to(tl.bfloat16)
+        v = _decode_minifloat(codes, EBITS, MBITS, BIAS).to(tl.bfloat16)
 
     if SMODE == 2 or SMODE == 4:
         GROUP: tl.constexpr = 32 if SMODE == 2 else 16
         NG: tl.constexpr = BK // GROUP
         cols = k0 // GROUP + tl.arange(0, NG)
         if SWIZZLED:
-            soff = _swizzled(rows[:, None], cols[None, :], s_cols4)
+            soff = _swizzled_offsets(rows[:, None], cols[None, :], s_cols4)
         else:
             soff = rows[:, None] * stride_s0 + cols[None, :]
         if EVEN_K:
@@ -136,18 +112,6 @@ def _operand_tile(
 def _block_scale(s_ptr, rows, k0, stride_s0, stride_s1, ROWS_PER_SCALE: tl.constexpr):
     """fp32 [R] scales of K block k0 / 128 for ``rows`` (fp8_block; 128x128 weights share one per 128 rows)."""
     return tl.load(s_ptr + (rows // ROWS_PER_SCALE) * stride_s0 + (k0 // 128) * stride_s1)
-
-
-@triton.jit
-def _settled(acc, ON_GPU: tl.constexpr):
-    """``acc`` after every wgmma producing it has completed: a register A operand must not be overwritten by the
-    next tile's decode while wgmmas still read it (Triton 3.6 does not wait for all of them:
-    triton-lang/triton#9433; see ``_gemm_w4._settled``)."""
-    if ON_GPU:
-        return tl.inline_asm_elementwise(
-            "mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False, pack=1
-        )
-    return acc
 
 
 @triton.jit
