@@ -39,13 +39,8 @@ Inference only: the op has no autograd formula.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -54,6 +49,8 @@ import torch.nn.functional as F
 from .. import kernels as _kernels
 from ..api import dequantize, resolve_backend
 from ..formats.qtensor import QTensor
+from . import _plumbing
+from ._plumbing import kernel_module as _kernel_module  # looked up here on every call: tests replace it
 
 GEMV_MAX_M = 16
 """Largest M (rows of x) for which the split-K GEMV kernel is chosen; above it the tensor-core GEMM runs."""
@@ -192,30 +189,7 @@ class LinearPlan:
     error: type[Exception] | None = None
 
     def __str__(self) -> str:
-        head = f"lowbit.linear {self.fmt} [M={self.m}, K={self.k}] x [N={self.n}, K={self.k}] on {self.device}"
-        if self.path == "unavailable":
-            return f"{head}, backend={self.backend!r}: raises {self.error.__name__}: {self.reason}"
-        return f"{head}, backend={self.backend!r}: {self.path} ({self.reason})"
-
-
-@functools.cache
-def _kernel_module(name: str) -> ModuleType | None:
-    """``lowbit.kernels.<name>`` if that module exists, else None (import errors inside it propagate)."""
-    full = f"lowbit.kernels.{name}"
-    if importlib.util.find_spec(full) is None:
-        return None
-    return importlib.import_module(full)
-
-
-def _kernel_choice(name: str, w: QTensor) -> tuple[ModuleType | None, str | None]:
-    """(module, None) when kernel ``name`` can run ``w``, else (None, why not)."""
-    module = _kernel_module(name)
-    if module is None:
-        return None, f"no module lowbit.kernels.{name}"
-    why = module.supports(w)
-    if why is not None:
-        return None, why
-    return module, None
+        return _plumbing.plan_str("linear", self.fmt, self)
 
 
 def _decide(m: int, device: torch.device, w: QTensor, backend: str) -> tuple[str, Any, tuple]:
@@ -225,23 +199,15 @@ def _decide(m: int, device: torch.device, w: QTensor, backend: str) -> tuple[str
     exception class for ``unavailable``, else None; ``facts`` feed :func:`_reason` (only formatted when
     asked for, so the hot path builds no strings).
     """
-    if backend == "torch":
-        return "reference", None, ("torch",)
-    if device.type != "cuda":
-        if backend == "triton":
-            return "unavailable", ValueError, ("triton_off_cuda",)
-        return "reference", None, ("off_cuda",)
-    if m == 0:
-        return "empty", None, ()
-    no_triton = _kernels.triton_available()
-    if no_triton:
-        return "unavailable", RuntimeError, ("no_triton", no_triton)
+    common = _plumbing.decide_common(backend, device, m == 0)
+    if common is not None:
+        return common
     gemv_why = None
     if m <= GEMV_MAX_M:
-        module, gemv_why = _kernel_choice("gemv_w4", w)
+        module, gemv_why = _plumbing.kernel_choice(_kernel_module, "gemv_w4", w)
         if module is not None:
             return "gemv_w4", module.gemv_w4, ()
-    module, gemm_why = _kernel_choice("gemm_w4", w)
+    module, gemm_why = _plumbing.kernel_choice(_kernel_module, "gemm_w4", w)
     if module is not None:
         return "gemm_w4", module.gemm_w4, (gemv_why,)
     return "unavailable", RuntimeError, ("no_kernel", gemv_why, gemm_why)
@@ -385,52 +351,22 @@ def linear(
 #     Tensor? nested_scale, Tensor? nested_offset, Tensor[] param_tensors, Tensor? bias, str fmt,
 #     int[] shape, str meta, str? activation, str backend) -> Tensor
 # x is [M, K] contiguous; shape is the weight's logical [N, K]. ``meta`` encodes the QTensor's non-tensor
-# fields as ``key=T:value`` items joined by ';' (T: b bool, i int, f float, s str, t index into
-# param_tensors); the keys ``@dtype`` and ``@scale_layout`` are the QTensor fields, the others its params.
-# It is a plain string so that dynamo builds it at trace time and the graph holds it as a constant.
+# fields as ``key=T:value`` items joined by ';' (lowbit.ops._plumbing; here T is one of b bool, i int,
+# f float, s str, t index into param_tensors); the keys ``@dtype`` and ``@scale_layout`` are the QTensor
+# fields, the others its params. It is a plain string so that dynamo builds it at trace time and the graph
+# holds it as a constant.
 
 _OPTIONAL_FIELDS = ("global_scale", "zeros", "nested_scale", "nested_offset")
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 def _encode(key: str, value: Any, tensors: list[torch.Tensor]) -> str:
-    if isinstance(value, Enum):
-        value = value.value
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return f"{key}=t:{len(tensors) - 1}"
-    if isinstance(value, bool):
-        return f"{key}=b:{int(value)}"
-    if isinstance(value, int):
-        return f"{key}=i:{value}"
-    if isinstance(value, float):
-        return f"{key}=f:{value!r}"
-    if isinstance(value, str) and ";" not in value and "=" not in value:
-        return f"{key}=s:{value}"
-    raise TypeError(f"lowbit.linear: cannot pass QTensor param {key}={value!r} through the custom op")
+    return _plumbing.encode(key, value, tensors, op="lowbit.linear", what="QTensor param", extended=False)
 
 
 def _flatten(w: QTensor) -> tuple[list[Any], str]:
     """``[data, scale, global_scale, zeros, nested_scale, nested_offset, param_tensors]`` and ``meta``."""
-    param_tensors: list[torch.Tensor] = []
-    items = [
-        _encode("@dtype", str(w.dtype).removeprefix("torch."), param_tensors),
-        _encode("@scale_layout", w.scale_layout, param_tensors),
-    ]
-    for key in sorted(w.params):
-        items.append(_encode(key, w.params[key], param_tensors))
-    tensors = [w.data, w.scale, *(getattr(w, f) for f in _OPTIONAL_FIELDS), param_tensors]
-    return tensors, ";".join(items)
-
-
-@functools.lru_cache(maxsize=256)
-def _decode_meta(meta: str) -> tuple[tuple[str, str, str], ...]:
-    out = []
-    for item in meta.split(";") if meta else ():
-        key, typed = item.split("=", 1)
-        kind, value = typed.split(":", 1)
-        out.append((key, kind, value))
-    return tuple(out)
+    param_tensors, meta = _plumbing.flatten_meta(w, _encode)
+    return [w.data, w.scale, *(getattr(w, f) for f in _OPTIONAL_FIELDS), param_tensors], meta
 
 
 def _unflatten(
@@ -442,33 +378,8 @@ def _unflatten(
     shape: Sequence[int],
     meta: str,
 ) -> QTensor:
-    fields: dict[str, Any] = {}
-    params: dict[str, Any] = {}
-    for key, kind, value in _decode_meta(meta):
-        if kind == "t":
-            v: Any = param_tensors[int(value)]
-        elif kind == "b":
-            v = value == "1"
-        elif kind == "i":
-            v = int(value)
-        elif kind == "f":
-            v = float(value)
-        else:
-            v = value
-        if key.startswith("@"):
-            fields[key[1:]] = v
-        else:
-            params[key] = v
-    return QTensor(
-        data=data,
-        scale=scale,
-        fmt=fmt,
-        shape=torch.Size(shape),
-        dtype=_DTYPES.get(fields.get("dtype"), torch.float32),
-        scale_layout=fields.get("scale_layout", "linear"),
-        params=params,
-        **dict(zip(_OPTIONAL_FIELDS, optional)),
-    )
+    optional_fields = dict(zip(_OPTIONAL_FIELDS, optional))
+    return _plumbing.unflatten(data, scale, param_tensors, fmt, shape, meta, **optional_fields)
 
 
 @torch.library.custom_op("lowbit::linear_w4a16", mutates_args=())

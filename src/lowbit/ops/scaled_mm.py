@@ -57,24 +57,20 @@ does. Inference only: no autograd formula.
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from .. import kernels as _kernels
 from ..api import dequantize, quantize, resolve_backend
 from ..formats.fp8_block import BLOCKS as _FP8_BLOCKS
 from ..formats.fp8_block import expected_scale_shape as _fp8_block_scale_shape
 from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import FORMATS
+from . import _plumbing
+from ._plumbing import kernel_module as _kernel_module  # looked up here on every call: tests replace it
 
 MXFP8 = ("mxfp8_e4m3", "mxfp8_e5m2")
 MXFP6 = ("mxfp6_e2m3", "mxfp6_e3m2")
@@ -400,39 +396,16 @@ class ScaledMMPlan:
     error: type[Exception] | None = None
 
     def __str__(self) -> str:
-        head = f"lowbit.scaled_mm {self.pair} [M={self.m}, K={self.k}] x [N={self.n}, K={self.k}] on {self.device}"
-        if self.path == "unavailable":
-            return f"{head}, backend={self.backend!r}: raises {self.error.__name__}: {self.reason}"
-        return f"{head}, backend={self.backend!r}: {self.path} ({self.reason})"
-
-
-@functools.cache
-def _kernel_module(name: str) -> ModuleType | None:
-    """``lowbit.kernels.<name>`` if that module exists, else None (import errors inside it propagate)."""
-    full = f"lowbit.kernels.{name}"
-    if importlib.util.find_spec(full) is None:
-        return None
-    return importlib.import_module(full)
+        return _plumbing.plan_str("scaled_mm", self.pair, self)
 
 
 def _decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: QTensor, backend: str):
     """THE dispatch rules (module docstring). Returns ``(path, target, facts)`` as ``lowbit.linear`` does."""
-    if backend == "torch":
-        return "reference", None, ("torch",)
-    if device.type != "cuda":
-        if backend == "triton":
-            return "unavailable", ValueError, ("triton_off_cuda",)
-        return "reference", None, ("off_cuda",)
-    if m == 0 or n == 0 or k == 0:
-        return "empty", None, ()
-    no_triton = _kernels.triton_available()
-    if no_triton:
-        return "unavailable", RuntimeError, ("no_triton", no_triton)
-    module = _kernel_module(KERNEL_MODULE)
+    common = _plumbing.decide_common(backend, device, m == 0 or n == 0 or k == 0)
+    if common is not None:
+        return common
+    module, why = _plumbing.kernel_choice(_kernel_module, KERNEL_MODULE, a, b)
     if module is None:
-        return "unavailable", RuntimeError, ("no_kernel", f"no module lowbit.kernels.{KERNEL_MODULE}")
-    why = module.supports(a, b)
-    if why is not None:
         return "unavailable", RuntimeError, ("no_kernel", why)
     return "scaled_mm", module.scaled_mm, ()
 
@@ -706,83 +679,23 @@ def _scaled_linear_run(
 # Schema: scaled_mm(Tensor a_data, Tensor a_scale, Tensor? a_global_scale, Tensor[] a_param_tensors,
 #     str a_fmt, SymInt[] a_shape, str a_meta, <the same seven for b>, Tensor? alpha, Tensor? bias,
 #     ScalarType out_dtype, str backend) -> Tensor
-# ``meta`` encodes a QTensor's non-tensor fields as ``key=T:value`` items joined by ';' (T: b bool, i int,
-# f float, s str, n None, p a tuple of ints "1,128", t an index into the param tensors); ``@dtype`` and
-# ``@scale_layout`` are the QTensor fields, the other keys its params. A plain string, so dynamo builds it
-# at trace time and the graph holds it as a constant.
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+# ``meta`` (lowbit.ops._plumbing) encodes a QTensor's non-tensor fields as ``key=T:value`` items joined by
+# ';' (T: b bool, i int, f float, s str, n None, p a tuple of ints "1,128", t an index into the param
+# tensors); ``@dtype`` and ``@scale_layout`` are the QTensor fields, the other keys its params. A plain
+# string, so dynamo builds it at trace time and the graph holds it as a constant.
 
 
 def _encode(key: str, value: Any, tensors: list[torch.Tensor]) -> str:
-    if isinstance(value, Enum):
-        value = value.value
-    if value is None:
-        return f"{key}=n:"
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return f"{key}=t:{len(tensors) - 1}"
-    if isinstance(value, bool):
-        return f"{key}=b:{int(value)}"
-    if isinstance(value, int):
-        return f"{key}=i:{int(value)}"
-    if isinstance(value, float):
-        return f"{key}=f:{value!r}"
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        # int(): under torch.compile(dynamic=True) torch 2.11 hands these over as SymInts, whose str() dynamo
-        # cannot trace; int() specializes them (they are format constants)
-        return f"{key}=p:{','.join(str(int(v)) for v in value)}"
-    if isinstance(value, str) and ";" not in value and "=" not in value:
-        return f"{key}=s:{value}"
-    raise TypeError(
-        f"lowbit.scaled_mm: cannot pass the QTensor param or option {key}={value!r} through the custom op"
+    return _plumbing.encode(
+        key, value, tensors, op="lowbit.scaled_mm", what="the QTensor param or option", extended=True
     )
 
 
 def _flatten(q: QTensor) -> tuple[list[Any], str]:
     """``[data, scale, global_scale, param_tensors]`` and ``meta`` of a QTensor (the formats here have no
     zeros or nested scales)."""
-    param_tensors: list[torch.Tensor] = []
-    items = [
-        _encode("@dtype", str(q.dtype).removeprefix("torch."), param_tensors),
-        _encode("@scale_layout", q.scale_layout, param_tensors),
-    ]
-    for key in sorted(q.params):
-        items.append(_encode(key, q.params[key], param_tensors))
-    return [q.data, q.scale, q.global_scale, param_tensors], ";".join(items)
-
-
-@functools.lru_cache(maxsize=256)
-def _decode_meta(meta: str) -> tuple[tuple[str, str, str], ...]:
-    out = []
-    for item in meta.split(";") if meta else ():
-        key, typed = item.split("=", 1)
-        kind, value = typed.split(":", 1)
-        out.append((key, kind, value))
-    return tuple(out)
-
-
-def _decode_items(meta: str, tensors: Sequence[torch.Tensor]) -> list[tuple[str, Any]]:
-    out = []
-    for key, kind, value in _decode_meta(meta):
-        if kind == "t":
-            v: Any = tensors[int(value)]
-        elif kind == "n":
-            v = None
-        elif kind == "b":
-            v = value == "1"
-        elif kind == "i":
-            v = int(value)
-        elif kind == "f":
-            v = float(value)
-        elif kind == "p":
-            v = tuple(int(p) for p in value.split(",")) if value else ()
-        else:
-            v = value
-        out.append((key, v))
-    return out
+    param_tensors, meta = _plumbing.flatten_meta(q, _encode)
+    return [q.data, q.scale, q.global_scale, param_tensors], meta
 
 
 def _unflatten(
@@ -794,23 +707,7 @@ def _unflatten(
     shape: Sequence[int],
     meta: str,
 ) -> QTensor:
-    fields: dict[str, Any] = {}
-    params: dict[str, Any] = {}
-    for key, v in _decode_items(meta, param_tensors):
-        if key.startswith("@"):
-            fields[key[1:]] = v
-        else:
-            params[key] = v
-    return QTensor(
-        data=data,
-        scale=scale,
-        fmt=fmt,
-        shape=torch.Size(shape),
-        dtype=_DTYPES.get(fields.get("dtype"), torch.float32),
-        global_scale=global_scale,
-        scale_layout=fields.get("scale_layout", "linear"),
-        params=params,
-    )
+    return _plumbing.unflatten(data, scale, param_tensors, fmt, shape, meta, global_scale=global_scale)
 
 
 @torch.library.custom_op("lowbit::scaled_mm", mutates_args=())
@@ -894,7 +791,7 @@ def scaled_linear_op(
 ) -> torch.Tensor:
     """``lowbit.ops.scaled_linear`` on a flattened weight (see the schema comment above)."""
     w = _unflatten(w_data, w_scale, w_global_scale, w_param_tensors, w_fmt, w_shape, w_meta)
-    options = dict(_decode_items(act_meta, act_tensors))
+    options = dict(_plumbing.decode_items(act_meta, act_tensors))
     return _scaled_linear_run(x.contiguous(), w, act_format, options, alpha, bias, out_dtype, backend)
 
 
