@@ -64,5 +64,17 @@ def gemlite(weights: list[torch.Tensor], kind: str):
         return None
 
 
+def write_json(path: str, payload: dict) -> None:
+    """Write ``payload`` to ``path`` atomically. Benchmarks call it after every shape, so a run cut short by a
+    time limit still leaves the rows it measured (marked ``"complete": False`` until the last write)."""
+    import json
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
 def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()

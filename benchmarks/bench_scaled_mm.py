@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
@@ -23,6 +24,9 @@ from triton.testing import do_bench
 
 import lowbit
 from lowbit.ops import scaled_linear, scaled_mm_reference
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _peers  # the benchmarks folder is not a package
 
 SHAPES = [(7168, 2048), (24576, 1536), (2112, 7168), (7168, 16384), (4096, 7168), (8192, 8192)]  # (N, K)
 # pair -> (activation format, options), (weight format, options)
@@ -63,6 +67,7 @@ def main() -> None:
     if args.sweep:
         return sweep(args, meta)
     rows = []
+    path = os.path.join(args.out, "bench_scaled_mm.json")
     dev = "cuda"
     for n, k in shapes:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05
@@ -109,11 +114,10 @@ def main() -> None:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(f"  {pair:12s} ERROR {row['error']}", flush=True)
                 rows.append(row)
-        del w, w8, quantized
+        w = w8 = quantized = None  # free before the next shape
         torch.cuda.empty_cache()
-    path = os.path.join(args.out, "bench_scaled_mm.json")
-    with open(path, "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=1)
+        _peers.write_json(path, {**meta, "complete": False, "rows": rows})
+    _peers.write_json(path, {**meta, "complete": True, "rows": rows})
     print(f"wrote {path}")
 
 

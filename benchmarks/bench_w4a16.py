@@ -15,7 +15,6 @@ the same M and timing mode; bytes = the 4-bit weight with its scales (x and out 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -134,6 +133,7 @@ def main() -> None:
             "copy_GBps": _copy_roof()}
     print(f"{meta['device']}  copy roof {meta['copy_GBps']:.0f} GB/s  git {meta['git']}")
     rows, sweep_rows = [], []
+    path = os.path.join(args.out, "bench_w4a16.json")
     for n, k in shapes:
         w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
         nb = _copies(n * k * 2)
@@ -228,10 +228,9 @@ def main() -> None:
                         print(f"    sweep best {best['us']:.1f} us: {best['config']}", flush=True)
         del w_bf16, w0, prepared
         torch.cuda.empty_cache()
-    meta["seconds"] = time.time() - t0
-    path = os.path.join(args.out, "bench_w4a16.json")
-    with open(path, "w") as f:
-        json.dump({**meta, "rows": rows, "sweep": sweep_rows}, f, indent=1)
+        meta["seconds"] = time.time() - t0
+        _peers.write_json(path, {**meta, "complete": False, "rows": rows, "sweep": sweep_rows})
+    _peers.write_json(path, {**meta, "complete": True, "rows": rows, "sweep": sweep_rows})
     print(f"wrote {path} ({meta['seconds']:.0f} s)")
 
 

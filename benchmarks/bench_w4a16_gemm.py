@@ -17,7 +17,6 @@ Targets (issue 4): M = 4096 >= 0.95x cuBLAS bf16 throughput on every shape below
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -149,6 +148,8 @@ def run(args) -> dict:
                 print(_line(row) + "".join(f"  vs {p} {r:.2f}x" for p, r in row.get("ratio_vs", {}).items()),
                       flush=True)
         torch.cuda.empty_cache()
+        if args.partial_path:
+            _peers.write_json(args.partial_path, {"header": header(), "complete": False, "rows": rows})
     return {"header": header(), "rows": rows}
 
 
@@ -217,12 +218,14 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.time()
-    result = sweep(args) if args.sweep else run(args)
-    result["seconds"] = time.time() - t0
     out_dir = Path(args.out or os.environ.get("OUT") or "benchmarks/results/tmp")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / (f"bench_w4a16_gemm_sweep_m{args.m[0]}.json" if args.sweep else "bench_w4a16_gemm.json")
-    path.write_text(json.dumps(result, indent=1, default=str))
+    args.partial_path = str(path)
+    result = sweep(args) if args.sweep else run(args)
+    result["seconds"] = time.time() - t0
+    result["complete"] = True
+    _peers.write_json(str(path), result)
     print(f"wrote {path} ({result['seconds']:.0f} s)")
     return 0
 
