@@ -137,6 +137,13 @@ def run(args) -> dict:
                 row = dict(format=name, M=m, N=n, K=k, config=cfg, cublas_ms=t_cublas,
                            cublas_tflops=2.0 * m * n * k / t_cublas / 1e9)
                 _time_case(row, x, q, cfg, t_cublas, args.rep)
+                if args.chunked:
+                    from lowbit.ops import linear_dequant_gemm
+
+                    y = linear_dequant_gemm(x, q)
+                    row["chunked_rel_err"] = rel_error(y, x, q)
+                    row["chunked_ms"] = bench(lambda: linear_dequant_gemm(x, q), args.rep)  # noqa: B023
+                    row["chunked_ratio_vs_cublas"] = t_cublas / row["chunked_ms"]
                 if args.dequant_baseline and "error" not in row:
                     row["dequant_then_cublas_ms"] = bench(
                         lambda: x @ lowbit.dequantize(q, torch.bfloat16).T, args.rep)  # noqa: B023
@@ -197,7 +204,9 @@ def _line(row: dict) -> str:
     if "error" in row:
         return f"{head}  ERROR {row['error']}"
     return (f"{head}  {row['tflops']:7.1f} TFLOPS  cuBLAS {row['cublas_tflops']:7.1f}  "
-            f"ratio {row['ratio_vs_cublas']:.3f}  rel_err {row['rel_err']:.1e}  [{row['config']['regime']}]")
+            f"ratio {row['ratio_vs_cublas']:.3f}  rel_err {row['rel_err']:.1e}  [{row['config']['regime']}]"
+            + (f"  chunked dequant+cuBLAS {row['chunked_ratio_vs_cublas']:.3f} (err {row['chunked_rel_err']:.1e})"
+               if "chunked_ms" in row else ""))
 
 
 def main(argv=None) -> int:
@@ -210,6 +219,8 @@ def main(argv=None) -> int:
                    help="sweep the tile configs of the first --m's regime (e.g. --sweep --m 4096 --formats nvfp4)")
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="skip the bitsandbytes / gemlite baselines")
+    p.add_argument("--chunked", action="store_true",
+                   help="also time lowbit.ops.linear.linear_dequant_gemm (chunked dequantize + cuBLAS)")
     p.add_argument("--dequant-baseline", action="store_true", help="also time dequantize + cuBLAS")
     p.add_argument("--out", default=None, help="output directory (default $OUT or benchmarks/results/tmp)")
     args = p.parse_args(argv)

@@ -581,3 +581,42 @@ def test_compiled_op_sees_the_weights_own_tensors(weights, compile_backend, fres
         argument(x, q)
         lowbit.linear(x, q, b)
     assert seen == [True] * 6
+
+
+# ------------------------------------------------------------------------------ chunked dequantize + GEMM
+
+_CHUNK_CASES = [("nvfp4", {}), ("nvfp4", {"scale_layout": "swizzled"}), ("mxfp4", {}), ("fp4_b32", {}),
+                ("nf4", {"double_quant": True}), ("int4_awq", {"group_size": 64})]
+
+
+@pytest.mark.parametrize("fmt, opts", _CHUNK_CASES, ids=[f"{f}-{o}" for f, o in _CHUNK_CASES])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_linear_dequant_gemm_matches_reference_over_several_chunks(fmt, opts, act):
+    gen = torch.Generator().manual_seed(3)
+    n, k, m = 392, 256, 9
+    w = torch.randn(n, k, generator=gen) * 0.1
+    q = lowbit.quantize(w.half() if fmt == "int4_awq" else w, fmt, **opts)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    ref = lin.linear_reference(x, q, bias, act).float()
+    # 128-row chunks: 4 chunks, the last one partial
+    got = lin.linear_dequant_gemm(x, q, bias, act, chunk_bytes=128 * k * 2)
+    one = lin.linear_dequant_gemm(x, q, bias, act)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    for y in (got, one):
+        err = (y.float() - ref).norm() / ref.norm()
+        assert err <= 1e-2, err
+    assert torch.equal(got, one)
+    assert lin._chunk_rows(q, 2, 128 * k * 2) == 128
+
+
+def test_dequant_gemm_is_chosen_only_when_enabled(monkeypatch):
+    q = lowbit.quantize(torch.randn(256, 128), "nvfp4")
+    monkeypatch.setattr(lin, "DEQUANT_GEMM_MIN_M", None)
+    assert lin._decide(4096, torch.device("cuda"), q, "auto")[0] != "dequant_gemm"
+    monkeypatch.setattr(lin, "DEQUANT_GEMM_MIN_M", 1024)
+    path, target, facts = lin._decide(4096, torch.device("cuda"), q, "auto")
+    assert path == "dequant_gemm" and target is lin._dequant_gemm_kernel
+    assert "DEQUANT_GEMM_MIN_M=1024" in lin._reason(path, facts, 4096, torch.device("cuda"), q)
+    assert lin._decide(1000, torch.device("cuda"), q, "auto")[0] != "dequant_gemm"
+    assert lin._decide(4096, torch.device("cpu"), q, "auto")[0] == "reference"

@@ -12,6 +12,7 @@ from .linear import (
     LinearPlan,
     explain,
     linear,
+    linear_dequant_gemm,
     linear_reference,
     plan_linear,
 )
@@ -27,6 +28,6 @@ from .scaled_mm import (
 
 __all__ = [
     "ACTIVATIONS", "GEMV_MAX_M", "PAIRS", "SUPPORTED_FORMATS", "LinearPlan", "ScaledMMPlan", "explain",
-    "explain_scaled_mm", "linear", "linear_reference", "plan_linear", "plan_scaled_mm", "scaled_linear",
+    "explain_scaled_mm", "linear", "linear_dequant_gemm", "linear_reference", "plan_linear", "plan_scaled_mm", "scaled_linear",
     "scaled_mm", "scaled_mm_reference",
 ]

@@ -12,7 +12,8 @@ Dispatch (:func:`plan_linear`), with ``M = x.numel() // K`` rows:
 1. ``backend="torch"`` (or ``$LOWBIT_BACKEND=torch``): the reference, on any device.
 2. x not on CUDA: the reference with ``backend="auto"``; ``backend="triton"`` is a ValueError.
 3. CUDA (``"auto"`` and ``"triton"`` alike; there is no silent fallback on CUDA):
-   ``M <= GEMV_MAX_M``: ``lowbit.kernels.gemv_w4`` (split-K GEMV) if the module exists and its
+   ``M >= DEQUANT_GEMM_MIN_M`` (when set; None by default): :func:`linear_dequant_gemm` (bounded chunks
+   of the weight dequantized by the Triton kernels, then cuBLAS); ``M <= GEMV_MAX_M``: ``lowbit.kernels.gemv_w4`` (split-K GEMV) if the module exists and its
    ``supports(w)`` returns None, else ``lowbit.kernels.gemm_w4`` likewise; ``M > GEMV_MAX_M``:
    ``gemm_w4``. Where no kernel can run, :func:`linear` raises RuntimeError naming each reason (pass
    ``backend="torch"`` for the reference). ``M == 0`` launches nothing and returns an empty result.
@@ -49,6 +50,8 @@ import torch.nn.functional as F
 from .. import kernels as _kernels
 from ..api import dequantize, resolve_backend
 from ..formats.qtensor import QTensor
+from ..formats.rows import nf4_without_double_quant, slice_rows
+from ..formats.rows import slice_rows_reason as _slice_rows_reason
 from . import _plumbing
 from ._plumbing import kernel_module as _kernel_module  # looked up here on every call: tests replace it
 
@@ -60,6 +63,13 @@ ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 """``"gelu"`` is the exact (erf) GELU, ``"gelu_tanh"`` its tanh approximation."""
 X_DTYPES = (torch.bfloat16, torch.float16)
 """Activation dtypes; the output has x's dtype."""
+DEQUANT_GEMM_MIN_M: int | None = None
+"""On CUDA, the M at and above which :func:`linear` runs :func:`linear_dequant_gemm` (the weight dequantized
+a bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS) instead of ``gemm_w4``.
+None (the default): never. Not yet measured on a GPU; ``benchmarks/bench_w4a16_gemm.py --chunked`` times
+both paths so that this can be set from data."""
+DEQUANT_CHUNK_BYTES = 64 << 20
+"""Largest dequantized chunk :func:`linear_dequant_gemm` materializes (bytes of x's dtype)."""
 KERNEL_MODULES = ("gemv_w4", "gemm_w4")
 """Launcher modules under ``lowbit.kernels``; each exposes ``supports(w) -> str | None`` and a function of
 its own name ``(x [M, K] contiguous, w, bias, activation) -> [M, N]``."""
@@ -168,7 +178,8 @@ class LinearPlan:
     """What :func:`linear` does for one call.
 
     Attributes:
-        path: ``"reference"``, ``"gemv_w4"``, ``"gemm_w4"``, ``"empty"`` (M == 0: nothing launched) or
+        path: ``"reference"``, ``"gemv_w4"``, ``"gemm_w4"``, ``"dequant_gemm"``, ``"empty"`` (M == 0:
+            nothing launched) or
             ``"unavailable"`` (:func:`linear` raises ``error`` with ``reason`` as its message).
         reason: one sentence saying why.
         backend: the resolved backend (``"auto"``, ``"triton"`` or ``"torch"``).
@@ -202,6 +213,8 @@ def _decide(m: int, device: torch.device, w: QTensor, backend: str) -> tuple[str
     common = _plumbing.decide_common(backend, device, m == 0)
     if common is not None:
         return common
+    if DEQUANT_GEMM_MIN_M is not None and m >= DEQUANT_GEMM_MIN_M and _slice_rows_reason(w) is None:
+        return "dequant_gemm", _dequant_gemm_kernel, ()
     gemv_why = None
     if m <= GEMV_MAX_M:
         module, gemv_why = _plumbing.kernel_choice(_kernel_module, "gemv_w4", w)
@@ -224,6 +237,10 @@ def _reason(path: str, facts: tuple, m: int, device: torch.device, w: QTensor) -
         return "M == 0: nothing to compute, no launch"
     if path == "gemv_w4":
         return f"{regime}: split-K GEMV"
+    if path == "dequant_gemm":
+        rows = _chunk_rows(w, 2, None)
+        return (f"M={m} >= DEQUANT_GEMM_MIN_M={DEQUANT_GEMM_MIN_M}: dequantize chunks of {rows} rows "
+                "(Triton), then cuBLAS")
     if path == "gemm_w4":
         if m <= GEMV_MAX_M:
             return f"{regime} but no GEMV (gemv_w4: {facts[0]}): tensor-core GEMM"
@@ -244,6 +261,43 @@ def _plan(m: int, n: int, k: int, device: torch.device, w: QTensor, backend: str
     path, target, facts = _decide(m, device, w, backend)
     error = target if path == "unavailable" else None
     return LinearPlan(path, _reason(path, facts, m, device, w), backend, str(device), m, n, k, w.fmt, error)
+
+
+def _chunk_rows(w: QTensor, element_size: int, chunk_bytes: int | None) -> int:
+    n, k = w.shape
+    rows = (chunk_bytes or DEQUANT_CHUNK_BYTES) // (element_size * k) // 128 * 128
+    return n if rows >= n else max(128, rows)
+
+
+def linear_dequant_gemm(
+    x2: torch.Tensor,
+    w: QTensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    *,
+    chunk_bytes: int | None = None,
+    dequant_backend: str | None = None,
+) -> torch.Tensor:
+    """``act(x2 @ dequant(w).T + bias)`` for ``x2`` ``[M, K]``: ``w`` is dequantized to x's dtype a chunk of
+    rows at a time (at most ``chunk_bytes``, default :data:`DEQUANT_CHUNK_BYTES`; the full dequantized matrix
+    never exists), each chunk multiplied by the BLAS of x's device (cuBLAS on CUDA) with the bias, then the
+    activation. Dequantization is exact in bf16 for the FP4 formats' element x scale products; nvfp4's global
+    scale, nf4 and int4 values round once to x's dtype (relative error <= 2^-9), inside the stated tolerance."""
+    m, n = x2.shape[0], w.shape[0]
+    wq = nf4_without_double_quant(w) if w.fmt == "nf4" else w
+    rows = _chunk_rows(w, x2.element_size(), chunk_bytes)
+    if rows == n:
+        return _act(F.linear(x2, dequantize(wq, x2.dtype, backend=dequant_backend), bias), activation)
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        wc = dequantize(slice_rows(wq, n0, n1), x2.dtype, backend=dequant_backend)
+        out[:, n0:n1] = _act(F.linear(x2, wc, None if bias is None else bias[n0:n1]), activation)
+    return out
+
+
+def _dequant_gemm_kernel(x2, w, bias, activation):
+    return linear_dequant_gemm(x2, w, bias, activation)
 
 
 def _rows(x_shape_or_tensor: torch.Tensor | Sequence[int], w: QTensor) -> tuple[int, int, int, torch.device]:

@@ -1,0 +1,78 @@
+"""Row ranges of a 2-D quantized weight ``[N, K]`` as QTensors of their own (views where the layout allows).
+
+``slice_rows(q, n0, n1)`` decodes to exactly ``dequantize(q)[n0:n1]``. Used to dequantize a weight a bounded
+chunk of rows at a time (``lowbit.ops.linear``'s dequantize + GEMM path), never the whole matrix at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .nf4 import check_nf4_qtensor, nf4_absmax
+from .qtensor import QTensor
+
+ROW_ALIGN = {"nvfp4": 128, "mxfp4": 128, "fp4_b32": 1, "nf4": 1, "int4_awq": 8}
+"""Row starts :func:`slice_rows` accepts per format must be multiples of this (128: the swizzled scale tile,
+which it also requires for linear scales so that chunking does not depend on the layout; 8: the AutoAWQ
+column packing)."""
+
+
+def slice_rows_reason(q: QTensor) -> str | None:
+    """None if :func:`slice_rows` takes ``q``, else why not."""
+    if q.fmt not in ROW_ALIGN:
+        return f"no row slicing for format {q.fmt!r}"
+    if len(q.shape) != 2:
+        return f"row slicing needs a 2-D weight, got shape {tuple(q.shape)}"
+    if q.fmt == "nf4":
+        blocksize = q.params.get("blocksize")
+        if not blocksize or q.shape[1] % blocksize:
+            return f"nf4: K = {q.shape[1]} is not a multiple of the blocksize {blocksize}"
+    return None
+
+
+def nf4_without_double_quant(q: QTensor) -> QTensor:
+    """The same nf4 weight with its absmax decoded to fp32 (dequantizes identically)."""
+    check_nf4_qtensor(q)
+    if q.nested_scale is None:
+        return q
+    params = dict(q.params, double_quant=False)
+    return replace(q, scale=nf4_absmax(q).reshape(-1), nested_scale=None, nested_offset=None, params=params)
+
+
+def slice_rows(q: QTensor, n0: int, n1: int) -> QTensor:
+    """Rows ``n0:n1`` of the weight ``q`` ``[N, K]``; ``n0`` a multiple of ``ROW_ALIGN[q.fmt]``.
+
+    nf4 with double quantization is sliced from its fp32 absmax (call :func:`nf4_without_double_quant` once
+    and slice that, to decode the absmax only once)."""
+    why = slice_rows_reason(q)
+    if why:
+        raise ValueError(f"slice_rows: {why}")
+    n, k = q.shape
+    align = ROW_ALIGN[q.fmt]
+    if not (0 <= n0 < n1 <= n) or n0 % align:
+        raise ValueError(f"slice_rows: need 0 <= n0 < n1 <= {n} and n0 % {align} == 0, got n0={n0}, n1={n1}")
+    rows = n1 - n0
+    shape = (rows, k)
+    if q.fmt in ("nvfp4", "mxfp4", "fp4_b32"):
+        data = q.data[n0:n1]
+        if q.scale_layout == "swizzled":
+            # every 128-row tile is one contiguous run of the swizzled scales, so a range of whole tiles is a
+            # row range of the padded [round_up(N, 128), round_up(K / block, 4)] tensor
+            padded = -(-rows // 128) * 128
+            scale = q.scale.reshape(-1, q.scale.shape[-1])[n0 : n0 + padded]
+        else:
+            scale = q.scale[n0:n1]
+        return replace(q, data=data, scale=scale, shape=shape)
+    if q.fmt == "nf4":
+        q = nf4_without_double_quant(q)
+        blocksize = q.params["blocksize"]
+        data = q.data.reshape(-1)[n0 * k // 2 : n1 * k // 2]
+        scale = q.scale.reshape(-1)[n0 * k // blocksize : n1 * k // blocksize]
+        return replace(q, data=data, scale=scale, shape=shape)
+    # int4_awq: qweight [K, N/8], qzeros [K/g, N/8] pack 8 output columns per int32; scales [K/g, N]
+    if n1 % 8:
+        raise ValueError(f"slice_rows: int4_awq row ranges must end on a multiple of 8, got n1={n1}")
+    data = q.data[:, n0 // 8 : n1 // 8].contiguous()
+    zeros = q.zeros[:, n0 // 8 : n1 // 8].contiguous()
+    scale = q.scale[:, n0:n1].contiguous()
+    return replace(q, data=data, scale=scale, zeros=zeros, shape=shape)
