@@ -99,9 +99,29 @@ def run_tests(out_dir: str, timeout_s: float, paths: list[str]) -> str:
     return summary
 
 
+# the operator benchmarks of the `ops` step: (script and arguments, timeout in seconds); each writes its JSON
+# to $OUT after every shape, so a timeout keeps what was measured
+OPS_BENCHES = [
+    (["benchmarks/bench_w4a16.py", "--ms", "1,16"], 240),
+    (["benchmarks/bench_w4a16_gemm.py", "--m", "4096", "--rep", "30", "--chunked"], 200),
+    (["benchmarks/bench_scaled_mm.py", "--ms", "4096,16", "--rep", "25"], 200),
+]
+
+
+def run_ops_benches(out_dir: str) -> None:
+    env = dict(os.environ, OUT=out_dir, PYTHONUNBUFFERED="1")
+    for cmd, timeout in OPS_BENCHES:
+        try:
+            rc = subprocess.call([sys.executable, *cmd], cwd=ROOT, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout (partial JSON kept)"
+        print(f"{' '.join(cmd)}: exit {rc}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="*", help="tests and/or bench (default: both), or install (wheels only)")
+    ap.add_argument("what", nargs="*", help="tests, bench (the quant harness) and/or ops (W4A16 and scaled_mm "
+                    "benchmarks); default tests + bench; install: wheels only")
     ap.add_argument("--tests", default="tests/kernels,tests/bench,tests/ops",
                     help="comma-separated test paths for the tests step")
     ap.add_argument("--quick", action="store_true", help="harness: each op's quick shapes")
@@ -117,8 +137,9 @@ def main() -> int:
     ap.add_argument("--tests-timeout-s", type=float, default=240.0)
     args = ap.parse_args()
     what = set(args.what or ["tests", "bench"])
-    if what - {"tests", "bench", "install"}:
-        ap.error(f"unknown step(s) {sorted(what - {'tests', 'bench', 'install'})}: use tests, bench or install")
+    steps = {"tests", "bench", "ops", "install"}
+    if what - steps:
+        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops or install")
 
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "tmp")
     os.makedirs(out_dir, exist_ok=True)
@@ -128,7 +149,11 @@ def main() -> int:
         return 0
 
     tests_summary = run_tests(out_dir, args.tests_timeout_s, args.tests.split(",")) if "tests" in what else None
+    if "ops" in what:
+        run_ops_benches(out_dir)
     if "bench" not in what:
+        if tests_summary:
+            print(tests_summary)
         return 0
 
     from lowbit import bench
