@@ -5,6 +5,7 @@ Run on the GPU machine from the repository root, with ``.whl`` carried (bitsandb
 
     GIT_SHA=<sha> PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py              # tests + harness
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py bench --quick --ops 'quantize.*'
+    GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests ops                        # GPU tests + operator benches
 
 Writes ``$OUT/gpu_tests.xml`` and ``$OUT/quant_kernels_<date>.json``; the results table is printed last.
 Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
