@@ -9,7 +9,9 @@ import contextlib
 import functools
 import importlib
 import importlib.util
-from typing import Any, Callable
+import os
+from collections.abc import Callable
+from typing import Any
 
 from ..formats.spec import NVFP4Convention
 
@@ -34,6 +36,11 @@ _DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
 # launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)
 # covering every code path it can launch, which CI compiles for sm_90
 KERNEL_MODULES = ("blockscaled", "fp8_block", "nf4", "int4_awq", "gemv_w4", "gemm_w4", "scaled_mm")
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET`` (the CPU interpreter): kernels then skip inline asm and GPU-only tricks."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 _per_call_scratch_depth = 0

@@ -201,6 +201,21 @@ def _quantize_blockscaled_kernel(
 
 
 @triton.jit
+def _fp6_codes(slots):
+    """FP6 codes [R, C] from ``slots`` [R, C] (int32): for each group of 4 elements, slots 0..2 hold its 3
+    packed bytes (little-endian 24-bit stream, element 0 in the low 6 bits) and slot 3 is ignored."""
+    R: tl.constexpr = slots.shape[0]
+    C: tl.constexpr = slots.shape[1]
+    s02, s13 = tl.split(tl.reshape(slots, (R, C // 4, 2, 2)))
+    b0, b2 = tl.split(s02)
+    b1, _ = tl.split(s13)
+    word = b0 | (b1 << 8) | (b2 << 16)
+    even = tl.join(word & 0x3F, (word >> 12) & 0x3F)
+    odd = tl.join((word >> 6) & 0x3F, (word >> 18) & 0x3F)
+    return tl.reshape(tl.join(even, odd), (R, C))
+
+
+@triton.jit
 def _dequantize_blockscaled_kernel(
     data_ptr, scale_ptr, gscale_ptr, out_ptr,
     n_groups, groups_per_row, n_scale_cols_padded4,
@@ -222,13 +237,7 @@ def _dequantize_blockscaled_kernel(
         off = (e // 4) * 3 + e % 4
         slots = tl.load(data_ptr + g[:, None] * (GROUP // 4 * 3) + off[None, :],
                         mask=g_ok[:, None] & (e % 4 < 3)[None, :], other=0).to(tl.int32)
-        s02, s13 = tl.split(tl.reshape(slots, (BLOCK_G, GROUP // 4, 2, 2)))
-        b0, b2 = tl.split(s02)
-        b1, _ = tl.split(s13)
-        word = b0 | (b1 << 8) | (b2 << 16)
-        even = tl.join(word & 0x3F, (word >> 12) & 0x3F)
-        odd = tl.join((word >> 6) & 0x3F, (word >> 18) & 0x3F)
-        codes = tl.reshape(tl.join(even, odd), (BLOCK_G, GROUP))
+        codes = _fp6_codes(slots)
     else:
         codes = tl.load(data_ptr + g[:, None] * GROUP + e[None, :], mask=g_ok[:, None], other=0).to(tl.int32)
 

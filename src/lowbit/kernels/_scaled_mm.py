@@ -23,7 +23,7 @@ FP8 x FP8 with SMODE 1 on both sides runs ``tl.dot`` on float8 (wgmma e4m3); eve
 import triton
 import triton.language as tl
 
-from ._blockscaled import _decode_minifloat
+from ._blockscaled import _decode_minifloat, _fp6_codes
 from ._gemm_w4 import _e2m1_pairs, _e8m0_to, _mul_groups, _settled, _swizzled_offsets
 
 
@@ -60,7 +60,6 @@ def _operand_tile(
 ):
     """The [R, BK] tile of K columns k0.. of the operand rows ``rows`` (int64 [R]) in bf16, with the in-tile
     (SMODE 2/4) scales applied in bf16 (exact products). Columns >= K read as zero."""
-    R: tl.constexpr = rows.shape[0]
     if KIND == 0:
         v = _fp8_tile(d_ptr, rows, k0, K, stride_d, BK, EVEN_K).to(tl.bfloat16)
     elif KIND == 1:
@@ -79,14 +78,7 @@ def _operand_tile(
         if not EVEN_K:
             ok = ok & ((k0 + e) < K)[None, :]
         slots = tl.load(d_ptr + rows[:, None] * stride_d + off[None, :], mask=ok, other=0).to(tl.int32)
-        s02, s13 = tl.split(tl.reshape(slots, (R, BK // 4, 2, 2)))
-        b0, b2 = tl.split(s02)
-        b1, _ = tl.split(s13)
-        word = b0 | (b1 << 8) | (b2 << 16)
-        even = tl.join(word & 0x3F, (word >> 12) & 0x3F)
-        odd = tl.join((word >> 6) & 0x3F, (word >> 18) & 0x3F)
-        codes = tl.reshape(tl.join(even, odd), (R, BK))
-        v = _decode_minifloat(codes, EBITS, MBITS, BIAS).to(tl.bfloat16)
+        v = _decode_minifloat(_fp6_codes(slots), EBITS, MBITS, BIAS).to(tl.bfloat16)
 
     if SMODE == 2 or SMODE == 4:
         GROUP: tl.constexpr = 32 if SMODE == 2 else 16

@@ -6,8 +6,6 @@ dequantize the reverse. Both are one pass; the default NVFP4 global scale costs 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
@@ -17,6 +15,7 @@ from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
 from . import _blockscaled as k
+from . import interpreting as _interpreting
 
 _ELEM_KIND = {"e4m3": k.ELEM_E4M3, "e5m2": k.ELEM_E5M2}
 
@@ -31,11 +30,6 @@ def _elem_args(elem: MinifloatSpec) -> dict:
 
 # elements per program and warps; tuned on H100/H200 (see benchmarks/gpu_check.py --sweep)
 TILE = {"elems": 4096, "warps": 4}
-
-
-def _interpreting() -> bool:
-    # the interpreter's min() keeps NaN, so the kernel must test for it explicitly (see _encode_minifloat)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _block_g(group: int) -> int:
@@ -120,7 +114,8 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, 
             n_groups, cols, -(-cols // 4) * 4,
             BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind,
             MAX=elem.max_normal, RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax,
-            HAS_GSCALE=gscale is not None and amax is None, SWIZZLED=swizzled, NAN_FIXUP=_interpreting(),
+            HAS_GSCALE=gscale is not None and amax is None, SWIZZLED=swizzled,
+            NAN_FIXUP=_interpreting(),  # the interpreter's min() keeps NaN: test for it (see _encode_minifloat)
             GSCALE_FROM_AMAX=amax is not None,
             num_warps=TILE["warps"], **_elem_args(elem),
         )

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 
 import torch
@@ -37,6 +36,7 @@ from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _gemm_w4 as k
+from . import interpreting as _interpreting
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
 _FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp4_b32": 2, "nf4": 3, "int4_awq": 4}
@@ -67,10 +67,6 @@ FORMAT_CONFIGS: dict[tuple[str, str], dict[str, int]] = {}
 # split-K: used when the output tiles fill less than half of the SMs; each split keeps >= this many K tiles
 SPLIT_K_MIN_TILES = 4
 SPLIT_K_MAX = 8
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def regime(m: int) -> str:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -52,6 +51,7 @@ from ..formats.packing import unswizzle_scales
 from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _gemv_w4 as k
+from . import interpreting as _interpreting
 from . import scratch_per_call
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
@@ -82,10 +82,6 @@ DIRECT_LAUNCH = True
 _FMT = {"nvfp4": k.FMT_NVFP4.value, "mxfp4": k.FMT_MXFP4.value, "fp4_b32": k.FMT_FP4_B32.value,
         "nf4": k.FMT_NF4.value, "nf4_dq": k.FMT_NF4_DQ.value, "int4_awq": k.FMT_AWQ.value}
 _X_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -8,23 +8,18 @@ element each way); loads and stores are 16-byte vectors.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from ..formats import int4_awq as ref
 from ..formats.qtensor import QTensor
 from . import _int4_awq as k
+from . import interpreting as _interpreting
 
 # elements per program, widest column tile (powers of two) and warps; the benchmarks sweep these
 TILE = {"elems": 8192, "cols": 128, "warps": 4}
 
 _OUT = {torch.float32: (0, torch.int32), torch.bfloat16: (1, torch.int16), torch.float16: (2, torch.int16)}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _tiles(group_size: int, out_kind: int) -> tuple[int, int]:

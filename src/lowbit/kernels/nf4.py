@@ -11,7 +11,6 @@ its payload as F16C does.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -21,15 +20,12 @@ from ..formats.codecs import codebook_table
 from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _nf4 as k
+from . import interpreting as _interpreting
 
 # elements per program (power of two) and warps; the benchmarks sweep these
 TILE = {"elems": 4096, "warps": 4}
 
 _OUT = {torch.float32: (0, torch.int32, 4), torch.bfloat16: (1, torch.int16, 8), torch.float16: (2, torch.int16, 8)}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=16)

@@ -15,6 +15,7 @@ import triton
 
 from ..formats.qtensor import QTensor
 from . import _scaled_mm as k
+from . import interpreting as _interpreting
 
 # (largest M, config); the last entry covers every larger M
 CONFIGS: list[tuple[int, dict[str, int]]] = [
@@ -33,13 +34,7 @@ _FP8 = ("fp8_block", "fp8_rowwise", "mxfp8_e4m3", "mxfp8_e5m2")
 FORMATS = (*_FP8, "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2")
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _operand(q: QTensor, role: str) -> tuple[list, dict]:
+def _operand(q: QTensor) -> tuple[list, dict]:
     """(data, scale, gscale, stride_d, stride_s0, stride_s1, s_cols4) and the constexprs of one operand."""
     fmt = q.fmt
     _rows, k_dim = q.shape
@@ -108,8 +103,8 @@ def _config(m: int, raw_fp8: bool) -> dict:
 def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None) -> torch.Tensor:
     m, k_dim = a.shape
     n = b.shape[0]
-    a_args, ac = _operand(a, "a")
-    b_args, bc = _operand(b, "b")
+    a_args, ac = _operand(a)
+    b_args, bc = _operand(b)
     raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1
     cfg = dict(config) if config is not None else _config(m, raw_fp8)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)

@@ -10,23 +10,13 @@ from torch import nn
 
 from ..api import dequantize, quantize
 from ..formats.qtensor import QTensor
+from ..ops.linear import ACTIVATIONS, _act
 from .schemes import Scheme, get_scheme
 
 QTENSOR_FIELDS = ("data", "scale", "global_scale", "zeros", "nested_scale", "nested_offset")
 """QTensor tensor fields; each is stored in the buffer ``weight_<field>`` (None fields are None buffers)."""
 BUFFER_NAMES = tuple(f"weight_{f}" for f in QTENSOR_FIELDS)
-ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
-    if activation is None:
-        return y
-    if activation == "gelu":
-        return F.gelu(y)
-    if activation == "gelu_tanh":
-        return F.gelu(y, approximate="tanh")
-    return F.silu(y)
 
 
 class QuantLinear(nn.Module):
