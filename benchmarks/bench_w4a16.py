@@ -58,6 +58,16 @@ SWEEP = [
     ]
 ] + [{"fma_max_m": fm} for fm in (1, 2, 4)]
 
+# the row-major FMA kernel (lanes along a row's chunks), M <= 4
+SWEEP_ROWS = [
+    {"fma_max_m": 4, "fma": {"bn": bn, "chunks": c, "warps": w, "stages": s, "rows": True}, "ctas_per_sm": cps}
+    for bn, c, w, s, cps in [
+        (16, 32, 4, 3, 4), (32, 32, 8, 3, 4), (32, 32, 4, 3, 4), (16, 32, 4, 4, 4), (16, 16, 4, 4, 4),
+        (64, 32, 8, 2, 2), (16, 32, 4, 3, 8), (32, 32, 8, 4, 2), (8, 32, 4, 4, 8),
+    ]
+] + [{"fma_max_m": 4, "fma": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3}}]
+SWEEPS = {"all": SWEEP, "rows": SWEEP_ROWS}
+
 
 def _git() -> str:
     try:
@@ -119,6 +129,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     ap.add_argument("--ms", default="1,4,16", help="rows of x (the full set: 1,2,4,8,16)")
     ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tile variants")
+    ap.add_argument("--sweep-set", default="all", choices=sorted(SWEEPS), help="which variants --sweep times")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
     args = ap.parse_args()
@@ -213,7 +224,7 @@ def main() -> None:
                       + "".join(f"  vs {p} {v.get('graph', v['eager']):.2f}x" for p, v in row.get("speedup_vs", {}).items()),
                       flush=True)
                 if args.sweep:
-                    for cfg_delta in SWEEP:
+                    for cfg_delta in SWEEPS[args.sweep_set]:
                         cfg = {**G.TILE, **cfg_delta}
                         try:
                             G.gemv_w4(x, ps[0], config=cfg)

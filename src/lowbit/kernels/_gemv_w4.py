@@ -506,6 +506,59 @@ def _gemv_w4_fma_kernel(
 
 
 @triton.jit
+def _gemv_w4_rows_kernel(
+    x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, KW, SK,
+    FMT: tl.constexpr, WPB: tl.constexpr, IPS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    GS_KIND: tl.constexpr, POST: tl.constexpr, X_FP16: tl.constexpr, ON_GPU: tl.constexpr,
+):
+    """The FMA kernel's contract on a 2-D ``[BN, 4 C]`` word tile: 16-byte vectors along the row, lanes
+    along the chunks of a row (a warp reads 512 contiguous bytes of one row), warps along the rows, so each
+    thread loads the x values of its chunk once and reuses them for the BN / num_warps rows it holds. The
+    scale is applied per word (no reshape, which would impose a layout that splits a 16-byte load across
+    threads); words of one block load the same scale address."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    CW: tl.constexpr = 4 * C
+    rows = pid_n * BN + tl.arange(0, BN)
+    rows_c = tl.minimum(rows, N - 1)
+    kq = tl.arange(0, CW)[None, :]                         # [1, CW] word offset inside the tile
+    w_rows = w_ptr + rows_c.to(tl.int64)[:, None] * KW + kq
+    row_blk = rows_c.to(tl.int64)[:, None] * SK
+    xq = kq * 8
+    x1 = tl.minimum(1, M - 1).to(tl.int64) * KW * 8
+    x2 = tl.minimum(2, M - 1).to(tl.int64) * KW * 8
+    x3 = tl.minimum(3, M - 1).to(tl.int64) * KW * 8
+
+    acc0 = tl.zeros((BN, CW), dtype=tl.float32)
+    acc1 = tl.zeros((BN, CW), dtype=tl.float32)
+    acc2 = tl.zeros((BN, CW), dtype=tl.float32)
+    acc3 = tl.zeros((BN, CW), dtype=tl.float32)
+    kw_start = pid_k * (IPS * CW)
+    raw, nest = _load_scales(s_ptr, (kq + kw_start) // WPB, row_blk, nested_ptr, FMT, ON_GPU)
+    for it in tl.range(0, IPS, num_stages=STAGES):
+        kw0 = kw_start + it * CW
+        words = tl.load(w_rows + kw0)
+        sf, zz = _decode_scales(raw, nest, tab_ptr, FMT, ON_GPU)
+        kw_next = tl.minimum(kw0 + CW, KW - CW)
+        raw, nest = _load_scales(s_ptr, (kq + kw_next) // WPB, row_blk, nested_ptr, FMT, ON_GPU)
+        dec = _decode8(words, zz, tab_ptr, FMT, ON_GPU)
+        xp = x_ptr + (xq + kw0 * 8)
+        acc0 += _row_dot(dec, xp, X_FP16, ON_GPU) * sf
+        if MP > 1:
+            acc1 += _row_dot(dec, xp + x1, X_FP16, ON_GPU) * sf
+        if MP > 2:
+            acc2 += _row_dot(dec, xp + x2, X_FP16, ON_GPU) * sf
+            acc3 += _row_dot(dec, xp + x3, X_FP16, ON_GPU) * sf
+
+    acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1), MP)
+    m = tl.arange(0, MP)
+    _epilogue(acc, pid_n, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+              MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+
+
+@triton.jit
 def _gemv_w4_dot_kernel(
     x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, KW, SK,

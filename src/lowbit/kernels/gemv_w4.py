@@ -368,7 +368,10 @@ def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim:
     consts = {"FMT": fmt_code, "WPB": wpb, "IPS": ips, "MP": mp, "BN": bn, "C": c, "STAGES": t["stages"], "SPLIT": split,
               "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": post, "X_FP16": x_fp16,
               "ON_GPU": not _interpreting()}
-    fn = k._gemv_w4_fma_kernel if use_fma else k._gemv_w4_dot_kernel
+    if use_fma:
+        fn = k._gemv_w4_rows_kernel if t.get("rows") else k._gemv_w4_fma_kernel
+    else:
+        fn = k._gemv_w4_dot_kernel
     return _Plan(fn=fn, grid=(n_tiles, split, 1), consts=consts, num_warps=t["warps"],
                  ints=(m, n, kw, sk), split=split, mp=mp, n_tiles=n_tiles)
 
