@@ -65,7 +65,7 @@ SWEEP_ROWS = [
         (16, 32, 4, 3, 4), (32, 32, 8, 3, 4), (32, 32, 4, 3, 4), (16, 32, 4, 4, 4), (16, 16, 4, 4, 4),
         (64, 32, 8, 2, 2), (16, 32, 4, 3, 8), (32, 32, 8, 4, 2), (8, 32, 4, 4, 8),
     ]
-] + [{"fma_max_m": 4, "fma": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3}}]
+] + [{"fma_max_m": 4, "fma": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3}}, {"fma_max_m": 2}, {"fma_max_m": 1}]
 SWEEPS = {"all": SWEEP, "rows": SWEEP_ROWS}
 
 

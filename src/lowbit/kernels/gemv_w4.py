@@ -59,11 +59,12 @@ ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 MAX_M = 16
 
 TILE = {
-    # M <= fma_max_m: FMA kernel (MP = 1, 2 or 4 rows of x per program); else the tl.dot kernel (MP = 16)
-    "fma_max_m": 2,
+    # M <= fma_max_m: CUDA-core FMA kernel (MP = 1, 2 or 4 rows of x per program); else the tl.dot kernel
+    # (MP = 16). "rows": the row-major FMA kernel (_gemv_w4_rows_kernel), else the chunk-major one.
+    "fma_max_m": 4,
     # bn: output rows per program; chunks: 16-byte chunks (32 weights) per row per iteration;
     # stages: cp.async pipeline depth (stages - 1 tiles in flight while one is decoded)
-    "fma": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3},
+    "fma": {"bn": 16, "chunks": 32, "warps": 4, "stages": 3, "rows": True},
     "dot": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3},
     # split K until about ctas_per_sm programs per SM exist, at most max_split ways, each split at least
     # min_iters iterations long, the fp32 partials (split * M * N * 4 bytes, written and read back) at most
@@ -530,7 +531,7 @@ _POST = {"nvfp4": 64.0, "mxfp4": 64.0, "fp4_b32": 64.0, "nf4": 1.0, "nf4_dq": 1.
 
 def compile_variants():
     """(kernel, signature, constexprs) of the code paths the launcher starts (CI compiles them for sm_90):
-    every format through both kernels (FMA at M = 1, 2, 4 and dot), bf16 and fp16 x, split-K, each
+    every format through the three kernels (row-major and chunk-major FMA at M = 1, 2, 4, and dot), bf16 and fp16 x, split-K, each
     activation, bias, each global-scale kind, and the other nf4 / int4 block sizes."""
     cases = []
     for fmt in _FMT:
@@ -538,6 +539,8 @@ def compile_variants():
         cases += [
             (fmt, "fma", 1, "*bf16", 1, False, 0, gs, _WPB[fmt]),
             (fmt, "fma", 2, "*fp16", 4, True, 1, gs, _WPB[fmt]),
+            (fmt, "chunks", 1, "*bf16", 2, False, 0, gs, _WPB[fmt]),
+            (fmt, "chunks", 4, "*fp16", 1, True, 3, gs, _WPB[fmt]),
             (fmt, "dot", 16, "*bf16", 2, True, 3, gs, _WPB[fmt]),
             (fmt, "dot", 16, "*fp16", 1, False, 0, gs, _WPB[fmt]),
         ]
@@ -548,10 +551,14 @@ def compile_variants():
         ("int4_awq", "dot", 16, "*bf16", 1, False, 0, k.GS_NONE.value, 8),  # group 64
         ("nf4_dq", "fma", 1, "*fp16", 1, False, 0, k.GS_NONE.value, 4),     # blocksize 32
     ]
+    chunk_major = {"bn": 64, "chunks": 8, "warps": 4, "stages": 3}
     for fmt, path, mp, xd, split, has_bias, act, gs_kind, wpb in cases:
-        t = TILE["fma"] if path == "fma" else TILE["dot"]
+        t = {"fma": TILE["fma"], "chunks": chunk_major, "dot": TILE["dot"]}[path]
         consts = {"FMT": _FMT[fmt], "WPB": wpb, "IPS": 16 // split, "MP": mp, "BN": t["bn"], "C": t["chunks"], "STAGES": t["stages"],
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": _POST[fmt],
                   "X_FP16": xd == "*fp16", "ON_GPU": True}
-        fn = k._gemv_w4_fma_kernel if path == "fma" else k._gemv_w4_dot_kernel
+        if path == "dot":
+            fn = k._gemv_w4_dot_kernel
+        else:
+            fn = k._gemv_w4_rows_kernel if t.get("rows") else k._gemv_w4_fma_kernel
         yield fn, _sig(fmt, xd, "*fp32" if has_bias and act == 1 else xd), consts
