@@ -70,6 +70,8 @@ SWEEPS = {"all": SWEEP, "rows": SWEEP_ROWS}
 
 
 def _git() -> str:
+    if os.environ.get("GIT_SHA"):
+        return os.environ["GIT_SHA"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=False).stdout.strip()
