@@ -66,7 +66,13 @@ SWEEP_ROWS = [
         (64, 32, 8, 2, 2), (16, 32, 4, 3, 8), (32, 32, 8, 4, 2), (8, 32, 4, 4, 8),
     ]
 ] + [{"fma_max_m": 4, "fma": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3}}, {"fma_max_m": 2}, {"fma_max_m": 1}]
-SWEEPS = {"all": SWEEP, "rows": SWEEP_ROWS}
+# the tensor-core GEMV (NVFP4 / MXFP4, bf16 x); {"mma": False}: the FMA / dot kernels under the default TILE
+SWEEP_MMA = [{"mma": False}] + [
+    {"mma": {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w, "stages": s}}
+    for rg, j, w, s in [(4, 4, 4, 3), (4, 2, 4, 4), (4, 8, 4, 2), (2, 4, 2, 3), (8, 4, 8, 3), (4, 4, 4, 4),
+                        (8, 2, 8, 4), (2, 8, 2, 3)]
+]
+SWEEPS = {"all": SWEEP, "rows": SWEEP_ROWS, "mma": SWEEP_MMA}
 
 
 def _git() -> str:
@@ -227,10 +233,12 @@ def main() -> None:
                       flush=True)
                 if args.sweep:
                     for cfg_delta in SWEEPS[args.sweep_set]:
-                        cfg = {**G.TILE, **cfg_delta}
+                        kw = ({"mma_config": cfg_delta["mma"]} if "mma" in cfg_delta
+                              else {"config": {**G.TILE, **cfg_delta}})
                         try:
-                            G.gemv_w4(x, ps[0], config=cfg)
-                            fn = _rotating([lambda p=p, c=cfg, x=x: G.gemv_w4(x, p, config=c) for p in ps])
+                            err_v = _reference_error(x, q0, G.gemv_w4(x, ps[0], **kw))
+                            cfg_delta = {**cfg_delta, "rel_err": err_v}
+                            fn = _rotating([lambda p=p, kw=kw, x=x: G.gemv_w4(x, p, **kw) for p in ps])
                             t = _time_graph(fn) if not args.no_graph else _time_eager(fn)
                         except Exception as e:  # noqa: BLE001 - a variant that does not compile or fit
                             t, cfg_delta = None, {**cfg_delta, "error": f"{type(e).__name__}: {e}"[:200]}

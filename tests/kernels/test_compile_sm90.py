@@ -79,3 +79,25 @@ def test_gemv_streams_weights_with_16_byte_copies(fn, signature, constexprs):
 
     sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)", ptx))
     assert sizes == {"0x10"}, f"cp.async sizes {sizes}"
+
+
+def test_gemv_mma_uses_tensor_cores_and_16_byte_copies():
+    """The tensor-core GEMV: mma.sync m16n8k16 per 256 weights, 16-byte cp.async weight copies, and the layout
+    its inline asm relies on (each lane holds 4 consecutive words of dim 2: sizePerThread 4, 32 lanes)."""
+    if importlib.util.find_spec("lowbit.kernels.gemv_w4") is None:
+        pytest.skip("no gemv_w4")
+    from lowbit.kernels import gemv_w4
+
+    fn, signature, constexprs = next(v for v in gemv_w4.compile_variants() if v[0].__name__ == "_gemv_mma_kernel")
+    sig = dict(signature)
+    sig.update({name: "constexpr" for name in constexprs})
+    names = list(sig)
+    divisible = [n for n, t in signature.items() if t.startswith("*") or n in ("N", "K", "KQ")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=HOPPER)
+    ptx = ck.asm["ptx"]
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 4
+    sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)", ptx))
+    assert sizes == {"0x10"}, f"cp.async sizes {sizes}"
+    layouts = [line for line in ck.asm["ttgir"].splitlines() if line.startswith("#blocked")]
+    assert any("sizePerThread = [1, 1, 4], threadsPerWarp = [1, 1, 32]" in line for line in layouts), layouts

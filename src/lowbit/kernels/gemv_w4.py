@@ -47,10 +47,11 @@ from triton.runtime.jit import JITFunction
 from ..formats import int4_awq as ref_awq
 from ..formats import nf4 as ref_nf4
 from ..formats.codecs import codebook_table
-from ..formats.packing import unswizzle_scales
+from ..formats.packing import unpack_fp4, unswizzle_scales
 from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _gemv_w4 as k
+from . import _gemv_mma as km
 from . import interpreting as _interpreting
 from . import scratch_per_call
 
@@ -111,6 +112,7 @@ class PreparedW4:
     tab: torch.Tensor            # fp32 [288]: NF4 levels, dynamic map, nested offset (64-byte aligned)
     sig: tuple = field(default=(), repr=False)  # identity and version counters of the source tensors
     plans: dict = field(default_factory=dict, repr=False)  # launch plans under the default TILE
+    mma: object = field(default=None, repr=False)  # MmaLayout, made on first use (False: not applicable)
 
     device: torch.device = field(default=None, repr=False)
 
@@ -316,8 +318,113 @@ def clear_cache() -> None:
     """Drop every cached prepared weight and launch plan (call it after editing :data:`TILE` in place)."""
     for _, p in _PREPARED.values():
         p.plans.clear()
+        p.mma = None
     _PREPARED.clear()
     _PLANS.clear()
+
+
+# ------------------------------------------------------------------------------------- tensor-core layout
+
+MMA = {"min_m": 1, "max_m": 16, "rg": 4, "j": 4, "warps": 4, "stages": 3}
+"""The tensor-core GEMV (``_gemv_mma``): used for min_m <= M <= max_m where the weight allows it (see
+:func:`mma_layout`); rg: 16-row groups per program, j: 64-column chunks per iteration. ``min_m=17``
+turns it off."""
+
+# bit positions (m, e0, e1, sign) of element (row g + 8 h, column 4 i + c) of a lane's word: three of the four
+# bf16x2 A registers are then one shift and one AND (see _gemv_mma)
+_MMA_BITS = {(0, 0): (6, 7, 8, 15), (0, 1): (22, 23, 24, 31), (1, 0): (3, 4, 5, 12), (1, 1): (19, 20, 21, 28),
+             (0, 2): (0, 1, 2, 9), (0, 3): (16, 17, 18, 25), (1, 2): (10, 11, 13, 14), (1, 3): (26, 27, 29, 30)}
+
+
+@dataclass(eq=False)
+class MmaLayout:
+    words: torch.Tensor    # int32 [N16, K/64, 32, 4]
+    scales: torch.Tensor   # int16 [N16, K/SB, 8]: (row g, row g + 8) scale codes
+    fmt_code: int
+    plans: dict = field(default_factory=dict, repr=False)
+
+
+def _mma_words(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes uint8 [16 G, K] (G row groups) -> int32 words [G, K/64, 32, 4]."""
+    g16, kdim = codes.shape
+    c = codes.reshape(g16 // 16, 2, 8, kdim // 64, 4, 4, 4).to(torch.int64)   # [G, h, g, kq, t, i, c]
+    word = torch.zeros(g16 // 16, 8, kdim // 64, 4, 4, dtype=torch.int64, device=codes.device)
+    for (h, col), pos in _MMA_BITS.items():
+        v = c[:, h, :, :, :, :, col]                                          # [G, g, kq, t, i]
+        for b, bit in enumerate(pos):
+            word |= ((v >> b) & 1) << bit
+    word = word.permute(0, 2, 1, 3, 4).reshape(g16 // 16, kdim // 64, 32, 4)  # lane = 4 g + t
+    return _to_int32(word)
+
+
+def mma_layout(p: PreparedW4) -> MmaLayout | None:
+    """The tensor-core layout of a prepared NVFP4 / MXFP4 weight (made once, cached on ``p``), or None where
+    the tensor-core GEMV does not apply: other formats, K not a multiple of 64, MXFP4 scale codes outside
+    [-62, 191] - 127 (their 2^63-offset bf16 form would overflow; such weights use the FMA kernel)."""
+    if p.mma is not None:
+        return p.mma or None
+    ok = p.fmt in ("nvfp4", "mxfp4") and p.k % 64 == 0
+    if ok and p.fmt == "mxfp4":
+        ok = int(p.scales.max()) <= 191
+    if not ok:
+        p.mma = False
+        return None
+    n, kdim = p.n, p.k
+    n16 = _cdiv(n, 16)
+    codes_packed = p.words.view(torch.uint8).reshape(n, kdim // 2)
+    words = torch.empty(n16, kdim // 64, 32, 4, dtype=torch.int32, device=p.device)
+    scales = p.scales.reshape(n, -1)
+    sb = scales.shape[1]
+    pairs = torch.zeros(n16, sb, 8, dtype=torch.int16, device=p.device)
+    step = max(1, (1 << 24) // kdim)  # row groups per slice: bounded int64 temporaries
+    for g0 in range(0, n16, step):
+        g1 = min(n16, g0 + step)
+        r0, r1 = 16 * g0, min(n, 16 * g1)
+        codes = torch.zeros(16 * (g1 - g0), kdim, dtype=torch.uint8, device=p.device)
+        codes[: r1 - r0] = unpack_fp4(codes_packed[r0:r1])
+        words[g0:g1] = _mma_words(codes)
+        sc = torch.zeros(16 * (g1 - g0), sb, dtype=torch.int32, device=p.device)
+        sc[: r1 - r0] = scales[r0:r1].view(torch.uint8).to(torch.int32)
+        sc = sc.reshape(g1 - g0, 2, 8, sb)
+        pairs[g0:g1] = (sc[:, 0] | (sc[:, 1] << 8)).permute(0, 2, 1).to(torch.int16)
+    p.mma = MmaLayout(words=words, scales=pairs,
+                      fmt_code=km.FMT_NVFP4.value if p.fmt == "nvfp4" else km.FMT_MXFP4.value)
+    return p.mma
+
+
+def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, out: torch.Tensor,
+                dev_index: int, cfg: dict) -> None:
+    m, n, kdim = x.shape[0], p.n, p.k
+    nt = 1 if m <= 8 else 2
+    kq = kdim // 64
+    rg = cfg["rg"]
+    j = cfg["j"]
+    while j > 1 and kq % j:
+        j //= 2
+    iters = kq // j
+    n_tiles = _cdiv(_cdiv(n, 16), rg)
+    key = (m > 8, bias is None, None if bias is None else bias.dtype, act, x.dtype, tuple(cfg.items()))
+    plan = lay.plans.get(key)
+    if plan is None:
+        sms = _num_sms(dev_index)
+        ws_cap = max(1, int(TILE.get("ws_ratio", 0.25) * kdim / (16 * 8 * nt)))
+        want = max(1, min(TILE["max_split"], ws_cap, (TILE["ctas_per_sm"] * sms) // n_tiles,
+                          iters // max(1, TILE["min_iters"])))
+        split = max(d for d in range(1, want + 1) if iters % d == 0)
+        consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt, "STAGES": cfg["stages"],
+                  "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
+                  "POST": 2.0 ** 63 * (p.post / 64.0)}
+        plan = lay.plans[key] = _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
+                                      num_warps=cfg["warps"], ints=(m, n, kdim, kq), split=split, mp=8 * nt,
+                                      n_tiles=n_tiles * nt)
+    dev = x.device
+    if plan.split > 1:
+        ws, cnt = _scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
+    else:
+        ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
+    args = (x, lay.words, lay.scales, p.gs, _dummy(dev, x.dtype) if bias is None else bias, out, ws, cnt,
+            *plan.ints)
+    _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
 
 
 # ------------------------------------------------------------------------------------------------ launch
@@ -452,7 +559,8 @@ def _check_bias(bias, x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None = None,
-            activation: str | None = None, config: dict | None = None) -> torch.Tensor:
+            activation: str | None = None, config: dict | None = None,
+            mma_config: dict | bool | None = None) -> torch.Tensor:
     """``act(x @ dequant(w).T + bias)`` in x's dtype, accumulated in fp32, for M <= 16.
 
     Args:
@@ -463,6 +571,8 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``.
         config: a TILE-shaped dict overriding :data:`TILE` (sweeps). Without it the plan is cached on the
             prepared weight: call :func:`clear_cache` after editing :data:`TILE` in place.
+        mma_config: an :data:`MMA`-shaped dict overriding it, or False for the FMA / dot kernels only (a
+            ``config`` without ``mma_config`` also leaves the tensor-core GEMV out).
 
     Returns:
         ``[M, N]`` tensor of x's dtype.
@@ -483,6 +593,18 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
     dev_index = p.device.index if p.device.type == "cuda" else None
+    if (dev_index is not None and x.dtype == torch.bfloat16 and mma_config is not False
+            and (config is None or mma_config is not None) and not _interpreting()):
+        mcfg = MMA if mma_config is None else mma_config
+        if mcfg["min_m"] <= m <= mcfg["max_m"]:
+            lay = mma_layout(p)
+            if lay is not None:
+                if dev_index is not None and torch._C._cuda_getDevice() != dev_index:
+                    with torch.cuda.device(dev_index):
+                        _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg)
+                else:
+                    _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg)
+                return out
     bias_dtype = None if bias is None else bias.dtype
     if config is None:
         pk = (m, x.dtype, bias_dtype, act)
@@ -562,3 +684,12 @@ def compile_variants():
         else:
             fn = k._gemv_w4_rows_kernel if t.get("rows") else k._gemv_w4_fma_kernel
         yield fn, _sig(fmt, xd, "*fp32" if has_bias and act == 1 else xd), consts
+    mma_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "bias_ptr": "*bf16",
+               "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+               "KQ": "i32"}
+    for fmt_code, nt, split, has_bias, act, gs_kind in [(0, 1, 1, False, 0, 1), (0, 2, 4, True, 1, 1),
+                                                        (1, 1, 4, True, 3, 0), (1, 2, 1, False, 2, 0),
+                                                        (0, 1, 2, False, 0, 2)]:
+        consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt, "STAGES": MMA["stages"],
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": 2.0 ** 63}
+        yield km._gemv_mma_kernel, mma_sig, consts

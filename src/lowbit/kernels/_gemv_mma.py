@@ -1,0 +1,243 @@
+"""Triton kernel of the tensor-core 4-bit GEMV (``mma.sync`` m16n8k16 in inline PTX), M <= 16.
+
+Why: the CUDA-core FMA kernel spends about 4.5 instructions per weight at M = 1 and one more FMA per weight
+per extra row of x, so it is issue-bound from M = 2 on. Here one ``mma.sync`` multiplies 256 weights by up to
+8 rows of x; the decode is about 2 instructions per weight whatever M is.
+
+Layout (made once by ``gemv_w4.prepare_mma``): W ``[N, K]`` is cut into 16-row groups and 64-column chunks.
+Lane ``(g, t) = (lane // 4, lane % 4)`` of a warp owns, in a chunk at column ``c0``, the 16 weights of rows
+``g`` and ``g + 8`` at columns ``c0 + 16 t .. c0 + 16 t + 15`` (one NVFP4 scale block per row), as four int32
+words ``i = 0..3`` (columns ``c0 + 16 t + 4 i + 0..3`` of both rows), stored ``[N/16, K/64, 32 lanes, 4]`` so a
+warp reads 512 contiguous bytes with 16-byte loads. The mma's reduction index is permuted against K (the
+same permutation for W and x, so the product is unchanged): word ``i`` is the A fragment of the i-th mma of
+the chunk and the lane's x values for it are columns ``c0 + 16 t + 4 i + 0..3`` of x, i.e. the lane loads 32
+contiguous bytes of each x row once per chunk and they are already the B fragments.
+
+Decode of a word to the four bf16x2 A registers (bit positions chosen by the pre-layout): an E2M1 nibble
+``s e1 e0 m`` placed at bf16 bits 15 and 8..6 is exactly ``e2m1 * 2^-126`` (``0.5`` lands on the bf16
+subnormal 2^-127), so three registers are one shift and one AND, the fourth six instructions. Each
+register is multiplied (``mul.rn.bf16x2``, exact: at most 6 significant bits, within range) by the lane's
+block scale times 2^63, so the A operand is ``W * 2^-63``; the epilogue multiplies by 2^63. A product
+``W * x`` below 2^-126 (|x| < ~1e-16) is flushed by the tensor core; its absolute error is below 1e-19.
+
+Epilogue as in ``_gemv_w4`` (split-K partials reduced by the last-arriving program, global scale, bias,
+activation); the C fragment of lane ``(g, t)`` register ``r`` is output row ``g + 8 (r // 2)`` of the group,
+x row ``2 t + r % 2`` (+ 8 for the second n-tile).
+"""
+
+import triton
+import triton.language as tl
+
+from ._gemv_w4 import GS_DIVIDE, GS_MULTIPLY, _activation
+
+FMT_NVFP4 = tl.constexpr(0)
+FMT_MXFP4 = tl.constexpr(1)
+
+# x: 32 bytes at $8 (16 bf16 of one x row) -> the B fragments of the chunk's 4 mmas: lo = columns 4i, 4i+1,
+# hi = columns 4i+2, 4i+3
+_X_ASM = tl.constexpr("""{
+ld.global.nc.v4.b32 {$0, $4, $1, $5}, [$8];
+ld.global.nc.v4.b32 {$2, $6, $3, $7}, [$8+16];
+}""")
+
+# the 4 words of a chunk ($16..$19), the scale pair, x fragments -> 4 chained mmas into the accumulators
+_DECODE_WORD = """
+and.b32 r0, {w}, 0x81C081C0;
+shl.b32 t, {w}, 3;
+and.b32 r1, t, 0x81C081C0;
+shl.b32 t, {w}, 6;
+and.b32 r2, t, 0x81C081C0;
+shr.u32 t, {w}, 4;
+and.b32 r3, t, 0x00C000C0;
+shr.u32 t, {w}, 5;
+and.b32 t, t, 0x01000100;
+or.b32 r3, r3, t;
+shl.b32 t, {w}, 1;
+and.b32 t, t, 0x80008000;
+or.b32 r3, r3, t;
+mul.rn.bf16x2 r0, r0, sg;
+mul.rn.bf16x2 r1, r1, sg8;
+mul.rn.bf16x2 r2, r2, sg;
+mul.rn.bf16x2 r3, r3, sg8;
+"""
+_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{r0, r1, r2, r3}}, "
+        "{{{b0}, {b1}}}, {{{d0}, {d1}, {d2}, {d3}}};\n")
+
+
+def _mma_asm(nt: int) -> str:
+    """Operands: outputs $0..$3 (n-tile 0), $4..$7 (n-tile 1 if nt == 2); inputs, after the outputs: 4 words,
+    4 x-lo, 4 x-hi (n-tile 0), [4 x-lo, 4 x-hi (n-tile 1)], 4 scale-pair copies (bf16x2 sg | sg8 packed as
+    two int32 operands: sg, sg8), 4 (or 8) accumulators."""
+    n_out = 4 * nt
+    base = n_out
+    words = [f"${base + i}" for i in range(4)]
+    xs = []
+    for n in range(nt):
+        lo = [f"${base + 4 + 8 * n + i}" for i in range(4)]
+        hi = [f"${base + 8 + 8 * n + i}" for i in range(4)]
+        xs.append((lo, hi))
+    s_base = base + 4 + 8 * nt
+    sg, sg8 = f"${s_base}", f"${s_base + 4}"
+    acc_in = [f"${s_base + 8 + j}" for j in range(n_out)]
+    lines = ["{", ".reg .b32 r0, r1, r2, r3, t, sg, sg8;", f"mov.b32 sg, {sg};", f"mov.b32 sg8, {sg8};"]
+    lines += [f"mov.b32 ${j}, {acc_in[j]};" for j in range(n_out)]
+    for i in range(4):
+        lines.append(_DECODE_WORD.format(w=words[i]))
+        for n in range(nt):
+            d = [f"${4 * n + j}" for j in range(4)]
+            lines.append(_MMA.format(d0=d[0], d1=d[1], d2=d[2], d3=d[3], b0=xs[n][0][i], b1=xs[n][1][i]))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_MMA_ASM_1 = tl.constexpr(_mma_asm(1))
+_MMA_ASM_2 = tl.constexpr(_mma_asm(2))
+
+# NVFP4 scale pair (u16: row g E4M3 in the low byte, row g + 8 in the high byte) -> bf16x2 (s, s) * 2^63 each
+_SCALE_E4M3_ASM = tl.constexpr("""{
+.reg .b16 h0, h1;
+.reg .b32 t;
+.reg .f32 f0, f1;
+cvt.u16.u32 h0, $2;
+cvt.rn.f16x2.e4m3x2 t, h0;
+mov.b32 {h0, h1}, t;
+cvt.f32.f16 f0, h0;
+cvt.f32.f16 f1, h1;
+mul.f32 f0, f0, 0f5F000000;
+mul.f32 f1, f1, 0f5F000000;
+cvt.rn.bf16x2.f32 $0, f0, f0;
+cvt.rn.bf16x2.f32 $1, f1, f1;
+}""")
+_U16_ASM = tl.constexpr("ld.global.nc.u16 $0, [$1];")
+
+
+@triton.jit
+def _scale_pair(raw, FMT: tl.constexpr):
+    """(sg, sg8): bf16x2 (s * 2^63, s * 2^63) of the lane's two rows."""
+    if FMT == FMT_NVFP4:
+        sg, sg8 = tl.inline_asm_elementwise(_SCALE_E4M3_ASM, "=r,=r,r", [raw], dtype=(tl.int32, tl.int32),
+                                            is_pure=True, pack=1)
+    else:
+        # E8M0 code e: 2^(e - 127) * 2^63 as bf16 = exponent field e + 63 (the launcher checks 1 <= e + 63 <= 254)
+        lo = ((raw & 0xFF) + 63) << 7
+        hi = (((raw >> 8) & 0xFF) + 63) << 7
+        sg = lo | (lo << 16)
+        sg8 = hi | (hi << 16)
+    return sg, sg8
+
+
+@triton.jit
+def _gemv_mma_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, KQ,
+    FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    GS_KIND: tl.constexpr, POST: tl.constexpr,
+):
+    """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT.
+
+    w_ptr: int32 [N16, KQ, 128] (= [N16, KQ, 32 lanes, 4]) (N16 = ceil(N / 16) row groups, KQ = K / 64 chunks); s_ptr: uint16
+    [N16, K / SB, 8] scale pairs (SB = 16 for NVFP4: one per lane t; 32 for MXFP4: lanes t, t + 1 share);
+    a program owns RG row groups and IPS iterations of J chunks starting at chunk pid_k * IPS * J.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rg = pid_n * RG + tl.arange(0, RG)
+    n16 = tl.cdiv(N, 16)
+    rg_c = tl.minimum(rg, n16 - 1)
+    jj = tl.arange(0, J)[None, :, None]
+    # dim 2 is (lane, word) = 4 lane + i, contiguous in memory, so the loads' layout gives each lane its own
+    # 4 words (16 bytes) in registers: the mma asm (pack=4) relies on it
+    d = tl.arange(0, 128)[None, None, :]
+    lane = d // 4
+    i4 = d % 4
+    g = lane // 4
+    t = lane % 4
+    w_tile = w_ptr + (rg_c.to(tl.int64)[:, None, None] * KQ + jj) * 128 + d            # [RG, J, 128]
+    if FMT == FMT_NVFP4:
+        SPC: tl.constexpr = 4          # scale blocks per chunk
+        blk = jj * 4 + t
+    else:
+        SPC: tl.constexpr = 2
+        blk = jj * 2 + t // 2
+    s_tile = s_ptr + (rg_c.to(tl.int64)[:, None, None] * (KQ * SPC) + blk) * 8 + g
+    # x rows of the two n-tiles (a row past M - 1 re-reads the last row; its output is masked); the 4
+    # pointers of a lane's pack are equal (the asm reads 32 bytes from the first)
+    x_col = jj * 64 + t * 16
+    xr0 = tl.minimum(g, M - 1).to(tl.int64) * K + x_col
+    xr1 = tl.minimum(g + 8, M - 1).to(tl.int64) * K + x_col
+
+    acc0 = tl.zeros((RG, J, 128), dtype=tl.float32)
+    acc1 = tl.zeros((RG, J, 128), dtype=tl.float32)
+    kq_start = pid_k * (IPS * J)
+    raw = tl.inline_asm_elementwise(_U16_ASM, "=r,l", [s_tile + kq_start * SPC * 8], dtype=tl.int32,
+                                    is_pure=True, pack=1)
+    for it in tl.range(0, IPS, num_stages=STAGES):
+        kq0 = kq_start + it * J
+        words = tl.load(w_tile + kq0 * 128)
+        sg, sg8 = _scale_pair(raw, FMT)
+        kq_next = tl.minimum(kq0 + J, KQ - J)
+        raw = tl.inline_asm_elementwise(_U16_ASM, "=r,l", [s_tile + kq_next * SPC * 8], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+        xlo0, xhi0 = tl.inline_asm_elementwise(_X_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l",
+                                               [x_ptr + (xr0 + kq0 * 64)], dtype=(tl.int32, tl.int32),
+                                               is_pure=True, pack=4)
+        if NT == 1:
+            acc0 = tl.inline_asm_elementwise(
+                _MMA_ASM_1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
+                [words, xlo0, xhi0, sg, sg8, acc0], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            xlo1, xhi1 = tl.inline_asm_elementwise(_X_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l",
+                                                   [x_ptr + (xr1 + kq0 * 64)], dtype=(tl.int32, tl.int32),
+                                                   is_pure=True, pack=4)
+            acc0, acc1 = tl.inline_asm_elementwise(
+                _MMA_ASM_2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
+                [words, xlo0, xhi0, xlo1, xhi1, sg, sg8, acc0, acc1], dtype=(tl.float32, tl.float32),
+                is_pure=True, pack=4)
+
+    # C fragment register i of lane (g, t): row g + 8 (i // 2) of the group, x row 2 t + i % 2
+    d2 = tl.arange(0, 128)[None, :]
+    lane2 = d2 // 4
+    rows = rg[:, None] * 16 + lane2 // 4 + 8 * ((d2 % 4) // 2)                        # [RG, 128]
+    m0 = 2 * (lane2 % 4) + (d2 % 2) + rows * 0
+    _mma_epilogue(tl.sum(acc0, axis=1), m0, rows, pid_n, pid_k, 0, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr,
+                  cnt_ptr, NT, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+    if NT == 2:
+        _mma_epilogue(tl.sum(acc1, axis=1), m0 + 8, rows, pid_n, pid_k, 1, M, N, gs_ptr, bias_ptr, out_ptr,
+                      ws_ptr, cnt_ptr, NT, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+
+
+@triton.jit
+def _mma_finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, GS_KIND: tl.constexpr,
+                HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    y = acc * POST
+    if GS_KIND == GS_DIVIDE:
+        y = tl.div_rn(y, tl.load(gs_ptr))
+    elif GS_KIND == GS_MULTIPLY:
+        y = y * tl.load(gs_ptr)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    y = _activation(y, ACT)
+    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=(m < M) & (rows < N))
+
+
+@triton.jit
+def _mma_epilogue(acc, m, rows, pid_n, pid_k, tile, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                  NT: tl.constexpr, SPLIT: tl.constexpr, POST: tl.constexpr, GS_KIND: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    if SPLIT == 1:
+        _mma_finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
+    else:
+        # workspace [SPLIT, 8 NT, N] fp32; one counter per (N tile, n-tile)
+        MPAD: tl.constexpr = 8 * NT
+        wmask = rows < N
+        tl.store(ws_ptr + (pid_k * MPAD + m) * N + rows, acc, mask=wmask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + pid_n * NT + tile
+        prev = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if prev == SPLIT - 1:
+            tot = tl.zeros_like(acc)
+            for s in range(SPLIT):
+                tot += tl.load(ws_ptr + (s * MPAD + m) * N + rows, mask=wmask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+            _mma_finish(tot, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)

@@ -1,0 +1,111 @@
+"""Tensor-core W4A16 GEMV (``gemv_w4`` with the ``_gemv_mma`` kernel: NVFP4 / MXFP4 weights, bf16 x, M <= 16)
+on the GPU. Against the fp64 reference of the decoded weight, the path is exact up to fp32 accumulation
+order, so the errors are the bf16 output rounding; adversarial codes and scales (every E2M1 code incl. -0
+and the subnormal 0.5, subnormal and maximal E4M3 scales, zero blocks, extreme E8M0 codes) are included."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.formats.qtensor import QTensor
+from lowbit.kernels import gemv_w4 as G
+
+pytestmark = pytest.mark.gpu
+
+
+def _reference(x, q, bias=None, act=None):
+    y = x.double() @ lowbit.dequantize(q, torch.float32).double().T
+    if bias is not None:
+        y = y + bias.double()
+    y = y.float()
+    if act == "gelu":
+        y = torch.nn.functional.gelu(y)
+    elif act == "silu":
+        y = torch.nn.functional.silu(y)
+    elif act == "gelu_tanh":
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y
+
+
+def _check(got, ref, what, rel=4e-3):
+    err = (got.float() - ref).norm() / ref.norm().clamp_min(1e-30)
+    peak = (got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+    assert err <= rel and peak <= 2e-2, f"{what}: rel {err:.2e} peak {peak:.2e}"
+
+
+def _adversarial(fmt, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    data = torch.randint(0, 256, (n, k // 2), device="cuda", generator=g, dtype=torch.int32).to(torch.uint8)
+    data[: n // 8] = 0x88 if seed % 2 else 0x11        # rows of -0 / of the subnormal 0.5
+    if fmt == "nvfp4":
+        pool = torch.tensor([0x01, 0x02, 0x07, 0x08, 0x30, 0x38, 0x40, 0x7E], device="cuda", dtype=torch.uint8)
+        sc = pool[torch.randint(0, len(pool), (n, k // 16), device="cuda", generator=g)].view(torch.float8_e4m3fn)
+        return QTensor(data=data, scale=sc, fmt="nvfp4", shape=(n, k), dtype=torch.bfloat16,
+                       global_scale=torch.tensor([3.0], device="cuda"), params={"convention": "vllm"})
+    pool = torch.tensor([60, 100, 120, 127, 130, 150, 191], device="cuda", dtype=torch.uint8)
+    sc = pool[torch.randint(0, len(pool), (n, k // 32), device="cuda", generator=g)].view(torch.float8_e8m0fnu)
+    return QTensor(data=data, scale=sc, fmt="mxfp4", shape=(n, k), dtype=torch.bfloat16,
+                   params={"scale_rounding": "rceil"})
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (100, 256), (6144, 4096), (1040, 8192)])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+def test_mma_random_weights(fmt, n, k, m):
+    w = torch.randn(n, k, device="cuda") * 0.05
+    q = lowbit.quantize(w, fmt)
+    p = G.prepare_w4(q)
+    assert G.mma_layout(p) is not None
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    _check(G.gemv_w4(x, p), _reference(x, q), f"{fmt} {n}x{k} M={m}")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_mma_adversarial_codes_and_scales(fmt, m):
+    q = _adversarial(fmt, 528, 1024, seed=m)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    got = G.gemv_w4(x, q)
+    ref = _reference(x, q)
+    _check(got, ref, f"{fmt} adversarial M={m}")
+    # the FMA kernels decode the same codes independently
+    other = G.gemv_w4(x, q, mma_config=False)
+    _check(got, other.float(), f"{fmt} adversarial M={m} vs FMA kernel", rel=8e-3)
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("m", [1, 12])
+def test_mma_bias_activation_split_k(act, m):
+    q = lowbit.quantize(torch.randn(1000, 8192, device="cuda") * 0.05, "nvfp4")
+    x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    for cfg in (None, {**G.MMA, "rg": 1, "j": 2, "stages": 2}, {**G.MMA, "rg": 8, "j": 8, "warps": 8}):
+        got = G.gemv_w4(x, q, bias, act, mma_config=cfg)
+        _check(got, _reference(x, q, bias, act), f"act={act} M={m} cfg={cfg}")
+
+
+def test_mma_repeated_calls_identical_and_graph_capturable():
+    q = lowbit.quantize(torch.randn(4096, 4096, device="cuda") * 0.05, "nvfp4")
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    first = G.gemv_w4(x, q)
+    for _ in range(10):
+        assert torch.equal(G.gemv_w4(x, q), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = G.gemv_w4(x, q)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+
+
+def test_mma_not_used_where_it_does_not_apply():
+    # K not a multiple of 64, MXFP4 scale codes above 191, fp16 x: the FMA kernels run, still correct
+    q = lowbit.quantize(torch.randn(256, 96, device="cuda"), "nvfp4")
+    assert G.mma_layout(G.prepare_w4(q)) is None
+    x = torch.randn(2, 96, device="cuda", dtype=torch.bfloat16)
+    _check(G.gemv_w4(x, q), _reference(x, q), "K=96")
+    q = _adversarial("mxfp4", 64, 256, seed=3)
+    q.scale.view(torch.uint8)[0, 0] = 200
+    assert G.mma_layout(G.prepare_w4(q)) is None
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    _check(G.gemv_w4(x, q), _reference(x, q), "E8M0 code 200")

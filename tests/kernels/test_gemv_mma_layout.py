@@ -1,0 +1,52 @@
+"""The tensor-core GEMV's pre-layout (``gemv_w4.mma_layout``), checked on CPU: every E2M1 code and scale lands
+where the kernel's decode (``_gemv_mma``) reads it. The kernel itself is GPU-only (inline PTX mma.sync): see
+test_gemv_mma_gpu.py."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.formats.packing import unpack_fp4
+from lowbit.kernels import gemv_w4 as G
+
+
+def _decoded_codes(words: torch.Tensor, h: int, c: int) -> torch.Tensor:
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    pos = G._MMA_BITS[(h, c)]
+    return sum(((w >> pos[b]) & 1) << b for b in range(4))     # [G, KQ, 32, 4]
+
+
+@pytest.mark.parametrize("fmt,n,k", [("nvfp4", 40, 128), ("mxfp4", 16, 192), ("nvfp4", 33, 64)])
+def test_layout_round_trip(fmt, n, k):
+    q = lowbit.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), fmt)
+    lay = G.mma_layout(G.prepare_w4(q))
+    n16 = -(-n // 16)
+    assert lay.words.shape == (n16, k // 64, 32, 4) and lay.words.dtype == torch.int32
+    codes = torch.zeros(16 * n16, k, dtype=torch.int64)
+    codes[:n] = unpack_fp4(q.data).to(torch.int64)
+    rg = torch.arange(n16)[:, None, None, None]
+    kq = torch.arange(k // 64)[None, :, None, None]
+    lane = torch.arange(32)[None, None, :, None]
+    i = torch.arange(4)[None, None, None, :]
+    for (h, c) in G._MMA_BITS:
+        rows = 16 * rg + 8 * h + lane // 4
+        cols = 64 * kq + 16 * (lane % 4) + 4 * i + c
+        assert torch.equal(_decoded_codes(lay.words, h, c), codes[rows, cols]), (h, c)
+    # the 32 bit positions are a permutation: every bit of a word is one element's
+    bits = sorted(b for pos in G._MMA_BITS.values() for b in pos)
+    assert bits == list(range(32))
+    sc = torch.zeros(16 * n16, q.scale.shape[1], dtype=torch.int64)
+    sc[:n] = q.scale.view(torch.uint8).to(torch.int64)
+    pairs = lay.scales.to(torch.int64) & 0xFFFF                  # [G, SB, 8]
+    g = torch.arange(8)
+    for r in range(n16):
+        assert torch.equal(pairs[r] & 0xFF, sc[16 * r + g].T)
+        assert torch.equal(pairs[r] >> 8, sc[16 * r + 8 + g].T)
+
+
+def test_layout_not_made_where_the_kernel_does_not_apply():
+    assert G.mma_layout(G.prepare_w4(lowbit.quantize(torch.randn(32, 96), "nvfp4"))) is None       # K % 64
+    assert G.mma_layout(G.prepare_w4(lowbit.quantize(torch.randn(32, 128), "nf4"))) is None
+    q = lowbit.quantize(torch.randn(32, 128), "mxfp4")
+    q.scale.view(torch.uint8)[3, 1] = 192
+    assert G.mma_layout(G.prepare_w4(q)) is None
