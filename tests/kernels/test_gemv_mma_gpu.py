@@ -11,6 +11,7 @@ from lowbit.formats.qtensor import QTensor
 from lowbit.kernels import gemv_w4 as G
 
 pytestmark = pytest.mark.gpu
+ALL_M = {**G.MMA, "min_m": 1}  # the default leaves M = 1 to the FMA kernel
 
 
 def _reference(x, q, bias=None, act=None):
@@ -28,8 +29,9 @@ def _reference(x, q, bias=None, act=None):
 
 
 def _check(got, ref, what, rel=4e-3):
-    err = (got.float() - ref).norm() / ref.norm().clamp_min(1e-30)
-    peak = (got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+    got, ref = got.double(), ref.double()
+    err = (got - ref).norm() / ref.norm().clamp_min(1e-300)
+    peak = (got - ref).abs().max() / ref.abs().max().clamp_min(1e-300)
     assert err <= rel and peak <= 2e-2, f"{what}: rel {err:.2e} peak {peak:.2e}"
 
 
@@ -57,7 +59,7 @@ def test_mma_random_weights(fmt, n, k, m):
     p = G.prepare_w4(q)
     assert G.mma_layout(p) is not None
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    _check(G.gemv_w4(x, p), _reference(x, q), f"{fmt} {n}x{k} M={m}")
+    _check(G.gemv_w4(x, p, mma_config=ALL_M), _reference(x, q), f"{fmt} {n}x{k} M={m}")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -65,7 +67,7 @@ def test_mma_random_weights(fmt, n, k, m):
 def test_mma_adversarial_codes_and_scales(fmt, m):
     q = _adversarial(fmt, 528, 1024, seed=m)
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-    got = G.gemv_w4(x, q)
+    got = G.gemv_w4(x, q, mma_config=ALL_M)
     ref = _reference(x, q)
     _check(got, ref, f"{fmt} adversarial M={m}")
     # the FMA kernels decode the same codes independently
@@ -79,9 +81,17 @@ def test_mma_bias_activation_split_k(act, m):
     q = lowbit.quantize(torch.randn(1000, 8192, device="cuda") * 0.05, "nvfp4")
     x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
-    for cfg in (None, {**G.MMA, "rg": 1, "j": 2, "stages": 2}, {**G.MMA, "rg": 8, "j": 8, "warps": 8}):
+    for cfg in (ALL_M, {**ALL_M, "rg": 1, "j": 2, "stages": 2}, {**ALL_M, "rg": 8, "j": 8, "warps": 8}):
         got = G.gemv_w4(x, q, bias, act, mma_config=cfg)
         _check(got, _reference(x, q, bias, act), f"act={act} M={m} cfg={cfg}")
+
+
+def test_mma_same_weight_every_m():
+    # one prepared weight, M changing between calls (launch plans are per M)
+    q = lowbit.quantize(torch.randn(2048, 4096, device="cuda") * 0.05, "nvfp4")
+    for m in (2, 4, 8, 9, 16, 3, 2):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        _check(G.gemv_w4(x, q), _reference(x, q), f"M={m}")
 
 
 def test_mma_repeated_calls_identical_and_graph_capturable():
