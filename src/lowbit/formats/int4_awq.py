@@ -106,9 +106,9 @@ def unpack_awq(qweight: torch.Tensor) -> torch.Tensor:
     """
     _check_words(qweight, "qweight")
     rows, words = qweight.shape
-    shifts = torch.tensor(_SHIFTS, dtype=torch.int32, device=qweight.device)
-    nibbles = (qweight.unsqueeze(-1) >> shifts) & 0xF
-    return nibbles[..., list(AWQ_REVERSE_ORDER)].reshape(rows, words * 8)
+    # scalar shifts, no index tensor: nothing is copied from the host (safe inside CUDA graph capture)
+    nibbles = torch.stack([(qweight >> (4 * AWQ_REVERSE_ORDER[j])) & 0xF for j in range(8)], dim=-1)
+    return nibbles.reshape(rows, words * 8)
 
 
 def pack_int4_sequential(values: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -415,8 +415,10 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
         consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt, "STAGES": cfg["stages"],
                   "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
                   "POST": 2.0 ** 63 * (p.post / 64.0)}
+        # warps split the [RG, J] (row group, chunk) tiles only: a warp's 32 lanes must hold dim 2 whole,
+        # which the mma asm relies on
         plan = lay.plans[key] = _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
-                                      num_warps=cfg["warps"], ints=(m, n, kdim, kq), split=split, mp=8 * nt,
+                                      num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split, mp=8 * nt,
                                       n_tiles=n_tiles * nt)
     dev = x.device
     if plan.split > 1:
