@@ -310,8 +310,20 @@ def prepare_w4(w: QTensor) -> PreparedW4:
         if p.sig == _sig_of(w):
             return p
     p = _prepare(w)
+    if scratch_per_call():
+        # inside the custom op (maybe a CUDA-graph warmup whose allocations land in the graph's pool, where a
+        # cached tensor is an untracked live allocation): use this layout for this call only. Layouts made
+        # in eager mode (QuantLinear warms them, see warm()) are found by later compiled calls.
+        return p
     _PREPARED[id(data)] = (weakref.ref(data, _forget(id(data))), p)
     return p
+
+
+def warm(w: QTensor) -> None:
+    """Make and cache every layout the GEMV kernels use for ``w`` (call it in eager mode, e.g. at load; a
+    compiled call with a cold cache builds them per call, or leaves the tensor-core GEMV out)."""
+    if _why_not(w) is None:
+        mma_layout(prepare_w4(w))
 
 
 def clear_cache() -> None:
@@ -364,6 +376,8 @@ def mma_layout(p: PreparedW4) -> MmaLayout | None:
     [-62, 191] - 127 (their 2^63-offset bf16 form would overflow; such weights use the FMA kernel)."""
     if p.mma is not None:
         return p.mma or None
+    if scratch_per_call():
+        return None  # not built inside the custom op (see prepare_w4): the FMA / dot kernels run instead
     ok = p.fmt in ("nvfp4", "mxfp4") and p.k % 64 == 0
     if ok and p.fmt == "mxfp4":
         ok = int(p.scales.max()) <= 191

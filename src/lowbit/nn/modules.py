@@ -19,6 +19,15 @@ BUFFER_NAMES = tuple(f"weight_{f}" for f in QTENSOR_FIELDS)
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _warm_gemv(w) -> None:
+    """Cache the GEMV kernels' weight layouts in eager mode, so compiled / CUDA-graph calls find them."""
+    try:
+        from ..kernels import gemv_w4
+    except ImportError:  # no triton: the reference path needs no layout
+        return
+    gemv_w4.warm(w)
+
+
 class QuantLinear(nn.Module):
     """A linear layer ``y = act(x @ W.T + b)`` with a quantized ``W``.
 
@@ -247,6 +256,8 @@ class QuantLinear(nn.Module):
             if x.dtype in _COMPUTE_DTYPES:
                 from ..ops import linear
 
+                if x.is_cuda and self.backend != "torch" and not torch.compiler.is_compiling():
+                    _warm_gemv(w)
                 return linear(x, w, bias, self.activation, backend=self.backend)
             y = F.linear(
                 x.float(), self.dequantize_weight(torch.float32), None if bias is None else bias.float()
