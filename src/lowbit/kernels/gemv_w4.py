@@ -19,9 +19,10 @@ identity and version counter of every tensor of ``w``: a replaced tensor or an i
 ``q.data`` / ``q.scale`` is re-prepared. The prepared tensors alias the QTensor's storage where no copy is
 needed (nvfp4 / mxfp4 / fp4_b32 / nf4: no extra memory; int4_awq: one extra 0.5 byte per weight).
 
-Kernels (``_gemv_w4``): M <= ``TILE["fma_max_m"]`` runs the CUDA-core FMA kernel (M rows of x per
-program, so the weights are read once); larger M runs the ``tl.dot`` (wgmma) kernel with M padded to
-16. Both split K across programs when there are too few N tiles to fill the GPU, and reduce the
+Kernels: NVFP4 / MXFP4 with bf16 x at ``MMA["min_m"] <= M <= 16`` (default 2..16) run the tensor-core
+GEMV (``_gemv_mma``: mma.sync over a weight laid out once by :func:`mma_layout`); otherwise
+M <= ``TILE["fma_max_m"]`` runs a CUDA-core FMA kernel (``_gemv_w4``; the row-major one by default; M rows
+of x per program, so the weights are read once) and larger M the ``tl.dot`` kernel with M padded to 16. Both split K across programs when there are too few N tiles to fill the GPU, and reduce the
 split-K partials inside the same launch (last-arriving program, self-resetting counter), so a call is
 one kernel launch: safe to capture in a CUDA graph.
 
