@@ -46,9 +46,8 @@ GRAPH_CALLS = 20
 SWEEP = [
     {"fma": {"bn": bn, "chunks": c, "warps": w, "stages": s}, "ctas_per_sm": cps}
     for bn, c, w, s, cps in [
-        (64, 8, 4, 3, 4), (64, 8, 4, 4, 4), (64, 8, 4, 2, 4), (32, 8, 4, 3, 4), (128, 8, 4, 3, 4),
-        (128, 8, 8, 3, 4), (64, 16, 4, 3, 4), (64, 4, 4, 4, 4), (128, 16, 8, 3, 2), (32, 16, 4, 3, 8),
-        (64, 8, 4, 3, 2), (64, 8, 4, 3, 8), (256, 8, 8, 3, 2), (16, 16, 4, 4, 8),
+        (16, 32, 4, 3, 4), (32, 32, 8, 3, 4), (32, 32, 4, 3, 4), (16, 32, 4, 4, 4), (16, 16, 4, 4, 4),
+        (64, 32, 8, 2, 2), (16, 32, 4, 3, 8), (32, 32, 8, 4, 2), (8, 32, 4, 4, 8), (64, 8, 4, 3, 4),
     ]
 ] + [
     {"fma_max_m": 0, "dot": {"bn": bn, "chunks": c, "warps": w, "stages": s}, "ctas_per_sm": cps}
@@ -57,22 +56,13 @@ SWEEP = [
         (64, 8, 4, 3, 8), (128, 8, 4, 3, 4),
     ]
 ] + [{"fma_max_m": fm} for fm in (1, 2, 4)]
-
-# the row-major FMA kernel (lanes along a row's chunks), M <= 4
-SWEEP_ROWS = [
-    {"fma_max_m": 4, "fma": {"bn": bn, "chunks": c, "warps": w, "stages": s, "rows": True}, "ctas_per_sm": cps}
-    for bn, c, w, s, cps in [
-        (16, 32, 4, 3, 4), (32, 32, 8, 3, 4), (32, 32, 4, 3, 4), (16, 32, 4, 4, 4), (16, 16, 4, 4, 4),
-        (64, 32, 8, 2, 2), (16, 32, 4, 3, 8), (32, 32, 8, 4, 2), (8, 32, 4, 4, 8),
-    ]
-] + [{"fma_max_m": 4, "fma": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3}}, {"fma_max_m": 2}, {"fma_max_m": 1}]
 # the tensor-core GEMV (NVFP4 / MXFP4, bf16 x); {"mma": False}: the FMA / dot kernels under the default TILE
 SWEEP_MMA = [{"mma": False}] + [
     {"mma": {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w, "stages": s}}
     for rg, j, w, s in [(4, 4, 4, 3), (4, 2, 4, 4), (4, 8, 4, 2), (2, 4, 2, 3), (8, 4, 8, 3), (4, 4, 4, 4),
                         (8, 2, 8, 4), (2, 8, 2, 3)]
 ]
-SWEEPS = {"all": SWEEP, "rows": SWEEP_ROWS, "mma": SWEEP_MMA}
+SWEEPS = {"all": SWEEP, "mma": SWEEP_MMA}
 
 
 def _git() -> str:

@@ -114,8 +114,8 @@ def test_nvfp4_conventions():
 @pytest.mark.parametrize("config", [
     {"fma": {"bn": 32, "chunks": 4, "warps": 4, "stages": 2}, "ctas_per_sm": 8},
     {"fma": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3}},
-    {"fma": {"bn": 32, "chunks": 32, "warps": 8, "stages": 4, "rows": True}, "ctas_per_sm": 2},
-    {"fma": {"bn": 16, "chunks": 16, "warps": 4, "stages": 2, "rows": True}, "max_split": 1},
+    {"fma": {"bn": 32, "chunks": 32, "warps": 8, "stages": 4}, "ctas_per_sm": 2},
+    {"fma": {"bn": 16, "chunks": 16, "warps": 4, "stages": 2}, "max_split": 1},
     {"fma": {"bn": 128, "chunks": 16, "warps": 8, "stages": 4}, "max_split": 1},
     {"fma_max_m": 0, "dot": {"bn": 128, "chunks": 4, "warps": 8, "stages": 3}},
     {"fma_max_m": 4, "min_iters": 1, "max_split": 64, "ws_ratio": 4.0},

@@ -28,7 +28,7 @@ x row ``2 t + r % 2`` (+ 8 for the second n-tile).
 import triton
 import triton.language as tl
 
-from ._gemv_w4 import GS_DIVIDE, GS_MULTIPLY, _activation
+from ._gemv_w4 import _epilogue
 
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
@@ -199,45 +199,10 @@ def _gemv_mma_kernel(
     d2 = tl.arange(0, 128)[None, :]
     lane2 = d2 // 4
     rows = rg[:, None] * 16 + lane2 // 4 + 8 * ((d2 % 4) // 2)                        # [RG, 128]
-    m0 = 2 * (lane2 % 4) + (d2 % 2) + rows * 0
-    _mma_epilogue(tl.sum(acc0, axis=1), m0, rows, pid_n, pid_k, 0, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr,
-                  cnt_ptr, NT, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+    m0 = 2 * (lane2 % 4) + (d2 % 2)
+    # split-K: workspace [SPLIT, 8 NT, N], one counter per (N tile, n-tile)
+    _epilogue(tl.sum(acc0, axis=1), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, bias_ptr, out_ptr,
+              ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
     if NT == 2:
-        _mma_epilogue(tl.sum(acc1, axis=1), m0 + 8, rows, pid_n, pid_k, 1, M, N, gs_ptr, bias_ptr, out_ptr,
-                      ws_ptr, cnt_ptr, NT, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
-
-
-@triton.jit
-def _mma_finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, GS_KIND: tl.constexpr,
-                HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
-    y = acc * POST
-    if GS_KIND == GS_DIVIDE:
-        y = tl.div_rn(y, tl.load(gs_ptr))
-    elif GS_KIND == GS_MULTIPLY:
-        y = y * tl.load(gs_ptr)
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-    y = _activation(y, ACT)
-    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=(m < M) & (rows < N))
-
-
-@triton.jit
-def _mma_epilogue(acc, m, rows, pid_n, pid_k, tile, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-                  NT: tl.constexpr, SPLIT: tl.constexpr, POST: tl.constexpr, GS_KIND: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
-    if SPLIT == 1:
-        _mma_finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
-    else:
-        # workspace [SPLIT, 8 NT, N] fp32; one counter per (N tile, n-tile)
-        MPAD: tl.constexpr = 8 * NT
-        wmask = rows < N
-        tl.store(ws_ptr + (pid_k * MPAD + m) * N + rows, acc, mask=wmask)
-        tl.debug_barrier()
-        cnt = cnt_ptr + pid_n * NT + tile
-        prev = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if prev == SPLIT - 1:
-            tot = tl.zeros_like(acc)
-            for s in range(SPLIT):
-                tot += tl.load(ws_ptr + (s * MPAD + m) * N + rows, mask=wmask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-            _mma_finish(tot, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
+        _epilogue(tl.sum(acc1, axis=1), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, bias_ptr,
+                  out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)

@@ -2,26 +2,25 @@
 
 The weight arrives as int32 words ``[N, K/8]`` (8 consecutive K elements per word, see
 ``gemv_w4.prepare_w4``) plus per-block scales. A program owns ``BN`` output rows and a range of K
-iterations (split-K). Each iteration loads a ``[C, BN, 4]`` word tile: ``C`` 16-byte chunks (32 elements)
-per row, chunk-major so that consecutive lanes read consecutive chunks of one row (coalesced 16-byte
-loads); ``tl.range(num_stages=STAGES)`` pipelines the tile through shared memory with cp.async, so
-``STAGES - 1`` tiles are in flight while one is decoded. A chunk never straddles two scale blocks, so the
-scales are loaded once per (chunk, block), never per element, one iteration ahead of their use (raw bytes
-into registers, decoded at use), so their HBM latency is not exposed.
+iterations (split-K). ``tl.range(num_stages=STAGES)`` pipelines the word tile through shared memory with
+cp.async, so ``STAGES - 1`` tiles are in flight while one is decoded. A chunk (16 bytes, 32 elements) never
+straddles two scale blocks; the scales are loaded one iteration ahead of their use (raw bytes into
+registers, decoded at use), so their HBM latency is not exposed.
 
 Layouts are steered, not declared: every load that must not impose its own register layout (x, scales,
 tables) is an inline-asm ``ld.global.nc``, which takes the layout of its consumers; only the word tile is a
 ``tl.load`` (so that the pipeliner turns it into 16-byte cp.async). The sm_90 SASS of the FMA loop at M=1
-is about 4.3-4.5 instructions per weight (FP4 formats, int4) and 5.5-6.3 (nf4: one table load per weight);
-the tl.dot loop about 6.3-6.5 (8 for nf4), whatever M.
+is about 4.5 instructions per weight (FP4 formats, int4; nf4 more: one table load per weight); the tl.dot
+loop about 6.5, whatever M.
 
-Two kernels share the decode and the epilogue:
+Two kernels share the decode and the epilogue (the tensor-core GEMV in ``_gemv_mma`` shares the epilogue):
 
-- ``_gemv_w4_fma_kernel`` (small M): CUDA-core FMAs in fp32, ``MP`` (= M, 1..4) rows of x per program.
-  The 8 elements of a word are decoded by one inline-asm block to 8 fp32 values, multiplied by the 8 x
-  values of the matching 16-byte x load, summed per scale block and scaled once per block.
-- ``_gemv_w4_dot_kernel`` (larger M): the decoded, scaled tile is cast to x's dtype and fed to ``tl.dot``
-  (wgmma on Hopper) against a ``[32C, 16]`` x tile; accumulation in fp32.
+- ``_gemv_w4_fma_kernel`` (small M): CUDA-core FMAs in fp32, ``MP`` (= M, 1..4) rows of x per program, on a
+  row-major ``[BN, 4 C]`` word tile (lanes along the chunks of a row; each thread reuses its x values for
+  all its rows). The 8 elements of a word are decoded by one inline-asm block to 8 fp32 values,
+  multiplied by the 8 x values of the matching 16-byte x load and scaled once per word.
+- ``_gemv_w4_dot_kernel`` (larger M): a ``[C, BN, 4]`` tile decoded and scaled, cast to x's dtype and fed
+  to ``tl.dot`` (wgmma on Hopper) against a ``[32C, 16]`` x tile; accumulation in fp32.
 
 Decode (``ON_GPU``; the interpreter runs the plain-Triton equivalents, same values):
 
@@ -369,38 +368,38 @@ def _activation(y, ACT: tl.constexpr):
 @triton.jit
 def _finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, GS_KIND: tl.constexpr,
             HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
-    """acc: fp32 [MP, BN] for x rows ``m`` and output rows ``rows``; writes out[m, rows]."""
+    """acc: fp32 partial sums for x rows ``m`` and output rows ``rows`` (index tensors broadcastable to acc's
+    shape); writes out[m, rows]."""
     y = acc * POST
     if GS_KIND == GS_DIVIDE:
         y = tl.div_rn(y, tl.load(gs_ptr))
     elif GS_KIND == GS_MULTIPLY:
         y = y * tl.load(gs_ptr)
     if HAS_BIAS:
-        y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+        y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     y = _activation(y, ACT)
-    tl.store(out_ptr + m[:, None] * N + rows[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=(m < M)[:, None] & (rows < N)[None, :])
+    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=(m < M) & (rows < N))
 
 
 @triton.jit
-def _epilogue(acc, pid_n, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+def _epilogue(acc, cnt, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr,
               MP: tl.constexpr, SPLIT: tl.constexpr, POST: tl.constexpr, GS_KIND: tl.constexpr,
               HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """:func:`_finish`, after the split-K reduction when SPLIT > 1: ``cnt`` is this output tile's counter,
+    the workspace is [SPLIT, MP, N] fp32 (rows past N are never read back, x rows m >= M are ignored)."""
     if SPLIT == 1:
         _finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
     else:
-        # workspace [SPLIT, MP, N] fp32; rows past N are never read back, rows m >= M are zero partials
-        wmask = (rows < N)[None, :]
-        tl.store(ws_ptr + (pid_k * MP + m)[:, None] * N + rows[None, :], acc, mask=wmask)
+        wmask = rows < N
+        tl.store(ws_ptr + (pid_k * MP + m) * N + rows, acc, mask=wmask)
         tl.debug_barrier()
-        prev = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        prev = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if prev == SPLIT - 1:
             tot = tl.zeros_like(acc)
             for s in range(SPLIT):
-                tot += tl.load(ws_ptr + (s * MP + m)[:, None] * N + rows[None, :], mask=wmask, other=0.0,
-                               cache_modifier=".cg")
+                tot += tl.load(ws_ptr + (s * MP + m) * N + rows, mask=wmask, other=0.0, cache_modifier=".cg")
             # every program of this tile has arrived: reset the counter for the next launch
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
             _finish(tot, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
 
 
@@ -434,12 +433,6 @@ def _row_dot(dec, xp, X_FP16: tl.constexpr, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _block_sum(p, C: tl.constexpr, BN: tl.constexpr, BPC: tl.constexpr):
-    """[C, BN, 4] per-word sums -> [C, BN, BPC] per-block sums (a block is 4 / BPC words of a chunk)."""
-    return tl.sum(tl.reshape(p, (C, BN, BPC, 4 // BPC)), axis=3)
-
-
-@triton.jit
 def _gemv_w4_fma_kernel(
     x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, KW, SK,
@@ -449,75 +442,12 @@ def _gemv_w4_fma_kernel(
 ):
     """out[m, n] = act(sum_k x[m, k] W[n, k] + bias[n]) for m < M <= MP (MP: 1, 2 or 4).
 
-    w_ptr: int32 words [N, KW]; s_ptr: scales [N, SK] (one per WPB words; for WPB > 4 several chunks share
-    one). Each program runs IPS iterations of 4 C words per row, starting at word ``pid_k * IPS * 4 C``
-    (grid axis 1 splits K; SPLIT * IPS * 4 C = KW).
-    """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    BPC: tl.constexpr = 4 // WPB if WPB < 4 else 1       # scale blocks per 4-word chunk
-    CW: tl.constexpr = 4 * C                              # words per row per iteration
-    rows = pid_n * BN + tl.arange(0, BN)
-    rows_c = tl.minimum(rows, N - 1)
-    cc = tl.arange(0, C)
-    q4 = tl.arange(0, 4)
-    kq = cc[:, None, None] * 4 + q4[None, None, :]        # [C, 1, 4] word offset inside the tile
-    w_rows = w_ptr + rows_c.to(tl.int64)[None, :, None] * KW + kq
-    # block index of chunk c, block b inside the tile: (4c + b * 4 / BPC) // WPB
-    bq = (cc[:, None, None] * 4 + tl.arange(0, BPC)[None, None, :] * (4 // BPC)) // WPB
-    row_blk = rows_c.to(tl.int64)[None, :, None] * SK
-    xq = kq * 8
-    # x rows 1..3 (a row past M - 1 re-reads the last row; its output is masked)
-    x1 = tl.minimum(1, M - 1).to(tl.int64) * KW * 8
-    x2 = tl.minimum(2, M - 1).to(tl.int64) * KW * 8
-    x3 = tl.minimum(3, M - 1).to(tl.int64) * KW * 8
-
-    acc0 = tl.zeros((C, BN, BPC), dtype=tl.float32)
-    acc1 = tl.zeros((C, BN, BPC), dtype=tl.float32)
-    acc2 = tl.zeros((C, BN, BPC), dtype=tl.float32)
-    acc3 = tl.zeros((C, BN, BPC), dtype=tl.float32)
-    kw_start = pid_k * (IPS * CW)
-    # the scales of iteration i + 1 are loaded during iteration i (register prefetch: their latency is
-    # not exposed); the prefetch after the last iteration re-reads the row's last tile
-    raw, nest = _load_scales(s_ptr, bq + kw_start // WPB, row_blk, nested_ptr, FMT, ON_GPU)
-    for it in tl.range(0, IPS, num_stages=STAGES):
-        kw0 = kw_start + it * CW
-        words = tl.load(w_rows + kw0)
-        sf, zz = _decode_scales(raw, nest, tab_ptr, FMT, ON_GPU)
-        kw_next = tl.minimum(kw0 + CW, KW - CW)
-        raw, nest = _load_scales(s_ptr, bq + kw_next // WPB, row_blk, nested_ptr, FMT, ON_GPU)
-        dec = _decode8(words, zz, tab_ptr, FMT, ON_GPU)
-        xp = x_ptr + (xq + kw0 * 8)
-        acc0 += _block_sum(_row_dot(dec, xp, X_FP16, ON_GPU), C, BN, BPC) * sf
-        if MP > 1:
-            acc1 += _block_sum(_row_dot(dec, xp + x1, X_FP16, ON_GPU), C, BN, BPC) * sf
-        if MP > 2:
-            acc2 += _block_sum(_row_dot(dec, xp + x2, X_FP16, ON_GPU), C, BN, BPC) * sf
-            acc3 += _block_sum(_row_dot(dec, xp + x3, X_FP16, ON_GPU), C, BN, BPC) * sf
-
-    r0 = tl.sum(tl.sum(acc0, axis=2), axis=0)
-    r1 = tl.sum(tl.sum(acc1, axis=2), axis=0)
-    r2 = tl.sum(tl.sum(acc2, axis=2), axis=0)
-    r3 = tl.sum(tl.sum(acc3, axis=2), axis=0)
-    acc = _stack_rows(r0, r1, r2, r3, MP)
-    m = tl.arange(0, MP)
-    _epilogue(acc, pid_n, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-              MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
-
-
-@triton.jit
-def _gemv_w4_rows_kernel(
-    x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, KW, SK,
-    FMT: tl.constexpr, WPB: tl.constexpr, IPS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    GS_KIND: tl.constexpr, POST: tl.constexpr, X_FP16: tl.constexpr, ON_GPU: tl.constexpr,
-):
-    """The FMA kernel's contract on a 2-D ``[BN, 4 C]`` word tile: 16-byte vectors along the row, lanes
-    along the chunks of a row (a warp reads 512 contiguous bytes of one row), warps along the rows, so each
-    thread loads the x values of its chunk once and reuses them for the BN / num_warps rows it holds. The
-    scale is applied per word (no reshape, which would impose a layout that splits a 16-byte load across
-    threads); words of one block load the same scale address."""
+    w_ptr: int32 words [N, KW]; s_ptr: scales [N, SK] (one per WPB words). Each program runs IPS iterations
+    of a ``[BN, 4 C]`` word tile starting at word ``pid_k * IPS * 4 C`` (grid axis 1 splits K; SPLIT * IPS *
+    4 C = KW): 16-byte vectors along the row, lanes along the chunks of a row (a warp reads 512 contiguous
+    bytes of one row), warps along the rows, so each thread loads the x values of its chunk once and reuses
+    them for the BN / num_warps rows it holds. The scale is applied per word (no reshape, which would impose
+    a layout that splits a 16-byte load across threads); words of one block load the same scale address."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     CW: tl.constexpr = 4 * C
@@ -554,7 +484,7 @@ def _gemv_w4_rows_kernel(
 
     acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1), MP)
     m = tl.arange(0, MP)
-    _epilogue(acc, pid_n, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    _epilogue(acc, cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr,
               MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
 
 
@@ -619,5 +549,5 @@ def _gemv_w4_dot_kernel(
                 xb = tl.load((x_tile + kw0 * 8).to(tl.pointer_type(tl.int16), bitcast=True), mask=x_mask, other=0)
                 xf = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
             acc += tl.dot(wt, xf, input_precision="ieee")
-    _epilogue(tl.trans(acc), pid_n, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-              MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+    _epilogue(tl.trans(acc), cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, bias_ptr, out_ptr,
+              ws_ptr, MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)

@@ -21,8 +21,8 @@ needed (nvfp4 / mxfp4 / fp4_b32 / nf4: no extra memory; int4_awq: one extra 0.5 
 
 Kernels: NVFP4 / MXFP4 with bf16 x at ``MMA["min_m"] <= M <= 16`` (default 2..16) run the tensor-core
 GEMV (``_gemv_mma``: mma.sync over a weight laid out once by :func:`mma_layout`); otherwise
-M <= ``TILE["fma_max_m"]`` runs a CUDA-core FMA kernel (``_gemv_w4``; the row-major one by default; M rows
-of x per program, so the weights are read once) and larger M the ``tl.dot`` kernel with M padded to 16. Both split K across programs when there are too few N tiles to fill the GPU, and reduce the
+M <= ``TILE["fma_max_m"]`` runs the CUDA-core FMA kernel (``_gemv_w4``; M rows of x per program, so the
+weights are read once) and larger M the ``tl.dot`` kernel with M padded to 16. Both split K across programs when there are too few N tiles to fill the GPU, and reduce the
 split-K partials inside the same launch (last-arriving program, self-resetting counter), so a call is
 one kernel launch: safe to capture in a CUDA graph.
 
@@ -62,11 +62,11 @@ MAX_M = 16
 
 TILE = {
     # M <= fma_max_m: CUDA-core FMA kernel (MP = 1, 2 or 4 rows of x per program); else the tl.dot kernel
-    # (MP = 16). "rows": the row-major FMA kernel (_gemv_w4_rows_kernel), else the chunk-major one.
+    # (MP = 16)
     "fma_max_m": 4,
     # bn: output rows per program; chunks: 16-byte chunks (32 weights) per row per iteration;
     # stages: cp.async pipeline depth (stages - 1 tiles in flight while one is decoded)
-    "fma": {"bn": 16, "chunks": 32, "warps": 4, "stages": 3, "rows": True},
+    "fma": {"bn": 16, "chunks": 32, "warps": 4, "stages": 3},
     "dot": {"bn": 64, "chunks": 8, "warps": 4, "stages": 3},
     # split K until about ctas_per_sm programs per SM exist, at most max_split ways, each split at least
     # min_iters iterations long, the fp32 partials (split * M * N * 4 bytes, written and read back) at most
@@ -422,11 +422,7 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
     key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype, tuple(cfg.items()))
     plan = lay.plans.get(key)
     if plan is None:
-        sms = _num_sms(dev_index)
-        ws_cap = max(1, int(TILE.get("ws_ratio", 0.25) * kdim / (16 * 8 * nt)))
-        want = max(1, min(TILE["max_split"], ws_cap, (TILE["ctas_per_sm"] * sms) // n_tiles,
-                          iters // max(1, TILE["min_iters"])))
-        split = max(d for d in range(1, want + 1) if iters % d == 0)
+        split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), TILE)
         consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt, "STAGES": cfg["stages"],
                   "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
                   "POST": 2.0 ** 63 * (p.post / 64.0)}
@@ -460,6 +456,17 @@ def _chunks(kw: int, want: int) -> int:
     return c
 
 
+def _split_k(iters: int, n_tiles: int, kdim: int, mp: int, sms: int, cfg: dict) -> int:
+    """Ways to split the K loop of ``iters`` iterations: until about ctas_per_sm programs per SM exist, at
+    most max_split, each split at least min_iters long and dividing iters (equal splits: no tail
+    iterations). The split-K partials (split * MP * N fp32, written and read back in L2) stay under
+    ws_ratio of the N * K / 2 weight bytes."""
+    ws_cap = max(1, int(cfg.get("ws_ratio", 0.25) * kdim / (16 * mp)))
+    want = max(1, min(cfg["max_split"], ws_cap, (cfg["ctas_per_sm"] * sms) // n_tiles,
+                      iters // max(1, cfg["min_iters"])))
+    return max(d for d in range(1, want + 1) if iters % d == 0)
+
+
 @dataclass
 class _Plan:
     fn: object
@@ -484,20 +491,12 @@ def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim:
     n_tiles = _cdiv(n, bn)
     sms = _num_sms(device_index) if device_index is not None else 4
     mp = (1 if m == 1 else 2 if m == 2 else 4) if use_fma else 16
-    # split-K partials: split * MP * N fp32 written and read back (in L2); keep them under ws_ratio of
-    # the N * K / 2 weight bytes
-    ws_cap = max(1, int(cfg.get("ws_ratio", 0.25) * kdim / (16 * mp)))
-    want = max(1, min(cfg["max_split"], ws_cap, (cfg["ctas_per_sm"] * sms) // n_tiles,
-                      iters // max(1, cfg["min_iters"])))
-    split = max(d for d in range(1, want + 1) if iters % d == 0)  # equal splits: no tail iterations
+    split = _split_k(iters, n_tiles, kdim, mp, sms, cfg)
     ips = iters // split
     consts = {"FMT": fmt_code, "WPB": wpb, "IPS": ips, "MP": mp, "BN": bn, "C": c, "STAGES": t["stages"], "SPLIT": split,
               "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": post, "X_FP16": x_fp16,
               "ON_GPU": not _interpreting()}
-    if use_fma:
-        fn = k._gemv_w4_rows_kernel if t.get("rows") else k._gemv_w4_fma_kernel
-    else:
-        fn = k._gemv_w4_dot_kernel
+    fn = k._gemv_w4_fma_kernel if use_fma else k._gemv_w4_dot_kernel
     return _Plan(fn=fn, grid=(n_tiles, split, 1), consts=consts, num_warps=t["warps"],
                  ints=(m, n, kw, sk), split=split, mp=mp, n_tiles=n_tiles)
 
@@ -533,6 +532,15 @@ def _scratch(device: torch.device, dev_index: int | None, ws_numel: int, n_cnt: 
 
 
 def _launch(plan: _Plan, key, args: tuple, device: int | None) -> None:
+    """Launch on ``device`` (made current for the launch if it is not)."""
+    if device is not None and torch._C._cuda_getDevice() != device:
+        with torch.cuda.device(device):
+            _launch_here(plan, key, args, device)
+    else:
+        _launch_here(plan, key, args, device)
+
+
+def _launch_here(plan: _Plan, key, args: tuple, device: int | None) -> None:
     fn = plan.fn
     if DIRECT_LAUNCH and device is not None and type(fn) is JITFunction:
         hooks = triton.knobs.runtime
@@ -617,11 +625,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         if mcfg["min_m"] <= m <= mcfg["max_m"]:
             lay = mma_layout(p)
             if lay is not None:
-                if dev_index is not None and torch._C._cuda_getDevice() != dev_index:
-                    with torch.cuda.device(dev_index):
-                        _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg)
-                else:
-                    _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg)
+                _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg)
                 return out
     bias_dtype = None if bias is None else bias.dtype
     if config is None:
@@ -647,11 +651,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
     args = (x, p.words, p.scales, p.nested, p.tab, p.gs, _dummy(dev, x.dtype) if bias is None else bias, out, ws,
             cnt, *plan.ints)
-    if dev_index is not None and torch._C._cuda_getDevice() != dev_index:
-        with torch.cuda.device(dev_index):
-            _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
-    else:
-        _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
+    _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
     return out
 
 
@@ -671,7 +671,7 @@ _POST = {"nvfp4": 64.0, "mxfp4": 64.0, "fp4_b32": 64.0, "nf4": 1.0, "nf4_dq": 1.
 
 def compile_variants():
     """(kernel, signature, constexprs) of the code paths the launcher starts (CI compiles them for sm_90):
-    every format through the three kernels (row-major and chunk-major FMA at M = 1, 2, 4, and dot), bf16 and fp16 x, split-K, each
+    every format through both kernels (FMA at M = 1, 2, 4 and dot), bf16 and fp16 x, split-K, each
     activation, bias, each global-scale kind, and the other nf4 / int4 block sizes."""
     cases = []
     for fmt in _FMT:
@@ -679,8 +679,6 @@ def compile_variants():
         cases += [
             (fmt, "fma", 1, "*bf16", 1, False, 0, gs, _WPB[fmt]),
             (fmt, "fma", 2, "*fp16", 4, True, 1, gs, _WPB[fmt]),
-            (fmt, "chunks", 1, "*bf16", 2, False, 0, gs, _WPB[fmt]),
-            (fmt, "chunks", 4, "*fp16", 1, True, 3, gs, _WPB[fmt]),
             (fmt, "dot", 16, "*bf16", 2, True, 3, gs, _WPB[fmt]),
             (fmt, "dot", 16, "*fp16", 1, False, 0, gs, _WPB[fmt]),
         ]
@@ -691,16 +689,12 @@ def compile_variants():
         ("int4_awq", "dot", 16, "*bf16", 1, False, 0, k.GS_NONE.value, 8),  # group 64
         ("nf4_dq", "fma", 1, "*fp16", 1, False, 0, k.GS_NONE.value, 4),     # blocksize 32
     ]
-    chunk_major = {"bn": 64, "chunks": 8, "warps": 4, "stages": 3}
     for fmt, path, mp, xd, split, has_bias, act, gs_kind, wpb in cases:
-        t = {"fma": TILE["fma"], "chunks": chunk_major, "dot": TILE["dot"]}[path]
+        t = TILE["fma"] if path == "fma" else TILE["dot"]
         consts = {"FMT": _FMT[fmt], "WPB": wpb, "IPS": 16 // split, "MP": mp, "BN": t["bn"], "C": t["chunks"], "STAGES": t["stages"],
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": _POST[fmt],
                   "X_FP16": xd == "*fp16", "ON_GPU": True}
-        if path == "dot":
-            fn = k._gemv_w4_dot_kernel
-        else:
-            fn = k._gemv_w4_rows_kernel if t.get("rows") else k._gemv_w4_fma_kernel
+        fn = k._gemv_w4_fma_kernel if path == "fma" else k._gemv_w4_dot_kernel
         yield fn, _sig(fmt, xd, "*fp32" if has_bias and act == 1 else xd), consts
     mma_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "bias_ptr": "*bf16",
                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
