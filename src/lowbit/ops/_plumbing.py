@@ -97,18 +97,36 @@ def encode(key: str, value: Any, tensors: list[torch.Tensor], *, op: str, what: 
     if isinstance(value, bool):
         return f"{key}=b:{int(value)}"
     if isinstance(value, int):
-        return f"{key}=i:{int(value)}"
+        return f"{key}=i:{_decimal(value)}"
     if isinstance(value, float):
         return f"{key}=f:{value!r}"
     if extended and isinstance(value, (tuple, list)) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
-        # int(): under torch.compile(dynamic=True) torch 2.11 hands these over as SymInts, whose str() dynamo
-        # cannot trace; int() specializes them (they are format constants)
-        return f"{key}=p:{','.join(str(int(v)) for v in value)}"
+        return f"{key}=p:{','.join(_decimal(v) for v in value)}"
     if isinstance(value, str) and ";" not in value and "=" not in value:
         return f"{key}=s:{value}"
     raise TypeError(f"{op}: cannot pass {what} {key}={value!r} through the custom op")
+
+
+def _decimal(value: int) -> str:
+    """``str(value)`` that dynamo can trace for a SymInt.
+
+    Under ``torch.compile(dynamic=True)`` torch 2.11 hands ints read from a QTensor's params over as SymInts,
+    and dynamo cannot trace ``str()`` (or ``int()`` then ``str()``) of one. Branching on a comparison is what it
+    can trace: each ``==`` guards, so the digits come out as constants (the params are format constants)."""
+    if value < 0:
+        return "-" + _decimal(-value)
+    digits = ""
+    while True:
+        last = value % 10
+        for d in range(10):
+            if last == d:
+                digits = "0123456789"[d] + digits
+                break
+        value = value // 10
+        if value == 0:
+            return digits
 
 
 def flatten_meta(q: QTensor, encode_item: Callable[[str, Any, list[torch.Tensor]], str]) -> tuple[list, str]:
