@@ -245,3 +245,85 @@ def _scaled_mm_kernel(
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_block_mm_tma_kernel(
+    a_desc,
+    b_desc,
+    as_ptr,
+    bs_ptr,
+    alpha_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_as0,
+    stride_as1,
+    stride_bs0,
+    stride_bs1,
+    stride_om,
+    B_ROWS_PER_SCALE: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    """fp8_block x fp8_block through TMA: ``a_desc`` [M, K] and ``b_desc`` [N, K] float8 descriptors with
+    [BM, BK] / [BN, BK] boxes (TMA zero-fills past M, N and K, so no masks in the main loop), fp32 block
+    scales read with plain loads. BK is 128, the scale block: each K tile's FP8 product is promoted by
+    ``sa[m] * sb`` in fp32 (DeepSeek-V3's promotion). With 128x128 weight blocks and BN dividing 128, ``sb`` is
+    one scalar per tile, so the promotion is one FMA per accumulator element.
+
+    PERSISTENT: NUM_PROGRAMS programs stride over the tiles (``tl.range(..., flatten=True)`` lets the
+    pipeliner prefetch the next tile's first K tiles while this one finishes)."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    tiles = num_m * num_n
+    per_group = GROUP_M * num_n
+    SCALAR_B: tl.constexpr = B_ROWS_PER_SCALE % BN == 0
+    if PERSISTENT:
+        first = tl.program_id(0)
+        step = NUM_PROGRAMS
+    else:
+        first = tl.program_id(0)
+        step = tiles
+    for tile in tl.range(first, tiles, step, flatten=True):
+        group_first_m = (tile // per_group) * GROUP_M
+        size_m = tl.minimum(num_m - group_first_m, GROUP_M)
+        pid_m = group_first_m + (tile % per_group) % size_m
+        pid_n = (tile % per_group) // size_m
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        rows_a = off_m + tl.arange(0, BM)
+        ok_a = rows_a < M
+        sa_ptrs = as_ptr + rows_a.to(tl.int64) * stride_as0
+        if SCALAR_B:
+            sb_ptr = bs_ptr + (off_n // B_ROWS_PER_SCALE) * stride_bs0
+        else:
+            rows_b = off_n + tl.arange(0, BN)
+            sb_ptrs = bs_ptr + (tl.minimum(rows_b, N - 1) // B_ROWS_PER_SCALE).to(tl.int64) * stride_bs0
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(k_tiles):
+            a = a_desc.load([off_m, kt * BK])
+            b = b_desc.load([off_n, kt * BK])
+            sa = tl.load(sa_ptrs + kt * stride_as1, mask=ok_a, other=0.0)
+            part = tl.dot(a, b.T)
+            if SCALAR_B:
+                acc += part * (sa * tl.load(sb_ptr + kt * stride_bs1))[:, None]
+            else:
+                acc += part * sa[:, None] * tl.load(sb_ptrs + kt * stride_bs1)[None, :]
+        if HAS_ALPHA:
+            acc = acc * tl.load(alpha_ptr)
+        offs_n = off_n + tl.arange(0, BN)
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        mask = ok_a[:, None] & (offs_n < N)[None, :]
+        ptrs = out_ptr + rows_a.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -10,6 +10,8 @@ in CUDA graphs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -100,6 +102,56 @@ def _config(m: int, raw_fp8: bool) -> dict:
     raise AssertionError("unreachable")
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base and row stride (one byte per FP8 element)."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    a_data, b_data = a_args[0], b_args[0]
+    a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [bm, bk])
+    b_desc = TensorDescriptor(b_data, [n, k_dim], [b_data.stride(0), 1], [bn, bk])
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    persistent = bool(cfg.get("persistent"))
+    programs = min(tiles, _num_sms(out.device.index) * cfg.get("per_sm", 1)) if persistent else tiles
+    k._fp8_block_mm_tma_kernel[(programs,)](
+        a_desc,
+        b_desc,
+        a_args[1],
+        b_args[1],
+        alpha if alpha is not None else out,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k_dim,
+        a_args[4],
+        a_args[5],
+        b_args[4],
+        b_args[5],
+        out.stride(0),
+        B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1),
+        HAS_ALPHA=alpha is not None,
+        HAS_BIAS=bias is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        GROUP_M=cfg["GROUP_M"],
+        NUM_PROGRAMS=programs if persistent else 1,
+        PERSISTENT=persistent,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
 def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None) -> torch.Tensor:
     m, k_dim = a.shape
     n = b.shape[0]
@@ -108,6 +160,16 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
     raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1
     cfg = dict(config) if config is not None else _config(m, raw_fp8)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    if (
+        raw_fp8
+        and cfg.get("tma")
+        and cfg["BK"] == 128
+        and not _interpreting()
+        and _tma_ready(a_args[0])
+        and _tma_ready(b_args[0])
+    ):
+        _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
+        return out
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     alpha_t = alpha if alpha is not None else out
