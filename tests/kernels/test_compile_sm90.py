@@ -101,3 +101,16 @@ def test_gemv_mma_uses_tensor_cores_and_16_byte_copies():
     assert sizes == {"0x10"}, f"cp.async sizes {sizes}"
     layouts = [line for line in ck.asm["ttgir"].splitlines() if line.startswith("#blocked")]
     assert any("sizePerThread = [1, 1, 4], threadsPerWarp = [1, 1, 32]" in line for line in layouts), layouts
+
+
+def test_fp8_block_tma_kernel_uses_tma_and_wgmma():
+    if importlib.util.find_spec("lowbit.kernels.scaled_mm") is None:
+        pytest.skip("no scaled_mm kernels")
+    from lowbit.kernels import scaled_mm
+
+    variants = [v for v in scaled_mm.compile_variants() if v[0].__name__ == "_fp8_block_mm_tma_kernel"]
+    assert variants, "the shipped fp8_block configs must include the TMA kernel"
+    for fn, sig, consts in variants:
+        ptx = compile_for_hopper(fn, sig, consts).asm["ptx"]
+        assert "cp.async.bulk.tensor" in ptx, consts
+        assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx, consts

@@ -379,3 +379,36 @@ def test_plumbing_eager_graph_compile(stand_in_kernel):
             f"compiled M={m}",
         )
     assert [c[2] for c in calls] == [3, 40]
+
+
+# ------------------------------------------------------------------------------------- fp8_block TMA path
+
+
+@pytest.mark.parametrize("m", [1, 33, 1000, 4096])
+@pytest.mark.parametrize("n, k", [(2112, 7168), (384, 1600)])
+def test_fp8_block_tma_and_pointer_kernels_agree(m, n, k):
+    """The TMA kernel (aligned operands, every shipped config) and the pointer kernel it falls back to (a
+    base that is not 16-byte aligned) both match the reference, including N and K that are not multiples of
+    the 128 tile (TMA zero-fills past the edges) and with bias and alpha."""
+    _need_kernel()
+    from dataclasses import replace
+
+    from lowbit.kernels import scaled_mm as ks
+
+    af, ao, wf, wo = PAIR["fp8_block"]
+    w = _weight(wf, wo, n, k)
+    _, a = _act(af, ao, m, k, seed=3)
+    bias = _bias(n)
+    alpha = torch.full((1,), 0.75, device="cuda")
+    ref = scaled_mm_reference(a, w, alpha, bias, torch.float32, dequant_backend="torch")
+    for limit, cfg in ks.FP8_CONFIGS:
+        out = ks.scaled_mm(a, w, alpha, bias, torch.float32, config=cfg)
+        _assert_close(out, ref, f"config {cfg} (for M <= {limit})")
+    # a copy of a.data one byte into a buffer: same values, base not 16-byte aligned -> pointer kernel
+    buf = torch.empty(m * k + 16, dtype=torch.uint8, device="cuda")
+    shifted = buf[1 : 1 + m * k].view(torch.float8_e4m3fn).view(m, k)
+    shifted.copy_(a.data)
+    assert shifted.data_ptr() % 16 == 1
+    a_shifted = replace(a, data=shifted)
+    out = ks.scaled_mm(a_shifted, w, alpha, bias, torch.float32, config=ks.FP8_CONFIGS[-1][1])
+    _assert_close(out, ref, "unaligned a.data (pointer kernel)")

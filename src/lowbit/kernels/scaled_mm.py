@@ -20,15 +20,20 @@ from . import _scaled_mm as k
 from . import interpreting as _interpreting
 
 # (largest M, config); the last entry covers every larger M
-CONFIGS: list[tuple[int, dict[str, int]]] = [
+CONFIGS: list[tuple[int, dict]] = [
     (64, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}),
     # 4 warps beat 8 for decoded (FP4/FP6/MX) tiles on the H200: 0.41x vs 0.32x cuBLAS bf16 at 4096x7168x16384
     (1 << 62, {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}),
 ]
-# per (kind of a, kind of b) overrides: FP8 x FP8 (fp8_block) keeps both raw tiles in shared memory
-FP8_CONFIGS: list[tuple[int, dict[str, int]]] = [
+# FP8 x FP8 (fp8_block): both raw tiles go to shared memory through TMA descriptors ("tma"; the pointer kernel
+# when a base or row stride is not 16-byte aligned). H200 sweep at M=4096 (DeepSeek-V3 shapes, 8192^3,
+# benchmarks/results/2026-11-21_h200_sweep_fp8_block_tma.json): persistent 128x128, 8 warps, 3 stages reached
+# 0.57-0.67x torch._scaled_mm per-tensor FP8; the pointer kernel 0.39-0.48x, seed 001's autotuned kernel 0.43-0.55x.
+FP8_CONFIGS: list[tuple[int, dict]] = [
     (64, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
-    (1 << 62, {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}),
+    (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
+    (1 << 62, {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "tma": True,
+               "persistent": True}),
 ]
 
 _MINIFLOAT = {"mxfp6_e2m3": (2, 3, 1), "mxfp6_e3m2": (3, 2, 3), "mxfp4": (2, 1, 1), "nvfp4": (2, 1, 1)}
@@ -310,3 +315,24 @@ def compile_variants():
             }
         )
         yield k._scaled_mm_kernel, sig, consts
+    # the TMA fp8_block kernel: every shipped config, plus per-row weight scales (block (1, 128)) with bias/alpha
+    for i, (_limit, cfg) in enumerate(FP8_CONFIGS):
+        if not cfg.get("tma"):
+            continue
+        for rows_per_scale, extras in ((128, False), (1, True)) if i == len(FP8_CONFIGS) - 1 else ((128, False),):
+            bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+            sig = {
+                "a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>",
+                "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
+                "as_ptr": "*fp32",
+                "bs_ptr": "*fp32",
+                "alpha_ptr": "*fp32",
+                "bias_ptr": "*bf16",
+                "out_ptr": "*bf16",
+            }
+            sig.update({n: "i32" for n in ("M", "N", "K", "stride_as0", "stride_as1", "stride_bs0", "stride_bs1",
+                                           "stride_om")})
+            consts = dict(B_ROWS_PER_SCALE=rows_per_scale, HAS_ALPHA=extras, HAS_BIAS=extras, BM=bm, BN=bn, BK=bk,
+                          GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=132 if cfg.get("persistent") else 1,
+                          PERSISTENT=bool(cfg.get("persistent")))
+            yield k._fp8_block_mm_tma_kernel, sig, consts
