@@ -128,11 +128,11 @@ def _scale_pair(raw, FMT: tl.constexpr):
 
 @triton.jit
 def _gemv_mma_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KQ,
     FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
     STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    GS_KIND: tl.constexpr, POST: tl.constexpr,
+    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
 ):
     """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT.
 
@@ -201,8 +201,8 @@ def _gemv_mma_kernel(
     rows = rg[:, None] * 16 + lane2 // 4 + 8 * ((d2 % 4) // 2)                        # [RG, 128]
     m0 = 2 * (lane2 % 4) + (d2 % 2)
     # split-K: workspace [SPLIT, 8 NT, N], one counter per (N tile, n-tile)
-    _epilogue(tl.sum(acc0, axis=1), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, bias_ptr, out_ptr,
-              ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+    _epilogue(tl.sum(acc0, axis=1), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
+              out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
     if NT == 2:
-        _epilogue(tl.sum(acc1, axis=1), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, bias_ptr,
-                  out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+        _epilogue(tl.sum(acc1, axis=1), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
+                  bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)

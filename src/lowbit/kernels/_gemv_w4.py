@@ -366,15 +366,20 @@ def _activation(y, ACT: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, GS_KIND: tl.constexpr,
-            HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+def _finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, GS_KIND: tl.constexpr,
+            ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """acc: fp32 partial sums for x rows ``m`` and output rows ``rows`` (index tensors broadcastable to acc's
-    shape); writes out[m, rows]."""
+    shape); writes out[m, rows]. ROW_SCALE 1 multiplies by rs_ptr[0], 2 by rs_ptr[m] (what x's own scales
+    leave over, e.g. an FP8 activation's per-token scale; applied before the bias)."""
     y = acc * POST
     if GS_KIND == GS_DIVIDE:
         y = tl.div_rn(y, tl.load(gs_ptr))
     elif GS_KIND == GS_MULTIPLY:
         y = y * tl.load(gs_ptr)
+    if ROW_SCALE == 1:
+        y = y * tl.load(rs_ptr)
+    elif ROW_SCALE == 2:
+        y = y * tl.load(rs_ptr + m, mask=m < M, other=0.0)
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     y = _activation(y, ACT)
@@ -382,13 +387,13 @@ def _finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, G
 
 
 @triton.jit
-def _epilogue(acc, cnt, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr,
+def _epilogue(acc, cnt, pid_k, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr,
               MP: tl.constexpr, SPLIT: tl.constexpr, POST: tl.constexpr, GS_KIND: tl.constexpr,
-              HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+              ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """:func:`_finish`, after the split-K reduction when SPLIT > 1: ``cnt`` is this output tile's counter,
     the workspace is [SPLIT, MP, N] fp32 (rows past N are never read back, x rows m >= M are ignored)."""
     if SPLIT == 1:
-        _finish(acc, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
+        _finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
     else:
         wmask = rows < N
         tl.store(ws_ptr + (pid_k * MP + m) * N + rows, acc, mask=wmask)
@@ -400,7 +405,7 @@ def _epilogue(acc, cnt, pid_k, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr,
                 tot += tl.load(ws_ptr + (s * MP + m) * N + rows, mask=wmask, other=0.0, cache_modifier=".cg")
             # every program of this tile has arrived: reset the counter for the next launch
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-            _finish(tot, m, rows, M, N, gs_ptr, bias_ptr, out_ptr, POST, GS_KIND, HAS_BIAS, ACT)
+            _finish(tot, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -434,11 +439,12 @@ def _row_dot(dec, xp, X_FP16: tl.constexpr, ON_GPU: tl.constexpr):
 
 @triton.jit
 def _gemv_w4_fma_kernel(
-    x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, KW, SK,
     FMT: tl.constexpr, WPB: tl.constexpr, IPS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
     STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    GS_KIND: tl.constexpr, POST: tl.constexpr, X_FP16: tl.constexpr, ON_GPU: tl.constexpr,
+    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr, X_FP16: tl.constexpr,
+    ON_GPU: tl.constexpr,
 ):
     """out[m, n] = act(sum_k x[m, k] W[n, k] + bias[n]) for m < M <= MP (MP: 1, 2 or 4).
 
@@ -484,17 +490,18 @@ def _gemv_w4_fma_kernel(
 
     acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1), MP)
     m = tl.arange(0, MP)
-    _epilogue(acc, cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, bias_ptr, out_ptr, ws_ptr,
-              MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+    _epilogue(acc, cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr,
+              ws_ptr, MP, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
 
 
 @triton.jit
 def _gemv_w4_dot_kernel(
-    x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, KW, SK,
     FMT: tl.constexpr, WPB: tl.constexpr, IPS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
     STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    GS_KIND: tl.constexpr, POST: tl.constexpr, X_FP16: tl.constexpr, ON_GPU: tl.constexpr,
+    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr, X_FP16: tl.constexpr,
+    ON_GPU: tl.constexpr,
 ):
     """Same contract as the FMA kernel for M <= MP (16): the scaled weight tile, cast to x's dtype (fp32
     under the interpreter), goes through ``tl.dot`` with a [32 C, MP] x tile."""
@@ -549,5 +556,5 @@ def _gemv_w4_dot_kernel(
                 xb = tl.load((x_tile + kw0 * 8).to(tl.pointer_type(tl.int16), bitcast=True), mask=x_mask, other=0)
                 xf = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
             acc += tl.dot(wt, xf, input_precision="ieee")
-    _epilogue(tl.trans(acc), cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, bias_ptr, out_ptr,
-              ws_ptr, MP, SPLIT, POST, GS_KIND, HAS_BIAS, ACT)
+    _epilogue(tl.trans(acc), cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, rs_ptr, bias_ptr,
+              out_ptr, ws_ptr, MP, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)

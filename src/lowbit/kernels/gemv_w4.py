@@ -409,7 +409,7 @@ def mma_layout(p: PreparedW4) -> MmaLayout | None:
 
 
 def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, out: torch.Tensor,
-                dev_index: int, cfg: dict) -> None:
+                dev_index: int, cfg: dict, row_scale: torch.Tensor | None = None, rs_mode: int = 0) -> None:
     m, n, kdim = x.shape[0], p.n, p.k
     nt = 1 if m <= 8 else 2
     kq = kdim // 64
@@ -419,13 +419,13 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
         j //= 2
     iters = kq // j
     n_tiles = _cdiv(_cdiv(n, 16), rg)
-    key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype, tuple(cfg.items()))
+    key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype, tuple(cfg.items()), rs_mode, out.dtype)
     plan = lay.plans.get(key)
     if plan is None:
         split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), TILE)
         consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt, "STAGES": cfg["stages"],
                   "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
-                  "POST": 2.0 ** 63 * (p.post / 64.0)}
+                  "ROW_SCALE": rs_mode, "POST": 2.0 ** 63 * (p.post / 64.0)}
         # warps split the [RG, J] (row group, chunk) tiles only: a warp's 32 lanes must hold dim 2 whole,
         # which the mma asm relies on
         plan = lay.plans[key] = _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
@@ -436,7 +436,8 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
         ws, cnt = _scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
     else:
         ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
-    args = (x, lay.words, lay.scales, p.gs, _dummy(dev, x.dtype) if bias is None else bias, out, ws, cnt,
+    rs = row_scale if row_scale is not None else _dummy(dev, torch.float32)
+    args = (x, lay.words, lay.scales, p.gs, rs, _dummy(dev, x.dtype) if bias is None else bias, out, ws, cnt,
             *plan.ints)
     _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
 
@@ -481,7 +482,8 @@ class _Plan:
 
 
 def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim: int, sk: int, m: int,
-               x_fp16: bool, has_bias: bool, act: int, device_index: int | None, cfg: dict) -> _Plan:
+               x_fp16: bool, has_bias: bool, act: int, device_index: int | None, cfg: dict,
+               rs_mode: int = 0) -> _Plan:
     use_fma = m <= cfg["fma_max_m"]
     t = cfg["fma"] if use_fma else cfg["dot"]
     kw = kdim // 8
@@ -494,7 +496,8 @@ def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim:
     split = _split_k(iters, n_tiles, kdim, mp, sms, cfg)
     ips = iters // split
     consts = {"FMT": fmt_code, "WPB": wpb, "IPS": ips, "MP": mp, "BN": bn, "C": c, "STAGES": t["stages"], "SPLIT": split,
-              "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": post, "X_FP16": x_fp16,
+              "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs_mode, "POST": post,
+              "X_FP16": x_fp16,
               "ON_GPU": not _interpreting()}
     fn = k._gemv_w4_fma_kernel if use_fma else k._gemv_w4_dot_kernel
     return _Plan(fn=fn, grid=(n_tiles, split, 1), consts=consts, num_warps=t["warps"],
@@ -575,6 +578,24 @@ def _check_x(x: torch.Tensor, p: PreparedW4) -> None:
         raise ValueError(f"gemv_w4: x is on {x.device}, the weight on {p.device}")
 
 
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_row_scale(rs, x: torch.Tensor) -> int:
+    """1 for one factor, 2 for one per x row; clear errors otherwise."""
+    if not isinstance(rs, torch.Tensor) or rs.dtype != torch.float32:
+        raise TypeError(f"gemv_w4: row_scale must be a float32 tensor, got {getattr(rs, 'dtype', type(rs).__name__)}")
+    if rs.device != x.device:
+        raise ValueError(f"gemv_w4: row_scale is on {rs.device}, x on {x.device}")
+    if not rs.is_contiguous():
+        raise ValueError("gemv_w4: row_scale must be contiguous")
+    if rs.numel() == 1:
+        return 1
+    if rs.numel() == x.shape[0]:
+        return 2
+    raise ValueError(f"gemv_w4: row_scale must have 1 or M = {x.shape[0]} elements, got {rs.numel()}")
+
+
 def _check_bias(bias, x: torch.Tensor, n: int) -> torch.Tensor:
     if not isinstance(bias, torch.Tensor) or bias.shape != (n,) or not bias.dtype.is_floating_point:
         raise ValueError(f"gemv_w4: bias must be a float tensor of shape ({n},), got "
@@ -586,7 +607,8 @@ def _check_bias(bias, x: torch.Tensor, n: int) -> torch.Tensor:
 
 def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None = None,
             activation: str | None = None, config: dict | None = None,
-            mma_config: dict | bool | None = None) -> torch.Tensor:
+            mma_config: dict | bool | None = None, *, row_scale: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``act(x @ dequant(w).T + bias)`` in x's dtype, accumulated in fp32, for M <= 16.
 
     Args:
@@ -599,6 +621,11 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
             prepared weight: call :func:`clear_cache` after editing :data:`TILE` in place.
         mma_config: an :data:`MMA`-shaped dict overriding it, or False for the FMA / dot kernels only (a
             ``config`` without ``mma_config`` also leaves the tensor-core GEMV out).
+        row_scale: None, or a float32 tensor on x's device with 1 element (one factor) or M elements (one per
+            x row) multiplying the fp32 product before the bias: what x's own scales leave over
+            (``lowbit.scaled_mm`` passes an FP8 activation's per-token scale, or alpha / an nvfp4
+            activation's global scale, this way).
+        out_dtype: the result dtype (default x's): bfloat16, float16 or float32.
 
     Returns:
         ``[M, N]`` tensor of x's dtype.
@@ -613,7 +640,11 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     m, n = x.shape[0], p.n
     if bias is not None:
         bias = _check_bias(bias, x, n)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"gemv_w4: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    rs_mode = 0 if row_scale is None else _check_row_scale(row_scale, x)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
     if not x.is_contiguous() or x.data_ptr() % 16:
@@ -625,22 +656,23 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         if mcfg["min_m"] <= m <= mcfg["max_m"]:
             lay = mma_layout(p)
             if lay is not None:
-                _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg)
+                _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg, row_scale, rs_mode)
                 return out
     bias_dtype = None if bias is None else bias.dtype
     if config is None:
-        pk = (m, x.dtype, bias_dtype, act)
+        pk = (m, x.dtype, bias_dtype, act, rs_mode, out_dtype)
         plan = p.plans.get(pk)
         if plan is None:
             plan = p.plans[pk] = _make_plan(p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m,
-                                            x.dtype == torch.float16, bias is not None, act, dev_index, TILE)
+                                            x.dtype == torch.float16, bias is not None, act, dev_index, TILE,
+                                            rs_mode)
     else:
         pkey = (p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m, x.dtype, bias_dtype, act,
-                dev_index, _cfg_key(config))
+                dev_index, _cfg_key(config), rs_mode, out_dtype)
         plan = _PLANS.get(pkey)
         if plan is None:
             plan = _make_plan(p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m,
-                              x.dtype == torch.float16, bias is not None, act, dev_index, config)
+                              x.dtype == torch.float16, bias is not None, act, dev_index, config, rs_mode)
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[pkey] = plan
@@ -649,8 +681,9 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         ws, cnt = _scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
     else:
         ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
-    args = (x, p.words, p.scales, p.nested, p.tab, p.gs, _dummy(dev, x.dtype) if bias is None else bias, out, ws,
-            cnt, *plan.ints)
+    rs = row_scale if row_scale is not None else _dummy(dev, torch.float32)
+    args = (x, p.words, p.scales, p.nested, p.tab, p.gs, rs, _dummy(dev, x.dtype) if bias is None else bias, out,
+            ws, cnt, *plan.ints)
     _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
     return out
 
@@ -661,7 +694,8 @@ def _sig(fmt: str, x_dtype: str, bias_dtype: str) -> dict:
     s_ty = {"nvfp4": "*u8", "mxfp4": "*u8", "fp4_b32": "*fp32", "nf4": "*fp32", "nf4_dq": "*u8",
             "int4_awq": "*i32"}[fmt]
     return {"x_ptr": x_dtype, "w_ptr": "*i32", "s_ptr": s_ty, "nested_ptr": "*fp32", "tab_ptr": "*fp32",
-            "gs_ptr": "*fp32", "bias_ptr": bias_dtype, "out_ptr": x_dtype, "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+            "gs_ptr": "*fp32", "rs_ptr": "*fp32", "bias_ptr": bias_dtype, "out_ptr": x_dtype, "ws_ptr": "*fp32",
+            "cnt_ptr": "*i32",
             "M": "i32", "N": "i32", "KW": "i32", "SK": "i32"}
 
 
@@ -692,16 +726,19 @@ def compile_variants():
     for fmt, path, mp, xd, split, has_bias, act, gs_kind, wpb in cases:
         t = TILE["fma"] if path == "fma" else TILE["dot"]
         consts = {"FMT": _FMT[fmt], "WPB": wpb, "IPS": 16 // split, "MP": mp, "BN": t["bn"], "C": t["chunks"], "STAGES": t["stages"],
-                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": _POST[fmt],
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind,
+                  "ROW_SCALE": 2 if (mp == 4 and path == "fma") else (1 if split == 4 else 0), "POST": _POST[fmt],
                   "X_FP16": xd == "*fp16", "ON_GPU": True}
         fn = k._gemv_w4_fma_kernel if path == "fma" else k._gemv_w4_dot_kernel
         yield fn, _sig(fmt, xd, "*fp32" if has_bias and act == 1 else xd), consts
-    mma_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "bias_ptr": "*bf16",
+    mma_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "rs_ptr": "*fp32",
+               "bias_ptr": "*bf16",
                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
                "KQ": "i32"}
-    for fmt_code, nt, split, has_bias, act, gs_kind in [(0, 1, 1, False, 0, 1), (0, 2, 4, True, 1, 1),
-                                                        (1, 1, 4, True, 3, 0), (1, 2, 1, False, 2, 0),
-                                                        (0, 1, 2, False, 0, 2)]:
+    for fmt_code, nt, split, has_bias, act, gs_kind, rs in [(0, 1, 1, False, 0, 1, 0), (0, 2, 4, True, 1, 1, 2),
+                                                            (1, 1, 4, True, 3, 0, 1), (1, 2, 1, False, 2, 0, 0),
+                                                            (0, 1, 2, False, 0, 2, 2)]:
         consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt, "STAGES": MMA["stages"],
-                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "POST": 2.0 ** 63}
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
+                  "POST": 2.0 ** 63}
         yield km._gemv_mma_kernel, mma_sig, consts

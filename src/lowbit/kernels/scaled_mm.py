@@ -10,6 +10,7 @@ in CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -157,9 +158,60 @@ def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> No
     )
 
 
+GEMV_MAX_M = 16
+"""Up to this M, an nvfp4 / mxfp4 weight with an nvfp4, mxfp4 or fp8_rowwise activation runs the W4A16 GEMV."""
+_GEMV_ACTIVATIONS = ("nvfp4", "mxfp4", "fp8_rowwise")
+
+
+def gemv_route(a: QTensor, b: QTensor) -> str | None:
+    """None when :func:`scaled_mm` runs this pair through ``lowbit.kernels.gemv_w4`` (decode), else why not.
+
+    At small M the GEMM streams the 4-bit weight and the GEMV streams it faster. The activation is decoded
+    to bf16 first, exactly: an E2M1 value times its E4M3 or E8M0 block scale, or an E4M3 value, is a bf16
+    value. What its scales leave over (nvfp4's global scale, fp8_rowwise's per-token scale, alpha) is one
+    fp32 factor per row in the GEMV's epilogue, so the result is the block-scaled product up to fp32
+    accumulation order, as in the GEMM."""
+    if a.shape[0] > GEMV_MAX_M:
+        return f"M = {a.shape[0]} > {GEMV_MAX_M}"
+    if b.fmt not in ("nvfp4", "mxfp4") or a.fmt not in _GEMV_ACTIVATIONS:
+        return f"the GEMV takes nvfp4/mxfp4 weights with {'/'.join(_GEMV_ACTIVATIONS)} activations"
+    if _interpreting():
+        return "the GEMV route is for the GPU"
+    from . import gemv_w4
+
+    return gemv_w4.supports(b)
+
+
+def _scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
+    from . import blockscaled, gemv_w4
+
+    factor = None
+    if a.fmt == "fp8_rowwise":
+        x = a.data.to(torch.bfloat16)
+        factor = a.scale.reshape(-1)
+    else:
+        pts = a.params.get("per_tensor_scale")
+        plain = dataclasses.replace(
+            a, global_scale=None, params={key: v for key, v in a.params.items() if key != "per_tensor_scale"}
+        )
+        if a.fmt == "nvfp4":
+            x = blockscaled.dequantize_nvfp4(plain, torch.bfloat16)
+            if pts is not None:
+                factor = torch.as_tensor(pts, dtype=torch.float32, device=a.data.device).reshape(1)
+            elif a.global_scale is not None:
+                factor = torch.reciprocal(a.global_scale.reshape(1).to(torch.float32))
+        else:
+            x = blockscaled.dequantize_mx(plain, torch.bfloat16)
+    if alpha is not None:
+        factor = alpha if factor is None else factor * alpha
+    return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, out_dtype=out_dtype)
+
+
 def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None) -> torch.Tensor:
     m, k_dim = a.shape
     n = b.shape[0]
+    if config is None and gemv_route(a, b) is None:
+        return _scaled_gemv(a, b, alpha, bias, out_dtype)
     a_args, ac = _operand(a)
     b_args, bc = _operand(b)
     raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1

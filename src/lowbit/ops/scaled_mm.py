@@ -41,6 +41,8 @@ Dispatch (:func:`plan_scaled_mm`), as for ``lowbit.linear``:
    nothing (the result is ``alpha * 0 + bias``, computed like the reference); otherwise
    ``lowbit.kernels.scaled_mm`` if the module exists and its ``supports(a, b)`` returns None; else
    :func:`scaled_mm` raises RuntimeError naming the reason (pass ``backend="torch"`` for the reference).
+   Inside that module, M <= 16 with an nvfp4/mxfp4 weight and an nvfp4, mxfp4 or fp8_rowwise activation
+   runs the W4A16 GEMV on the exactly decoded bf16 activation (``gemv_route``; the plan's reason says so).
 
 Kernel contract (``lowbit.kernels.scaled_mm``): ``supports(a, b) -> str | None`` (called on every call, keep it
 cheap) and ``scaled_mm(a, b, alpha, bias, out_dtype) -> Tensor [M, N]`` in ``out_dtype``, where ``a``/``b``
@@ -69,6 +71,7 @@ from ..formats.fp8_block import expected_scale_shape as _fp8_block_scale_shape
 from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import FORMATS
+from .. import kernels as _kernels
 from . import _plumbing
 from ._plumbing import kernel_module as _kernel_module  # looked up here on every call: tests replace it
 
@@ -407,6 +410,9 @@ def _decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: QTensor
     module, why = _plumbing.kernel_choice(_kernel_module, KERNEL_MODULE, a, b)
     if module is None:
         return "unavailable", RuntimeError, ("no_kernel", why)
+    route = getattr(module, "gemv_route", None)
+    if route is not None and route(a, b) is None:
+        return "scaled_mm", module.scaled_mm, ("gemv",)
     return "scaled_mm", module.scaled_mm, ()
 
 
@@ -418,6 +424,11 @@ def _reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: QTenso
     if path == "empty":
         return "M, N or K is 0: nothing to multiply, no launch"
     if path == "scaled_mm":
+        if facts == ("gemv",):
+            return (
+                "decode: the activation decoded exactly to bf16, then the W4A16 GEMV on the 4-bit weight "
+                "(lowbit.kernels.scaled_mm.gemv_route)"
+            )
         return "Triton block-scaled GEMM (lowbit.kernels.scaled_mm)"
     if facts[0] == "triton_off_cuda":
         return f"backend='triton' needs CUDA tensors, the operands are on {device}"
@@ -734,7 +745,8 @@ def scaled_mm_op(
     """``lowbit.scaled_mm`` on two flattened QTensors (see the schema comment above)."""
     a = _unflatten(a_data, a_scale, a_global_scale, a_param_tensors, a_fmt, a_shape, a_meta)
     b = _unflatten(b_data, b_scale, b_global_scale, b_param_tensors, b_fmt, b_shape, b_meta)
-    return _run(a, b, alpha, bias, out_dtype, backend)
+    with _kernels.per_call_scratch():
+        return _run(a, b, alpha, bias, out_dtype, backend)
 
 
 @scaled_mm_op.register_fake
@@ -792,7 +804,8 @@ def scaled_linear_op(
     """``lowbit.ops.scaled_linear`` on a flattened weight (see the schema comment above)."""
     w = _unflatten(w_data, w_scale, w_global_scale, w_param_tensors, w_fmt, w_shape, w_meta)
     options = dict(_plumbing.decode_items(act_meta, act_tensors))
-    return _scaled_linear_run(x.contiguous(), w, act_format, options, alpha, bias, out_dtype, backend)
+    with _kernels.per_call_scratch():
+        return _scaled_linear_run(x.contiguous(), w, act_format, options, alpha, bias, out_dtype, backend)
 
 
 @scaled_linear_op.register_fake
