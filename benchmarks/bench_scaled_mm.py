@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="NxK list")
     ap.add_argument("--rep", type=int, default=40)
     ap.add_argument("--sweep", action="store_true", help="only: tile configs of each pair on 7168x16384, M=4096")
+    ap.add_argument("--decode-graph", action="store_true",
+                    help="only: decode M (--ms, <= 64) timed as CUDA-graph replays over weight copies that do not "
+                         "fit in L2, with the weight bytes per second as a share of the copy bandwidth")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
     args = ap.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -66,6 +69,8 @@ def main() -> None:
     print(meta, flush=True)
     if args.sweep:
         return sweep(args, meta)
+    if args.decode_graph:
+        return decode_graph(args, meta, shapes, ms)
     rows = []
     path = os.path.join(args.out, "bench_scaled_mm.json")
     dev = "cuda"
@@ -115,6 +120,51 @@ def main() -> None:
                     print(f"  {pair:12s} ERROR {row['error']}", flush=True)
                 rows.append(row)
         w = w8 = quantized = None  # free before the next shape
+        torch.cuda.empty_cache()
+        _peers.write_json(path, {**meta, "complete": False, "rows": rows})
+    _peers.write_json(path, {**meta, "complete": True, "rows": rows})
+    print(f"wrote {path}")
+
+
+def decode_graph(args, meta, shapes, ms) -> None:
+    """Decode as a serving engine runs it: each case is a CUDA graph of bench_w4a16.GRAPH_CALLS calls, each on
+    the next of enough weight copies (3x L2) that every call reads its weight from HBM; cuBLAS bf16 the same
+    way. The activation is quantized outside the timed call ("gemm"), as in the main table."""
+    import bench_w4a16 as W  # the benchmarks folder is on sys.path
+
+    roof = W._copy_roof()
+    print(f"copy roof {roof:.0f} GB/s", flush=True)
+    rows = []
+    path = os.path.join(args.out, "bench_scaled_mm_decode_graph.json")
+    for n, k in shapes:
+        w0 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+        wb = [w0] + [torch.randn_like(w0) * 0.05 for _ in range(W._copies(n * k * 2) - 1)]
+        for pair in args.pairs.split(","):
+            (af, ao), (wf, wo) = PAIRS[pair]
+            q0 = lowbit.quantize(w0, wf, **wo)
+            qs = [q0] + [lowbit.quantize(wb[i % len(wb)] * (1 + i // len(wb)), wf, **wo)
+                         for i in range(1, W._copies(q0.nbytes))]
+            for m in ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                t_bf16 = W._time_graph(W._rotating([lambda w=w, x=x: x @ w.T for w in wb]))
+                a = lowbit.quantize(x, af, **ao)
+                row = {"pair": pair, "M": m, "N": n, "K": k, "graph_cublas_bf16_us": t_bf16, "copy_GBps": roof}
+                try:
+                    row["rel_err"] = _rel(lowbit.scaled_mm(a, q0), scaled_mm_reference(a, q0))
+                    t = W._time_graph(W._rotating([lambda q=q, a=a: lowbit.scaled_mm(a, q) for q in qs]))
+                    row["graph_us"] = t
+                    row["graph_vs_cublas_bf16"] = t_bf16 / t
+                    row["weight_GBps"] = q0.nbytes / (t * 1e-6) / 1e9
+                    row["pct_of_copy"] = 100 * row["weight_GBps"] / roof
+                    print(f"{pair:12s} {n}x{k} M={m:3d}: {t:7.1f} us vs cuBLAS bf16 {t_bf16:7.1f} us "
+                          f"x{row['graph_vs_cublas_bf16']:.2f}  {row['weight_GBps']:.0f} GB/s "
+                          f"({row['pct_of_copy']:.0f}% of copy)  err {row['rel_err']:.1e}", flush=True)
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    print(f"{pair:12s} {n}x{k} M={m}: ERROR {row['error']}", flush=True)
+                rows.append(row)
+            qs = None
+        wb = w0 = None
         torch.cuda.empty_cache()
         _peers.write_json(path, {**meta, "complete": False, "rows": rows})
     _peers.write_json(path, {**meta, "complete": True, "rows": rows})

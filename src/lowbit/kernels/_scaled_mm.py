@@ -117,9 +117,12 @@ def _scaled_mm_kernel(
     alpha_ptr,
     bias_ptr,
     out_ptr,
+    ws_ptr,
+    cnt_ptr,
     M,
     N,
     K,
+    K_PER,
     stride_a,
     stride_as0,
     stride_as1,
@@ -151,9 +154,14 @@ def _scaled_mm_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     ON_GPU: tl.constexpr,
 ):
+    """SPLIT > 1: program (pid, pid_k) runs K columns [pid_k * K_PER, (pid_k + 1) * K_PER) (K_PER a multiple of
+    BK) and the tile's last program reduces the partials (fp32 workspace ws_ptr [SPLIT, M, N], one arrival
+    counter per tile in cnt_ptr, zero between launches)."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     per_group = GROUP_M * num_n
@@ -169,7 +177,8 @@ def _scaled_mm_kernel(
     PROMOTE: tl.constexpr = A_SMODE == 1 or B_SMODE == 1
 
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_first = pid_k * K_PER
+    for k0 in range(k_first, tl.minimum(K, k_first + K_PER), BK):
         if RAW_FP8:
             a = _fp8_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K)
             b = _fp8_tile(b_ptr, rows_b, k0, K, stride_b, BK, EVEN_K)
@@ -226,6 +235,33 @@ def _scaled_mm_kernel(
         else:
             acc = _settled(tl.dot(a, tl.trans(b), acc), ON_GPU)
 
+    if SPLIT == 1:
+        _mm_epilogue(acc, pid_m, pid_n, rows_a, M, N, as_ptr, stride_as0, ag_ptr, bg_ptr, alpha_ptr, bias_ptr,
+                     out_ptr, stride_om, A_SMODE, A_GMODE, B_GMODE, HAS_ALPHA, HAS_BIAS, BM, BN)
+    else:
+        # split-K: park this K range's partial sums; the last program of the tile adds them and finishes
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        wmask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        ws_off = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + ws_off, acc, mask=wmask)
+        tl.debug_barrier()
+        prev = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if prev == SPLIT - 1:
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(SPLIT):
+                tot += tl.load(ws_ptr + s * M * N + ws_off, mask=wmask, other=0.0, cache_modifier=".cg")
+            # every program of this tile has arrived: reset the counter for the next launch
+            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+            _mm_epilogue(tot, pid_m, pid_n, rows_a, M, N, as_ptr, stride_as0, ag_ptr, bg_ptr, alpha_ptr, bias_ptr,
+                         out_ptr, stride_om, A_SMODE, A_GMODE, B_GMODE, HAS_ALPHA, HAS_BIAS, BM, BN)
+
+
+@triton.jit
+def _mm_epilogue(acc, pid_m, pid_n, rows_a, M, N, as_ptr, stride_as0, ag_ptr, bg_ptr, alpha_ptr, bias_ptr, out_ptr,
+                 stride_om, A_SMODE: tl.constexpr, A_GMODE: tl.constexpr, B_GMODE: tl.constexpr,
+                 HAS_ALPHA: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The per-row / per-tensor scales, alpha and bias on the fp32 tile, then the masked store."""
     if A_SMODE == 3:
         acc = acc * tl.load(as_ptr + rows_a * stride_as0)[:, None]
     if A_GMODE == 1:

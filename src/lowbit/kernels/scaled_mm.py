@@ -18,11 +18,12 @@ import triton
 
 from ..formats.qtensor import QTensor
 from . import _scaled_mm as k
+from .gemv_w4 import _scratch
 from . import interpreting as _interpreting
 
 # (largest M, config); the last entry covers every larger M
 CONFIGS: list[tuple[int, dict]] = [
-    (64, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}),
+    (64, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "split_k": 16}),
     # 4 warps beat 8 for decoded (FP4/FP6/MX) tiles on the H200: 0.41x vs 0.32x cuBLAS bf16 at 4096x7168x16384
     (1 << 62, {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}),
 ]
@@ -31,7 +32,7 @@ CONFIGS: list[tuple[int, dict]] = [
 # benchmarks/results/2026-11-21_h200_sweep_fp8_block_tma.json): persistent 128x128, 8 warps, 3 stages reached
 # 0.57-0.67x torch._scaled_mm per-tensor FP8; the pointer kernel 0.39-0.48x, seed 001's autotuned kernel 0.43-0.55x.
 FP8_CONFIGS: list[tuple[int, dict]] = [
-    (64, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
+    (64, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4, "split_k": 16}),
     (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
     (1 << 62, {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "tma": True,
                "persistent": True}),
@@ -106,6 +107,18 @@ def _config(m: int, raw_fp8: bool) -> dict:
         if m <= limit:
             return dict(cfg)
     raise AssertionError("unreachable")
+
+
+def _split_k(tiles: int, k_tiles: int, bk: int, cfg: dict, device: torch.device) -> tuple[int, int]:
+    """(ways, K columns per way) for configs with ``"split_k"``: enough programs for about two per SM when the
+    output has few tiles (decode), each way at least ``min_k_tiles`` K tiles long; (1, whole K) otherwise."""
+    want = cfg.get("split_k", 1)
+    if want == 1:
+        return 1, k_tiles * bk
+    sms = _num_sms(device.index) if device.type == "cuda" else 4
+    ways = min(want, max(1, (2 * sms) // tiles), max(1, k_tiles // cfg.get("min_k_tiles", 4)))
+    per = triton.cdiv(k_tiles, ways)
+    return triton.cdiv(k_tiles, per), per * bk
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -228,10 +241,15 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
         _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
         return out
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split, k_per = _split_k(tiles, triton.cdiv(k_dim, bk), bk, cfg, out.device)
+    if split > 1:
+        ws, cnt = _scratch(out.device, out.device.index, split * m * n, tiles)
+    else:
+        ws, cnt = out, out
     alpha_t = alpha if alpha is not None else out
     bias_t = bias if bias is not None else out
-    k._scaled_mm_kernel[grid](
+    k._scaled_mm_kernel[(tiles, split)](
         a_args[0],
         a_args[1],
         a_args[2],
@@ -241,9 +259,12 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
         alpha_t,
         bias_t,
         out,
+        ws,
+        cnt,
         m,
         n,
         k_dim,
+        k_per,
         a_args[3],
         a_args[4],
         a_args[5],
@@ -275,6 +296,7 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
         BK=bk,
         GROUP_M=cfg["GROUP_M"],
         EVEN_K=k_dim % bk == 0,
+        SPLIT=split,
         ON_GPU=not _interpreting(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -334,6 +356,7 @@ def compile_variants():
             BK=cfg["BK"],
             GROUP_M=cfg["GROUP_M"],
             EVEN_K=opt.get("even_k", True),
+            SPLIT=4 if opt.get("small") else 1,
             ON_GPU=True,
         )
         sig = {
@@ -346,6 +369,8 @@ def compile_variants():
             "alpha_ptr": "*fp32",
             "bias_ptr": "*bf16",
             "out_ptr": "*bf16",
+            "ws_ptr": "*fp32",
+            "cnt_ptr": "*i32",
         }
         sig.update(
             {
@@ -354,6 +379,7 @@ def compile_variants():
                     "M",
                     "N",
                     "K",
+                    "K_PER",
                     "stride_a",
                     "stride_as0",
                     "stride_as1",
