@@ -484,3 +484,20 @@ def test_decode_split_k(name, m):
     first = lowbit.scaled_mm(a, w, 0.5, bias, torch.float32)
     _assert_close(first, ref, f"{name} M={m} split={split}")
     assert torch.equal(lowbit.scaled_mm(a, w, 0.5, bias, torch.float32), first)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4-swizzled"])
+def test_decode_gemv_route_captured_cold(name):
+    """A weight whose GEMV layouts were never made (no eager call first) can be captured: the capture does not
+    build or cache them (the MXFP4 layout check would read the scales on the host), it runs the FMA/dot GEMV."""
+    _need_kernel()
+    af, ao, wf, wo = PAIR[name]
+    g = torch.Generator(device="cuda").manual_seed(77)
+    w = _quantize((torch.randn(1024, 2048, device="cuda", generator=g) * 0.02).to(torch.bfloat16), wf, wo)
+    _, a = _act(af, ao, 8, 2048, seed=31)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lowbit.scaled_mm(a, w, None, None, torch.float32)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(out, scaled_mm_reference(a, w, None, None, torch.float32, dequant_backend="torch"), "replay")

@@ -311,13 +311,17 @@ def prepare_w4(w: QTensor) -> PreparedW4:
         if p.sig == _sig_of(w):
             return p
     p = _prepare(w)
-    if scratch_per_call():
+    if _no_caching():
         # inside the custom op (maybe a CUDA-graph warmup whose allocations land in the graph's pool, where a
-        # cached tensor is an untracked live allocation): use this layout for this call only. Layouts made
-        # in eager mode (QuantLinear warms them, see warm()) are found by later compiled calls.
+        # cached tensor is an untracked live allocation) or a graph capture: use this layout for this call
+        # only. Layouts made in eager mode (QuantLinear warms them, see warm()) are found by later calls.
         return p
     _PREPARED[id(data)] = (weakref.ref(data, _forget(id(data))), p)
     return p
+
+
+def _no_caching() -> bool:
+    return scratch_per_call() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def warm(w: QTensor) -> None:
@@ -377,8 +381,10 @@ def mma_layout(p: PreparedW4) -> MmaLayout | None:
     [-62, 191] - 127 (their 2^63-offset bf16 form would overflow; such weights use the FMA kernel)."""
     if p.mma is not None:
         return p.mma or None
-    if scratch_per_call():
-        return None  # not built inside the custom op (see prepare_w4): the FMA / dot kernels run instead
+    if _no_caching():
+        # not built inside the custom op or a capture (see prepare_w4; the MXFP4 check reads the scales on the
+        # host): the FMA / dot kernels run instead
+        return None
     ok = p.fmt in ("nvfp4", "mxfp4") and p.k % 64 == 0
     if ok and p.fmt == "mxfp4":
         ok = int(p.scales.max()) <= 191

@@ -265,6 +265,8 @@ class QuantLinear(nn.Module):
             return _act(y, self.activation).to(x.dtype)
         from ..ops.scaled_mm import scaled_linear
 
+        if w.fmt in ("nvfp4", "mxfp4") and x.is_cuda and self.backend != "torch" and not torch.compiler.is_compiling():
+            _warm_gemv(w)  # decode runs the W4A16 GEMV on these weights (lowbit.kernels.scaled_mm.gemv_route)
         act_opts = dict(self.scheme.act_options)
         y = scaled_linear(
             x,
