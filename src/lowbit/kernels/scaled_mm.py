@@ -110,13 +110,14 @@ def _config(m: int, raw_fp8: bool) -> dict:
 
 
 def _split_k(tiles: int, k_tiles: int, bk: int, cfg: dict, device: torch.device) -> tuple[int, int]:
-    """(ways, K columns per way) for configs with ``"split_k"``: enough programs for about two per SM when the
-    output has few tiles (decode), each way at least ``min_k_tiles`` K tiles long; (1, whole K) otherwise."""
+    """(ways, K columns per way) for configs with ``"split_k"`` (at most that many ways): enough programs for
+    about ``ctas_per_sm`` (default 2) per SM when the output has few tiles (decode), each way at least
+    ``min_k_tiles`` (default 4) K tiles long; (1, whole K) otherwise."""
     want = cfg.get("split_k", 1)
     if want == 1:
         return 1, k_tiles * bk
     sms = _num_sms(device.index) if device.type == "cuda" else 4
-    ways = min(want, max(1, (2 * sms) // tiles), max(1, k_tiles // cfg.get("min_k_tiles", 4)))
+    ways = min(want, max(1, (cfg.get("ctas_per_sm", 2) * sms) // tiles), max(1, k_tiles // cfg.get("min_k_tiles", 4)))
     per = triton.cdiv(k_tiles, ways)
     return triton.cdiv(k_tiles, per), per * bk
 
