@@ -476,7 +476,7 @@ def test_decode_split_k(name, m):
     n, k = 2112, 7168
     w = _weight(wf, wo, n, k)
     _, a = _act(af, ao, m, k, seed=21)
-    cfg = ks.FP8_CONFIGS[0][1] if name == "fp8_block" else ks.CONFIGS[0][1]
+    cfg = ks._config(m, name == "fp8_block")
     split, _ = ks._split_k(-(-m // cfg["BM"]) * -(-n // cfg["BN"]), k // 128, 128, cfg, a.data.device)
     assert split > 1
     bias = _bias(n)

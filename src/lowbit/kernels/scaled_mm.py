@@ -31,8 +31,13 @@ CONFIGS: list[tuple[int, dict]] = [
 # when a base or row stride is not 16-byte aligned). H200 sweep at M=4096 (DeepSeek-V3 shapes, 8192^3,
 # benchmarks/results/2026-11-21_h200_sweep_fp8_block_tma.json): persistent 128x128, 8 warps, 3 stages reached
 # 0.57-0.67x torch._scaled_mm per-tensor FP8; the pointer kernel 0.39-0.48x, seed 001's autotuned kernel 0.43-0.55x.
+# Decode (M <= 64) splits K over programs, about two per SM (sweep_fp8_decode, CUDA-graph replays over
+# weights out of L2, H200: benchmarks/results/2026-11-21_h200_sweep_fp8_decode.json).
 FP8_CONFIGS: list[tuple[int, dict]] = [
-    (64, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4, "split_k": 16}),
+    (16, {"BM": 16, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "split_k": 16,
+          "min_k_tiles": 2}),
+    (64, {"BM": 64, "BN": 64, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "split_k": 16,
+          "min_k_tiles": 2}),
     (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
     (1 << 62, {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "tma": True,
                "persistent": True}),
