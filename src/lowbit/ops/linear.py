@@ -264,9 +264,12 @@ def _plan(m: int, n: int, k: int, device: torch.device, w: QTensor, backend: str
 
 
 def _chunk_rows(w: QTensor, element_size: int, chunk_bytes: int | None) -> int:
+    """Rows of ``w`` per dequantized chunk: at most ``chunk_bytes``, a multiple of 128, and at most half the
+    rows (rounded up to 128) so that the whole dequantized matrix never exists at once (N <= 128: one chunk)."""
     n, k = w.shape
     rows = (chunk_bytes or DEQUANT_CHUNK_BYTES) // (element_size * k) // 128 * 128
-    return n if rows >= n else max(128, rows)
+    half = -(-n // 256) * 128
+    return max(128, min(rows, half))
 
 
 def linear_dequant_gemm(
@@ -286,7 +289,7 @@ def linear_dequant_gemm(
     m, n = x2.shape[0], w.shape[0]
     wq = nf4_without_double_quant(w) if w.fmt == "nf4" else w
     rows = _chunk_rows(w, x2.element_size(), chunk_bytes)
-    if rows == n:
+    if rows >= n:
         return _act(F.linear(x2, dequantize(wq, x2.dtype, backend=dequant_backend), bias), activation)
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     for n0 in range(0, n, rows):
