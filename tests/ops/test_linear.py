@@ -341,8 +341,11 @@ def test_dispatch_rules(weights, kernels):
     for m in (1, 2, 7, lin.GEMV_MAX_M):
         assert _path(w, m).path == "gemv_w4"
         assert _path(w, m, "triton").path == "gemv_w4"
-    for m in (lin.GEMV_MAX_M + 1, 33, 4096):
+    for m in (lin.GEMV_MAX_M + 1, 33, lin.DEQUANT_GEMM_MIN_M - 1):
         assert _path(w, m).path == "gemm_w4"
+    for m in (lin.DEQUANT_GEMM_MIN_M, 4096):
+        plan = _path(w, m)
+        assert plan.path == "dequant_gemm" and "then cuBLAS" in plan.reason
     assert _path(w, 0).path == "empty"
     assert _path(w, 1, "torch").path == "reference"
     assert _path(w, 1, "auto", torch.device("cpu")).path == "reference"

@@ -12,8 +12,8 @@ Dispatch (:func:`plan_linear`), with ``M = x.numel() // K`` rows:
 1. ``backend="torch"`` (or ``$LOWBIT_BACKEND=torch``): the reference, on any device.
 2. x not on CUDA: the reference with ``backend="auto"``; ``backend="triton"`` is a ValueError.
 3. CUDA (``"auto"`` and ``"triton"`` alike; there is no silent fallback on CUDA):
-   ``M >= DEQUANT_GEMM_MIN_M`` (when set; None by default): :func:`linear_dequant_gemm` (bounded chunks
-   of the weight dequantized by the Triton kernels, then cuBLAS); ``M <= GEMV_MAX_M``: ``lowbit.kernels.gemv_w4`` (split-K GEMV) if the module exists and its
+   ``M >= DEQUANT_GEMM_MIN_M`` (2048; None turns it off): :func:`linear_dequant_gemm` (chunks of at most
+   64 MB and half the weight's rows dequantized by the Triton kernels, then cuBLAS); ``M <= GEMV_MAX_M``: ``lowbit.kernels.gemv_w4`` (split-K GEMV) if the module exists and its
    ``supports(w)`` returns None, else ``lowbit.kernels.gemm_w4`` likewise; ``M > GEMV_MAX_M``:
    ``gemm_w4``. Where no kernel can run, :func:`linear` raises RuntimeError naming each reason (pass
    ``backend="torch"`` for the reference). ``M == 0`` launches nothing and returns an empty result.
@@ -63,11 +63,14 @@ ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 """``"gelu"`` is the exact (erf) GELU, ``"gelu_tanh"`` its tanh approximation."""
 X_DTYPES = (torch.bfloat16, torch.float16)
 """Activation dtypes; the output has x's dtype."""
-DEQUANT_GEMM_MIN_M: int | None = None
+DEQUANT_GEMM_MIN_M: int | None = 2048
 """On CUDA, the M at and above which :func:`linear` runs :func:`linear_dequant_gemm` (the weight dequantized
-a bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS) instead of ``gemm_w4``.
-None (the default): never. Not yet measured on a GPU; ``benchmarks/bench_w4a16_gemm.py --chunked`` times
-both paths so that this can be set from data."""
+a bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS) instead of ``gemm_w4``;
+None: never. H200, ``benchmarks/bench_w4a16_gemm.py --chunked`` (git 02d3b15,
+``benchmarks/results/2026-11-21_h200_w4a16_gemm_chunked_02d3b15.json``), ratio to cuBLAS bf16 on the six
+issue shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton GEMM's
+0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. 2048 lies between the two
+measured M and was not itself measured."""
 DEQUANT_CHUNK_BYTES = 64 << 20
 """Largest dequantized chunk :func:`linear_dequant_gemm` materializes (bytes of x's dtype)."""
 KERNEL_MODULES = ("gemv_w4", "gemm_w4")
