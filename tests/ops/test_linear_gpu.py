@@ -186,6 +186,8 @@ def test_dispatch(fmt):
         plan = lin.plan_linear((m, 4096), w)
         if m <= lin.GEMV_MAX_M and gemv is not None and gemv.supports(w) is None:
             assert plan.path == "gemv_w4", str(plan)
+        elif lin.DEQUANT_GEMM_MIN_M is not None and m >= lin.DEQUANT_GEMM_MIN_M:
+            assert plan.path == "dequant_gemm", str(plan)
         elif gemm is not None and gemm.supports(w) is None:
             assert plan.path == "gemm_w4", str(plan)
         else:
