@@ -69,8 +69,19 @@ a bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS)
 None: never. H200, ``benchmarks/bench_w4a16_gemm.py --chunked`` (git 02d3b15,
 ``benchmarks/results/2026-11-21_h200_w4a16_gemm_chunked_02d3b15.json``), ratio to cuBLAS bf16 on the six
 issue shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton GEMM's
-0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. 2048 lies between the two
-measured M and was not itself measured."""
+0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. At M=2048 (git ca38379,
+``..._chunked_m2048_m4096_ca38379.json``) chunked won for nvfp4, mxfp4, fp4_b32 and int4_awq on all six shapes
+(0.60-0.90x vs 0.44-0.56x); nf4 has its own threshold (:data:`DEQUANT_GEMM_MIN_M_BY_FORMAT`)."""
+DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {"nf4": 4096}
+"""Per-format overrides of :data:`DEQUANT_GEMM_MIN_M` (when that is not None). nf4's chunked path lost to the
+GEMM at M=2048 on the 4096-class shapes (0.23-0.34x vs 0.35-0.37x) and won at M=4096 on all six
+(``benchmarks/results/2026-11-21_h200_w4a16_gemm_chunked_m2048_m4096_ca38379.json``)."""
+
+
+def _dequant_gemm_min_m(fmt: str) -> int:
+    return max(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_BY_FORMAT.get(fmt, 0))
+
+
 DEQUANT_CHUNK_BYTES = 64 << 20
 """Largest dequantized chunk :func:`linear_dequant_gemm` materializes (bytes of x's dtype)."""
 KERNEL_MODULES = ("gemv_w4", "gemm_w4")
@@ -216,7 +227,7 @@ def _decide(m: int, device: torch.device, w: QTensor, backend: str) -> tuple[str
     common = _plumbing.decide_common(backend, device, m == 0)
     if common is not None:
         return common
-    if DEQUANT_GEMM_MIN_M is not None and m >= DEQUANT_GEMM_MIN_M and _slice_rows_reason(w) is None:
+    if DEQUANT_GEMM_MIN_M is not None and m >= _dequant_gemm_min_m(w.fmt) and _slice_rows_reason(w) is None:
         return "dequant_gemm", _dequant_gemm_kernel, ()
     gemv_why = None
     if m <= GEMV_MAX_M:
@@ -242,7 +253,7 @@ def _reason(path: str, facts: tuple, m: int, device: torch.device, w: QTensor) -
         return f"{regime}: split-K GEMV"
     if path == "dequant_gemm":
         rows = _chunk_rows(w, 2, None)
-        return (f"M={m} >= DEQUANT_GEMM_MIN_M={DEQUANT_GEMM_MIN_M}: dequantize chunks of {rows} rows "
+        return (f"M={m} >= DEQUANT_GEMM_MIN_M={_dequant_gemm_min_m(w.fmt)}: dequantize chunks of {rows} rows "
                 "(Triton), then cuBLAS")
     if path == "gemm_w4":
         if m <= GEMV_MAX_M:
