@@ -122,6 +122,22 @@ SCRIPT = textwrap.dedent(
 
     cases = [("nvfp4", fp4_case("nvfp4")), ("mxfp4", fp4_case("mxfp4")), ("fp4_b32", fp4_case("fp4_b32")),
              ("awq g32", awq_case(32)), ("awq g128", awq_case(128))]
+    # the row-scale epilogue (lowbit.scaled_mm's decode route) and fp32 output: power-of-two factors keep
+    # every value exact, so the result equals reference * factor bit for bit
+    qn = fp4_case("nvfp4")
+    for m, cfg in ((1, SMALL), (3, NOSPLIT), (5, SMALL)):
+        x = x_exact(m, torch.bfloat16)
+        bias = pick([-1.0, 0.5, 3.0], N)
+        rows = pick([0.25, 0.5, 2.0, 4.0], m)
+        ref = reference(x, qn, None, None)
+        got = G.gemv_w4(x, qn, bias, config=cfg, row_scale=rows, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, ref * rows[:, None] + bias), f"row_scale M={m}"
+        got = G.gemv_w4(x, qn, config=cfg, row_scale=torch.tensor([0.5]), out_dtype=torch.float32)
+        assert torch.equal(got, ref * 0.5), f"scalar row_scale M={m}"
+        got = G.gemv_w4(x, qn, config=cfg, divide_by=torch.tensor([4.0]), out_dtype=torch.float32)
+        assert torch.equal(got, ref / 4.0), f"divide_by M={m}"
+        n_calls += 3
+
     for what, q in cases:
         assert G.supports(q) is None, (what, G.supports(q))
         check(q, 1, torch.bfloat16, what=what)                                  # FMA, split-K 4
@@ -221,3 +237,13 @@ def test_bad_arguments_raise():
         G.gemv_w4(x, q, activation="relu")
     with pytest.raises(ValueError, match="gemv_w4: K must"):
         G.gemv_w4(x, _nvfp4(64, 48))
+    with pytest.raises(TypeError, match="row_scale must be a float32"):
+        G.gemv_w4(x, q, row_scale=torch.ones(1, dtype=torch.float16))
+    with pytest.raises(ValueError, match="1 or M = 1 elements"):
+        G.gemv_w4(x, q, row_scale=torch.ones(3))
+    with pytest.raises(ValueError, match="not both"):
+        G.gemv_w4(x, q, row_scale=torch.ones(1), divide_by=torch.ones(1))
+    with pytest.raises(ValueError, match="divide_by must have 1 element"):
+        G.gemv_w4(torch.zeros(2, 128, dtype=torch.bfloat16), q, divide_by=torch.ones(2))
+    with pytest.raises(TypeError, match="out_dtype"):
+        G.gemv_w4(x, q, out_dtype=torch.int32)

@@ -369,8 +369,9 @@ def _activation(y, ACT: tl.constexpr):
 def _finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, GS_KIND: tl.constexpr,
             ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
     """acc: fp32 partial sums for x rows ``m`` and output rows ``rows`` (index tensors broadcastable to acc's
-    shape); writes out[m, rows]. ROW_SCALE 1 multiplies by rs_ptr[0], 2 by rs_ptr[m] (what x's own scales
-    leave over, e.g. an FP8 activation's per-token scale; applied before the bias)."""
+    shape); writes out[m, rows]. ROW_SCALE 1 multiplies by rs_ptr[0], 2 by rs_ptr[m], 3 divides by rs_ptr[0]
+    (what x's own scales leave over: an FP8 activation's per-token scale, an nvfp4 activation's global scale;
+    applied before the bias)."""
     y = acc * POST
     if GS_KIND == GS_DIVIDE:
         y = tl.div_rn(y, tl.load(gs_ptr))
@@ -380,6 +381,8 @@ def _finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST: tl.cons
         y = y * tl.load(rs_ptr)
     elif ROW_SCALE == 2:
         y = y * tl.load(rs_ptr + m, mask=m < M, other=0.0)
+    elif ROW_SCALE == 3:
+        y = tl.div_rn(y, tl.load(rs_ptr))
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     y = _activation(y, ACT)

@@ -614,7 +614,7 @@ def _check_bias(bias, x: torch.Tensor, n: int) -> torch.Tensor:
 def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None = None,
             activation: str | None = None, config: dict | None = None,
             mma_config: dict | bool | None = None, *, row_scale: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            divide_by: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``act(x @ dequant(w).T + bias)`` in x's dtype, accumulated in fp32, for M <= 16.
 
     Args:
@@ -631,6 +631,8 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
             x row) multiplying the fp32 product before the bias: what x's own scales leave over
             (``lowbit.scaled_mm`` passes an FP8 activation's per-token scale, or alpha / an nvfp4
             activation's global scale, this way).
+        divide_by: instead of row_scale, a 1-element float32 tensor the fp32 product is divided by (IEEE
+            division; an nvfp4 activation's global scale).
         out_dtype: the result dtype (default x's): bfloat16, float16 or float32.
 
     Returns:
@@ -649,7 +651,15 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"gemv_w4: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    rs_mode = 0 if row_scale is None else _check_row_scale(row_scale, x)
+    if divide_by is not None:
+        if row_scale is not None:
+            raise ValueError("gemv_w4: give row_scale or divide_by, not both")
+        if isinstance(divide_by, torch.Tensor) and divide_by.numel() != 1:
+            raise ValueError(f"gemv_w4: divide_by must have 1 element, got {divide_by.numel()}")
+        _check_row_scale(divide_by, x)
+        row_scale, rs_mode = divide_by, 3
+    else:
+        rs_mode = 0 if row_scale is None else _check_row_scale(row_scale, x)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
@@ -733,7 +743,8 @@ def compile_variants():
         t = TILE["fma"] if path == "fma" else TILE["dot"]
         consts = {"FMT": _FMT[fmt], "WPB": wpb, "IPS": 16 // split, "MP": mp, "BN": t["bn"], "C": t["chunks"], "STAGES": t["stages"],
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind,
-                  "ROW_SCALE": 2 if (mp == 4 and path == "fma") else (1 if split == 4 else 0), "POST": _POST[fmt],
+                  "ROW_SCALE": 2 if (mp == 4 and path == "fma") else (1 if split == 4 else (3 if mp == 2 else 0)),
+                  "POST": _POST[fmt],
                   "X_FP16": xd == "*fp16", "ON_GPU": True}
         fn = k._gemv_w4_fma_kernel if path == "fma" else k._gemv_w4_dot_kernel
         yield fn, _sig(fmt, xd, "*fp32" if has_bias and act == 1 else xd), consts
@@ -743,7 +754,7 @@ def compile_variants():
                "KQ": "i32"}
     for fmt_code, nt, split, has_bias, act, gs_kind, rs in [(0, 1, 1, False, 0, 1, 0), (0, 2, 4, True, 1, 1, 2),
                                                             (1, 1, 4, True, 3, 0, 1), (1, 2, 1, False, 2, 0, 0),
-                                                            (0, 1, 2, False, 0, 2, 2)]:
+                                                            (0, 1, 2, False, 0, 2, 2), (0, 2, 1, True, 0, 1, 3)]:
         consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt, "STAGES": MMA["stages"],
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63}

@@ -204,7 +204,7 @@ def gemv_route(a: QTensor, b: QTensor) -> str | None:
 def _scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     from . import blockscaled, gemv_w4
 
-    factor = None
+    factor = divisor = None
     if a.fmt == "fp8_rowwise":
         x = a.data.to(torch.bfloat16)
         factor = a.scale.reshape(-1)
@@ -218,12 +218,15 @@ def _scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor
             if pts is not None:
                 factor = torch.as_tensor(pts, dtype=torch.float32, device=a.data.device).reshape(1)
             elif a.global_scale is not None:
-                factor = torch.reciprocal(a.global_scale.reshape(1).to(torch.float32))
+                divisor = a.global_scale.reshape(1)
         else:
             x = blockscaled.dequantize_mx(plain, torch.bfloat16)
     if alpha is not None:
-        factor = alpha if factor is None else factor * alpha
-    return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, out_dtype=out_dtype)
+        if divisor is not None:
+            factor, divisor = alpha / divisor, None
+        else:
+            factor = alpha if factor is None else factor * alpha
+    return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, divide_by=divisor, out_dtype=out_dtype)
 
 
 def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None) -> torch.Tensor:
