@@ -50,6 +50,12 @@ VARIANTS = {
     "tmap_64x128_w4s4": _cfg(64, 128, 4, 4, True, True),
     "tmap2_64x128_w4s4": {**_cfg(64, 128, 4, 4, True, True), "per_sm": 2},
     "tmap_128x256_w8s3": _cfg(128, 256, 8, 3, True, True),
+    "tmap_128x128_w8s3_g4": _cfg(128, 128, 8, 3, True, True, group=4),
+    "tmap_128x128_w8s3_g16": _cfg(128, 128, 8, 3, True, True, group=16),
+    "tmap_128x128_w8s2": _cfg(128, 128, 8, 2, True, True),
+    "tmap2_64x128_w4s3": {**_cfg(64, 128, 4, 3, True, True), "per_sm": 2},
+    "tmap2_64x128_w4s5": {**_cfg(64, 128, 4, 5, True, True), "per_sm": 2},
+    "tmap2_64x128_w4s4_g16": {**_cfg(64, 128, 4, 4, True, True, group=16), "per_sm": 2},
 }
 
 
