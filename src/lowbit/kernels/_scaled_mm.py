@@ -300,6 +300,7 @@ def _fp8_block_mm_tma_kernel(
     stride_bs0,
     stride_bs1,
     stride_om,
+    num_programs,
     B_ROWS_PER_SCALE: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -307,7 +308,6 @@ def _fp8_block_mm_tma_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
     """fp8_block x fp8_block through TMA: ``a_desc`` [M, K] and ``b_desc`` [N, K] float8 descriptors with
@@ -316,7 +316,7 @@ def _fp8_block_mm_tma_kernel(
     ``sa[m] * sb`` in fp32 (DeepSeek-V3's promotion). With 128x128 weight blocks and BN dividing 128, ``sb`` is
     one scalar per tile, so the promotion is one FMA per accumulator element.
 
-    PERSISTENT: NUM_PROGRAMS programs stride over the tiles (``tl.range(..., flatten=True)`` lets the
+    PERSISTENT: ``num_programs`` programs stride over the tiles (``tl.range(..., flatten=True)`` lets the
     pipeliner prefetch the next tile's first K tiles while this one finishes)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -326,7 +326,7 @@ def _fp8_block_mm_tma_kernel(
     SCALAR_B: tl.constexpr = B_ROWS_PER_SCALE % BN == 0
     if PERSISTENT:
         first = tl.program_id(0)
-        step = NUM_PROGRAMS
+        step = num_programs
     else:
         first = tl.program_id(0)
         step = tiles

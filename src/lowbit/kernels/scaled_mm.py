@@ -165,6 +165,7 @@ def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> No
         b_args[4],
         b_args[5],
         out.stride(0),
+        programs,
         B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1),
         HAS_ALPHA=alpha is not None,
         HAS_BIAS=bias is not None,
@@ -172,7 +173,6 @@ def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> No
         BN=bn,
         BK=bk,
         GROUP_M=cfg["GROUP_M"],
-        NUM_PROGRAMS=programs if persistent else 1,
         PERSISTENT=persistent,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -420,8 +420,7 @@ def compile_variants():
                 "out_ptr": "*bf16",
             }
             sig.update({n: "i32" for n in ("M", "N", "K", "stride_as0", "stride_as1", "stride_bs0", "stride_bs1",
-                                           "stride_om")})
+                                           "stride_om", "num_programs")})
             consts = dict(B_ROWS_PER_SCALE=rows_per_scale, HAS_ALPHA=extras, HAS_BIAS=extras, BM=bm, BN=bn, BK=bk,
-                          GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=132 if cfg.get("persistent") else 1,
-                          PERSISTENT=bool(cfg.get("persistent")))
+                          GROUP_M=cfg["GROUP_M"], PERSISTENT=bool(cfg.get("persistent")))
             yield k._fp8_block_mm_tma_kernel, sig, consts
