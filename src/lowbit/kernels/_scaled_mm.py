@@ -308,7 +308,6 @@ def _fp8_block_mm_tma_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
 ):
     """fp8_block x fp8_block through TMA: ``a_desc`` [M, K] and ``b_desc`` [N, K] float8 descriptors with
     [BM, BK] / [BN, BK] boxes (TMA zero-fills past M, N and K, so no masks in the main loop), fp32 block
@@ -316,21 +315,16 @@ def _fp8_block_mm_tma_kernel(
     ``sa[m] * sb`` in fp32 (DeepSeek-V3's promotion). With 128x128 weight blocks and BN dividing 128, ``sb`` is
     one scalar per tile, so the promotion is one FMA per accumulator element.
 
-    PERSISTENT: ``num_programs`` programs stride over the tiles (``tl.range(..., flatten=True)`` lets the
-    pipeliner prefetch the next tile's first K tiles while this one finishes)."""
+    ``num_programs`` programs stride over the tiles: one per tile, or fewer for a persistent launch
+    (``tl.range(..., flatten=True)`` lets the pipeliner prefetch the next tile's first K tiles while this one
+    finishes)."""
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     tiles = num_m * num_n
     per_group = GROUP_M * num_n
     SCALAR_B: tl.constexpr = B_ROWS_PER_SCALE % BN == 0
-    if PERSISTENT:
-        first = tl.program_id(0)
-        step = num_programs
-    else:
-        first = tl.program_id(0)
-        step = tiles
-    for tile in tl.range(first, tiles, step, flatten=True):
+    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=True):
         group_first_m = (tile // per_group) * GROUP_M
         size_m = tl.minimum(num_m - group_first_m, GROUP_M)
         pid_m = group_first_m + (tile % per_group) % size_m

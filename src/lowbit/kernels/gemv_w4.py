@@ -55,6 +55,7 @@ from . import _gemv_w4 as k
 from . import _gemv_mma as km
 from . import interpreting as _interpreting
 from . import scratch_per_call
+from ._scratch import split_k_scratch
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
@@ -439,7 +440,7 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
                                       n_tiles=n_tiles * nt)
     dev = x.device
     if plan.split > 1:
-        ws, cnt = _scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
+        ws, cnt = split_k_scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
     else:
         ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
     rs = row_scale if row_scale is not None else _dummy(dev, torch.float32)
@@ -519,25 +520,6 @@ def _cfg_key(cfg: dict) -> tuple:
             cfg["max_split"], cfg["min_iters"], cfg.get("ws_ratio", 0.25))
 
 
-# split-K workspace and tile counters, per (device, stream); the counters reset themselves in the kernel
-_SCRATCH: dict = {}
-
-
-def _scratch(device: torch.device, dev_index: int | None, ws_numel: int, n_cnt: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    if dev_index is not None and (torch._C._cuda_isCurrentStreamCapturing() or scratch_per_call()):
-        # graph-owned buffers: never cached (the graph keeps them alive)
-        return (torch.empty(ws_numel, dtype=torch.float32, device=device),
-                torch.zeros(n_cnt, dtype=torch.int32, device=device))
-    key = (dev_index, torch._C._cuda_getCurrentRawStream(dev_index) if dev_index is not None else 0)
-    ws, cnt = _SCRATCH.get(key, (None, None))
-    if ws is None or ws.numel() < ws_numel or cnt.numel() < n_cnt:
-        if ws is None or ws.numel() < ws_numel:
-            ws = torch.empty(max(ws_numel, 1 << 16), dtype=torch.float32, device=device)
-        if cnt is None or cnt.numel() < n_cnt:
-            cnt = torch.zeros(max(n_cnt, 4096), dtype=torch.int32, device=device)
-        _SCRATCH[key] = (ws, cnt)
-    return ws, cnt
 
 
 def _launch(plan: _Plan, key, args: tuple, device: int | None) -> None:
@@ -694,7 +676,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
             _PLANS[pkey] = plan
     dev = x.device
     if plan.split > 1:
-        ws, cnt = _scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
+        ws, cnt = split_k_scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
     else:
         ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
     rs = row_scale if row_scale is not None else _dummy(dev, torch.float32)
@@ -723,29 +705,28 @@ def compile_variants():
     """(kernel, signature, constexprs) of the code paths the launcher starts (CI compiles them for sm_90):
     every format through both kernels (FMA at M = 1, 2, 4 and dot), bf16 and fp16 x, split-K, each
     activation, bias, each global-scale kind, and the other nf4 / int4 block sizes."""
+    # the last field is ROW_SCALE (lowbit.scaled_mm's decode route): every mode on both kernels
     cases = []
     for fmt in _FMT:
         gs = k.GS_DIVIDE.value if fmt == "nvfp4" else k.GS_NONE.value
         cases += [
-            (fmt, "fma", 1, "*bf16", 1, False, 0, gs, _WPB[fmt]),
-            (fmt, "fma", 2, "*fp16", 4, True, 1, gs, _WPB[fmt]),
-            (fmt, "dot", 16, "*bf16", 2, True, 3, gs, _WPB[fmt]),
-            (fmt, "dot", 16, "*fp16", 1, False, 0, gs, _WPB[fmt]),
+            (fmt, "fma", 1, "*bf16", 1, False, 0, gs, _WPB[fmt], 3 if fmt == "nvfp4" else 0),
+            (fmt, "fma", 2, "*fp16", 4, True, 1, gs, _WPB[fmt], 1),
+            (fmt, "dot", 16, "*bf16", 2, True, 3, gs, _WPB[fmt], 2),
+            (fmt, "dot", 16, "*fp16", 1, False, 0, gs, _WPB[fmt], 3 if fmt == "nvfp4" else 0),
         ]
     cases += [
-        ("nvfp4", "fma", 4, "*bf16", 2, True, 2, k.GS_MULTIPLY.value, 2),
-        ("nvfp4", "fma", 1, "*bf16", 1, False, 0, k.GS_NONE.value, 2),
-        ("int4_awq", "fma", 1, "*bf16", 1, True, 1, k.GS_NONE.value, 4),   # group 32
-        ("int4_awq", "dot", 16, "*bf16", 1, False, 0, k.GS_NONE.value, 8),  # group 64
-        ("nf4_dq", "fma", 1, "*fp16", 1, False, 0, k.GS_NONE.value, 4),     # blocksize 32
+        ("nvfp4", "fma", 4, "*bf16", 2, True, 2, k.GS_MULTIPLY.value, 2, 2),
+        ("nvfp4", "fma", 1, "*bf16", 1, False, 0, k.GS_NONE.value, 2, 0),
+        ("int4_awq", "fma", 1, "*bf16", 1, True, 1, k.GS_NONE.value, 4, 0),   # group 32
+        ("int4_awq", "dot", 16, "*bf16", 1, False, 0, k.GS_NONE.value, 8, 1),  # group 64
+        ("nf4_dq", "fma", 1, "*fp16", 1, False, 0, k.GS_NONE.value, 4, 0),     # blocksize 32
     ]
-    for fmt, path, mp, xd, split, has_bias, act, gs_kind, wpb in cases:
+    for fmt, path, mp, xd, split, has_bias, act, gs_kind, wpb, rs in cases:
         t = TILE["fma"] if path == "fma" else TILE["dot"]
         consts = {"FMT": _FMT[fmt], "WPB": wpb, "IPS": 16 // split, "MP": mp, "BN": t["bn"], "C": t["chunks"], "STAGES": t["stages"],
-                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind,
-                  "ROW_SCALE": 2 if (mp == 4 and path == "fma") else (1 if split == 4 else (3 if mp == 2 else 0)),
-                  "POST": _POST[fmt],
-                  "X_FP16": xd == "*fp16", "ON_GPU": True}
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
+                  "POST": _POST[fmt], "X_FP16": xd == "*fp16", "ON_GPU": True}
         fn = k._gemv_w4_fma_kernel if path == "fma" else k._gemv_w4_dot_kernel
         yield fn, _sig(fmt, xd, "*fp32" if has_bias and act == 1 else xd), consts
     mma_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "rs_ptr": "*fp32",

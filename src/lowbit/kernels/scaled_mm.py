@@ -18,7 +18,7 @@ import triton
 
 from ..formats.qtensor import QTensor
 from . import _scaled_mm as k
-from .gemv_w4 import _scratch
+from ._scratch import split_k_scratch
 from . import interpreting as _interpreting
 
 # (largest M, config); the last entry covers every larger M
@@ -173,7 +173,6 @@ def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> No
         BN=bn,
         BK=bk,
         GROUP_M=cfg["GROUP_M"],
-        PERSISTENT=persistent,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -255,7 +254,7 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split, k_per = _split_k(tiles, triton.cdiv(k_dim, bk), bk, cfg, out.device)
     if split > 1:
-        ws, cnt = _scratch(out.device, out.device.index, split * m * n, tiles)
+        ws, cnt = split_k_scratch(out.device, out.device.index, split * m * n, tiles)
     else:
         ws, cnt = out, out
     alpha_t = alpha if alpha is not None else out
@@ -422,5 +421,5 @@ def compile_variants():
             sig.update({n: "i32" for n in ("M", "N", "K", "stride_as0", "stride_as1", "stride_bs0", "stride_bs1",
                                            "stride_om", "num_programs")})
             consts = dict(B_ROWS_PER_SCALE=rows_per_scale, HAS_ALPHA=extras, HAS_BIAS=extras, BM=bm, BN=bn, BK=bk,
-                          GROUP_M=cfg["GROUP_M"], PERSISTENT=bool(cfg.get("persistent")))
+                          GROUP_M=cfg["GROUP_M"])
             yield k._fp8_block_mm_tma_kernel, sig, consts

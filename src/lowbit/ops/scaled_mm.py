@@ -410,10 +410,7 @@ def _decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: QTensor
     module, why = _plumbing.kernel_choice(_kernel_module, KERNEL_MODULE, a, b)
     if module is None:
         return "unavailable", RuntimeError, ("no_kernel", why)
-    route = getattr(module, "gemv_route", None)
-    if route is not None and route(a, b) is None:
-        return "scaled_mm", module.scaled_mm, ("gemv",)
-    return "scaled_mm", module.scaled_mm, ()
+    return "scaled_mm", module.scaled_mm, (module,)
 
 
 def _reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: QTensor) -> str:
@@ -424,7 +421,9 @@ def _reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: QTenso
     if path == "empty":
         return "M, N or K is 0: nothing to multiply, no launch"
     if path == "scaled_mm":
-        if facts == ("gemv",):
+        # the kernel module picks its GEMV route itself on every call; asked here only for the explanation
+        route = getattr(facts[0], "gemv_route", None)
+        if route is not None and route(a, b) is None:
             return (
                 "decode: the activation decoded exactly to bf16, then the W4A16 GEMV on the 4-bit weight "
                 "(lowbit.kernels.scaled_mm.gemv_route)"
