@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--decode-graph", action="store_true",
                     help="only: decode M (--ms, <= 64) timed as CUDA-graph replays over weight copies that do not "
                          "fit in L2, with the weight bytes per second as a share of the copy bandwidth")
+    ap.add_argument("--fold-sweep", action="store_true",
+                    help="only: TMA configs of the FP8 re-encoded mxfp4 pairs (fold_route) at --ms on --shapes, vs "
+                         "the decoding kernel and cuBLAS bf16")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
     args = ap.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -71,6 +74,8 @@ def main() -> None:
         return sweep(args, meta)
     if args.decode_graph:
         return decode_graph(args, meta, shapes, ms)
+    if args.fold_sweep:
+        return fold_sweep(args, meta, shapes, ms)
     rows = []
     path = os.path.join(args.out, "bench_scaled_mm.json")
     dev = "cuda"
@@ -111,10 +116,19 @@ def main() -> None:
                     if t_fp8:
                         row["vs_scaled_mm_fp8"] = t_fp8 / row["ms"]
                     row["weight_GBps"] = wq.nbytes / (row["ms"] * 1e-3) / 1e9
+                    if _ks().fold_route(a, wq) is None:
+                        # the same pair on the decoding kernel, and the share of the re-encoding passes
+                        row["route"] = "fold"
+                        row["decoding_ms"] = _bench(lambda: _ks().scaled_mm(a, wq, None, None, torch.bfloat16,  # noqa: B023
+                                                                            fold=False), args.rep)
+                        row["decoding_vs_cublas_bf16"] = t_bf16 / row["decoding_ms"]
+                        row["reencode_ms"] = _bench(lambda: _reencode(a, wq), args.rep)  # noqa: B023
                     print(f"  {pair:12s} {row['ms'] * 1e3:8.1f} us {row['tflops']:6.0f} TFLOPS  "
                           f"x{row['vs_cublas_bf16']:.2f} bf16" + (f"  x{row['vs_scaled_mm_fp8']:.2f} fp8" if t_fp8 else "")
                           + f"  fused x{row['fused_vs_cublas_bf16']:.2f}  err {row['rel_err']:.1e}"
-                          + f"  {row['weight_GBps']:.0f} GB/s weights", flush=True)
+                          + f"  {row['weight_GBps']:.0f} GB/s weights"
+                          + (f"  [fold; decoding kernel x{row['decoding_vs_cublas_bf16']:.2f}, re-encoding "
+                             f"{row['reencode_ms'] * 1e3:.1f} us]" if "route" in row else ""), flush=True)
                 except Exception as e:  # noqa: BLE001 - record and go on
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(f"  {pair:12s} ERROR {row['error']}", flush=True)
@@ -167,6 +181,70 @@ def decode_graph(args, meta, shapes, ms) -> None:
                 rows.append(row)
             qs = None
         wb = w0 = None
+        torch.cuda.empty_cache()
+        _peers.write_json(path, {**meta, "complete": False, "rows": rows})
+    _peers.write_json(path, {**meta, "complete": True, "rows": rows})
+    print(f"wrote {path}")
+
+
+def _ks():
+    from lowbit.kernels import scaled_mm as ks
+
+    return ks
+
+
+def _reencode(a, wq) -> None:
+    from lowbit.kernels import blockscaled as kb
+
+    kb.mxfp4_as_fp8_block(wq)
+    if a.fmt == "mxfp4":
+        kb.mxfp4_as_fp8_block(a)
+
+
+# (BM, BN, warps, stages, persistent programs per SM or 0), BK = 128
+FOLD_SWEEP = [(64, 128, 4, 3, 2), (64, 128, 4, 4, 0), (128, 128, 8, 3, 1), (128, 128, 8, 4, 0), (128, 256, 8, 3, 0),
+              (64, 256, 4, 3, 1), (128, 128, 4, 3, 1)]
+
+
+def fold_sweep(args, meta, shapes, ms) -> None:
+    ks = _ks()
+    rows = []
+    path = os.path.join(args.out, "bench_scaled_mm_fold_sweep.json")
+    for n, k in shapes:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = _bench(lambda: x @ w.T, args.rep)  # noqa: B023
+            for pair in args.pairs.split(","):
+                (af, ao), (wf, wo) = PAIRS[pair]
+                a, wq = lowbit.quantize(x, af, **ao), lowbit.quantize(w, wf, **wo)
+                if ks.fold_route(a, wq) is not None and m >= ks.FOLD_MIN_M:
+                    continue
+                ref = scaled_mm_reference(a, wq)
+                base = {"pair": pair, "M": m, "N": n, "K": k, "cublas_bf16_ms": t_bf16}
+                t_dec = _bench(lambda: ks.scaled_mm(a, wq, None, None, torch.bfloat16, fold=False), args.rep)  # noqa: B023
+                t_re = _bench(lambda: _reencode(a, wq), args.rep)  # noqa: B023
+                rows.append({**base, "config": "decoding", "ms": t_dec, "vs_cublas_bf16": t_bf16 / t_dec})
+                rows.append({**base, "config": "reencode_only", "ms": t_re})
+                print(f"{pair:12s} {n}x{k} M={m}: decoding x{t_bf16 / t_dec:.2f} bf16, re-encoding {t_re * 1e3:.1f} us",
+                      flush=True)
+                for bm, bn, nw, ns, per_sm in FOLD_SWEEP:
+                    cfg = {"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8, "num_warps": nw, "num_stages": ns,
+                           "tma": True, "persistent": per_sm > 0, "per_sm": max(per_sm, 1)}
+                    row = {**base, "config": cfg}
+                    try:
+                        y = ks.scaled_mm(a, wq, None, None, torch.bfloat16, config=cfg, fold=True)
+                        row["rel_err"] = _rel(y, ref)
+                        row["ms"] = _bench(lambda c=cfg: ks.scaled_mm(a, wq, None, None, torch.bfloat16, config=c,  # noqa: B023
+                                                                      fold=True), args.rep)
+                        row["vs_cublas_bf16"] = t_bf16 / row["ms"]
+                        print(f"   {bm}x{bn} w{nw} s{ns} p{per_sm}: x{row['vs_cublas_bf16']:.2f} bf16  "
+                              f"err {row['rel_err']:.1e}", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"{type(e).__name__}: {e}"[:200]
+                        print(f"   {cfg} ERROR {row['error']}", flush=True)
+                    rows.append(row)
+        w = None
         torch.cuda.empty_cache()
         _peers.write_json(path, {**meta, "complete": False, "rows": rows})
     _peers.write_json(path, {**meta, "complete": True, "rows": rows})

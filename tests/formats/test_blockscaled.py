@@ -255,3 +255,87 @@ def test_errors_name_the_rule():
         lowbit.quantize(x, "mxfp4", scale_rounding="even")
     with pytest.raises(ValueError, match="scale_layout"):
         lowbit.quantize(x, "mxfp4", scale_layout="blocked")
+
+
+# ---------------------------------------------------------------- mxfp4 re-encoded as fp8_block (FP8 tensor cores)
+
+
+def _mx_from_codes(codes: torch.Tensor, exps: torch.Tensor, layout: str = "linear") -> lowbit.QTensor:
+    """An mxfp4 QTensor with the given E2M1 codes [R, K] and E8M0 scale codes [R, K/32]."""
+    from lowbit.formats.packing import pack_fp4, swizzle_scales
+
+    scale = exps.to(torch.uint8).view(torch.float8_e8m0fnu)
+    if layout == "swizzled":
+        scale = swizzle_scales(scale)
+    return lowbit.QTensor(pack_fp4(codes.to(torch.uint8)), scale, "mxfp4", codes.shape, torch.bfloat16,
+                          scale_layout=layout)
+
+
+def _fold_check(q):
+    from lowbit.formats.blockscaled import dequantize_mx, mxfp4_as_fp8_block
+    from lowbit.formats.fp8_block import dequantize_fp8_block
+
+    folded, exact = mxfp4_as_fp8_block(q)
+    assert folded.fmt == "fp8_block" and folded.params["block"] == (1, 128)
+    assert folded.data.dtype == torch.float8_e4m3fn and folded.scale.dtype == torch.float32
+    assert folded.scale.shape == (q.shape[0], -(-q.shape[1] // 128))
+    return folded, bool(exact), dequantize_fp8_block(folded), dequantize_mx(q)
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_mxfp4_as_fp8_block_every_code_and_window_offset_is_exact(layout):
+    # rows: each tile holds one block at the tile's largest exponent and three 0..14 binades below it,
+    # with all 16 codes twice per block; exponents from 0 (2^-127) to 254
+    rows, k = 60, 384
+    codes = torch.arange(16).repeat(rows, k // 16)
+    codes = codes[:, torch.randperm(k, generator=torch.Generator().manual_seed(1))]
+    g = torch.Generator().manual_seed(2)
+    top = torch.randint(14, 255, (rows, k // 128), generator=g)
+    below = torch.randint(0, 15, (rows, k // 128, 3), generator=g)
+    exps = torch.cat([top[..., None], top[..., None] - below], -1).reshape(rows, k // 32)
+    exps[0] = 0
+    exps[1] = 254
+    q = _mx_from_codes(codes, exps, layout)
+    _, exact, got, want = _fold_check(q)
+    assert exact
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_mxfp4_as_fp8_block_drops_only_what_it_cannot_hold():
+    k = 256
+    codes = torch.randint(0, 16, (6, k), generator=torch.Generator().manual_seed(3))
+    codes[codes % 8 == 0] = 1  # no all-zero block by chance
+    exps = torch.full((6, k // 32), 120)
+    exps[0, 1] = 120 - 14                      # exactly at the window's edge: kept
+    exps[1, 1] = 120 - 15                      # one binade further: dropped
+    exps[2, 1] = 3
+    codes[2, 32:64] = torch.tensor([0, 8] * 16)  # +-0 codes only: far below, still exact
+    exps[3, 5] = 255                           # NaN scale
+    exps[4, 4:] = 0                            # second tile all 2^-127: its own emax
+    q = _mx_from_codes(codes, exps)
+    folded, exact, got, want = _fold_check(q)
+    assert not exact
+    blocks_ok = torch.ones(6, k // 32, dtype=torch.bool)
+    blocks_ok[1, 1] = blocks_ok[3, 5] = False
+    keep = blocks_ok.repeat_interleave(32, 1)
+    assert torch.equal(got[keep].view(torch.int32), want[keep].view(torch.int32))
+    assert (folded.data.view(torch.uint8)[~keep] == 0).all()   # dropped blocks are +0
+    # a dropped block stays out of its tile's exponent: the NaN block does not make the tile's scale NaN
+    assert torch.isfinite(folded.scale).all()
+    for row in (0, 2, 4):
+        q1 = _mx_from_codes(codes[row:row + 1], exps[row:row + 1])
+        assert _fold_check(q1)[1]
+
+
+def test_mxfp4_as_fp8_block_of_quantized_data_and_ragged_k():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(33, 96 + 128, generator=g) * torch.logspace(-30, 30, 33)[:, None]
+    x[5, :32] = 0
+    x[6, 64:96] = -0.0
+    q = lowbit.quantize(x, "mxfp4", backend="torch")
+    _, exact, got, want = _fold_check(q)
+    assert exact and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="2-D mxfp4"):
+        from lowbit.formats.blockscaled import mxfp4_as_fp8_block
+
+        mxfp4_as_fp8_block(lowbit.quantize(x, "mxfp8_e4m3", backend="torch"))

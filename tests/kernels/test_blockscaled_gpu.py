@@ -99,3 +99,27 @@ def test_cuda_global_scale_matches_cpu_scale():
     r = lowbit.quantize(x, "nvfp4", global_scale=g, backend="torch")
     q = lowbit.quantize(x.cuda(), "nvfp4", global_scale=g.cuda(), backend="triton")
     _check(q, r)
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("rows, k", [(1, 32), (37, 416), (300, 4096), (1000, 1600)])
+def test_mxfp4_as_fp8_block_bit_exact(rows, k, layout):
+    """The FP8 re-encoding of mxfp4 (scaled_mm's fold route) equals the CPU reference: E4M3 bytes, fp32 scale
+    bits and the exact flag; on adversarial data (zero, +-max, tiny, NaN/Inf, blocks 20 binades apart)."""
+    from lowbit.formats import blockscaled as ref
+    from lowbit.kernels import blockscaled as kb
+
+    x = _adversarial(rows, k, torch.float32, seed=rows + k)
+    if rows >= 16 and k >= 128:
+        x[9, :32] *= 1e6      # the tile's other blocks fall out of the window: dropped
+        x[10, 64:96] *= 1e-5  # 17 binades below the rest of its tile
+    q = ref.quantize_mx(x, "mxfp4", "rceil", layout)
+    qc = q.to("cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    fk, ek = kb.mxfp4_as_fp8_block(qc, flag)
+    fr, er = ref.mxfp4_as_fp8_block(q)
+    assert_bitexact(fk.data.view(torch.uint8).cpu(), fr.data.view(torch.uint8), "E4M3 bytes")
+    assert_bitexact(fk.scale.view(torch.int32).cpu(), fr.scale.view(torch.int32), "scale bits")
+    assert bool(ek) == bool(er) and flag.item() == int(not bool(er))
+    if rows >= 16 and k >= 128:
+        assert not bool(er)

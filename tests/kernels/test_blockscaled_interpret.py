@@ -80,6 +80,18 @@ SCRIPT = textwrap.dedent(
         want = codecs.encode_minifloat(v, spec)
         if not torch.equal(c, want.to(torch.int32)) or not same_bits(d, codecs.decode_minifloat(want, spec)):
             bad.append(("codec", spec.name))
+
+    # mxfp4 re-encoded as fp8_block: ragged K, a dropped (out-of-window) block, a NaN block, swizzled scales.
+    # Every E4M3 cast there is of an exactly representable value.
+    w = torch.randn(37, 96 * 4 + 32) * torch.logspace(-20, 20, 37)[:, None]
+    w[3, :32] *= 1e6
+    w[4, 40] = float("nan")
+    w[5, :32] = 0
+    for layout in ("linear", "swizzled"):
+        q = ref.quantize_mx(w, "mxfp4", "rceil", layout)
+        (fr, er), (fk, ek) = ref.mxfp4_as_fp8_block(q), kb.mxfp4_as_fp8_block(q)
+        if not (same(fr, fk) and bool(er) == bool(ek) is False):
+            bad.append(("mxfp4_as_fp8_block", layout))
     print("BAD", bad)
     """
 )

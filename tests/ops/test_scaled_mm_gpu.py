@@ -501,3 +501,90 @@ def test_decode_gemv_route_captured_cold(name):
     graph.replay()
     torch.cuda.synchronize()
     _assert_close(out, scaled_mm_reference(a, w, None, None, torch.float32, dequant_backend="torch"), "replay")
+
+
+# ------------------------------------------------------------------------ FP8 re-encoding (fold route)
+
+FOLD_PAIRS = ["mxfp4", "mxfp4-swizzled", "w4a8-rowwise-mxfp4", "w4a8-block-mxfp4"]
+
+
+def _km():
+    _need_kernel()
+    return smm._kernel_module(smm.KERNEL_MODULE)
+
+
+@pytest.mark.parametrize("m", [256, 300, 1000, 4096])
+@pytest.mark.parametrize("name", FOLD_PAIRS)
+def test_fold_route_matches_reference_and_decoding_kernel(name, m):
+    km = _km()
+    af, ao, wf, wo = PAIR[name]
+    i = [256, 300, 1000, 4096].index(m)
+    n, k = [(7168, 2048), (2112, 7168), (384, 1600), (4096, 4096)][i]
+    w = _weight(wf, wo, n, k)
+    _, a = _act(af, ao, m, k, seed=3)
+    assert km.fold_route(a, w) is None
+    assert "E4M3" in str(smm.plan_scaled_mm(a, w))
+    alpha = torch.tensor([0.75], device="cuda") if i % 2 else None
+    bias = _bias(n) if i != 1 else None
+    ref = scaled_mm_reference(a, w, alpha, bias, torch.float32, dequant_backend="torch")
+    _assert_close(lowbit.scaled_mm(a, w, alpha, bias, torch.bfloat16), ref, f"fold {name} M={m}")
+    _assert_close(lowbit.scaled_mm(a, w, alpha, bias, torch.float32), ref, f"fold fp32 {name} M={m}")
+    _assert_close(km.scaled_mm(a, w, alpha, bias, torch.float32, fold=False), ref, f"decoding {name} M={m}")
+
+
+@pytest.mark.parametrize("case", ["weight-window", "activation-window", "activation-nan", "weight-nan"])
+def test_fold_route_exact_fallback(case):
+    """Blocks the E4M3 re-encoding cannot hold arm the guarded decoding kernel, which recomputes the output:
+    the result is still the block-scaled product (dropping those blocks would be far off: they are the
+    largest values of their rows)."""
+    from lowbit.kernels import blockscaled as kb
+
+    _km()
+    m, n, k = 300, 512, 1024
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    x = torch.randn(m, k, device="cuda", generator=g)
+    if case == "weight-window":
+        w[7, 160:192] *= 1e6   # the other blocks of that tile fall 20 binades below it
+    elif case == "activation-window":
+        x[3, 128:160] *= 1e6
+    elif case == "activation-nan":
+        x[5, 40] = float("nan")
+    else:
+        w[9, 70] = float("nan")
+    wq = lowbit.quantize(w.to(torch.bfloat16), "mxfp4")
+    a = lowbit.quantize(x.to(torch.bfloat16), "mxfp4")
+    odd = wq if case.startswith("weight") else a
+    assert not bool(kb.mxfp4_as_fp8_block(odd)[1])
+    out = lowbit.scaled_mm(a, wq, None, None, torch.float32)
+    ref = scaled_mm_reference(a, wq, None, None, torch.float32, dequant_backend="torch")
+    if case.endswith("nan"):
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(ref).any()
+        rows = ~torch.isnan(ref).any(1)
+        cols = ~torch.isnan(ref).any(0)
+        _assert_close(out[rows][:, cols], ref[rows][:, cols], case)
+    else:
+        _assert_close(out, ref, case)
+
+
+def test_fold_route_in_a_cuda_graph():
+    """Captured once; replays follow the inputs, including one that needs the exact fallback."""
+    _km()
+    m, n, k = 512, 1024, 2048
+    g = torch.Generator(device="cuda").manual_seed(12)
+    wq = lowbit.quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16), "mxfp4")
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    a = lowbit.quantize(x, "mxfp4")
+    static = lowbit.QTensor(a.data.clone(), a.scale.clone(), "mxfp4", a.shape, a.dtype)
+    graph, out = _capture(lambda q: lowbit.scaled_mm(q, wq, None, None, torch.float32), static)
+    for scale_row in (None, 4):
+        y = torch.randn(m, k, device="cuda", generator=g)
+        if scale_row is not None:
+            y[scale_row, :32] *= 1e6
+        new = lowbit.quantize(y.to(torch.bfloat16), "mxfp4")
+        static.data.copy_(new.data)
+        static.scale.copy_(new.scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = scaled_mm_reference(new, wq, None, None, torch.float32, dequant_backend="torch")
+        _assert_close(out, ref, f"graph replay, wide row {scale_row}")

@@ -440,3 +440,58 @@ def dequantize_fp4_b32(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.
     values = decode_minifloat(unpack_fp4(q.data), E2M1).reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 32)
     scale = q.scale.reshape(q.shape[:-1].numel(), q.shape[-1] // 32, 1).float()
     return canonical_nan((values * scale).reshape(q.shape), dtype)
+
+
+FOLD_SHIFT = 6
+"""An MXFP4 block re-encoded in E4M3 (:func:`mxfp4_as_fp8_block`) is its E2M1 codes times 2^(FOLD_SHIFT + d),
+d <= 0 its exponent below the largest of its 128-column tile: 6 * 2^6 = 384 <= 448."""
+FOLD_WINDOW = 14
+"""Every E2M1 value k/2 (k in 1, 2, 3, 4, 6, 8, 12) times 2^(FOLD_SHIFT + d) is a multiple of 2^-9 with at
+most two significant bits, hence exact in E4M3 (subnormals included), while d >= -FOLD_WINDOW."""
+
+
+def mxfp4_as_fp8_block(q: QTensor) -> tuple[QTensor, torch.Tensor]:
+    """Re-encode a 2-D MXFP4 tensor exactly as ``fp8_block`` with (1, 128) blocks, for FP8 tensor cores.
+
+    In each row's 128-column tile (4 MX blocks) let ``emax`` be the largest scale code. The tile's fp32 scale
+    is ``2^(emax - 127 - FOLD_SHIFT)`` and each element becomes the E4M3 value ``e2m1 * 2^(e - emax +
+    FOLD_SHIFT)`` (``e`` its block's code), so ``dequantize_fp8_block`` of the result equals
+    :func:`dequantize_mx` of ``q`` bit for bit. A block that cannot be folded exactly -- a NaN scale (0xFF),
+    or a nonzero block more than ``FOLD_WINDOW`` binades below its tile's largest -- is written as +0 and left
+    out of ``emax``; the second result (a bool scalar tensor) is False when any block was.
+
+    Args:
+        q: ``mxfp4`` QTensor of shape ``[R, K]`` (linear or swizzled scales).
+
+    Returns:
+        (QTensor ``fp8_block`` with ``params={"block": (1, 128)}``: data float8_e4m3fn ``[R, K]``, scale
+        fp32 ``[R, ceil(K/128)]``; ``exact`` bool tensor).
+    """
+    if not isinstance(q, QTensor) or q.fmt != "mxfp4" or len(q.shape) != 2:
+        raise ValueError("q must be a 2-D mxfp4 QTensor")
+    rows, k = q.shape
+    blocks = k // 32
+    tiles = -(-k // 128)
+    codes = unpack_fp4(q.data.reshape(rows, k // 2)).reshape(rows, blocks, 32)
+    e = _linear_scales(q, 32).view(torch.uint8).to(torch.int32)
+    nan_block = e == 255
+    e_padded = torch.zeros(rows, tiles * 4, dtype=torch.int32, device=e.device)
+    e_padded[:, :blocks] = torch.where(nan_block, 0, e)
+    emax = e_padded.reshape(rows, tiles, 4).amax(-1)
+    d = e_padded - emax.repeat_interleave(4, dim=1)
+    d = d[:, :blocks]
+    nonzero = (codes & 7).amax(-1) > 0
+    dropped = nan_block | (nonzero & (d < -FOLD_WINDOW))
+    mult = ((d.clamp(min=-FOLD_WINDOW) + FOLD_SHIFT + 127) << 23).view(torch.float32)
+    values = decode_minifloat(codes, E2M1) * mult.unsqueeze(-1)
+    values = torch.where(dropped.unsqueeze(-1), torch.zeros_like(values), values)
+    scale_bits = torch.where(emax > FOLD_SHIFT, (emax - FOLD_SHIFT) << 23, 1 << (emax + 22 - FOLD_SHIFT))
+    folded = QTensor(
+        data=values.reshape(rows, k).to(torch.float8_e4m3fn),
+        scale=scale_bits.view(torch.float32),
+        fmt="fp8_block",
+        shape=q.shape,
+        dtype=q.dtype,
+        params={"block": (1, 128)},
+    )
+    return folded, ~dropped.any()

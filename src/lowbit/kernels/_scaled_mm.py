@@ -119,6 +119,7 @@ def _scaled_mm_kernel(
     out_ptr,
     ws_ptr,
     cnt_ptr,
+    guard_ptr,
     M,
     N,
     K,
@@ -156,10 +157,17 @@ def _scaled_mm_kernel(
     EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr,
     ON_GPU: tl.constexpr,
+    GUARD: tl.constexpr = False,
 ):
-    """SPLIT > 1: program (pid, pid_k) runs K columns [pid_k * K_PER, (pid_k + 1) * K_PER) (K_PER a multiple of
+    """GUARD: run only when the int32 at ``guard_ptr`` is nonzero (every program returns at once otherwise): the
+    exact fallback of the FP8 re-encoded path, launched behind it and armed by the re-encoding kernel.
+
+    SPLIT > 1: program (pid, pid_k) runs K columns [pid_k * K_PER, (pid_k + 1) * K_PER) (K_PER a multiple of
     BK) and the tile's last program reduces the partials (fp32 workspace ws_ptr [SPLIT, M, N], one arrival
     counter per tile in cnt_ptr, zero between launches)."""
+    if GUARD:
+        if tl.load(guard_ptr) == 0:
+            return
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BM)

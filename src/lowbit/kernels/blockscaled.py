@@ -15,6 +15,7 @@ from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
 from . import _blockscaled as k
+from . import _mx_fold
 from . import interpreting as _interpreting
 
 _ELEM_KIND = {"e4m3": k.ELEM_E4M3, "e5m2": k.ELEM_E5M2}
@@ -73,6 +74,12 @@ def _scale_sig(kind: int) -> str:
 def compile_variants():
     yield from quantize_variants()
     yield from dequantize_variants()
+    for swizzled in (False, True):
+        yield (_mx_fold._mxfp4_as_fp8_block_kernel,
+               {"data_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32",
+                "flag_ptr": "*i32", **{n: "i32" for n in ("R", "K", "stride_d", "stride_s0", "s_cols4", "stride_o",
+                                                         "stride_os")}},
+               {"SWIZZLED": swizzled, "BLOCK_R": FOLD_BLOCK_R})
     for dtype in ("*bf16", "*fp16", "*fp32"):
         yield (k._finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
                {"CHUNK": _ABSMAX_CHUNK, "CHUNKS": _ABSMAX_CHUNKS})
@@ -257,3 +264,42 @@ def dequantize_mx(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tenso
 
 def dequantize_fp4_b32(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _launch_dequantize(q, E2M1, 32, k.SCALE_FP32, dtype)
+
+
+FOLD_BLOCK_R = 32
+"""Rows per program of the MXFP4 -> fp8_block re-encoding (one 128-column tile each)."""
+
+
+def mxfp4_as_fp8_block(q: QTensor, dropped_flag: torch.Tensor | None = None) -> tuple[QTensor, torch.Tensor]:
+    """``lowbit.formats.blockscaled.mxfp4_as_fp8_block`` on the GPU (bit-identical). ``dropped_flag``: an int32
+    [1] tensor set to 1 when a block could not be folded (it is only ever set: zero it before the call); one
+    is made when None. The second result is ``dropped_flag == 0``."""
+    if not isinstance(q, QTensor) or q.fmt != "mxfp4" or len(q.shape) != 2:
+        raise ValueError("q must be a 2-D mxfp4 QTensor")
+    rows, kdim = q.shape
+    device = q.data.device
+    if dropped_flag is None:
+        dropped_flag = torch.zeros(1, dtype=torch.int32, device=device)
+    tiles = -(-kdim // 128)
+    data = q.data.view(torch.uint8).reshape(rows, kdim // 2)
+    if data.stride(-1) != 1:
+        data = data.contiguous()
+    scale = q.scale.view(torch.uint8)
+    swizzled = q.scale_layout == "swizzled"
+    if not swizzled:
+        scale = scale.reshape(rows, kdim // 32)
+        if scale.stride(-1) != 1:
+            scale = scale.contiguous()
+    else:
+        scale = scale.contiguous()
+    out = torch.empty(rows, kdim, dtype=torch.float8_e4m3fn, device=device)
+    out_scale = torch.empty(rows, tiles, dtype=torch.float32, device=device)
+    if rows and kdim:
+        _mx_fold._mxfp4_as_fp8_block_kernel[(triton.cdiv(rows, FOLD_BLOCK_R), tiles)](
+            data, scale, out, out_scale, dropped_flag, rows, kdim, data.stride(0),
+            scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, out.stride(0), out_scale.stride(0),
+            SWIZZLED=swizzled, BLOCK_R=FOLD_BLOCK_R, num_warps=4,
+        )
+    folded = QTensor(data=out, scale=out_scale, fmt="fp8_block", shape=q.shape, dtype=q.dtype,
+                     params={"block": (1, 128)})
+    return folded, dropped_flag[0] == 0

@@ -45,6 +45,14 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
                "persistent": True, "per_sm": 2}),
 ]
 
+# The FP8 re-encoded mxfp4 pairs (fold_route) run the TMA kernel with one scale per row and K tile on both
+# sides; M starts at FOLD_MIN_M.
+FOLD_CONFIGS: list[tuple[int, dict]] = [
+    (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
+    (1 << 62, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
+               "persistent": True, "per_sm": 2}),
+]
+
 _MINIFLOAT = {"mxfp6_e2m3": (2, 3, 1), "mxfp6_e3m2": (3, 2, 3), "mxfp4": (2, 1, 1), "nvfp4": (2, 1, 1)}
 _FP8 = ("fp8_block", "fp8_rowwise", "mxfp8_e4m3", "mxfp8_e5m2")
 FORMATS = (*_FP8, "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2")
@@ -109,8 +117,8 @@ def supports(a, b) -> str | None:
     return None
 
 
-def _config(m: int, raw_fp8: bool) -> dict:
-    for limit, cfg in FP8_CONFIGS if raw_fp8 else CONFIGS:
+def _config(m: int, raw_fp8: bool, fold: bool = False) -> dict:
+    for limit, cfg in FOLD_CONFIGS if fold else FP8_CONFIGS if raw_fp8 else CONFIGS:
         if m <= limit:
             return dict(cfg)
     raise AssertionError("unreachable")
@@ -230,11 +238,80 @@ def _scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor
     return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, divide_by=divisor, out_dtype=out_dtype)
 
 
-def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None) -> torch.Tensor:
+FOLD_MIN_M = 256
+"""From this M, mxfp4 weights with mxfp4, fp8_rowwise or fp8_block activations run on the FP8 tensor cores
+through an exact E4M3 re-encoding (:func:`fold_route`)."""
+_FOLD_ACTIVATIONS = ("mxfp4", "fp8_rowwise", "fp8_block")
+
+
+def fold_route(a: QTensor, b: QTensor) -> str | None:
+    """None when :func:`scaled_mm` runs this pair on the FP8 tensor cores through ``mxfp4_as_fp8_block``, else
+    why not.
+
+    An E2M1 value times a power of two is exact in E4M3 while the exponent stays in range, so each 128-column
+    tile of an MXFP4 row becomes E4M3 values and one fp32 scale with the same fp32 value per element
+    (``lowbit.formats.blockscaled.mxfp4_as_fp8_block``). The weight (and an mxfp4 activation) is re-encoded
+    once per call by a memory-bound kernel, and the product is the fp8_block TMA GEMM with one scale per row
+    and K tile on both sides. A block the re-encoding cannot hold (a NaN scale, or a nonzero block more than
+    14 binades below its tile's largest) sets a device flag, and the decoding kernel, launched behind the
+    GEMM with that flag as its guard, recomputes the whole output: the result is the block-scaled product up
+    to fp32 accumulation order either way, without a host synchronization."""
+    reason = _fold_pair(a, b)
+    if reason is None and a.shape[0] < FOLD_MIN_M:
+        reason = f"M = {a.shape[0]} < {FOLD_MIN_M}"
+    return reason
+
+
+def _fold_pair(a: QTensor, b: QTensor) -> str | None:
+    if b.fmt != "mxfp4" or a.fmt not in _FOLD_ACTIVATIONS:
+        return f"the FP8 re-encoding takes mxfp4 weights with {'/'.join(_FOLD_ACTIVATIONS)} activations"
+    if _interpreting():
+        return "the FP8 re-encoding feeds the TMA kernel, which is for the GPU"
+    return None
+
+
+def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict) -> torch.Tensor:
+    from . import blockscaled
+
     m, k_dim = a.shape
     n = b.shape[0]
-    if config is None and gemv_route(a, b) is None:
+    dropped = torch.zeros(1, dtype=torch.int32, device=a.data.device)
+    wb, _ = blockscaled.mxfp4_as_fp8_block(b, dropped)
+    if a.fmt == "mxfp4":
+        wa, _ = blockscaled.mxfp4_as_fp8_block(a, dropped)
+        a_data, a_scale, s0, s1 = wa.data, wa.scale, wa.scale.stride(0), wa.scale.stride(1)
+    elif a.fmt == "fp8_rowwise":
+        # one scale per row serves every K tile
+        a_data, a_scale, s0, s1 = a.data, a.scale, a.scale.stride(0), 0
+    else:
+        a_data, a_scale = a.data, a.scale
+        s0, s1 = a_scale.stride()
+    if not _tma_ready(a_data):
+        a_data = a_data.clone(memory_format=torch.contiguous_format)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    _fp8_block_tma([a_data, a_scale, None, None, s0, s1],
+                   [wb.data, wb.scale, None, None, wb.scale.stride(0), wb.scale.stride(1)],
+                   {"ROWS_PER_SCALE": 1}, m, n, k_dim, alpha, bias, out, cfg)
+    a_args, ac = _operand(a)
+    b_args, bc = _operand(b)
+    _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, _config(m, False), guard=dropped)
+    return out
+
+
+def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None,
+              fold: bool | None = None) -> torch.Tensor:
+    """``config``: a tile config to use instead of the table's (of the TMA kernel when ``fold``, else of the
+    decoding kernel); ``fold``: force (True) or refuse (False) the FP8 re-encoding of :func:`fold_route`
+    (None: as the route says). Either one turns off the GEMV route; ``config`` alone also the re-encoding."""
+    m, k_dim = a.shape
+    n = b.shape[0]
+    if config is None and fold is None and gemv_route(a, b) is None:
         return _scaled_gemv(a, b, alpha, bias, out_dtype)
+    if fold or (fold is None and config is None and fold_route(a, b) is None):
+        if fold and _fold_pair(a, b) is not None:
+            raise ValueError(f"fold=True: {_fold_pair(a, b)}")
+        cfg = dict(config) if config is not None else _config(m, True, fold=True)
+        return _fold_mm(a, b, alpha, bias, out_dtype, cfg)
     a_args, ac = _operand(a)
     b_args, bc = _operand(b)
     raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1
@@ -250,6 +327,13 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
     ):
         _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
         return out
+    _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
+    return out
+
+
+def _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, guard=None) -> None:
+    """The decoding kernel (``_scaled_mm_kernel``) into ``out``; with ``guard`` (int32 [1]) every program
+    returns at once unless it is nonzero."""
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split, k_per = _split_k(tiles, triton.cdiv(k_dim, bk), bk, cfg, out.device)
@@ -271,6 +355,7 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
         out,
         ws,
         cnt,
+        guard if guard is not None else cnt,
         m,
         n,
         k_dim,
@@ -308,10 +393,10 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | Non
         EVEN_K=k_dim % bk == 0,
         SPLIT=split,
         ON_GPU=not _interpreting(),
+        GUARD=guard is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    return out
 
 
 _DTYPES = {
@@ -337,6 +422,10 @@ def compile_variants():
         ("nvfp4", "nvfp4", {"swizzled": True, "even_k": False, "bias": True, "alpha": True, "small": True}),
         ("fp8_block", "fp8_block", {"even_k": False, "small": True, "bias": True}),
         ("mxfp4", "mxfp4", {"swizzled": True, "small": True}),
+        # the guarded exact fallback of the FP8 re-encoded pairs
+        ("mxfp4", "mxfp4", {"guard": True}),
+        ("fp8_rowwise", "mxfp4", {"guard": True, "even_k": False}),
+        ("fp8_block", "mxfp4", {"guard": True, "swizzled": True}),
     ]
     for fa, fb, opt in pairs:
         raw = fa == fb == "fp8_block"
@@ -368,6 +457,7 @@ def compile_variants():
             EVEN_K=opt.get("even_k", True),
             SPLIT=4 if opt.get("small") else 1,
             ON_GPU=True,
+            GUARD=bool(opt.get("guard")),
         )
         sig = {
             "a_ptr": _DTYPES.get(fa, "*u8"),
@@ -381,6 +471,7 @@ def compile_variants():
             "out_ptr": "*bf16",
             "ws_ptr": "*fp32",
             "cnt_ptr": "*i32",
+            "guard_ptr": "*i32",
         }
         sig.update(
             {
@@ -403,23 +494,28 @@ def compile_variants():
             }
         )
         yield k._scaled_mm_kernel, sig, consts
-    # the TMA fp8_block kernel: every shipped config, plus per-row weight scales (block (1, 128)) with bias/alpha
+    # the TMA fp8_block kernel: every shipped config, plus per-row weight scales (block (1, 128)) with bias/alpha,
+    # and every config of the FP8 re-encoded pairs (per-row scales on both sides)
+    tma_cases = []
     for i, (_limit, cfg) in enumerate(FP8_CONFIGS):
-        if not cfg.get("tma"):
-            continue
-        for rows_per_scale, extras in ((128, False), (1, True)) if i == len(FP8_CONFIGS) - 1 else ((128, False),):
-            bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-            sig = {
-                "a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>",
-                "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
-                "as_ptr": "*fp32",
-                "bs_ptr": "*fp32",
-                "alpha_ptr": "*fp32",
-                "bias_ptr": "*bf16",
-                "out_ptr": "*bf16",
-            }
-            sig.update({n: "i32" for n in ("M", "N", "K", "stride_as0", "stride_as1", "stride_bs0", "stride_bs1",
-                                           "stride_om", "num_programs")})
-            consts = dict(B_ROWS_PER_SCALE=rows_per_scale, HAS_ALPHA=extras, HAS_BIAS=extras, BM=bm, BN=bn, BK=bk,
-                          GROUP_M=cfg["GROUP_M"])
-            yield k._fp8_block_mm_tma_kernel, sig, consts
+        if cfg.get("tma"):
+            tma_cases.append((cfg, 128, False))
+            if i == len(FP8_CONFIGS) - 1:
+                tma_cases.append((cfg, 1, True))
+    tma_cases += [(cfg, 1, True) for _limit, cfg in FOLD_CONFIGS]
+    for cfg, rows_per_scale, extras in tma_cases:
+        bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+        sig = {
+            "a_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>",
+            "b_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
+            "as_ptr": "*fp32",
+            "bs_ptr": "*fp32",
+            "alpha_ptr": "*fp32",
+            "bias_ptr": "*bf16",
+            "out_ptr": "*bf16",
+        }
+        sig.update({n: "i32" for n in ("M", "N", "K", "stride_as0", "stride_as1", "stride_bs0", "stride_bs1",
+                                       "stride_om", "num_programs")})
+        consts = dict(B_ROWS_PER_SCALE=rows_per_scale, HAS_ALPHA=extras, HAS_BIAS=extras, BM=bm, BN=bn, BK=bk,
+                      GROUP_M=cfg["GROUP_M"])
+        yield k._fp8_block_mm_tma_kernel, sig, consts

@@ -43,6 +43,8 @@ Dispatch (:func:`plan_scaled_mm`), as for ``lowbit.linear``:
    :func:`scaled_mm` raises RuntimeError naming the reason (pass ``backend="torch"`` for the reference).
    Inside that module, M <= 16 with an nvfp4/mxfp4 weight and an nvfp4, mxfp4 or fp8_rowwise activation
    runs the W4A16 GEMV on the exactly decoded bf16 activation (``gemv_route``; the plan's reason says so).
+   From M = 256 an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation is re-encoded exactly as
+   E4M3 and runs on the FP8 tensor cores (``fold_route``).
 
 Kernel contract (``lowbit.kernels.scaled_mm``): ``supports(a, b) -> str | None`` (called on every call, keep it
 cheap) and ``scaled_mm(a, b, alpha, bias, out_dtype) -> Tensor [M, N]`` in ``out_dtype``, where ``a``/``b``
@@ -427,6 +429,12 @@ def _reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: QTenso
             return (
                 "decode: the activation decoded exactly to bf16, then the W4A16 GEMV on the 4-bit weight "
                 "(lowbit.kernels.scaled_mm.gemv_route)"
+            )
+        fold = getattr(facts[0], "fold_route", None)
+        if fold is not None and fold(a, b) is None:
+            return (
+                "mxfp4 re-encoded exactly as E4M3 with one fp32 scale per 128 columns, then the FP8 TMA GEMM; an "
+                "exact decoding fallback runs if a block does not fit (lowbit.kernels.scaled_mm.fold_route)"
             )
         return "Triton block-scaled GEMM (lowbit.kernels.scaled_mm)"
     if facts[0] == "triton_off_cuda":
