@@ -196,9 +196,9 @@ def _ks():
 def _reencode(a, wq) -> None:
     from lowbit.kernels import blockscaled as kb
 
-    kb.mxfp4_as_fp8_block(wq)
+    kb.mxfp4_as_fp8_block(wq, (128, 128))
     if a.fmt == "mxfp4":
-        kb.mxfp4_as_fp8_block(a)
+        kb.mxfp4_as_fp8_block(a, (1, 128))
 
 
 # (BM, BN, warps, stages, persistent programs per SM or 0), BK = 128

@@ -339,3 +339,29 @@ def test_mxfp4_as_fp8_block_of_quantized_data_and_ragged_k():
         from lowbit.formats.blockscaled import mxfp4_as_fp8_block
 
         mxfp4_as_fp8_block(lowbit.quantize(x, "mxfp8_e4m3", backend="torch"))
+
+
+def test_mxfp4_as_fp8_block_128x128_blocks():
+    from lowbit.formats.blockscaled import dequantize_mx, mxfp4_as_fp8_block
+    from lowbit.formats.fp8_block import dequantize_fp8_block
+
+    g = torch.Generator().manual_seed(5)
+    rows, k = 200, 288                      # a partial row block and a partial column tile
+    codes = torch.randint(0, 16, (rows, k), generator=g)
+    top = torch.randint(14, 255, (2, 3), generator=g)
+    exps = top.repeat_interleave(128, 0)[:rows].repeat_interleave(4, 1)[:, : k // 32]
+    exps = exps - torch.randint(0, 15, exps.shape, generator=g)
+    q = _mx_from_codes(codes, exps)
+    folded, exact = mxfp4_as_fp8_block(q, (128, 128))
+    assert bool(exact) and folded.scale.shape == (2, 3) and folded.params["block"] == (128, 128)
+    assert torch.equal(dequantize_fp8_block(folded).view(torch.int32), dequantize_mx(q).view(torch.int32))
+    # one row 15 binades under the block's largest exponent: exact per row, dropped per 128x128 block
+    exps[5, 0] = top[0, 0] - 15
+    exps[5, 1:4] = top[0, 0] - 14
+    exps[6:128, 0] = top[0, 0] - 3
+    exps[:5, 0] = top[0, 0]
+    codes[5, :32] = 3
+    q = _mx_from_codes(codes, exps)
+    assert bool(mxfp4_as_fp8_block(q, (1, 128))[1]) and not bool(mxfp4_as_fp8_block(q, (128, 128))[1])
+    with pytest.raises(ValueError, match="block must be"):
+        mxfp4_as_fp8_block(q, (32, 32))

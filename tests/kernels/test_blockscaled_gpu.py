@@ -101,9 +101,10 @@ def test_cuda_global_scale_matches_cpu_scale():
     _check(q, r)
 
 
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
 @pytest.mark.parametrize("layout", ["linear", "swizzled"])
 @pytest.mark.parametrize("rows, k", [(1, 32), (37, 416), (300, 4096), (1000, 1600)])
-def test_mxfp4_as_fp8_block_bit_exact(rows, k, layout):
+def test_mxfp4_as_fp8_block_bit_exact(rows, k, layout, block):
     """The FP8 re-encoding of mxfp4 (scaled_mm's fold route) equals the CPU reference: E4M3 bytes, fp32 scale
     bits and the exact flag; on adversarial data (zero, +-max, tiny, NaN/Inf, blocks 20 binades apart)."""
     from lowbit.formats import blockscaled as ref
@@ -116,10 +117,17 @@ def test_mxfp4_as_fp8_block_bit_exact(rows, k, layout):
     q = ref.quantize_mx(x, "mxfp4", "rceil", layout)
     qc = q.to("cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    fk, ek = kb.mxfp4_as_fp8_block(qc, flag)
-    fr, er = ref.mxfp4_as_fp8_block(q)
+    fk, ek = kb.mxfp4_as_fp8_block(qc, block, flag)
+    fr, er = ref.mxfp4_as_fp8_block(q, block)
     assert_bitexact(fk.data.view(torch.uint8).cpu(), fr.data.view(torch.uint8), "E4M3 bytes")
     assert_bitexact(fk.scale.view(torch.int32).cpu(), fr.scale.view(torch.int32), "scale bits")
     assert bool(ek) == bool(er) and flag.item() == int(not bool(er))
     if rows >= 16 and k >= 128:
         assert not bool(er)
+    # real weights rarely span 15 binades in a 128x128 block: a plain random one folds exactly
+    w = ref.quantize_mx(torch.randn(rows, k) * 0.02, "mxfp4", "rceil", layout)
+    fk, ek = kb.mxfp4_as_fp8_block(w.to("cuda"), block)
+    fr, er = ref.mxfp4_as_fp8_block(w, block)
+    assert bool(ek) and bool(er)
+    assert_bitexact(fk.data.view(torch.uint8).cpu(), fr.data.view(torch.uint8), "E4M3 bytes")
+    assert_bitexact(fk.scale.view(torch.int32).cpu(), fr.scale.view(torch.int32), "scale bits")

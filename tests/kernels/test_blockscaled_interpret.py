@@ -89,9 +89,16 @@ SCRIPT = textwrap.dedent(
     w[5, :32] = 0
     for layout in ("linear", "swizzled"):
         q = ref.quantize_mx(w, "mxfp4", "rceil", layout)
-        (fr, er), (fk, ek) = ref.mxfp4_as_fp8_block(q), kb.mxfp4_as_fp8_block(q)
-        if not (same(fr, fk) and bool(er) == bool(ek) is False):
-            bad.append(("mxfp4_as_fp8_block", layout))
+        for blk in ((1, 128), (128, 128)):
+            (fr, er), (fk, ek) = ref.mxfp4_as_fp8_block(q, blk), kb.mxfp4_as_fp8_block(q, blk)
+            if not (same(fr, fk) and bool(er) == bool(ek) is False):
+                bad.append(("mxfp4_as_fp8_block", layout, blk))
+    # 128x128 blocks over 130 rows (a partial row block), all within the window: exact
+    w2 = torch.randn(130, 256) * torch.logspace(-1, 1, 130)[:, None]
+    q = ref.quantize_mx(w2, "mxfp4", "rceil", "linear")
+    (fr, er), (fk, ek) = ref.mxfp4_as_fp8_block(q, (128, 128)), kb.mxfp4_as_fp8_block(q, (128, 128))
+    if not (same(fr, fk) and bool(er) and bool(ek) and fr.scale.shape == (2, 2)):
+        bad.append(("mxfp4_as_fp8_block", "130 rows"))
     print("BAD", bad)
     """
 )

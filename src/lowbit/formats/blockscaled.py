@@ -450,36 +450,42 @@ FOLD_WINDOW = 14
 most two significant bits, hence exact in E4M3 (subnormals included), while d >= -FOLD_WINDOW."""
 
 
-def mxfp4_as_fp8_block(q: QTensor) -> tuple[QTensor, torch.Tensor]:
-    """Re-encode a 2-D MXFP4 tensor exactly as ``fp8_block`` with (1, 128) blocks, for FP8 tensor cores.
+def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128)) -> tuple[QTensor, torch.Tensor]:
+    """Re-encode a 2-D MXFP4 tensor exactly as ``fp8_block``, for the FP8 tensor cores.
 
-    In each row's 128-column tile (4 MX blocks) let ``emax`` be the largest scale code. The tile's fp32 scale
-    is ``2^(emax - 127 - FOLD_SHIFT)`` and each element becomes the E4M3 value ``e2m1 * 2^(e - emax +
-    FOLD_SHIFT)`` (``e`` its block's code), so ``dequantize_fp8_block`` of the result equals
-    :func:`dequantize_mx` of ``q`` bit for bit. A block that cannot be folded exactly -- a NaN scale (0xFF),
-    or a nonzero block more than ``FOLD_WINDOW`` binades below its tile's largest -- is written as +0 and left
-    out of ``emax``; the second result (a bool scalar tensor) is False when any block was.
+    In each ``block`` (1x128: a row's 128-column tile, 4 MX blocks; 128x128: 128 rows of it) let ``emax`` be
+    the largest scale code. The block's fp32 scale is ``2^(emax - 127 - FOLD_SHIFT)`` and each element becomes
+    the E4M3 value ``e2m1 * 2^(e - emax + FOLD_SHIFT)`` (``e`` its MX block's code), so ``dequantize_fp8_block``
+    of the result equals :func:`dequantize_mx` of ``q`` bit for bit. An MX block that cannot be folded exactly
+    -- a NaN scale (0xFF), or a nonzero block more than ``FOLD_WINDOW`` binades below its ``emax`` -- is
+    written as +0 and left out of ``emax``; the second result (a bool scalar tensor) is False when any was.
 
     Args:
         q: ``mxfp4`` QTensor of shape ``[R, K]`` (linear or swizzled scales).
+        block: ``(1, 128)`` (activations: one scale per row and 128 columns) or ``(128, 128)`` (weights: one
+            scale per 128x128 block, so a GEMM tile of up to 128 weight rows has a single scale).
 
     Returns:
-        (QTensor ``fp8_block`` with ``params={"block": (1, 128)}``: data float8_e4m3fn ``[R, K]``, scale
-        fp32 ``[R, ceil(K/128)]``; ``exact`` bool tensor).
+        (QTensor ``fp8_block`` with ``params={"block": block}``: data float8_e4m3fn ``[R, K]``, scale fp32
+        ``[R, ceil(K/128)]`` or ``[ceil(R/128), ceil(K/128)]``; ``exact`` bool tensor).
     """
     if not isinstance(q, QTensor) or q.fmt != "mxfp4" or len(q.shape) != 2:
         raise ValueError("q must be a 2-D mxfp4 QTensor")
+    block = tuple(block)
+    if block not in ((1, 128), (128, 128)):
+        raise ValueError(f"block must be (1, 128) or (128, 128), got {block}")
     rows, k = q.shape
     blocks = k // 32
     tiles = -(-k // 128)
+    row_blocks = -(-rows // block[0])
     codes = unpack_fp4(q.data.reshape(rows, k // 2)).reshape(rows, blocks, 32)
     e = _linear_scales(q, 32).view(torch.uint8).to(torch.int32)
     nan_block = e == 255
-    e_padded = torch.zeros(rows, tiles * 4, dtype=torch.int32, device=e.device)
-    e_padded[:, :blocks] = torch.where(nan_block, 0, e)
-    emax = e_padded.reshape(rows, tiles, 4).amax(-1)
-    d = e_padded - emax.repeat_interleave(4, dim=1)
-    d = d[:, :blocks]
+    e_padded = torch.zeros(row_blocks * block[0], tiles * 4, dtype=torch.int32, device=e.device)
+    e_padded[:rows, :blocks] = torch.where(nan_block, 0, e)
+    emax = e_padded.reshape(row_blocks, block[0], tiles, 4).amax((1, 3))
+    d = e_padded - emax.repeat_interleave(block[0], dim=0).repeat_interleave(4, dim=1)
+    d = d[:rows, :blocks]
     nonzero = (codes & 7).amax(-1) > 0
     dropped = nan_block | (nonzero & (d < -FOLD_WINDOW))
     mult = ((d.clamp(min=-FOLD_WINDOW) + FOLD_SHIFT + 127) << 23).view(torch.float32)
@@ -492,6 +498,6 @@ def mxfp4_as_fp8_block(q: QTensor) -> tuple[QTensor, torch.Tensor]:
         fmt="fp8_block",
         shape=q.shape,
         dtype=q.dtype,
-        params={"block": (1, 128)},
+        params={"block": block},
     )
     return folded, ~dropped.any()

@@ -43,9 +43,11 @@ def _mxfp4_as_fp8_block_kernel(
     stride_os,
     SWIZZLED: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    ROWS_PER_SCALE: tl.constexpr,
 ):
-    """flag_ptr (int32) is set to 1 when a block of this program cannot be folded (the reference's ``exact``
-    is False); it is never cleared here."""
+    """Rows pid * BLOCK_R .. of one 128-column tile. ROWS_PER_SCALE 1: one scale per row (block (1, 128));
+    equal to BLOCK_R: one for all of them (block (BLOCK_R, 128)). flag_ptr (int32) is set to 1 when a block
+    cannot be folded (the reference's ``exact`` is False); it is never cleared here."""
     pid_r = tl.program_id(0)
     kt = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -62,7 +64,11 @@ def _mxfp4_as_fp8_block_kernel(
     nan_block = e == 255
     e = tl.where(nan_block, 0, e)
     emax = tl.max(e, axis=1)
-    d = e - emax[:, None]
+    if ROWS_PER_SCALE == 1:
+        d = e - emax[:, None]
+    else:
+        emax = tl.max(emax, axis=0)
+        d = e - emax
 
     kb = kt * 64 + tl.arange(0, 64)
     byte_ok = row_ok[:, None] & (kb < K // 2)[None, :]
@@ -81,6 +87,9 @@ def _mxfp4_as_fp8_block_kernel(
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], vals,
              mask=row_ok[:, None] & (cols < K)[None, :])
     scale_bits = tl.where(emax > FOLD_SHIFT, (emax - FOLD_SHIFT) << 23, 1 << (emax + 22 - FOLD_SHIFT))
-    tl.store(out_scale_ptr + rows64 * stride_os + kt, scale_bits.to(tl.float32, bitcast=True), mask=row_ok)
+    if ROWS_PER_SCALE == 1:
+        tl.store(out_scale_ptr + rows64 * stride_os + kt, scale_bits.to(tl.float32, bitcast=True), mask=row_ok)
+    else:
+        tl.store(out_scale_ptr + pid_r * stride_os + kt, scale_bits.to(tl.float32, bitcast=True))
     if tl.max(tl.max(dropped.to(tl.int32), axis=1), axis=0) > 0:
         tl.store(flag_ptr, 1)

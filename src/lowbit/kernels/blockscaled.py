@@ -75,11 +75,12 @@ def compile_variants():
     yield from quantize_variants()
     yield from dequantize_variants()
     for swizzled in (False, True):
-        yield (_mx_fold._mxfp4_as_fp8_block_kernel,
-               {"data_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32",
-                "flag_ptr": "*i32", **{n: "i32" for n in ("R", "K", "stride_d", "stride_s0", "s_cols4", "stride_o",
-                                                         "stride_os")}},
-               {"SWIZZLED": swizzled, "BLOCK_R": FOLD_BLOCK_R})
+        for rows_per_scale in (1, FOLD_BLOCK_R):
+            yield (_mx_fold._mxfp4_as_fp8_block_kernel,
+                   {"data_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32",
+                    "flag_ptr": "*i32", **{n: "i32" for n in ("R", "K", "stride_d", "stride_s0", "s_cols4",
+                                                             "stride_o", "stride_os")}},
+                   {"SWIZZLED": swizzled, "BLOCK_R": FOLD_BLOCK_R, "ROWS_PER_SCALE": rows_per_scale})
     for dtype in ("*bf16", "*fp16", "*fp32"):
         yield (k._finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
                {"CHUNK": _ABSMAX_CHUNK, "CHUNKS": _ABSMAX_CHUNKS})
@@ -266,16 +267,22 @@ def dequantize_fp4_b32(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.
     return _launch_dequantize(q, E2M1, 32, k.SCALE_FP32, dtype)
 
 
-FOLD_BLOCK_R = 32
-"""Rows per program of the MXFP4 -> fp8_block re-encoding (one 128-column tile each)."""
+FOLD_BLOCK_R = 128
+"""Rows per program of the MXFP4 -> fp8_block re-encoding (one 128-column tile each; also the row extent of
+a (128, 128) block)."""
+FOLD_WARPS = 8
 
 
-def mxfp4_as_fp8_block(q: QTensor, dropped_flag: torch.Tensor | None = None) -> tuple[QTensor, torch.Tensor]:
+def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128),
+                       dropped_flag: torch.Tensor | None = None) -> tuple[QTensor, torch.Tensor]:
     """``lowbit.formats.blockscaled.mxfp4_as_fp8_block`` on the GPU (bit-identical). ``dropped_flag``: an int32
     [1] tensor set to 1 when a block could not be folded (it is only ever set: zero it before the call); one
     is made when None. The second result is ``dropped_flag == 0``."""
     if not isinstance(q, QTensor) or q.fmt != "mxfp4" or len(q.shape) != 2:
         raise ValueError("q must be a 2-D mxfp4 QTensor")
+    block = tuple(block)
+    if block not in ((1, 128), (128, 128)):
+        raise ValueError(f"block must be (1, 128) or (128, 128), got {block}")
     rows, kdim = q.shape
     device = q.data.device
     if dropped_flag is None:
@@ -293,13 +300,14 @@ def mxfp4_as_fp8_block(q: QTensor, dropped_flag: torch.Tensor | None = None) -> 
     else:
         scale = scale.contiguous()
     out = torch.empty(rows, kdim, dtype=torch.float8_e4m3fn, device=device)
-    out_scale = torch.empty(rows, tiles, dtype=torch.float32, device=device)
+    scale_rows = rows if block[0] == 1 else -(-rows // 128)
+    out_scale = torch.empty(scale_rows, tiles, dtype=torch.float32, device=device)
     if rows and kdim:
         _mx_fold._mxfp4_as_fp8_block_kernel[(triton.cdiv(rows, FOLD_BLOCK_R), tiles)](
             data, scale, out, out_scale, dropped_flag, rows, kdim, data.stride(0),
             scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, out.stride(0), out_scale.stride(0),
-            SWIZZLED=swizzled, BLOCK_R=FOLD_BLOCK_R, num_warps=4,
+            SWIZZLED=swizzled, BLOCK_R=FOLD_BLOCK_R, ROWS_PER_SCALE=block[0], num_warps=FOLD_WARPS,
         )
     folded = QTensor(data=out, scale=out_scale, fmt="fp8_block", shape=q.shape, dtype=q.dtype,
-                     params={"block": (1, 128)})
+                     params={"block": block})
     return folded, dropped_flag[0] == 0

@@ -45,8 +45,9 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
                "persistent": True, "per_sm": 2}),
 ]
 
-# The FP8 re-encoded mxfp4 pairs (fold_route) run the TMA kernel with one scale per row and K tile on both
-# sides; M starts at FOLD_MIN_M.
+# The FP8 re-encoded mxfp4 pairs (fold_route) run the TMA kernel on 128x128-block weights; M starts at
+# FOLD_MIN_M. H200 sweep with per-row weight scales (2026-11-21_h200_bench_scaled_mm_fold_sweep_14fa172.json):
+# 64x128, 4 warps, 3 stages, two persistent programs per SM was best at M = 1024 and 4096 on all shapes.
 FOLD_CONFIGS: list[tuple[int, dict]] = [
     (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
     (1 << 62, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
@@ -248,12 +249,13 @@ def fold_route(a: QTensor, b: QTensor) -> str | None:
     """None when :func:`scaled_mm` runs this pair on the FP8 tensor cores through ``mxfp4_as_fp8_block``, else
     why not.
 
-    An E2M1 value times a power of two is exact in E4M3 while the exponent stays in range, so each 128-column
-    tile of an MXFP4 row becomes E4M3 values and one fp32 scale with the same fp32 value per element
-    (``lowbit.formats.blockscaled.mxfp4_as_fp8_block``). The weight (and an mxfp4 activation) is re-encoded
-    once per call by a memory-bound kernel, and the product is the fp8_block TMA GEMM with one scale per row
-    and K tile on both sides. A block the re-encoding cannot hold (a NaN scale, or a nonzero block more than
-    14 binades below its tile's largest) sets a device flag, and the decoding kernel, launched behind the
+    An E2M1 value times a power of two is exact in E4M3 while the exponent stays in range, so MXFP4 data
+    becomes E4M3 values with one fp32 scale per 128x128 block (the weight) or per row and 128 columns (an
+    mxfp4 activation) and the same fp32 value per element (``lowbit.formats.blockscaled.mxfp4_as_fp8_block``).
+    The operands are re-encoded on every call by a memory-bound kernel (the weight is read at 4 bits and
+    written at 8: the FP8 copy is a per-call scratch, never kept), and the product is the fp8_block TMA GEMM
+    of DeepSeek-V3 weights. A block the re-encoding cannot hold (a NaN scale, or a nonzero MX block more than
+    14 binades below the largest of its 128x128 or 1x128 block) sets a device flag, and the decoding kernel, launched behind the
     GEMM with that flag as its guard, recomputes the whole output: the result is the block-scaled product up
     to fp32 accumulation order either way, without a host synchronization."""
     reason = _fold_pair(a, b)
@@ -276,9 +278,10 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict) -> torch
     m, k_dim = a.shape
     n = b.shape[0]
     dropped = torch.zeros(1, dtype=torch.int32, device=a.data.device)
-    wb, _ = blockscaled.mxfp4_as_fp8_block(b, dropped)
+    # 128x128 weight blocks: one scale per weight tile, so the promotion is one FMA per accumulator element
+    wb, _ = blockscaled.mxfp4_as_fp8_block(b, (128, 128), dropped)
     if a.fmt == "mxfp4":
-        wa, _ = blockscaled.mxfp4_as_fp8_block(a, dropped)
+        wa, _ = blockscaled.mxfp4_as_fp8_block(a, (1, 128), dropped)
         a_data, a_scale, s0, s1 = wa.data, wa.scale, wa.scale.stride(0), wa.scale.stride(1)
     elif a.fmt == "fp8_rowwise":
         # one scale per row serves every K tile
@@ -291,7 +294,7 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict) -> torch
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     _fp8_block_tma([a_data, a_scale, None, None, s0, s1],
                    [wb.data, wb.scale, None, None, wb.scale.stride(0), wb.scale.stride(1)],
-                   {"ROWS_PER_SCALE": 1}, m, n, k_dim, alpha, bias, out, cfg)
+                   {"ROWS_PER_SCALE": 128}, m, n, k_dim, alpha, bias, out, cfg)
     a_args, ac = _operand(a)
     b_args, bc = _operand(b)
     _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, _config(m, False), guard=dropped)
@@ -502,7 +505,7 @@ def compile_variants():
             tma_cases.append((cfg, 128, False))
             if i == len(FP8_CONFIGS) - 1:
                 tma_cases.append((cfg, 1, True))
-    tma_cases += [(cfg, 1, True) for _limit, cfg in FOLD_CONFIGS]
+    tma_cases += [(cfg, 128, True) for _limit, cfg in FOLD_CONFIGS]
     for cfg, rows_per_scale, extras in tma_cases:
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
         sig = {
