@@ -196,9 +196,10 @@ def _ks():
 def _reencode(a, wq) -> None:
     from lowbit.kernels import blockscaled as kb
 
-    kb.mxfp4_as_fp8_block(wq, (128, 128))
+    flag = torch.zeros(1, dtype=torch.int32, device=wq.data.device)
+    kb.mxfp4_fold(wq, (128, 128), flag)
     if a.fmt == "mxfp4":
-        kb.mxfp4_as_fp8_block(a, (1, 128))
+        kb.mxfp4_fold(a, (1, 128), flag)
 
 
 # (BM, BN, warps, stages, persistent programs per SM or 0), BK = 128

@@ -260,6 +260,9 @@ def test_errors_name_the_rule():
 # ---------------------------------------------------------------- mxfp4 re-encoded as fp8_block (FP8 tensor cores)
 
 
+FOLD_WINDOW = 11  # lowbit.formats.blockscaled.FOLD_WINDOW, pinned here
+
+
 def _mx_from_codes(codes: torch.Tensor, exps: torch.Tensor, layout: str = "linear") -> lowbit.QTensor:
     """An mxfp4 QTensor with the given E2M1 codes [R, K] and E8M0 scale codes [R, K/32]."""
     from lowbit.formats.packing import pack_fp4, swizzle_scales
@@ -284,14 +287,14 @@ def _fold_check(q):
 
 @pytest.mark.parametrize("layout", ["linear", "swizzled"])
 def test_mxfp4_as_fp8_block_every_code_and_window_offset_is_exact(layout):
-    # rows: each tile holds one block at the tile's largest exponent and three 0..14 binades below it,
+    # rows: each tile holds one block at the tile's largest exponent and three 0..FOLD_WINDOW binades below it,
     # with all 16 codes twice per block; exponents from 0 (2^-127) to 254
     rows, k = 60, 384
     codes = torch.arange(16).repeat(rows, k // 16)
     codes = codes[:, torch.randperm(k, generator=torch.Generator().manual_seed(1))]
     g = torch.Generator().manual_seed(2)
-    top = torch.randint(14, 255, (rows, k // 128), generator=g)
-    below = torch.randint(0, 15, (rows, k // 128, 3), generator=g)
+    top = torch.randint(FOLD_WINDOW, 255, (rows, k // 128), generator=g)
+    below = torch.randint(0, FOLD_WINDOW + 1, (rows, k // 128, 3), generator=g)
     exps = torch.cat([top[..., None], top[..., None] - below], -1).reshape(rows, k // 32)
     exps[0] = 0
     exps[1] = 254
@@ -306,8 +309,8 @@ def test_mxfp4_as_fp8_block_drops_only_what_it_cannot_hold():
     codes = torch.randint(0, 16, (6, k), generator=torch.Generator().manual_seed(3))
     codes[codes % 8 == 0] = 1  # no all-zero block by chance
     exps = torch.full((6, k // 32), 120)
-    exps[0, 1] = 120 - 14                      # exactly at the window's edge: kept
-    exps[1, 1] = 120 - 15                      # one binade further: dropped
+    exps[0, 1] = 120 - FOLD_WINDOW             # exactly at the window's edge: kept
+    exps[1, 1] = 120 - FOLD_WINDOW - 1         # one binade further: dropped
     exps[2, 1] = 3
     codes[2, 32:64] = torch.tensor([0, 8] * 16)  # +-0 codes only: far below, still exact
     exps[3, 5] = 255                           # NaN scale
@@ -348,16 +351,16 @@ def test_mxfp4_as_fp8_block_128x128_blocks():
     g = torch.Generator().manual_seed(5)
     rows, k = 200, 288                      # a partial row block and a partial column tile
     codes = torch.randint(0, 16, (rows, k), generator=g)
-    top = torch.randint(14, 255, (2, 3), generator=g)
+    top = torch.randint(FOLD_WINDOW, 255, (2, 3), generator=g)
     exps = top.repeat_interleave(128, 0)[:rows].repeat_interleave(4, 1)[:, : k // 32]
-    exps = exps - torch.randint(0, 15, exps.shape, generator=g)
+    exps = exps - torch.randint(0, FOLD_WINDOW + 1, exps.shape, generator=g)
     q = _mx_from_codes(codes, exps)
     folded, exact = mxfp4_as_fp8_block(q, (128, 128))
     assert bool(exact) and folded.scale.shape == (2, 3) and folded.params["block"] == (128, 128)
     assert torch.equal(dequantize_fp8_block(folded).view(torch.int32), dequantize_mx(q).view(torch.int32))
-    # one row 15 binades under the block's largest exponent: exact per row, dropped per 128x128 block
-    exps[5, 0] = top[0, 0] - 15
-    exps[5, 1:4] = top[0, 0] - 14
+    # one row FOLD_WINDOW + 1 binades under the block's largest exponent: exact per row, dropped per 128x128 block
+    exps[5, 0] = top[0, 0] - FOLD_WINDOW - 1
+    exps[5, 1:4] = top[0, 0] - FOLD_WINDOW
     exps[6:128, 0] = top[0, 0] - 3
     exps[:5, 0] = top[0, 0]
     codes[5, :32] = 3

@@ -445,9 +445,10 @@ def dequantize_fp4_b32(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.
 FOLD_SHIFT = 6
 """An MXFP4 block re-encoded in E4M3 (:func:`mxfp4_as_fp8_block`) is its E2M1 codes times 2^(FOLD_SHIFT + d),
 d <= 0 its exponent below the largest of its 128-column tile: 6 * 2^6 = 384 <= 448."""
-FOLD_WINDOW = 14
-"""Every E2M1 value k/2 (k in 1, 2, 3, 4, 6, 8, 12) times 2^(FOLD_SHIFT + d) is a multiple of 2^-9 with at
-most two significant bits, hence exact in E4M3 (subnormals included), while d >= -FOLD_WINDOW."""
+FOLD_WINDOW = 11
+"""Folded blocks stay within FOLD_WINDOW binades of their block's largest (shift FOLD_SHIFT + d >= -5): there
+every E2M1 value times 2^(FOLD_SHIFT + d) is a normal E4M3 number (0.5 * 2^-5 = 2^-6 is E4M3's smallest
+normal), exact, and the E4M3 code is the shift-0 code plus ``shift << 3`` (the kernel's byte table)."""
 
 
 def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128)) -> tuple[QTensor, torch.Tensor]:

@@ -77,10 +77,10 @@ def compile_variants():
     for swizzled in (False, True):
         for rows_per_scale in (1, FOLD_BLOCK_R):
             yield (_mx_fold._mxfp4_as_fp8_block_kernel,
-                   {"data_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32",
+                   {"data_ptr": "*i32", "scale_ptr": "*u8", "out_ptr": "*i32", "out_scale_ptr": "*fp32",
                     "flag_ptr": "*i32", **{n: "i32" for n in ("R", "K", "stride_d", "stride_s0", "s_cols4",
                                                              "stride_o", "stride_os")}},
-                   {"SWIZZLED": swizzled, "BLOCK_R": FOLD_BLOCK_R, "ROWS_PER_SCALE": rows_per_scale})
+                   {"SWIZZLED": swizzled, "BLOCK_R": FOLD_BLOCK_R, "ROWS_PER_SCALE": rows_per_scale, "ON_GPU": True})
     for dtype in ("*bf16", "*fp16", "*fp32"):
         yield (k._finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
                {"CHUNK": _ABSMAX_CHUNK, "CHUNKS": _ABSMAX_CHUNKS})
@@ -278,6 +278,13 @@ def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128),
     """``lowbit.formats.blockscaled.mxfp4_as_fp8_block`` on the GPU (bit-identical). ``dropped_flag``: an int32
     [1] tensor set to 1 when a block could not be folded (it is only ever set: zero it before the call); one
     is made when None. The second result is ``dropped_flag == 0``."""
+    if dropped_flag is None and isinstance(q, QTensor):
+        dropped_flag = torch.zeros(1, dtype=torch.int32, device=q.data.device)
+    return mxfp4_fold(q, block, dropped_flag), dropped_flag[0] == 0
+
+
+def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor) -> QTensor:
+    """:func:`mxfp4_as_fp8_block` without the flag's comparison (one launch less on scaled_mm's path)."""
     if not isinstance(q, QTensor) or q.fmt != "mxfp4" or len(q.shape) != 2:
         raise ValueError("q must be a 2-D mxfp4 QTensor")
     block = tuple(block)
@@ -285,12 +292,11 @@ def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128),
         raise ValueError(f"block must be (1, 128) or (128, 128), got {block}")
     rows, kdim = q.shape
     device = q.data.device
-    if dropped_flag is None:
-        dropped_flag = torch.zeros(1, dtype=torch.int32, device=device)
     tiles = -(-kdim // 128)
     data = q.data.view(torch.uint8).reshape(rows, kdim // 2)
-    if data.stride(-1) != 1:
-        data = data.contiguous()
+    # read as 32-bit words: 4-byte aligned base and rows (K / 2 bytes per row, a multiple of 16)
+    if data.stride(-1) != 1 or data.data_ptr() % 4 or data.stride(0) % 4:
+        data = data.clone(memory_format=torch.contiguous_format)
     scale = q.scale.view(torch.uint8)
     swizzled = q.scale_layout == "swizzled"
     if not swizzled:
@@ -303,11 +309,11 @@ def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128),
     scale_rows = rows if block[0] == 1 else -(-rows // 128)
     out_scale = torch.empty(scale_rows, tiles, dtype=torch.float32, device=device)
     if rows and kdim:
+        words = data.view(torch.int32)
         _mx_fold._mxfp4_as_fp8_block_kernel[(triton.cdiv(rows, FOLD_BLOCK_R), tiles)](
-            data, scale, out, out_scale, dropped_flag, rows, kdim, data.stride(0),
-            scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, out.stride(0), out_scale.stride(0),
-            SWIZZLED=swizzled, BLOCK_R=FOLD_BLOCK_R, ROWS_PER_SCALE=block[0], num_warps=FOLD_WARPS,
+            words, scale, out.view(torch.int32), out_scale, dropped_flag, rows, kdim, words.stride(0),
+            scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, kdim // 4, out_scale.stride(0),
+            SWIZZLED=swizzled, BLOCK_R=FOLD_BLOCK_R, ROWS_PER_SCALE=block[0], ON_GPU=not _interpreting(),
+            num_warps=FOLD_WARPS,
         )
-    folded = QTensor(data=out, scale=out_scale, fmt="fp8_block", shape=q.shape, dtype=q.dtype,
-                     params={"block": block})
-    return folded, dropped_flag[0] == 0
+    return QTensor(data=out, scale=out_scale, fmt="fp8_block", shape=q.shape, dtype=q.dtype, params={"block": block})

@@ -279,9 +279,9 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict) -> torch
     n = b.shape[0]
     dropped = torch.zeros(1, dtype=torch.int32, device=a.data.device)
     # 128x128 weight blocks: one scale per weight tile, so the promotion is one FMA per accumulator element
-    wb, _ = blockscaled.mxfp4_as_fp8_block(b, (128, 128), dropped)
+    wb = blockscaled.mxfp4_fold(b, (128, 128), dropped)
     if a.fmt == "mxfp4":
-        wa, _ = blockscaled.mxfp4_as_fp8_block(a, (1, 128), dropped)
+        wa = blockscaled.mxfp4_fold(a, (1, 128), dropped)
         a_data, a_scale, s0, s1 = wa.data, wa.scale, wa.scale.stride(0), wa.scale.stride(1)
     elif a.fmt == "fp8_rowwise":
         # one scale per row serves every K tile
