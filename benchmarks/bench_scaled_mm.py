@@ -123,12 +123,17 @@ def main() -> None:
                                                                             fold=False), args.rep)
                         row["decoding_vs_cublas_bf16"] = t_bf16 / row["decoding_ms"]
                         row["reencode_ms"] = _bench(lambda: _reencode(a, wq), args.rep)  # noqa: B023
+                        fa, fw, exact = _folded(a, wq)
+                        row["fold_exact"] = exact  # False would mean the decoding fallback ran as well
+                        row["gemm_only_ms"] = _bench(lambda: lowbit.scaled_mm(fa, fw), args.rep)  # noqa: B023
                     print(f"  {pair:12s} {row['ms'] * 1e3:8.1f} us {row['tflops']:6.0f} TFLOPS  "
                           f"x{row['vs_cublas_bf16']:.2f} bf16" + (f"  x{row['vs_scaled_mm_fp8']:.2f} fp8" if t_fp8 else "")
                           + f"  fused x{row['fused_vs_cublas_bf16']:.2f}  err {row['rel_err']:.1e}"
                           + f"  {row['weight_GBps']:.0f} GB/s weights"
                           + (f"  [fold; decoding kernel x{row['decoding_vs_cublas_bf16']:.2f}, re-encoding "
-                             f"{row['reencode_ms'] * 1e3:.1f} us]" if "route" in row else ""), flush=True)
+                             f"{row['reencode_ms'] * 1e3:.1f} us, FP8 GEMM alone {row['gemm_only_ms'] * 1e3:.1f} us"
+                             f"{'' if row['fold_exact'] else ', NOT EXACT: fallback ran'}]" if "route" in row else ""),
+                          flush=True)
                 except Exception as e:  # noqa: BLE001 - record and go on
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(f"  {pair:12s} ERROR {row['error']}", flush=True)
@@ -200,6 +205,20 @@ def _reencode(a, wq) -> None:
     kb.mxfp4_fold(wq, (128, 128), flag)
     if a.fmt == "mxfp4":
         kb.mxfp4_fold(a, (1, 128), flag)
+
+
+def _folded(a, wq):
+    """The fp8_block operands the fold route multiplies, and whether both re-encodings were exact."""
+    from lowbit.kernels import blockscaled as kb
+
+    fw, ok_w = kb.mxfp4_as_fp8_block(wq, (128, 128))
+    if a.fmt == "mxfp4":
+        fa, ok_a = kb.mxfp4_as_fp8_block(a, (1, 128))
+    else:
+        tiles = -(-a.shape[1] // 128)
+        scale = a.scale.reshape(-1, 1).expand(-1, tiles).contiguous() if a.fmt == "fp8_rowwise" else a.scale
+        fa, ok_a = lowbit.QTensor(a.data, scale, "fp8_block", a.shape, a.dtype, params={"block": (1, 128)}), True
+    return fa, fw, bool(ok_w) and bool(ok_a)
 
 
 # (BM, BN, warps, stages, persistent programs per SM or 0), BK = 128

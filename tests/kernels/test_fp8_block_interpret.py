@@ -35,6 +35,15 @@ SCRIPT = textwrap.dedent(r'''
     from lowbit.kernels import fp8_block as L
 
     np.seterr(all="ignore")
+    # triton 3.6's interpreter takes int() of 1-element arrays for runtime loop bounds (the rowwise kernel's
+    # K loop), which numpy >= 2.4 refuses: the same one-attribute patch as test_gemm_w4_interpret
+    _orig_patch = ti._patch_lang_tensor
+
+    def _patch(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    ti._patch_lang_tensor = _patch
     _TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16,
               tl.float8e4nv: torch.float8_e4m3fn}
     _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -179,6 +188,28 @@ SCRIPT = textwrap.dedent(r'''
     check(torch.zeros(0, 128), what="empty")
     check(torch.zeros(3, 0), what="empty K")
     check(torch.zeros(0, 5), (128, 128), what="empty")
+
+    # fp8_rowwise (per-token scale over the whole row, two passes of BLOCK_K columns)
+    from lowbit.formats import fp8_rowwise as RR
+    from lowbit.kernels import fp8_rowwise as LR
+
+    def check_rowwise(x, what=""):
+        r, q = RR.quantize_fp8_rowwise(x), LR.quantize_fp8_rowwise(x)
+        tag = f"rowwise {what} {tuple(x.shape)} {x.dtype}"
+        assert q.shape == r.shape and q.scale.shape == r.scale.shape and q.data.shape == r.data.shape, tag
+        assert torch.equal(bits(q.data), bits(r.data)), f"data {tag}: " + str(
+            (bits(q.data) != bits(r.data)).nonzero()[:5].tolist())
+        assert torch.equal(bits(q.scale), bits(r.scale)), f"scale {tag}"
+
+    for dt in (bf, f16, f32):
+        x = adversarial(12, 300, dt, 30)
+        x[10] = 0.0                                              # all-zero row: MIN_SCALE
+        x[11] = 1e-30 if dt == f32 else 0.0
+        check_rowwise(x, "adversarial")
+        n += 1
+    check_rowwise(adversarial(3, 2500, bf, 31), "K > BLOCK_K")
+    check_rowwise(adversarial(6, 260, f16, 32).reshape(2, 3, 260)[:, :, ::2], "3-D strided")
+    check_rowwise(torch.zeros(0, 64), "empty")
     print("ok", n)
 ''')
 

@@ -23,6 +23,7 @@ _QUANTIZE: dict[str, tuple[str, str, Callable[[dict], bool]]] = {
        for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")},
     "fp4_b32": ("blockscaled", "quantize_fp4_b32", lambda o: True),
     "fp8_block": ("fp8_block", "quantize_fp8_block", lambda o: True),
+    "fp8_rowwise": ("fp8_rowwise", "quantize_fp8_rowwise", lambda o: True),
 }
 _DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "nvfp4": ("blockscaled", "dequantize_nvfp4", lambda q: "per_tensor_scale" not in q.params),
@@ -35,7 +36,7 @@ _DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
 }
 # launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)
 # covering every code path it can launch, which CI compiles for sm_90
-KERNEL_MODULES = ("blockscaled", "fp8_block", "nf4", "int4_awq", "gemv_w4", "gemm_w4", "scaled_mm")
+KERNEL_MODULES = ("blockscaled", "fp8_block", "fp8_rowwise", "nf4", "int4_awq", "gemv_w4", "gemm_w4", "scaled_mm")
 
 
 def interpreting() -> bool:

@@ -68,6 +68,48 @@ def _e4m3_codes(q):
 
 
 @triton.jit
+def _quotient(x, xbits, s, r):
+    """RN(x / s) for fp32 x (int32 bits ``xbits``), scale s > 0 (or +Inf) and r = RN(1 / s), broadcast to x's
+    shape, by correction steps on x * r (module docstring). Negations are sign-bit flips, since Triton's
+    unary minus is 0 - v, which turns -0 into +0."""
+    q0 = x * r
+    s_fin = tl.where(s == float("inf"), 0.0, s)
+    neg_x = (xbits ^ -2147483648).to(tl.float32, bitcast=True)
+    neg_r = (r.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)  # -r, -0 for r = 0
+    q1 = tl.fma(tl.fma(q0, s_fin, neg_x), neg_r, q0)  # within 0.5 + 2^-23 ulp: faithful
+    return tl.fma(tl.fma(q1, s_fin, neg_x), neg_r, q1)   # Markstein: correctly rounded
+
+
+@triton.jit
+def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, MIN_SCALE_BITS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp8_rowwise (``lowbit.formats.fp8_rowwise``): x [M, K] (last dim contiguous) -> codes [M, K]
+    contiguous, scales [M] with ``s = max(amax / 448, MIN_SCALE)`` and codes ``e4m3(x / s)``. Two passes over
+    each row: its amax (integer max of the bits, which keeps NaN), then the quotients (the row is read again,
+    from L2 for all but the longest rows). The scale's max is an integer max too, so a NaN amax stays NaN."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < M
+    m64 = m.to(tl.int64)
+    abits = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    for kt in range(tl.cdiv(K, BLOCK_K)):
+        cols = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + m64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        abits = tl.maximum(abits, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+    s = tl.div_rn(abits.to(tl.float32, bitcast=True), 448.0)
+    s = tl.maximum(s.to(tl.int32, bitcast=True), MIN_SCALE_BITS).to(tl.float32, bitcast=True)
+    r = tl.div_rn(1.0, s)
+    for kt in range(tl.cdiv(K, BLOCK_K)):
+        cols = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + m64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _quotient(x, x.to(tl.int32, bitcast=True), s[:, None], r[:, None])
+        tl.store(q_ptr + m64[:, None] * K + cols[None, :], _e4m3_codes(q).to(tl.float8e4nv, bitcast=True),
+                 mask=mask)
+    tl.store(s_ptr + m64, _canonical_f32_bits(s).to(tl.float32, bitcast=True), mask=row_ok)
+
+
+@triton.jit
 def _quantize_1x128_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, stride_xb, stride_xm, n_mblocks,
@@ -97,19 +139,10 @@ def _quantize_1x128_kernel(
     xbits = xg.to(tl.int32, bitcast=True)
     s = _scale_from_amax_bits(tl.max(xbits & 0x7FFFFFFF, axis=2), POW2_SCALE)
     r = tl.div_rn(1.0, s)
-    q0 = xg * r[:, :, None]
     if POW2_SCALE:
-        q = q0
+        q = xg * r[:, :, None]
     else:
-        # q = RN(x / s) by one correction step (module docstring); negations are sign-bit flips, since
-        # Triton's unary minus is 0 - v, which turns -0 into +0
-        s_fin = tl.where(s == float("inf"), 0.0, s)
-        neg_x = (xbits ^ -2147483648).to(tl.float32, bitcast=True)
-        s3 = s_fin[:, :, None]
-        neg_r = (r.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)  # -r, -0 for r = 0
-        nr3 = neg_r[:, :, None]
-        q1 = tl.fma(tl.fma(q0, s3, neg_x), nr3, q0)  # within 0.5 + 2^-23 ulp: faithful
-        q = tl.fma(tl.fma(q1, s3, neg_x), nr3, q1)   # Markstein: correctly rounded
+        q = _quotient(xg, xbits, s[:, :, None], r[:, :, None])
     codes = tl.reshape(_e4m3_codes(q), (BLOCK_M, BLOCK_K))
     row_g = b64 * M + m64
     tl.store(q_ptr + row_g[:, None] * K + cols[None, :], codes.to(tl.float8e4nv, bitcast=True), mask=mask)
