@@ -513,22 +513,24 @@ def _km():
     return smm._kernel_module(smm.KERNEL_MODULE)
 
 
-@pytest.mark.parametrize("m", [256, 300, 1000, 4096])
+@pytest.mark.parametrize("m", [300, 1000, 1024, 4096])
 @pytest.mark.parametrize("name", FOLD_PAIRS)
 def test_fold_route_matches_reference_and_decoding_kernel(name, m):
     km = _km()
     af, ao, wf, wo = PAIR[name]
-    i = [256, 300, 1000, 4096].index(m)
+    i = [300, 1000, 1024, 4096].index(m)
     n, k = [(7168, 2048), (2112, 7168), (384, 1600), (4096, 4096)][i]
     w = _weight(wf, wo, n, k)
     _, a = _act(af, ao, m, k, seed=3)
-    assert km.fold_route(a, w) is None
-    assert "E4M3" in str(smm.plan_scaled_mm(a, w))
+    routed = m >= km.FOLD_MIN_M
+    assert (km.fold_route(a, w) is None) == routed
+    assert ("E4M3" in str(smm.plan_scaled_mm(a, w))) == routed
     alpha = torch.tensor([0.75], device="cuda") if i % 2 else None
     bias = _bias(n) if i != 1 else None
     ref = scaled_mm_reference(a, w, alpha, bias, torch.float32, dequant_backend="torch")
-    _assert_close(lowbit.scaled_mm(a, w, alpha, bias, torch.bfloat16), ref, f"fold {name} M={m}")
-    _assert_close(lowbit.scaled_mm(a, w, alpha, bias, torch.float32), ref, f"fold fp32 {name} M={m}")
+    _assert_close(lowbit.scaled_mm(a, w, alpha, bias, torch.bfloat16), ref, f"default {name} M={m}")
+    for out_dtype in (torch.bfloat16, torch.float32):
+        _assert_close(km.scaled_mm(a, w, alpha, bias, out_dtype, fold=True), ref, f"fold {out_dtype} {name} M={m}")
     _assert_close(km.scaled_mm(a, w, alpha, bias, torch.float32, fold=False), ref, f"decoding {name} M={m}")
 
 
@@ -539,8 +541,8 @@ def test_fold_route_exact_fallback(case):
     largest values of their rows)."""
     from lowbit.kernels import blockscaled as kb
 
-    _km()
-    m, n, k = 300, 512, 1024
+    km = _km()
+    m, n, k = 1030, 512, 1024
     g = torch.Generator(device="cuda").manual_seed(11)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
     x = torch.randn(m, k, device="cuda", generator=g)
@@ -556,6 +558,7 @@ def test_fold_route_exact_fallback(case):
     a = lowbit.quantize(x.to(torch.bfloat16), "mxfp4")
     odd, block = (wq, (128, 128)) if case.startswith("weight") else (a, (1, 128))
     assert not bool(kb.mxfp4_as_fp8_block(odd, block)[1])
+    assert km.fold_route(a, wq) is None
     out = lowbit.scaled_mm(a, wq, None, None, torch.float32)
     ref = scaled_mm_reference(a, wq, None, None, torch.float32, dequant_backend="torch")
     if case.endswith("nan"):
@@ -570,13 +573,14 @@ def test_fold_route_exact_fallback(case):
 
 def test_fold_route_in_a_cuda_graph():
     """Captured once; replays follow the inputs, including one that needs the exact fallback."""
-    _km()
-    m, n, k = 512, 1024, 2048
+    km = _km()
+    m, n, k = 1024, 1024, 2048
     g = torch.Generator(device="cuda").manual_seed(12)
     wq = lowbit.quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16), "mxfp4")
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     a = lowbit.quantize(x, "mxfp4")
     static = lowbit.QTensor(a.data.clone(), a.scale.clone(), "mxfp4", a.shape, a.dtype)
+    assert km.fold_route(static, wq) is None
     graph, out = _capture(lambda q: lowbit.scaled_mm(q, wq, None, None, torch.float32), static)
     for scale_row in (None, 4):
         y = torch.randn(m, k, device="cuda", generator=g)

@@ -48,6 +48,9 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
 # The FP8 re-encoded mxfp4 pairs (fold_route) run the TMA kernel on 128x128-block weights; M starts at
 # FOLD_MIN_M. H200 sweep with per-row weight scales (2026-11-21_h200_bench_scaled_mm_fold_sweep_14fa172.json):
 # 64x128, 4 warps, 3 stages, two persistent programs per SM was best at M = 1024 and 4096 on all shapes.
+# FOLD_MIN_M = 1024: at M = 1024 the route beat or matched the decoding kernel on 5 of the 6 DeepSeek/8192
+# shapes for mxfp4 x mxfp4 and W4A8 (..._bench_scaled_mm_fold_ffca2db.json; not on 7168x2048, where the
+# per-call launches outweigh a 48 us GEMM); at M = 256 it lost on most.
 FOLD_CONFIGS: list[tuple[int, dict]] = [
     (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
     (1 << 62, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
@@ -239,7 +242,7 @@ def _scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor
     return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, divide_by=divisor, out_dtype=out_dtype)
 
 
-FOLD_MIN_M = 256
+FOLD_MIN_M = 1024
 """From this M, mxfp4 weights with mxfp4, fp8_rowwise or fp8_block activations run on the FP8 tensor cores
 through an exact E4M3 re-encoding (:func:`fold_route`)."""
 _FOLD_ACTIVATIONS = ("mxfp4", "fp8_rowwise", "fp8_block")

@@ -43,7 +43,7 @@ Dispatch (:func:`plan_scaled_mm`), as for ``lowbit.linear``:
    :func:`scaled_mm` raises RuntimeError naming the reason (pass ``backend="torch"`` for the reference).
    Inside that module, M <= 16 with an nvfp4/mxfp4 weight and an nvfp4, mxfp4 or fp8_rowwise activation
    runs the W4A16 GEMV on the exactly decoded bf16 activation (``gemv_route``; the plan's reason says so).
-   From M = 256 an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation is re-encoded exactly as
+   From M = 1024 an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation is re-encoded exactly as
    E4M3 and runs on the FP8 tensor cores (``fold_route``).
 
 Kernel contract (``lowbit.kernels.scaled_mm``): ``supports(a, b) -> str | None`` (called on every call, keep it
