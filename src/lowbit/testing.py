@@ -28,3 +28,15 @@ def assert_bitexact(got: torch.Tensor, want: torch.Tensor, what: str = "tensor")
         lines.append(f"  at {t}: got {g[t].item()!r} (0x{gb[t].item() & 0xFFFFFFFF:x}) want {w[t].item()!r} "
                      f"(0x{wb[t].item() & 0xFFFFFFFF:x})")
     raise AssertionError(f"{what}: {int(diff.sum())} of {diff.numel()} elements differ\n" + "\n".join(lines))
+
+
+def linear_oracle(x: torch.Tensor, w, bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """fp32 ``act(x @ dequant(w).T + bias)`` with the product and the bias add in float64: the oracle of the
+    W4A16 kernel tests, one rounding away from exact (``lowbit.ops.linear_reference`` multiplies in fp32)."""
+    from .api import dequantize
+    from .ops.linear import _act
+
+    y = x.double() @ dequantize(w, torch.float32).double().T
+    if bias is not None:
+        y = y + bias.double()
+    return _act(y.float(), activation)

@@ -188,22 +188,25 @@ def test_env_says_what_quantize_needs():
     }
 
 
-def test_other_model_dir(bundled_dir, tmp_path):
-    """MODEL_DIR: any transformers safetensors directory with a tokenizer (here a tiny random BERT with the
-    bundled tokenizer, no sentence-transformers files: mean pooling + L2 normalization by default)."""
+def _random_bert(src, bundled_dir, **config):
+    """A random BertModel saved to ``src`` with the bundled tokenizer files (seed 0)."""
     import shutil
 
     import torch
     import transformers
 
-    src = tmp_path / "tiny-bert"
-    cfg = transformers.BertConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
-    )
     torch.manual_seed(0)
-    transformers.BertModel(cfg).save_pretrained(src)
+    transformers.BertModel(transformers.BertConfig(**config)).save_pretrained(src)
     for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(bundled_dir / f, src / f)
+    return src
+
+
+def test_other_model_dir(bundled_dir, tmp_path):
+    """MODEL_DIR: any transformers safetensors directory with a tokenizer (here a tiny random BERT with the
+    bundled tokenizer, no sentence-transformers files: mean pooling + L2 normalization by default)."""
+    src = _random_bert(tmp_path / "tiny-bert", bundled_dir, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128)
     before = snapshot(src)
     rc, out, err = run_cli(
         "quantize", str(src), "--scheme", "w4a16-mxfp4", "--out", str(tmp_path / "o"), "--json"
@@ -219,19 +222,8 @@ def test_other_model_dir(bundled_dir, tmp_path):
 def test_a_failing_scheme_does_not_hide_the_others(bundled_dir, tmp_path):
     """K = 16: no layer fits mxfp4's 32-blocks, so that scheme fails with the library's message (exit 1) while
     nf4 (any shape) is still converted and reported."""
-    import shutil
-
-    import torch
-    import transformers
-
-    src = tmp_path / "k16-bert"
-    cfg = transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16
-    )
-    torch.manual_seed(0)
-    transformers.BertModel(cfg).save_pretrained(src)
-    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(bundled_dir / f, src / f)
+    src = _random_bert(tmp_path / "k16-bert", bundled_dir, hidden_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=16)
     rc, out, err = run_cli(
         "quantize", str(src), "--scheme", "w4a16-mxfp4,w4a16-nf4", "--out", str(tmp_path / "o")
     )

@@ -47,6 +47,7 @@ SCRIPT = textwrap.dedent(
     import lowbit
     from lowbit.formats.packing import swizzle_scales
     from lowbit.kernels import gemm_w4 as g
+    from lowbit.testing import linear_oracle
     from lowbit.kernels._gemm_w4 import _decode_tile, _e2m1_bits, _e8m0_to, _load_bytes, _load_scales, _u4_pairs
 
     gen = torch.Generator().manual_seed(0)
@@ -66,11 +67,7 @@ SCRIPT = textwrap.dedent(
         # FP4: e2m1 values times power-of-two-ish scales
         return lowbit.quantize(ints(n, k, lo=-6, hi=7) / 2 * 2.0 ** ints(n, 1, lo=-2, hi=2), fmt, **opts)
 
-    def reference(x, w, bias, act):
-        acc = x.double() @ lowbit.dequantize(w, torch.float32).double().T
-        if bias is not None:
-            acc = acc + bias.double()
-        return g._torch_epilogue(acc.float(), None, act)
+    reference = linear_oracle
 
     def check(name, m, w, cfg, bias=False, act=None, exact=True):
         global n_checks

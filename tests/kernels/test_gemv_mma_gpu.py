@@ -9,23 +9,14 @@ import torch
 import lowbit
 from lowbit.formats.qtensor import QTensor
 from lowbit.kernels import gemv_w4 as G
+from lowbit.testing import linear_oracle
 
 pytestmark = pytest.mark.gpu
 ALL_M = {**G.MMA, "min_m": 1}  # the default leaves M = 1 to the FMA kernel
 
 
 def _reference(x, q, bias=None, act=None):
-    y = x.double() @ lowbit.dequantize(q, torch.float32).double().T
-    if bias is not None:
-        y = y + bias.double()
-    y = y.float()
-    if act == "gelu":
-        y = torch.nn.functional.gelu(y)
-    elif act == "silu":
-        y = torch.nn.functional.silu(y)
-    elif act == "gelu_tanh":
-        y = torch.nn.functional.gelu(y, approximate="tanh")
-    return y
+    return linear_oracle(x, q, bias, act)
 
 
 def _check(got, ref, what, rel=4e-3):

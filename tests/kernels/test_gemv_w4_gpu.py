@@ -11,6 +11,7 @@ import torch
 
 import lowbit
 from lowbit.kernels import gemv_w4 as G
+from lowbit.testing import linear_oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -46,17 +47,7 @@ def _weight(name: str, n: int, k: int):
     return _WEIGHTS[key]
 
 
-def _reference(x, q, bias, act):
-    y = x.float() @ lowbit.dequantize(q, torch.float32).float().T
-    if bias is not None:
-        y = y + bias.float()
-    if act == "gelu":
-        y = torch.nn.functional.gelu(y)
-    elif act == "gelu_tanh":
-        y = torch.nn.functional.gelu(y, approximate="tanh")
-    elif act == "silu":
-        y = torch.nn.functional.silu(y)
-    return y
+_reference = linear_oracle
 
 
 def _assert_close(got, ref, what):

@@ -33,6 +33,7 @@ SCRIPT = textwrap.dedent(
     from lowbit.formats.packing import swizzle_scales
     from lowbit.formats.qtensor import QTensor
     from lowbit.kernels import gemv_w4 as G
+    from lowbit.testing import linear_oracle
 
     t_start = time.time()
     g = torch.Generator().manual_seed(0)
@@ -54,18 +55,7 @@ SCRIPT = textwrap.dedent(
     def x_exact(m, dt):
         return pick([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0], m, K).to(dt)
 
-    def reference(x, q, bias, act):
-        y = x.double() @ lowbit.dequantize(q, torch.float32).double().T
-        if bias is not None:
-            y = y + bias.double()
-        y = y.float()
-        if act == "gelu":
-            y = torch.nn.functional.gelu(y)
-        elif act == "gelu_tanh":
-            y = torch.nn.functional.gelu(y, approximate="tanh")
-        elif act == "silu":
-            y = torch.nn.functional.silu(y)
-        return y
+    reference = linear_oracle
 
     def truncate(y, dt):
         if dt != torch.bfloat16:

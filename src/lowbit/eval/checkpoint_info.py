@@ -245,6 +245,15 @@ _PRODUCERS = {
     "fp8": "DeepSeek / HF FP8 (weight_scale_inv)",
     "lowbit": "lowbit (native layout)",
 }
+# quant_method -> (quantization_config key, label) of the detail the summary names after the producer
+_PRODUCER_DETAIL = {
+    "compressed-tensors": ("format", "format "),
+    "fp8": ("weight_block_size", "weight_block_size "),
+    "bitsandbytes": ("bnb_4bit_quant_type", ""),
+    "awq": ("version", "version "),
+    "modelopt": ("quant_algo", ""),
+    "lowbit": ("schemes", "schemes "),
+}
 
 
 def _files(path: Path) -> tuple[list[Path], Path | None]:
@@ -321,18 +330,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     conventions = sorted({x.convention for x in q_layers})
     if quant_method in _PRODUCERS:
         producer = _PRODUCERS[quant_method]
-        if quant_method == "compressed-tensors" and qcfg.get("format"):
-            producer += f", format {qcfg['format']}"
-        if quant_method == "fp8" and qcfg.get("weight_block_size"):
-            producer += f", weight_block_size {qcfg['weight_block_size']}"
-        if quant_method == "bitsandbytes" and qcfg.get("bnb_4bit_quant_type"):
-            producer += f", {qcfg['bnb_4bit_quant_type']}"
-        if quant_method == "awq" and qcfg.get("version"):
-            producer += f", version {qcfg['version']}"
-        if quant_method == "modelopt" and qcfg.get("quant_algo"):
-            producer += f", {qcfg['quant_algo']}"
-        if quant_method == "lowbit" and qcfg.get("schemes"):
-            producer += f", schemes {', '.join(qcfg['schemes'])}"
+        key, label = _PRODUCER_DETAIL.get(quant_method, (None, ""))
+        detail = qcfg.get(key) if key else None
+        if detail:
+            detail = ", ".join(detail) if quant_method == "lowbit" else detail
+            producer += f", {label}{detail}"
     elif quant_method:
         producer = str(quant_method)
     elif conventions:

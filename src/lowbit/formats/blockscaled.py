@@ -451,6 +451,17 @@ every E2M1 value times 2^(FOLD_SHIFT + d) is a normal E4M3 number (0.5 * 2^-5 = 
 normal), exact, and the E4M3 code is the shift-0 code plus ``shift << 3`` (the kernel's byte table)."""
 
 
+def check_fold_args(q: QTensor, block: tuple[int, int]) -> tuple[int, int]:
+    """Raise ValueError unless ``q`` is a 2-D mxfp4 QTensor and ``block`` is (1, 128) or (128, 128); returns
+    ``block`` as a tuple."""
+    if not isinstance(q, QTensor) or q.fmt != "mxfp4" or len(q.shape) != 2:
+        raise ValueError("q must be a 2-D mxfp4 QTensor")
+    block = tuple(block)
+    if block not in ((1, 128), (128, 128)):
+        raise ValueError(f"block must be (1, 128) or (128, 128), got {block}")
+    return block
+
+
 def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128)) -> tuple[QTensor, torch.Tensor]:
     """Re-encode a 2-D MXFP4 tensor exactly as ``fp8_block``, for the FP8 tensor cores.
 
@@ -470,11 +481,7 @@ def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128)) -> tuple[Q
         (QTensor ``fp8_block`` with ``params={"block": block}``: data float8_e4m3fn ``[R, K]``, scale fp32
         ``[R, ceil(K/128)]`` or ``[ceil(R/128), ceil(K/128)]``; ``exact`` bool tensor).
     """
-    if not isinstance(q, QTensor) or q.fmt != "mxfp4" or len(q.shape) != 2:
-        raise ValueError("q must be a 2-D mxfp4 QTensor")
-    block = tuple(block)
-    if block not in ((1, 128), (128, 128)):
-        raise ValueError(f"block must be (1, 128) or (128, 128), got {block}")
+    block = check_fold_args(q, block)
     rows, k = q.shape
     blocks = k // 32
     tiles = -(-k // 128)

@@ -278,18 +278,15 @@ def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128),
     """``lowbit.formats.blockscaled.mxfp4_as_fp8_block`` on the GPU (bit-identical). ``dropped_flag``: an int32
     [1] tensor set to 1 when a block could not be folded (it is only ever set: zero it before the call); one
     is made when None. The second result is ``dropped_flag == 0``."""
-    if dropped_flag is None and isinstance(q, QTensor):
+    block = ref.check_fold_args(q, block)
+    if dropped_flag is None:
         dropped_flag = torch.zeros(1, dtype=torch.int32, device=q.data.device)
     return mxfp4_fold(q, block, dropped_flag), dropped_flag[0] == 0
 
 
 def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor) -> QTensor:
     """:func:`mxfp4_as_fp8_block` without the flag's comparison (one launch less on scaled_mm's path)."""
-    if not isinstance(q, QTensor) or q.fmt != "mxfp4" or len(q.shape) != 2:
-        raise ValueError("q must be a 2-D mxfp4 QTensor")
-    block = tuple(block)
-    if block not in ((1, 128), (128, 128)):
-        raise ValueError(f"block must be (1, 128) or (128, 128), got {block}")
+    block = ref.check_fold_args(q, block)
     rows, kdim = q.shape
     device = q.data.device
     tiles = -(-kdim // 128)
@@ -297,14 +294,9 @@ def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor) -
     # read as 32-bit words: 4-byte aligned base and rows (K / 2 bytes per row, a multiple of 16)
     if data.stride(-1) != 1 or data.data_ptr() % 4 or data.stride(0) % 4:
         data = data.clone(memory_format=torch.contiguous_format)
-    scale = q.scale.view(torch.uint8)
     swizzled = q.scale_layout == "swizzled"
-    if not swizzled:
-        scale = scale.reshape(rows, kdim // 32)
-        if scale.stride(-1) != 1:
-            scale = scale.contiguous()
-    else:
-        scale = scale.contiguous()
+    scale = q.scale.view(torch.uint8)
+    scale = (scale if swizzled else scale.reshape(rows, kdim // 32)).contiguous()
     out = torch.empty(rows, kdim, dtype=torch.float8_e4m3fn, device=device)
     scale_rows = rows if block[0] == 1 else -(-rows // 128)
     out_scale = torch.empty(scale_rows, tiles, dtype=torch.float32, device=device)

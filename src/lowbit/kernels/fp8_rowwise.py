@@ -27,11 +27,9 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> QTensor:
     kdim = x.shape[-1]
     rows = x.shape[:-1].numel()
     x2 = x.detach()
-    if x2.dim() == 0 or x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    x2 = x2.reshape(rows, kdim)  # a view when the leading dims merge, else a copy
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    x2 = x2.reshape(rows, kdim)  # a view when the leading dims merge, else a copy
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
     if rows:

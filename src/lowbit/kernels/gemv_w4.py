@@ -180,6 +180,21 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(16, dtype=dtype, device=device)
 
 
+def _unused(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A pointer for a per-call argument the kernel's constexprs make it skip (no bias, no row scale, no
+    split-K): allocated without a fill, so it costs no launch."""
+    return torch.empty(16, dtype=dtype, device=device)
+
+
+def _epilogue_buffers(plan, n: int, row_scale, device: torch.device, dev_index: int):
+    """(split-K partials, arrival counters, row scales) for a launch of ``plan``; dummies where unused."""
+    if plan.split > 1:
+        ws, cnt = split_k_scratch(device, dev_index, plan.split * plan.mp * n, plan.n_tiles)
+    else:
+        ws, cnt = _unused(device, torch.float32), _unused(device, torch.int32)
+    return ws, cnt, row_scale if row_scale is not None else _unused(device, torch.float32)
+
+
 def _tab(device: torch.device, offset: torch.Tensor | None) -> torch.Tensor:
     tab = torch.zeros(288, dtype=torch.float32, device=device)
     tab[:16] = codebook_table(NF4).to(device)
@@ -439,12 +454,8 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
                                       num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split, mp=8 * nt,
                                       n_tiles=n_tiles * nt)
     dev = x.device
-    if plan.split > 1:
-        ws, cnt = split_k_scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
-    else:
-        ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
-    rs = row_scale if row_scale is not None else _dummy(dev, torch.float32)
-    args = (x, lay.words, lay.scales, p.gs, rs, _dummy(dev, x.dtype) if bias is None else bias, out, ws, cnt,
+    ws, cnt, rs = _epilogue_buffers(plan, n, row_scale, dev, dev_index)
+    args = (x, lay.words, lay.scales, p.gs, rs, _unused(dev, x.dtype) if bias is None else bias, out, ws, cnt,
             *plan.ints)
     _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
 
@@ -675,12 +686,8 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
                 _PLANS.clear()
             _PLANS[pkey] = plan
     dev = x.device
-    if plan.split > 1:
-        ws, cnt = split_k_scratch(dev, dev_index, plan.split * plan.mp * n, plan.n_tiles)
-    else:
-        ws, cnt = _dummy(dev, torch.float32), _dummy(dev, torch.int32)
-    rs = row_scale if row_scale is not None else _dummy(dev, torch.float32)
-    args = (x, p.words, p.scales, p.nested, p.tab, p.gs, rs, _dummy(dev, x.dtype) if bias is None else bias, out,
+    ws, cnt, rs = _epilogue_buffers(plan, n, row_scale, dev, dev_index)
+    args = (x, p.words, p.scales, p.nested, p.tab, p.gs, rs, _unused(dev, x.dtype) if bias is None else bias, out,
             ws, cnt, *plan.ints)
     _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
     return out

@@ -46,8 +46,10 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
 ]
 
 # The FP8 re-encoded mxfp4 pairs (fold_route) run the TMA kernel on 128x128-block weights; M starts at
-# FOLD_MIN_M. H200 sweep with per-row weight scales (2026-11-21_h200_bench_scaled_mm_fold_sweep_14fa172.json):
-# 64x128, 4 warps, 3 stages, two persistent programs per SM was best at M = 1024 and 4096 on all shapes.
+# FOLD_MIN_M. The fp8_block TMA configs, checked in an H200 sweep with per-row weight scales
+# (2026-11-21_h200_bench_scaled_mm_fold_sweep_14fa172.json): persistent 64x128, 4 warps, 3 stages, two programs
+# per SM was best at M = 4096 on all three shapes; at M = 1024 it and the non-persistent 4-stage config each won
+# some shapes.
 # FOLD_MIN_M = 1024: at M = 1024 the route beat or matched the decoding kernel on 5 of the 6 DeepSeek/8192
 # shapes for mxfp4 x mxfp4 and W4A8 (..._bench_scaled_mm_fold_ffca2db.json; not on 7168x2048, where the
 # per-call launches outweigh a 48 us GEMM); at M = 256 it lost on most.
@@ -258,9 +260,10 @@ def fold_route(a: QTensor, b: QTensor) -> str | None:
     The operands are re-encoded on every call by a memory-bound kernel (the weight is read at 4 bits and
     written at 8: the FP8 copy is a per-call scratch, never kept), and the product is the fp8_block TMA GEMM
     of DeepSeek-V3 weights. A block the re-encoding cannot hold (a NaN scale, or a nonzero MX block more than
-    14 binades below the largest of its 128x128 or 1x128 block) sets a device flag, and the decoding kernel, launched behind the
-    GEMM with that flag as its guard, recomputes the whole output: the result is the block-scaled product up
-    to fp32 accumulation order either way, without a host synchronization."""
+    ``lowbit.formats.blockscaled.FOLD_WINDOW`` (11) binades below the largest of its 128x128 or 1x128 block)
+    sets a device flag, and the decoding kernel, launched behind the GEMM with that flag as its guard,
+    recomputes the whole output: the result is the block-scaled product up to fp32 accumulation order either
+    way, without a host synchronization."""
     reason = _fold_pair(a, b)
     if reason is None and a.shape[0] < FOLD_MIN_M:
         reason = f"M = {a.shape[0]} < {FOLD_MIN_M}"
@@ -501,7 +504,7 @@ def compile_variants():
         )
         yield k._scaled_mm_kernel, sig, consts
     # the TMA fp8_block kernel: every shipped config, plus per-row weight scales (block (1, 128)) with bias/alpha,
-    # and every config of the FP8 re-encoded pairs (per-row scales on both sides)
+    # and every config of the FP8 re-encoded pairs (128x128 weight blocks, with bias/alpha)
     tma_cases = []
     for i, (_limit, cfg) in enumerate(FP8_CONFIGS):
         if cfg.get("tma"):
