@@ -5,6 +5,7 @@
 """
 
 import argparse
+import json
 
 import torch
 
@@ -15,6 +16,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--cases", default="nvfp4:8192x8192:1,nvfp4:28672x8192:1,nvfp4:28672x8192:16,nf4:28672x8192:1")
 p.add_argument("--calls", type=int, default=2)
 p.add_argument("--cublas", action="store_true")
+p.add_argument("--mma-config", default=None, help="JSON dict passed as gemv_w4(mma_config=...)")
 a = p.parse_args()
 torch.manual_seed(0)
 for case in a.cases.split(","):
@@ -26,7 +28,7 @@ for case in a.cases.split(","):
     q = lowbit.quantize(w, fmt, **opts)
     pw = G.prepare_w4(q)
     for _ in range(a.calls):
-        G.gemv_w4(x, pw)
+        G.gemv_w4(x, pw, mma_config=None if a.mma_config is None else json.loads(a.mma_config))
         if a.cublas:
             x @ w.T
     torch.cuda.synchronize()

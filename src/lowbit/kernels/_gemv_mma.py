@@ -206,3 +206,122 @@ def _gemv_mma_kernel(
     if NT == 2:
         _epilogue(tl.sum(acc1, axis=1), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
                   bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
+
+
+@triton.jit
+def _load_x_frags(ptrs):
+    """(lo, hi) B fragments of 32 bytes of one x row at each pointer (see _X_ASM)."""
+    return tl.inline_asm_elementwise(_X_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l", [ptrs], dtype=(tl.int32, tl.int32),
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _load_scale_raw(ptrs):
+    return tl.inline_asm_elementwise(_U16_ASM, "=r,l", [ptrs], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, acc0, acc1, FMT: tl.constexpr, NT: tl.constexpr):
+    sg, sg8 = _scale_pair(raw, FMT)
+    if NT == 1:
+        acc0 = tl.inline_asm_elementwise(
+            _MMA_ASM_1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
+            [words, xlo0, xhi0, sg, sg8, acc0], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        acc0, acc1 = tl.inline_asm_elementwise(
+            _MMA_ASM_2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
+            [words, xlo0, xhi0, xlo1, xhi1, sg, sg8, acc0, acc1], dtype=(tl.float32, tl.float32),
+            is_pure=True, pack=4)
+    return acc0, acc1
+
+
+@triton.jit
+def _gemv_mma_split_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, KQ,
+    FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
+    STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
+):
+    """Same contract and layout as :func:`_gemv_mma_kernel`; the tile is ``[J, RG, 128]`` so that the warps
+    split the J chunks of an iteration (a warp loads its chunk's x fragments once and reuses them for its RG
+    row groups), and x and the scales of the next iteration are loaded one iteration ahead. STAGES = 0: the
+    word tile too is prefetched into registers (plain 16-byte loads, no shared memory, no barrier in the
+    loop); STAGES > 0: the word tile goes through a cp.async pipeline of that depth."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rg = pid_n * RG + tl.arange(0, RG)
+    n16 = tl.cdiv(N, 16)
+    rg_c = tl.minimum(rg, n16 - 1)
+    jj = tl.arange(0, J)[:, None, None]
+    rr = rg_c.to(tl.int64)[None, :, None]
+    d = tl.arange(0, 128)[None, None, :]
+    lane = d // 4
+    g = lane // 4
+    t = lane % 4
+    w_tile = w_ptr + (rr * KQ + jj) * 128 + d                                          # [J, RG, 128]
+    if FMT == FMT_NVFP4:
+        SPC: tl.constexpr = 4
+        blk = jj * 4 + t
+    else:
+        SPC: tl.constexpr = 2
+        blk = jj * 2 + t // 2
+    s_tile = s_ptr + (rr * (KQ * SPC) + blk) * 8 + g
+    x_col = jj * 64 + t * 16                                                          # [J, 1, 128]
+    xr0 = x_ptr + (tl.minimum(g, M - 1).to(tl.int64) * K + x_col)
+    xr1 = x_ptr + (tl.minimum(g + 8, M - 1).to(tl.int64) * K + x_col)
+
+    acc0 = tl.zeros((J, RG, 128), dtype=tl.float32)
+    acc1 = tl.zeros((J, RG, 128), dtype=tl.float32)
+    kq_start = pid_k * (IPS * J)
+    raw = _load_scale_raw(s_tile + kq_start * SPC * 8)
+    xlo0, xhi0 = _load_x_frags(xr0 + kq_start * 64)
+    xlo1 = xlo0
+    xhi1 = xhi0
+    if NT == 2:
+        xlo1, xhi1 = _load_x_frags(xr1 + kq_start * 64)
+    if STAGES == 0:
+        words = tl.load(w_tile + kq_start * 128)
+        for it in tl.range(0, IPS, num_stages=1):
+            kq_next = tl.minimum(kq_start + (it + 1) * J, KQ - J)
+            words_n = tl.load(w_tile + kq_next * 128)
+            raw_n = _load_scale_raw(s_tile + kq_next * SPC * 8)
+            xlo0_n, xhi0_n = _load_x_frags(xr0 + kq_next * 64)
+            xlo1_n = xlo0_n
+            xhi1_n = xhi0_n
+            if NT == 2:
+                xlo1_n, xhi1_n = _load_x_frags(xr1 + kq_next * 64)
+            acc0, acc1 = _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, acc0, acc1, FMT, NT)
+            words = words_n
+            raw = raw_n
+            xlo0 = xlo0_n
+            xhi0 = xhi0_n
+            xlo1 = xlo1_n
+            xhi1 = xhi1_n
+    else:
+        for it in tl.range(0, IPS, num_stages=STAGES):
+            kq0 = kq_start + it * J
+            words = tl.load(w_tile + kq0 * 128)
+            kq_next = tl.minimum(kq0 + J, KQ - J)
+            raw_n = _load_scale_raw(s_tile + kq_next * SPC * 8)
+            xlo0_n, xhi0_n = _load_x_frags(xr0 + kq_next * 64)
+            xlo1_n = xlo0_n
+            xhi1_n = xhi0_n
+            if NT == 2:
+                xlo1_n, xhi1_n = _load_x_frags(xr1 + kq_next * 64)
+            acc0, acc1 = _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, acc0, acc1, FMT, NT)
+            raw = raw_n
+            xlo0 = xlo0_n
+            xhi0 = xhi0_n
+            xlo1 = xlo1_n
+            xhi1 = xhi1_n
+
+    d2 = tl.arange(0, 128)[None, :]
+    lane2 = d2 // 4
+    rows = rg[:, None] * 16 + lane2 // 4 + 8 * ((d2 % 4) // 2)                        # [RG, 128]
+    m0 = 2 * (lane2 % 4) + (d2 % 2)
+    _epilogue(tl.sum(acc0, axis=0), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
+              out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
+    if NT == 2:
+        _epilogue(tl.sum(acc1, axis=0), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
+                  bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)

@@ -444,13 +444,14 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
     key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype, tuple(cfg.items()), rs_mode, out.dtype)
     plan = lay.plans.get(key)
     if plan is None:
-        split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), TILE)
+        split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), {**TILE, **{k: cfg[k] for k in ("ctas_per_sm", "max_split", "min_iters") if k in cfg}})
         consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt, "STAGES": cfg["stages"],
                   "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
                   "ROW_SCALE": rs_mode, "POST": 2.0 ** 63 * (p.post / 64.0)}
         # warps split the [RG, J] (row group, chunk) tiles only: a warp's 32 lanes must hold dim 2 whole,
         # which the mma asm relies on
-        plan = lay.plans[key] = _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
+        fn = km._gemv_mma_split_kernel if cfg.get("kernel") == "split" else km._gemv_mma_kernel
+        plan = lay.plans[key] = _Plan(fn=fn, grid=(n_tiles, split, 1), consts=consts,
                                       num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split, mp=8 * nt,
                                       n_tiles=n_tiles * nt)
     dev = x.device
