@@ -28,13 +28,12 @@ V1 = {"min_m": 1, "max_m": 16, "rg": 4, "j": 4, "warps": 4, "stages": 3}
 
 def variants():
     out = [("fma", False), ("v1", V1)]
-    for rg, j, w, st in [(4, 4, 4, 0), (4, 4, 4, 3), (4, 4, 4, 4), (2, 4, 4, 0), (8, 4, 4, 0), (4, 8, 8, 0),
-                         (2, 8, 8, 0), (4, 8, 8, 3), (2, 8, 8, 3), (8, 4, 4, 3), (4, 2, 2, 0), (2, 4, 4, 3)]:
-        out.append((f"split rg{rg} j{j} w{w} s{st}",
-                    {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w, "stages": st, "kernel": "split"}))
-    for cps in (2, 8):
-        out.append((f"split rg4 j4 w4 s0 cps{cps}", {"min_m": 1, "max_m": 16, "rg": 4, "j": 4, "warps": 4,
-                                                     "stages": 0, "kernel": "split", "ctas_per_sm": cps}))
+    for rg, j, w, st, depth, cps in [(2, 4, 4, 0, 1, 4), (2, 4, 4, 0, 2, 4), (1, 4, 4, 0, 1, 4), (1, 4, 4, 0, 2, 4),
+                                     (2, 4, 4, 0, 1, 8), (2, 4, 4, 0, 2, 8), (1, 4, 4, 0, 2, 8), (4, 4, 4, 0, 2, 4),
+                                     (2, 2, 2, 0, 2, 8), (2, 4, 4, 3, 1, 8), (1, 4, 4, 0, 2, 16), (2, 4, 4, 0, 2, 16)]:
+        out.append((f"rg{rg} j{j} w{w} s{st} d{depth} c{cps}",
+                    {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w, "stages": st, "kernel": "split",
+                     "depth": depth, "ctas_per_sm": cps}))
     return out
 
 

@@ -236,18 +236,33 @@ def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, acc0, acc1, FMT: tl.constexpr
 
 
 @triton.jit
+def _fetch(w_tile, s_tile, xr0, xr1, kq, SPC: tl.constexpr, NT: tl.constexpr):
+    """Everything one iteration at chunk kq consumes: words, scale pairs, x fragments (0 for an absent n-tile)."""
+    words = tl.load(w_tile + kq * 128)
+    raw = _load_scale_raw(s_tile + kq * SPC * 8)
+    xlo0, xhi0 = _load_x_frags(xr0 + kq * 64)
+    if NT == 2:
+        xlo1, xhi1 = _load_x_frags(xr1 + kq * 64)
+    else:
+        xlo1 = 0
+        xhi1 = 0
+    return words, raw, xlo0, xhi0, xlo1, xhi1
+
+
+@triton.jit
 def _gemv_mma_split_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KQ,
     FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
     STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
+    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr, DEPTH: tl.constexpr,
 ):
     """Same contract and layout as :func:`_gemv_mma_kernel`; the tile is ``[J, RG, 128]`` so that the warps
     split the J chunks of an iteration (a warp loads its chunk's x fragments once and reuses them for its RG
-    row groups), and x and the scales of the next iteration are loaded one iteration ahead. STAGES = 0: the
-    word tile too is prefetched into registers (plain 16-byte loads, no shared memory, no barrier in the
-    loop); STAGES > 0: the word tile goes through a cp.async pipeline of that depth."""
+    row groups). STAGES = 0: words, scales and x of iteration i + DEPTH are loaded into registers during
+    iteration i (plain 16-byte loads, no shared memory, no barrier in the loop); ptxas issues them at the end
+    of the iteration, so DEPTH = 2 keeps a whole iteration of loads in flight behind the one being used.
+    STAGES > 0: the words go through a cp.async pipeline of that depth, scales and x one iteration ahead."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rg = pid_n * RG + tl.arange(0, RG)
@@ -274,47 +289,29 @@ def _gemv_mma_split_kernel(
     acc0 = tl.zeros((J, RG, 128), dtype=tl.float32)
     acc1 = tl.zeros((J, RG, 128), dtype=tl.float32)
     kq_start = pid_k * (IPS * J)
-    raw = _load_scale_raw(s_tile + kq_start * SPC * 8)
-    xlo0, xhi0 = _load_x_frags(xr0 + kq_start * 64)
-    xlo1 = xlo0
-    xhi1 = xhi0
-    if NT == 2:
-        xlo1, xhi1 = _load_x_frags(xr1 + kq_start * 64)
+    kq_last = KQ - J
     if STAGES == 0:
-        words = tl.load(w_tile + kq_start * 128)
+        w_a, r_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, SPC, NT)
+        if DEPTH == 2:
+            w_b, r_b, xb0, xb1, xb2, xb3 = _fetch(w_tile, s_tile, xr0, xr1, tl.minimum(kq_start + J, kq_last),
+                                                  SPC, NT)
         for it in tl.range(0, IPS, num_stages=1):
-            kq_next = tl.minimum(kq_start + (it + 1) * J, KQ - J)
-            words_n = tl.load(w_tile + kq_next * 128)
-            raw_n = _load_scale_raw(s_tile + kq_next * SPC * 8)
-            xlo0_n, xhi0_n = _load_x_frags(xr0 + kq_next * 64)
-            xlo1_n = xlo0_n
-            xhi1_n = xhi0_n
-            if NT == 2:
-                xlo1_n, xhi1_n = _load_x_frags(xr1 + kq_next * 64)
-            acc0, acc1 = _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, acc0, acc1, FMT, NT)
-            words = words_n
-            raw = raw_n
-            xlo0 = xlo0_n
-            xhi0 = xhi0_n
-            xlo1 = xlo1_n
-            xhi1 = xhi1_n
+            kq_n = tl.minimum(kq_start + (it + DEPTH) * J, kq_last)
+            w_n, r_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, kq_n, SPC, NT)
+            acc0, acc1 = _mma_chunk(w_a, xa0, xa1, xa2, xa3, r_a, acc0, acc1, FMT, NT)
+            if DEPTH == 2:
+                w_a, r_a, xa0, xa1, xa2, xa3 = w_b, r_b, xb0, xb1, xb2, xb3
+                w_b, r_b, xb0, xb1, xb2, xb3 = w_n, r_n, xn0, xn1, xn2, xn3
+            else:
+                w_a, r_a, xa0, xa1, xa2, xa3 = w_n, r_n, xn0, xn1, xn2, xn3
     else:
+        _, r_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, SPC, NT)
         for it in tl.range(0, IPS, num_stages=STAGES):
             kq0 = kq_start + it * J
             words = tl.load(w_tile + kq0 * 128)
-            kq_next = tl.minimum(kq0 + J, KQ - J)
-            raw_n = _load_scale_raw(s_tile + kq_next * SPC * 8)
-            xlo0_n, xhi0_n = _load_x_frags(xr0 + kq_next * 64)
-            xlo1_n = xlo0_n
-            xhi1_n = xhi0_n
-            if NT == 2:
-                xlo1_n, xhi1_n = _load_x_frags(xr1 + kq_next * 64)
-            acc0, acc1 = _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, acc0, acc1, FMT, NT)
-            raw = raw_n
-            xlo0 = xlo0_n
-            xhi0 = xhi0_n
-            xlo1 = xlo1_n
-            xhi1 = xhi1_n
+            _, r_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, tl.minimum(kq0 + J, kq_last), SPC, NT)
+            acc0, acc1 = _mma_chunk(words, xa0, xa1, xa2, xa3, r_a, acc0, acc1, FMT, NT)
+            r_a, xa0, xa1, xa2, xa3 = r_n, xn0, xn1, xn2, xn3
 
     d2 = tl.arange(0, 128)[None, :]
     lane2 = d2 // 4

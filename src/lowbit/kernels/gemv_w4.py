@@ -451,6 +451,8 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
         # warps split the [RG, J] (row group, chunk) tiles only: a warp's 32 lanes must hold dim 2 whole,
         # which the mma asm relies on
         fn = km._gemv_mma_split_kernel if cfg.get("kernel") == "split" else km._gemv_mma_kernel
+        if fn is km._gemv_mma_split_kernel:
+            consts["DEPTH"] = cfg.get("depth", 1)
         plan = lay.plans[key] = _Plan(fn=fn, grid=(n_tiles, split, 1), consts=consts,
                                       num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split, mp=8 * nt,
                                       n_tiles=n_tiles * nt)
