@@ -58,9 +58,8 @@ SWEEP = [
 ] + [{"fma_max_m": fm} for fm in (1, 2, 4)]
 # the tensor-core GEMV (NVFP4 / MXFP4, bf16 x); {"mma": False}: the FMA / dot kernels under the default TILE
 SWEEP_MMA = [{"mma": False}] + [
-    {"mma": {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w, "stages": s}}
-    for rg, j, w, s in [(4, 4, 4, 3), (4, 2, 4, 4), (4, 8, 4, 2), (2, 4, 2, 3), (8, 4, 8, 3), (4, 4, 4, 4),
-                        (8, 2, 8, 4), (2, 8, 2, 3)]
+    {"mma": {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w, "ctas_per_sm": cps}}
+    for rg, j, w, cps in [(2, 4, 4, 8), (2, 4, 4, 4), (1, 4, 4, 8), (4, 4, 4, 4), (2, 8, 8, 4)]
 ]
 SWEEPS = {"all": SWEEP, "mma": SWEEP_MMA}
 

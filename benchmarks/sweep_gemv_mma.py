@@ -1,4 +1,4 @@
-"""Sweep the tensor-core GEMV kernels (``_gemv_mma`` v1 and the split-J kernel) on NVFP4/MXFP4 decode shapes.
+"""Sweep the tensor-core GEMV (``_gemv_mma``) configs against the FMA kernel on NVFP4/MXFP4 decode shapes.
 
     python3 benchmarks/sweep_gemv_mma.py --shapes 28672x8192,8192x8192,4096x4096 --ms 1,4,16 --out $OUT
 
@@ -21,19 +21,16 @@ import lowbit
 from lowbit.kernels import gemv_w4 as G
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_w4a16 import _copies, _copy_roof, _git, _rotating, _time_graph  # noqa: E402
-
-V1 = {"min_m": 1, "max_m": 16, "rg": 4, "j": 4, "warps": 4, "stages": 3}
+from bench_w4a16 import _copies, _copy_roof, _git, _rotating, _time_graph
 
 
 def variants():
-    out = [("fma", False), ("v1", V1)]
-    for rg, j, w, st, depth, cps in [(2, 4, 4, 0, 1, 4), (2, 4, 4, 0, 2, 4), (1, 4, 4, 0, 1, 4), (1, 4, 4, 0, 2, 4),
-                                     (2, 4, 4, 0, 1, 8), (2, 4, 4, 0, 2, 8), (1, 4, 4, 0, 2, 8), (4, 4, 4, 0, 2, 4),
-                                     (2, 2, 2, 0, 2, 8), (2, 4, 4, 3, 1, 8), (1, 4, 4, 0, 2, 16), (2, 4, 4, 0, 2, 16)]:
-        out.append((f"rg{rg} j{j} w{w} s{st} d{depth} c{cps}",
-                    {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w, "stages": st, "kernel": "split",
-                     "depth": depth, "ctas_per_sm": cps}))
+    """(name, mma_config): the FMA kernel (mma_config False), the default, and rg / j / split-K variants."""
+    out = [("fma", False), ("default", {**G.MMA, "m1_min_weights": 0})]
+    for rg, j, w, cps in [(1, 4, 4, 4), (1, 4, 4, 8), (2, 4, 4, 4), (2, 4, 4, 8), (2, 4, 4, 16), (4, 4, 4, 4),
+                          (2, 2, 2, 8), (2, 8, 8, 4), (4, 8, 8, 4)]:
+        out.append((f"rg{rg} j{j} w{w} c{cps}", {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w,
+                                                 "ctas_per_sm": cps}))
     return out
 
 
@@ -64,14 +61,15 @@ def main() -> None:
             for m in map(int, a.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ wref.T
-                t_cub = _time_graph(_rotating([lambda b=b: x @ b.T for b in wb]))
+                t_cub = _time_graph(_rotating([lambda b=b, x=x: x @ b.T for b in wb]))
                 line = [f"{fmt} {n}x{k} M={m}: cuBLAS {t_cub:6.1f}"]
                 for name, cfg in vs:
                     row = {"format": fmt, "n": n, "k": k, "m": m, "variant": name, "cublas_us": t_cub}
                     try:
                         y = G.gemv_w4(x, ps[0], mma_config=cfg)
                         err = ((y.float() - ref).norm() / ref.norm()).item()
-                        t = _time_graph(_rotating([lambda p=p: G.gemv_w4(x, p, mma_config=cfg) for p in ps]))
+                        t = _time_graph(_rotating([lambda p=p, x=x, cfg=cfg: G.gemv_w4(x, p, mma_config=cfg)
+                                                  for p in ps]))
                         row.update(rel_err=err, us=t, speedup=t_cub / t, GBps=(q.data.numel() + q.scale.numel()) / t / 1e3)
                         line.append(f"{name} {t:6.1f}{'!' if err > 1e-2 else ''}")
                     except Exception as e:  # noqa: BLE001 - a variant that fails to compile or launch

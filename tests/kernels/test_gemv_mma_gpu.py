@@ -12,7 +12,7 @@ from lowbit.kernels import gemv_w4 as G
 from lowbit.testing import linear_oracle
 
 pytestmark = pytest.mark.gpu
-ALL_M = {**G.MMA, "min_m": 1}  # the default leaves M = 1 to the FMA kernel
+ALL_M = {**G.MMA, "min_m": 1, "m1_min_weights": 0}  # the default leaves M = 1 on small weights to the FMA kernel
 
 
 def _reference(x, q, bias=None, act=None):
@@ -72,7 +72,8 @@ def test_mma_bias_activation_split_k(act, m):
     q = lowbit.quantize(torch.randn(1000, 8192, device="cuda") * 0.05, "nvfp4")
     x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
-    for cfg in (ALL_M, {**ALL_M, "rg": 1, "j": 2, "stages": 2}, {**ALL_M, "rg": 8, "j": 8, "warps": 8}):
+    for cfg in (ALL_M, {**ALL_M, "rg": 1, "j": 2, "ctas_per_sm": 16}, {**ALL_M, "rg": 8, "j": 8, "warps": 8},
+                {**ALL_M, "rg": 4, "j": 4, "warps": 2, "ctas_per_sm": 1}):
         got = G.gemv_w4(x, q, bias, act, mma_config=cfg)
         _check(got, _reference(x, q, bias, act), f"act={act} M={m} cfg={cfg}")
 
@@ -110,3 +111,46 @@ def test_mma_not_used_where_it_does_not_apply():
     assert G.mma_layout(G.prepare_w4(q)) is None
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     _check(G.gemv_w4(x, q), _reference(x, q), "E8M0 code 200")
+
+
+def test_default_routes_m1_by_weight_size():
+    """M = 1 runs the tensor-core GEMV on weights of at least MMA["m1_min_weights"] elements and the FMA kernel
+    below; both give the reference result."""
+    cfg = {**G.MMA, "m1_min_weights": 4096 * 8192}
+    q_small = lowbit.quantize(torch.randn(1024, 4096, device="cuda") * 0.05, "nvfp4")
+    q_big = lowbit.quantize(torch.randn(4096, 8192, device="cuda") * 0.05, "mxfp4")
+    for q, want_mma in ((q_small, False), (q_big, True)):
+        p = G.prepare_w4(q)
+        x = torch.randn(1, q.shape[1], device="cuda", dtype=torch.bfloat16)
+        _check(G.gemv_w4(x, p, mma_config=cfg), _reference(x, q), f"{q.shape} M=1")
+        used_mma = any(key[0] == 1 for key in G.mma_layout(p).plans)
+        assert used_mma == want_mma, f"{q.shape}: tensor-core GEMV used at M=1: {used_mma}"
+
+
+def test_graph_capture_of_split_k_launches_has_no_memset(tmp_path):
+    """A captured split-K launch takes zeroed arrival counters from a pool made outside the capture, so the
+    graph holds kernel nodes only; replays, with eager calls on the same stream between them, stay exact."""
+    q = lowbit.quantize(torch.randn(1024, 8192, device="cuda") * 0.05, "nvfp4")   # few row tiles: split-K
+    p = G.prepare_w4(q)
+    xs = [torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)]
+    eager = [G.gemv_w4(x, p) for x in xs]
+    plans = list(p.plans.values()) + list(G.mma_layout(p).plans.values())
+    assert plans and all(plan.split > 1 for plan in plans), [plan.split for plan in plans]
+    graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    with torch.cuda.graph(graph):
+        outs = [G.gemv_w4(x, p) for x in xs]
+    for _ in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, e in zip(outs, eager):
+            assert torch.equal(o, e)
+        for x, e in zip(xs, eager):
+            assert torch.equal(G.gemv_w4(x, p), e)
+    dot = tmp_path / "graph.dot"
+    graph.debug_dump(str(dot))
+    text = dot.read_text().lower()
+    assert "memset" not in text, "a split-K launch put a counter memset into the graph"
+    assert text.count("_gemv_") >= len(xs)

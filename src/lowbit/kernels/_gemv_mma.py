@@ -20,6 +20,13 @@ register is multiplied (``mul.rn.bf16x2``, exact: at most 6 significant bits, wi
 block scale times 2^63, so the A operand is ``W * 2^-63``; the epilogue multiplies by 2^63. A product
 ``W * x`` below 2^-126 (|x| < ~1e-16) is flushed by the tensor core; its absolute error is below 1e-19.
 
+Streaming (what the H200 sweeps chose, ``benchmarks/results/2026-11-21_h200_sweep_gemv_mma_*.json``): the
+warps split the chunks of an iteration, so each warp loads x once for its row groups; the words, scale pairs
+and x fragments of the next iteration are plain loads into registers issued while the current one is
+multiplied (no shared memory, no barrier in the loop). A cp.async pipeline of the words through shared
+memory, a two-iteration register prefetch and warps split over the row groups were each slower (28672x8192
+NVFP4 at M = 1: 44-53 us against 42 us; at M = 16: 58-92 us against 52 us).
+
 Epilogue as in ``_gemv_w4`` (split-K partials reduced by the last-arriving program, global scale, bias,
 activation); the C fragment of lane ``(g, t)`` register ``r`` is output row ``g + 8 (r // 2)`` of the group,
 x row ``2 t + r % 2`` (+ 8 for the second n-tile).
@@ -127,88 +134,6 @@ def _scale_pair(raw, FMT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_mma_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, KQ,
-    FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
-):
-    """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT.
-
-    w_ptr: int32 [N16, KQ, 128] (= [N16, KQ, 32 lanes, 4]) (N16 = ceil(N / 16) row groups, KQ = K / 64 chunks); s_ptr: uint16
-    [N16, K / SB, 8] scale pairs (SB = 16 for NVFP4: one per lane t; 32 for MXFP4: lanes t, t + 1 share);
-    a program owns RG row groups and IPS iterations of J chunks starting at chunk pid_k * IPS * J.
-    """
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rg = pid_n * RG + tl.arange(0, RG)
-    n16 = tl.cdiv(N, 16)
-    rg_c = tl.minimum(rg, n16 - 1)
-    jj = tl.arange(0, J)[None, :, None]
-    # dim 2 is (lane, word) = 4 lane + i, contiguous in memory, so the loads' layout gives each lane its own
-    # 4 words (16 bytes) in registers: the mma asm (pack=4) relies on it
-    d = tl.arange(0, 128)[None, None, :]
-    lane = d // 4
-    i4 = d % 4
-    g = lane // 4
-    t = lane % 4
-    w_tile = w_ptr + (rg_c.to(tl.int64)[:, None, None] * KQ + jj) * 128 + d            # [RG, J, 128]
-    if FMT == FMT_NVFP4:
-        SPC: tl.constexpr = 4          # scale blocks per chunk
-        blk = jj * 4 + t
-    else:
-        SPC: tl.constexpr = 2
-        blk = jj * 2 + t // 2
-    s_tile = s_ptr + (rg_c.to(tl.int64)[:, None, None] * (KQ * SPC) + blk) * 8 + g
-    # x rows of the two n-tiles (a row past M - 1 re-reads the last row; its output is masked); the 4
-    # pointers of a lane's pack are equal (the asm reads 32 bytes from the first)
-    x_col = jj * 64 + t * 16
-    xr0 = tl.minimum(g, M - 1).to(tl.int64) * K + x_col
-    xr1 = tl.minimum(g + 8, M - 1).to(tl.int64) * K + x_col
-
-    acc0 = tl.zeros((RG, J, 128), dtype=tl.float32)
-    acc1 = tl.zeros((RG, J, 128), dtype=tl.float32)
-    kq_start = pid_k * (IPS * J)
-    raw = tl.inline_asm_elementwise(_U16_ASM, "=r,l", [s_tile + kq_start * SPC * 8], dtype=tl.int32,
-                                    is_pure=True, pack=1)
-    for it in tl.range(0, IPS, num_stages=STAGES):
-        kq0 = kq_start + it * J
-        words = tl.load(w_tile + kq0 * 128)
-        sg, sg8 = _scale_pair(raw, FMT)
-        kq_next = tl.minimum(kq0 + J, KQ - J)
-        raw = tl.inline_asm_elementwise(_U16_ASM, "=r,l", [s_tile + kq_next * SPC * 8], dtype=tl.int32,
-                                        is_pure=True, pack=1)
-        xlo0, xhi0 = tl.inline_asm_elementwise(_X_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l",
-                                               [x_ptr + (xr0 + kq0 * 64)], dtype=(tl.int32, tl.int32),
-                                               is_pure=True, pack=4)
-        if NT == 1:
-            acc0 = tl.inline_asm_elementwise(
-                _MMA_ASM_1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
-                [words, xlo0, xhi0, sg, sg8, acc0], dtype=tl.float32, is_pure=True, pack=4)
-        else:
-            xlo1, xhi1 = tl.inline_asm_elementwise(_X_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l",
-                                                   [x_ptr + (xr1 + kq0 * 64)], dtype=(tl.int32, tl.int32),
-                                                   is_pure=True, pack=4)
-            acc0, acc1 = tl.inline_asm_elementwise(
-                _MMA_ASM_2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
-                [words, xlo0, xhi0, xlo1, xhi1, sg, sg8, acc0, acc1], dtype=(tl.float32, tl.float32),
-                is_pure=True, pack=4)
-
-    # C fragment register i of lane (g, t): row g + 8 (i // 2) of the group, x row 2 t + i % 2
-    d2 = tl.arange(0, 128)[None, :]
-    lane2 = d2 // 4
-    rows = rg[:, None] * 16 + lane2 // 4 + 8 * ((d2 % 4) // 2)                        # [RG, 128]
-    m0 = 2 * (lane2 % 4) + (d2 % 2)
-    # split-K: workspace [SPLIT, 8 NT, N], one counter per (N tile, n-tile)
-    _epilogue(tl.sum(acc0, axis=1), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
-              out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
-    if NT == 2:
-        _epilogue(tl.sum(acc1, axis=1), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
-                  bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
-
-
-@triton.jit
 def _load_x_frags(ptrs):
     """(lo, hi) B fragments of 32 bytes of one x row at each pointer (see _X_ASM)."""
     return tl.inline_asm_elementwise(_X_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l", [ptrs], dtype=(tl.int32, tl.int32),
@@ -250,19 +175,21 @@ def _fetch(w_tile, s_tile, xr0, xr1, kq, SPC: tl.constexpr, NT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_mma_split_kernel(
+def _gemv_mma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KQ,
     FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
-    STAGES: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr, DEPTH: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
 ):
-    """Same contract and layout as :func:`_gemv_mma_kernel`; the tile is ``[J, RG, 128]`` so that the warps
-    split the J chunks of an iteration (a warp loads its chunk's x fragments once and reuses them for its RG
-    row groups). STAGES = 0: words, scales and x of iteration i + DEPTH are loaded into registers during
-    iteration i (plain 16-byte loads, no shared memory, no barrier in the loop); ptxas issues them at the end
-    of the iteration, so DEPTH = 2 keeps a whole iteration of loads in flight behind the one being used.
-    STAGES > 0: the words go through a cp.async pipeline of that depth, scales and x one iteration ahead."""
+    """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT.
+
+    w_ptr: int32 [N16, KQ, 128] (= [N16, KQ, 32 lanes, 4]) (N16 = ceil(N / 16) row groups, KQ = K / 64
+    chunks); s_ptr: uint16 [N16, K / SB, 8] scale pairs (SB = 16 for NVFP4: one per lane t; 32 for MXFP4:
+    lanes t, t + 1 share). A program owns RG row groups and IPS iterations of J chunks starting at chunk
+    pid_k * IPS * J; the tile is ``[J, RG, 128]`` and the warps split its J chunks, so a warp loads the x
+    fragments of its chunk once and uses them for its RG row groups.
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rg = pid_n * RG + tl.arange(0, RG)
@@ -270,18 +197,22 @@ def _gemv_mma_split_kernel(
     rg_c = tl.minimum(rg, n16 - 1)
     jj = tl.arange(0, J)[:, None, None]
     rr = rg_c.to(tl.int64)[None, :, None]
+    # dim 2 is (lane, word) = 4 lane + i, contiguous in memory, so the load's layout gives each lane its own
+    # 4 words (16 bytes) in registers: the mma asm (pack=4) relies on it
     d = tl.arange(0, 128)[None, None, :]
     lane = d // 4
     g = lane // 4
     t = lane % 4
     w_tile = w_ptr + (rr * KQ + jj) * 128 + d                                          # [J, RG, 128]
     if FMT == FMT_NVFP4:
-        SPC: tl.constexpr = 4
+        SPC: tl.constexpr = 4          # scale blocks per chunk
         blk = jj * 4 + t
     else:
         SPC: tl.constexpr = 2
         blk = jj * 2 + t // 2
     s_tile = s_ptr + (rr * (KQ * SPC) + blk) * 8 + g
+    # x rows of the two n-tiles (a row past M - 1 re-reads the last row; its output is masked); the 4
+    # pointers of a lane's pack are equal (the asm reads 32 bytes from the first)
     x_col = jj * 64 + t * 16                                                          # [J, 1, 128]
     xr0 = x_ptr + (tl.minimum(g, M - 1).to(tl.int64) * K + x_col)
     xr1 = x_ptr + (tl.minimum(g + 8, M - 1).to(tl.int64) * K + x_col)
@@ -289,34 +220,21 @@ def _gemv_mma_split_kernel(
     acc0 = tl.zeros((J, RG, 128), dtype=tl.float32)
     acc1 = tl.zeros((J, RG, 128), dtype=tl.float32)
     kq_start = pid_k * (IPS * J)
-    kq_last = KQ - J
-    if STAGES == 0:
-        w_a, r_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, SPC, NT)
-        if DEPTH == 2:
-            w_b, r_b, xb0, xb1, xb2, xb3 = _fetch(w_tile, s_tile, xr0, xr1, tl.minimum(kq_start + J, kq_last),
-                                                  SPC, NT)
-        for it in tl.range(0, IPS, num_stages=1):
-            kq_n = tl.minimum(kq_start + (it + DEPTH) * J, kq_last)
-            w_n, r_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, kq_n, SPC, NT)
-            acc0, acc1 = _mma_chunk(w_a, xa0, xa1, xa2, xa3, r_a, acc0, acc1, FMT, NT)
-            if DEPTH == 2:
-                w_a, r_a, xa0, xa1, xa2, xa3 = w_b, r_b, xb0, xb1, xb2, xb3
-                w_b, r_b, xb0, xb1, xb2, xb3 = w_n, r_n, xn0, xn1, xn2, xn3
-            else:
-                w_a, r_a, xa0, xa1, xa2, xa3 = w_n, r_n, xn0, xn1, xn2, xn3
-    else:
-        _, r_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, SPC, NT)
-        for it in tl.range(0, IPS, num_stages=STAGES):
-            kq0 = kq_start + it * J
-            words = tl.load(w_tile + kq0 * 128)
-            _, r_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, tl.minimum(kq0 + J, kq_last), SPC, NT)
-            acc0, acc1 = _mma_chunk(words, xa0, xa1, xa2, xa3, r_a, acc0, acc1, FMT, NT)
-            r_a, xa0, xa1, xa2, xa3 = r_n, xn0, xn1, xn2, xn3
+    # software pipeline in registers: what iteration i + 1 consumes is loaded during iteration i (the
+    # prefetch after the last iteration re-reads the row's last chunks)
+    w_a, r_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, SPC, NT)
+    for it in tl.range(0, IPS, num_stages=1):
+        kq_n = tl.minimum(kq_start + (it + 1) * J, KQ - J)
+        w_n, r_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, kq_n, SPC, NT)
+        acc0, acc1 = _mma_chunk(w_a, xa0, xa1, xa2, xa3, r_a, acc0, acc1, FMT, NT)
+        w_a, r_a, xa0, xa1, xa2, xa3 = w_n, r_n, xn0, xn1, xn2, xn3
 
+    # C fragment register i of lane (g, t): row g + 8 (i // 2) of the group, x row 2 t + i % 2
     d2 = tl.arange(0, 128)[None, :]
     lane2 = d2 // 4
     rows = rg[:, None] * 16 + lane2 // 4 + 8 * ((d2 % 4) // 2)                        # [RG, 128]
     m0 = 2 * (lane2 % 4) + (d2 % 2)
+    # split-K: workspace [SPLIT, 8 NT, N], one counter per (N tile, n-tile)
     _epilogue(tl.sum(acc0, axis=0), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
               out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
     if NT == 2:

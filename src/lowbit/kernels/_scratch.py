@@ -2,6 +2,11 @@
 
 One pair of buffers per (device, stream): launches on one stream run one after another, and every kernel
 resets the counters it used before it exits, so each launcher can reuse them.
+
+A launch captured into a CUDA graph gets its own counters and workspace (a replay may run on another
+stream than later eager calls). Its counters are a never-reused slice of a zeroed pool made outside any
+capture, so the graph holds no memset node per launch; only when that pool is used up does a capture fall
+back to a zeroed allocation of its own (a memset in the graph).
 """
 
 from __future__ import annotations
@@ -11,15 +16,43 @@ import torch
 from . import scratch_per_call
 
 _SCRATCH: dict = {}
+_GRAPH_POOL: dict = {}        # dev_index -> [zeroed int32 chunk, next free index, all chunks (kept alive)]
+_POOL_CHUNK = 1 << 18         # counters per pool chunk (1 MB)
+_POOL_LOW = 1 << 15           # an eager call adds a chunk when fewer than this many are left
+
+
+def _refill_graph_pool(device: torch.device, dev_index: int) -> None:
+    pool = _GRAPH_POOL.get(dev_index)
+    if pool is None or pool[0].numel() - pool[1] < _POOL_LOW:
+        chunk = torch.zeros(_POOL_CHUNK, dtype=torch.int32, device=device)
+        kept = [] if pool is None else pool[2]
+        kept.append(chunk)  # slices handed to captured graphs stay valid: the graphs hold raw pointers
+        _GRAPH_POOL[dev_index] = [chunk, 0, kept]
+
+
+def _graph_counters(device: torch.device, dev_index: int, n_cnt: int) -> torch.Tensor:
+    pool = _GRAPH_POOL.get(dev_index)
+    take = -(-n_cnt // 32) * 32
+    if pool is None or pool[0].numel() - pool[1] < take:
+        return torch.zeros(n_cnt, dtype=torch.int32, device=device)
+    start = pool[1]
+    pool[1] = start + take
+    return pool[0][start:start + n_cnt]
 
 
 def split_k_scratch(device: torch.device, dev_index: int | None, ws_numel: int, n_cnt: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 workspace of at least ``ws_numel``, zeroed int32 counters of at least ``n_cnt``)."""
-    if dev_index is not None and (torch._C._cuda_isCurrentStreamCapturing() or scratch_per_call()):
-        # graph-owned buffers: never cached (the graph keeps them alive)
+    if dev_index is not None and torch._C._cuda_isCurrentStreamCapturing():
+        # graph-owned workspace (the graph keeps it alive); counters from the zeroed pool
+        return (torch.empty(ws_numel, dtype=torch.float32, device=device),
+                _graph_counters(device, dev_index, n_cnt))
+    if dev_index is not None and scratch_per_call():
+        # inside a custom op (maybe a warm-up whose allocations land in a graph pool): nothing cached
         return (torch.empty(ws_numel, dtype=torch.float32, device=device),
                 torch.zeros(n_cnt, dtype=torch.int32, device=device))
+    if dev_index is not None:
+        _refill_graph_pool(device, dev_index)
     key = (dev_index, torch._C._cuda_getCurrentRawStream(dev_index) if dev_index is not None else 0)
     ws, cnt = _SCRATCH.get(key, (None, None))
     if ws is None or ws.numel() < ws_numel or cnt.numel() < n_cnt:

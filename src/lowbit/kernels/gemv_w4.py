@@ -19,8 +19,9 @@ identity and version counter of every tensor of ``w``: a replaced tensor or an i
 ``q.data`` / ``q.scale`` is re-prepared. The prepared tensors alias the QTensor's storage where no copy is
 needed (nvfp4 / mxfp4 / fp4_b32 / nf4: no extra memory; int4_awq: one extra 0.5 byte per weight).
 
-Kernels: NVFP4 / MXFP4 with bf16 x at ``MMA["min_m"] <= M <= 16`` (default 2..16) run the tensor-core
-GEMV (``_gemv_mma``: mma.sync over a weight laid out once by :func:`mma_layout`); otherwise
+Kernels: NVFP4 / MXFP4 with bf16 x at ``MMA["min_m"] <= M <= 16`` run the tensor-core GEMV (``_gemv_mma``:
+mma.sync over a weight laid out once by :func:`mma_layout`; at M = 1 only for large weights, see :data:`MMA`);
+otherwise
 M <= ``TILE["fma_max_m"]`` runs the CUDA-core FMA kernel (``_gemv_w4``; M rows of x per program, so the
 weights are read once) and larger M the ``tl.dot`` kernel with M padded to 16. Both split K across programs when there are too few N tiles to fill the GPU, and reduce the
 split-K partials inside the same launch (last-arriving program, self-resetting counter), so a call is
@@ -358,11 +359,15 @@ def clear_cache() -> None:
 
 # ------------------------------------------------------------------------------------- tensor-core layout
 
-MMA = {"min_m": 2, "max_m": 16, "rg": 4, "j": 4, "warps": 4, "stages": 3}
+MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": 1 << 27, "rg": 2, "j": 4, "warps": 4,
+       "ctas_per_sm": (8, 4)}
 """The tensor-core GEMV (``_gemv_mma``): used for min_m <= M <= max_m where the weight allows it (see
-:func:`mma_layout`); rg: 16-row groups per program, j: 64-column chunks per iteration. ``min_m=17``
-turns it off. At M = 1 the row-major FMA kernel is faster (H200: 47.7 vs 53.7 us on 28672x8192 NVFP4);
-from M = 2 on the FMA kernel pays one FMA per weight per row and the tensor cores win (M = 4: 53 vs 103 us)."""
+:func:`mma_layout`), at M = 1 only for weights of at least m1_min_weights elements; rg: 16-row groups per
+program, j: 64-column chunks per iteration (one per warp), ctas_per_sm: the split-K target for M <= 8 and for
+M > 8 (an int for both). ``min_m=17`` turns it off. H200 sweeps (NVFP4, CUDA graphs,
+``benchmarks/results/2026-11-21_h200_sweep_gemv_mma_c1d8111.json``): at M = 1 it beats the row-major FMA
+kernel on 28672x8192 and 8192x28672 (42.0 / 44.2 us against 47.5 / 50.0) but not on the smaller shapes
+(8192x8192: 18.5 against 16.9 us); from M = 2 on it wins everywhere (28672x8192, M = 16: 52 against 168 us)."""
 
 # bit positions (m, e0, e1, sign) of element (row g + 8 h, column 4 i + c) of a lane's word: three of the four
 # bf16x2 A registers are then one shift and one AND (see _gemv_mma)
@@ -444,18 +449,17 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
     key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype, tuple(cfg.items()), rs_mode, out.dtype)
     plan = lay.plans.get(key)
     if plan is None:
-        split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), {**TILE, **{k: cfg[k] for k in ("ctas_per_sm", "max_split", "min_iters") if k in cfg}})
-        consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt, "STAGES": cfg["stages"],
+        cps = cfg.get("ctas_per_sm", TILE["ctas_per_sm"])
+        cps = cps if isinstance(cps, int) else cps[nt - 1]
+        split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), {**TILE, "ctas_per_sm": cps})
+        consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
                   "ROW_SCALE": rs_mode, "POST": 2.0 ** 63 * (p.post / 64.0)}
-        # warps split the [RG, J] (row group, chunk) tiles only: a warp's 32 lanes must hold dim 2 whole,
-        # which the mma asm relies on
-        fn = km._gemv_mma_split_kernel if cfg.get("kernel") == "split" else km._gemv_mma_kernel
-        if fn is km._gemv_mma_split_kernel:
-            consts["DEPTH"] = cfg.get("depth", 1)
-        plan = lay.plans[key] = _Plan(fn=fn, grid=(n_tiles, split, 1), consts=consts,
-                                      num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split, mp=8 * nt,
-                                      n_tiles=n_tiles * nt)
+        # the warps split the J chunks (then the row groups): a warp's 32 lanes must hold dim 2 whole, which
+        # the mma asm relies on
+        plan = lay.plans[key] = _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
+                                      num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split,
+                                      mp=8 * nt, n_tiles=n_tiles * nt)
     dev = x.device
     ws, cnt, rs = _epilogue_buffers(plan, n, row_scale, dev, dev_index)
     args = (x, lay.words, lay.scales, p.gs, rs, _unused(dev, x.dtype) if bias is None else bias, out, ws, cnt,
@@ -665,7 +669,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     if (dev_index is not None and x.dtype == torch.bfloat16 and mma_config is not False
             and (config is None or mma_config is not None) and not _interpreting()):
         mcfg = MMA if mma_config is None else mma_config
-        if mcfg["min_m"] <= m <= mcfg["max_m"]:
+        if mcfg["min_m"] <= m <= mcfg["max_m"] and (m > 1 or n * p.k >= mcfg.get("m1_min_weights", 0)):
             lay = mma_layout(p)
             if lay is not None:
                 _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg, row_scale, rs_mode)
@@ -746,7 +750,7 @@ def compile_variants():
     for fmt_code, nt, split, has_bias, act, gs_kind, rs in [(0, 1, 1, False, 0, 1, 0), (0, 2, 4, True, 1, 1, 2),
                                                             (1, 1, 4, True, 3, 0, 1), (1, 2, 1, False, 2, 0, 0),
                                                             (0, 1, 2, False, 0, 2, 2), (0, 2, 1, True, 0, 1, 3)]:
-        consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt, "STAGES": MMA["stages"],
+        consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63}
         yield km._gemv_mma_kernel, mma_sig, consts
