@@ -50,3 +50,18 @@ def test_layout_not_made_where_the_kernel_does_not_apply():
     q = lowbit.quantize(torch.randn(32, 128), "mxfp4")
     q.scale.view(torch.uint8)[3, 1] = 192
     assert G.mma_layout(G.prepare_w4(q)) is None
+
+
+def test_describe_names_the_kernel_the_default_runs():
+    from types import SimpleNamespace
+
+    small = lowbit.quantize(torch.randn(64, 128), "nvfp4")
+    assert G.describe(small, 1) == "CUDA-core FMA GEMV"                         # M = 1, small weight
+    assert G.describe(small, 2).startswith("tensor-core mma.sync GEMV for bf16 x (CUDA-core FMA")
+    assert G.describe(small, 16).startswith("tensor-core mma.sync GEMV for bf16 x (tl.dot")
+    big = SimpleNamespace(fmt="mxfp4", shape=(16384, G.MMA["m1_min_weights"] // 16384))
+    assert G.describe(big, 1).startswith("tensor-core") and "scale codes above 191" in G.describe(big, 1)
+    odd_k = lowbit.quantize(torch.randn(64, 96), "nvfp4")                       # K % 64 != 0
+    assert G.describe(odd_k, 8) == "tl.dot GEMV"
+    awq = lowbit.quantize(torch.randn(64, 128, dtype=torch.float16), "int4_awq", group_size=64)
+    assert G.describe(awq, 3) == "CUDA-core FMA GEMV" and G.describe(awq, 16) == "tl.dot GEMV"

@@ -611,6 +611,18 @@ def _check_bias(bias, x: torch.Tensor, n: int) -> torch.Tensor:
     return bias if bias.is_contiguous() else bias.contiguous()
 
 
+def describe(w: QTensor, m: int) -> str:
+    """Which GEMV kernel the default configuration runs for ``w`` at M = ``m`` (what :func:`gemv_w4` chooses,
+    for ``lowbit.explain``; it reads no tensor)."""
+    n, kdim = w.shape[-2], w.shape[-1]
+    if (w.fmt in ("nvfp4", "mxfp4") and kdim % 64 == 0 and MMA["min_m"] <= m <= MMA["max_m"]
+            and (m > 1 or n * kdim >= MMA["m1_min_weights"])):
+        other = "CUDA-core FMA" if m <= TILE["fma_max_m"] else "tl.dot"
+        return (f"tensor-core mma.sync GEMV for bf16 x ({other} GEMV for fp16 x"
+                + (" or MXFP4 scale codes above 191)" if w.fmt == "mxfp4" else ")"))
+    return "CUDA-core FMA GEMV" if m <= TILE["fma_max_m"] else "tl.dot GEMV"
+
+
 def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None = None,
             activation: str | None = None, config: dict | None = None,
             mma_config: dict | bool | None = None, *, row_scale: torch.Tensor | None = None,

@@ -250,7 +250,7 @@ def _reason(path: str, facts: tuple, m: int, device: torch.device, w: QTensor) -
     if path == "empty":
         return "M == 0: nothing to compute, no launch"
     if path == "gemv_w4":
-        return f"{regime}: split-K GEMV"
+        return f"{regime}: split-K {_kernel_module('gemv_w4').describe(w, m)}"
     if path == "dequant_gemm":
         rows = _chunk_rows(w, 2, None)
         return (f"M={m} >= DEQUANT_GEMM_MIN_M={_dequant_gemm_min_m(w.fmt)}: dequantize chunks of {rows} rows "
@@ -351,7 +351,7 @@ def explain(x_shape_or_tensor: torch.Tensor | Sequence[int], w: QTensor, backend
     """One line saying which path :func:`linear` runs for this x (tensor or shape) and ``w``, and why.
 
     Example: ``lowbit.explain((1, 4096), w)`` on CUDA gives ``"lowbit.linear nvfp4 [M=1, K=4096] x
-    [N=4096, K=4096] on cuda:0, backend='auto': gemv_w4 (M=1 <= GEMV_MAX_M=16: split-K GEMV)"``.
+    [N=4096, K=4096] on cuda:0, backend='auto': gemv_w4 (M=1 <= GEMV_MAX_M=16: split-K CUDA-core FMA GEMV)"``.
     """
     return str(plan_linear(x_shape_or_tensor, w, backend))
 
