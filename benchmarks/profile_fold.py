@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
@@ -19,27 +20,8 @@ from triton.testing import do_bench
 import lowbit
 from lowbit.kernels import blockscaled as kb
 
-
-def graph_us(fn, calls: int = 20) -> float:
-    """Median time of one call inside a CUDA graph of ``calls`` calls (inputs stay in L2 between calls)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_w4a16 import _time_graph  # the benchmarks folder is not a package; CUDA graph of 20 calls
 
 
 def main() -> None:
@@ -65,11 +47,11 @@ def main() -> None:
             for act in ("mxfp4", "fp8_rowwise"):
                 a = lowbit.quantize(x, act)
                 if act == "mxfp4":
-                    cases["fold_activation_1x128"] = lambda a=a: kb.mxfp4_fold(a, (1, 128), flag)
-                cases[f"scaled_mm_{act}"] = lambda a=a: lowbit.scaled_mm(a, wq)
+                    cases["fold_activation_1x128"] = lambda a=a, flag=flag: kb.mxfp4_fold(a, (1, 128), flag)
+                cases[f"scaled_mm_{act}"] = lambda a=a, wq=wq: lowbit.scaled_mm(a, wq)
             for name, fn in cases.items():
                 row = {"N": n, "K": k, "M": m, "case": name,
-                       "eager_us": do_bench(fn, rep=25, return_mode="median") * 1e3, "graph_us": graph_us(fn)}
+                       "eager_us": do_bench(fn, rep=25, return_mode="median") * 1e3, "graph_us": _time_graph(fn)}
                 rows.append(row)
                 print(f"{n}x{k} M={m} {name:24s} eager {row['eager_us']:8.1f} us  graph {row['graph_us']:8.1f} us",
                       flush=True)

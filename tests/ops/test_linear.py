@@ -315,7 +315,7 @@ def _stand_in(name, reason=None, calls=None):
             calls.append((name, tuple(x.shape), x.is_contiguous(), bias is not None, activation))
         return lin.linear_reference(x, w, bias, activation)
 
-    return SimpleNamespace(supports=lambda w: reason, **{name: kernel})
+    return SimpleNamespace(supports=lambda w: reason, describe=lambda w, m: f"{name} stand-in", **{name: kernel})
 
 
 @pytest.fixture

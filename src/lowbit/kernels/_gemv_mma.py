@@ -4,7 +4,7 @@ Why: the CUDA-core FMA kernel spends about 4.5 instructions per weight at M = 1 
 per extra row of x, so it is issue-bound from M = 2 on. Here one ``mma.sync`` multiplies 256 weights by up to
 8 rows of x; the decode is about 2 instructions per weight whatever M is.
 
-Layout (made once by ``gemv_w4.prepare_mma``): W ``[N, K]`` is cut into 16-row groups and 64-column chunks.
+Layout (made once by ``gemv_w4.mma_layout``): W ``[N, K]`` is cut into 16-row groups and 64-column chunks.
 Lane ``(g, t) = (lane // 4, lane % 4)`` of a warp owns, in a chunk at column ``c0``, the 16 weights of rows
 ``g`` and ``g + 8`` at columns ``c0 + 16 t .. c0 + 16 t + 15`` (one NVFP4 scale block per row), as four int32
 words ``i = 0..3`` (columns ``c0 + 16 t + 4 i + 0..3`` of both rows), stored ``[N/16, K/64, 32 lanes, 4]`` so a

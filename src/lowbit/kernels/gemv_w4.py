@@ -375,6 +375,16 @@ _MMA_BITS = {(0, 0): (6, 7, 8, 15), (0, 1): (22, 23, 24, 31), (1, 0): (3, 4, 5, 
              (0, 2): (0, 1, 2, 9), (0, 3): (16, 17, 18, 25), (1, 2): (10, 11, 13, 14), (1, 3): (26, 27, 29, 30)}
 
 
+def _mma_format(fmt: str, kdim: int) -> bool:
+    """Whether the tensor-core layout exists for this format and K (MXFP4 scale codes are checked apart)."""
+    return fmt in ("nvfp4", "mxfp4") and kdim % 64 == 0
+
+
+def _mma_regime(n: int, kdim: int, m: int, cfg: dict) -> bool:
+    """Whether ``cfg`` (an :data:`MMA`-shaped dict) sends M = ``m`` on an N x K weight to the tensor-core GEMV."""
+    return cfg["min_m"] <= m <= cfg["max_m"] and (m > 1 or n * kdim >= cfg.get("m1_min_weights", 0))
+
+
 @dataclass(eq=False)
 class MmaLayout:
     words: torch.Tensor    # int32 [N16, K/64, 32, 4]
@@ -406,7 +416,7 @@ def mma_layout(p: PreparedW4) -> MmaLayout | None:
         # not built inside the custom op or a capture (see prepare_w4; the MXFP4 check reads the scales on the
         # host): the FMA / dot kernels run instead
         return None
-    ok = p.fmt in ("nvfp4", "mxfp4") and p.k % 64 == 0
+    ok = _mma_format(p.fmt, p.k)
     if ok and p.fmt == "mxfp4":
         ok = int(p.scales.max()) <= 191
     if not ok:
@@ -615,8 +625,7 @@ def describe(w: QTensor, m: int) -> str:
     """Which GEMV kernel the default configuration runs for ``w`` at M = ``m`` (what :func:`gemv_w4` chooses,
     for ``lowbit.explain``; it reads no tensor)."""
     n, kdim = w.shape[-2], w.shape[-1]
-    if (w.fmt in ("nvfp4", "mxfp4") and kdim % 64 == 0 and MMA["min_m"] <= m <= MMA["max_m"]
-            and (m > 1 or n * kdim >= MMA["m1_min_weights"])):
+    if _mma_format(w.fmt, kdim) and _mma_regime(n, kdim, m, MMA):
         other = "CUDA-core FMA" if m <= TILE["fma_max_m"] else "tl.dot"
         return (f"tensor-core mma.sync GEMV for bf16 x ({other} GEMV for fp16 x"
                 + (" or MXFP4 scale codes above 191)" if w.fmt == "mxfp4" else ")"))
@@ -681,7 +690,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     if (dev_index is not None and x.dtype == torch.bfloat16 and mma_config is not False
             and (config is None or mma_config is not None) and not _interpreting()):
         mcfg = MMA if mma_config is None else mma_config
-        if mcfg["min_m"] <= m <= mcfg["max_m"] and (m > 1 or n * p.k >= mcfg.get("m1_min_weights", 0)):
+        if _mma_regime(n, p.k, m, mcfg):
             lay = mma_layout(p)
             if lay is not None:
                 _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg, row_scale, rs_mode)

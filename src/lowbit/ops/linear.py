@@ -250,8 +250,7 @@ def _reason(path: str, facts: tuple, m: int, device: torch.device, w: QTensor) -
     if path == "empty":
         return "M == 0: nothing to compute, no launch"
     if path == "gemv_w4":
-        describe = getattr(_kernel_module("gemv_w4"), "describe", None)
-        return f"{regime}: split-K {describe(w, m) if describe is not None else 'GEMV'}"
+        return f"{regime}: split-K {_kernel_module('gemv_w4').describe(w, m)}"
     if path == "dequant_gemm":
         rows = _chunk_rows(w, 2, None)
         return (f"M={m} >= DEQUANT_GEMM_MIN_M={_dequant_gemm_min_m(w.fmt)}: dequantize chunks of {rows} rows "
