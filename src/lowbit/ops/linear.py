@@ -309,8 +309,29 @@ def linear_dequant_gemm(
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         wc = dequantize(slice_rows(wq, n0, n1), x2.dtype, backend=dequant_backend)
-        out[:, n0:n1] = _act(F.linear(x2, wc, None if bias is None else bias[n0:n1]), activation)
+        # the column block of ``out`` is a row-major matrix with leading dimension N, which the BLAS writes
+        # directly (no temporary chunk output and copy)
+        dst = out[:, n0:n1]
+        if bias is None:
+            torch.mm(x2, wc.t(), out=dst)
+        else:
+            torch.addmm(bias[n0:n1], x2, wc.t(), out=dst)
+        _act_(dst, activation)
     return out
+
+
+def _act_(y: torch.Tensor, activation: str | None) -> None:
+    """In place (on a chunk still in L2): the same functions as :func:`_act`."""
+    if activation is None:
+        return
+    if activation == "gelu":
+        torch.ops.aten.gelu_(y)
+    elif activation == "gelu_tanh":
+        torch.ops.aten.gelu_(y, approximate="tanh")
+    elif activation == "silu":
+        F.silu(y, inplace=True)
+    else:
+        raise ValueError(f"lowbit.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def _dequant_gemm_kernel(x2, w, bias, activation):
