@@ -100,6 +100,13 @@ def _default_dynamic_map() -> torch.Tensor:
     return create_dynamic_map()
 
 
+@functools.lru_cache(maxsize=8)
+def _dynamic_map_on(device: torch.device) -> torch.Tensor:
+    """The default map on ``device``, copied there once (a copy from pageable host memory per call would
+    synchronize the host with the device's stream)."""
+    return _default_dynamic_map().to(device)
+
+
 def dynamic_map(device: torch.device | str | None = None) -> torch.Tensor:
     """A fresh copy of the default signed dynamic map (fp32 ``[256]``) that nf4 double quantization uses."""
     table = _default_dynamic_map()
@@ -201,7 +208,7 @@ def dequantize_blockwise_8bit(
     if dtype not in _SUPPORTED_INPUT:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     _check_blocksize(blocksize)
-    table = _check_code(_default_dynamic_map() if code is None else code).to(codes.device)
+    table = _dynamic_map_on(codes.device) if code is None else _check_code(code).to(codes.device)
     n = codes.numel()
     nblocks = -(-n // blocksize)
     if absmax.numel() != nblocks:
@@ -337,7 +344,7 @@ def nf4_absmax(q: QTensor) -> torch.Tensor:
     if q.nested_scale is None:
         return q.scale
     absmax = dequantize_blockwise_8bit(
-        q.scale.reshape(-1), q.nested_scale.reshape(-1), _default_dynamic_map().to(q.device), NESTED_BLOCKSIZE
+        q.scale.reshape(-1), q.nested_scale.reshape(-1), None, NESTED_BLOCKSIZE
     )
     return absmax + q.nested_offset.reshape(()).to(absmax.device)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .nf4 import check_nf4_qtensor, nf4_absmax
+from .nf4 import NESTED_BLOCKSIZE, check_nf4_qtensor, nf4_absmax
 from .qtensor import QTensor
 
 ROW_ALIGN = {"nvfp4": 128, "mxfp4": 128, "fp4_b32": 1, "nf4": 1, "int4_awq": 8}
@@ -42,8 +42,9 @@ def nf4_without_double_quant(q: QTensor) -> QTensor:
 def slice_rows(q: QTensor, n0: int, n1: int) -> QTensor:
     """Rows ``n0:n1`` of the weight ``q`` ``[N, K]``; ``n0`` a multiple of ``ROW_ALIGN[q.fmt]``.
 
-    nf4 with double quantization is sliced from its fp32 absmax (call :func:`nf4_without_double_quant` once
-    and slice that, to decode the absmax only once)."""
+    nf4 with double quantization stays double-quantized when ``n0`` starts a nested block (256 absmax
+    blocks); otherwise it is sliced from its fp32 absmax (decoded here on every call: call
+    :func:`nf4_without_double_quant` once and slice that instead)."""
     why = slice_rows_reason(q)
     if why:
         raise ValueError(f"slice_rows: {why}")
@@ -64,15 +65,21 @@ def slice_rows(q: QTensor, n0: int, n1: int) -> QTensor:
             scale = q.scale[n0:n1]
         return replace(q, data=data, scale=scale, shape=shape)
     if q.fmt == "nf4":
-        q = nf4_without_double_quant(q)
         blocksize = q.params["blocksize"]
+        b0, b1 = n0 * k // blocksize, n1 * k // blocksize
+        if q.nested_scale is not None and b0 % NESTED_BLOCKSIZE == 0:
+            # whole nested blocks: the absmax codes stay double-quantized (decoded by the kernel)
+            nested = q.nested_scale.reshape(-1)[b0 // NESTED_BLOCKSIZE : -(-b1 // NESTED_BLOCKSIZE)]
+            data = q.data.reshape(-1)[n0 * k // 2 : n1 * k // 2]
+            return replace(q, data=data, scale=q.scale.reshape(-1)[b0:b1], nested_scale=nested, shape=shape)
+        q = nf4_without_double_quant(q)
         data = q.data.reshape(-1)[n0 * k // 2 : n1 * k // 2]
-        scale = q.scale.reshape(-1)[n0 * k // blocksize : n1 * k // blocksize]
-        return replace(q, data=data, scale=scale, shape=shape)
+        return replace(q, data=data, scale=q.scale.reshape(-1)[b0:b1], shape=shape)
     # int4_awq: qweight [K, N/8], qzeros [K/g, N/8] pack 8 output columns per int32; scales [K/g, N]
     if n1 % 8:
         raise ValueError(f"slice_rows: int4_awq row ranges must end on a multiple of 8, got n1={n1}")
-    data = q.data[:, n0 // 8 : n1 // 8].contiguous()
-    zeros = q.zeros[:, n0 // 8 : n1 // 8].contiguous()
-    scale = q.scale[:, n0:n1].contiguous()
+    # column views (row strides of the whole weight): the dequantize kernel takes the strides
+    data = q.data[:, n0 // 8 : n1 // 8]
+    zeros = q.zeros[:, n0 // 8 : n1 // 8]
+    scale = q.scale[:, n0:n1]
     return replace(q, data=data, scale=scale, zeros=zeros, shape=shape)

@@ -16,13 +16,13 @@ from ._nf4 import _is_nan
 @triton.jit
 def _dequantize_int4_awq_kernel(
     qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
-    IN, OUT, OUTW, NC,
+    IN, OUT, OUTW, NC, QW_STRIDE, QZ_STRIDE, S_STRIDE,
     GROUP: tl.constexpr, TI: tl.constexpr, TC: tl.constexpr, OUT_KIND: tl.constexpr, ON_GPU: tl.constexpr,
 ):
     """One program writes out[8*c0 : 8*(c0+TC), i0 : i0+TI] (a column tile inside one group: TI divides GROUP).
 
     qweight int32 [IN, OUTW], qzeros int32 [IN/GROUP, OUTW], scales fp16 [IN/GROUP, OUT], OUTW = OUT/8,
-    NC = cdiv(OUTW, TC);
+    with row strides QW_STRIDE, QZ_STRIDE, S_STRIDE (column slices of a wider weight are views), NC = cdiv(OUTW, TC);
     nibble j of a word holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][j]. ``out_ptr`` is an integer view of the
     [OUT, IN] output (int32 for fp32, int16 for bf16/fp16; OUT_KIND 0, 1, 2).
     """
@@ -40,11 +40,11 @@ def _dequantize_int4_awq_kernel(
 
     # column 8c + k sits in nibble AWQ_REVERSE_ORDER[k] = [0, 4, 1, 5, 2, 6, 3, 7][k]
     shift = 16 * (k % 2) + 4 * (k // 2)
-    words = tl.load(qweight_ptr + i0 * OUTW + c0 + (i[None, :] * OUTW + c[:, None]), mask=c_ok[:, None], other=0)
-    zw = tl.load(qzeros_ptr + g * OUTW + c0 + c, mask=c_ok, other=0)
+    words = tl.load(qweight_ptr + i0 * QW_STRIDE + c0 + (i[None, :] * QW_STRIDE + c[:, None]), mask=c_ok[:, None], other=0)
+    zw = tl.load(qzeros_ptr + g * QZ_STRIDE + c0 + c, mask=c_ok, other=0)
     z = (zw[:, None] >> shift[None, :]) & 0xF                                  # [TC, 8]
     o = c0 * 8 + c[:, None] * 8 + k[None, :]                                   # [TC, 8]
-    s = tl.load(scales_ptr + g * OUT + o, mask=c_ok[:, None], other=0.0)       # fp16 [TC, 8]
+    s = tl.load(scales_ptr + g * S_STRIDE + o, mask=c_ok[:, None], other=0.0)       # fp16 [TC, 8]
     s_bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     # the fp16 NaN of a product that is NaN: the scale quieted, or the default NaN for 0 * inf
     nan_h = tl.where(_is_nan(s), s_bits | 0x200, 0xFE00)

@@ -32,6 +32,11 @@ def _tiles(group_size: int, out_kind: int) -> tuple[int, int]:
     return ti, tc
 
 
+def _rows_unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its rows are contiguous (a column slice of a wider weight), else a contiguous copy."""
+    return t if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1] else t.contiguous()
+
+
 def dequantize_int4_awq(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``(q - z) * s`` rounded to fp16 as AutoAWQ computes it, returned as the logical ``[out, in]`` weight in
     ``dtype`` (float32, bfloat16, float16), bit-identical to the reference. CUDA tensors (CPU under
@@ -45,9 +50,10 @@ def dequantize_int4_awq(q: QTensor, dtype: torch.dtype = torch.float32) -> torch
         ti, tc = _tiles(group_size, out_kind)
         outw = out_features // 8
         nc = triton.cdiv(outw, tc)
+        qweight, qzeros, scales = (_rows_unit_stride(t) for t in (q.data, q.zeros, q.scale))
         k._dequantize_int4_awq_kernel[(nc * (in_features // ti),)](
-            q.data.contiguous(), q.zeros.contiguous(), q.scale.contiguous(), out.view(int_view),
-            in_features, out_features, outw, nc,
+            qweight, qzeros, scales, out.view(int_view),
+            in_features, out_features, outw, nc, qweight.stride(0), qzeros.stride(0), scales.stride(0),
             GROUP=group_size, TI=ti, TC=tc, OUT_KIND=out_kind, ON_GPU=not _interpreting(),
             num_warps=TILE["warps"], enable_fp_fusion=False,
         )
@@ -58,7 +64,8 @@ def compile_variants():
     """(kernel, signature, constexprs) of every code path the launcher can start: each output dtype at
     group 128, and the tile shapes of the other group sizes (32, 64, in = 14336, an odd group)."""
     sig = {"qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": "*fp16", "out_ptr": "*i16",
-           "IN": "i32", "OUT": "i32", "OUTW": "i32", "NC": "i32"}
+           "IN": "i32", "OUT": "i32", "OUTW": "i32", "NC": "i32", "QW_STRIDE": "i32", "QZ_STRIDE": "i32",
+           "S_STRIDE": "i32"}
     cases = [(128, 0), (128, 1), (128, 2), (32, 2), (64, 1), (14336, 1), (96, 0), (3, 1)]
     for group_size, out_kind in cases:
         ti, tc = _tiles(group_size, out_kind)

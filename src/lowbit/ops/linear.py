@@ -301,10 +301,12 @@ def linear_dequant_gemm(
     activation. Dequantization is exact in bf16 for the FP4 formats' element x scale products; nvfp4's global
     scale, nf4 and int4 values round once to x's dtype (relative error <= 2^-9), inside the stated tolerance."""
     m, n = x2.shape[0], w.shape[0]
-    wq = nf4_without_double_quant(w) if w.fmt == "nf4" else w
     rows = _chunk_rows(w, x2.element_size(), chunk_bytes)
     if rows >= n:
-        return _act(F.linear(x2, dequantize(wq, x2.dtype, backend=dequant_backend), bias), activation)
+        return _act(F.linear(x2, dequantize(w, x2.dtype, backend=dequant_backend), bias), activation)
+    wq = w
+    if w.fmt == "nf4" and w.nested_scale is not None and (rows * w.shape[1] // w.params["blocksize"]) % 256:
+        wq = nf4_without_double_quant(w)  # chunks do not start on nested blocks: decode the absmax once
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
