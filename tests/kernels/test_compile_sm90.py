@@ -81,14 +81,28 @@ def test_gemv_streams_weights_with_16_byte_copies(fn, signature, constexprs):
     assert sizes == {"0x10"}, f"cp.async sizes {sizes}"
 
 
-def test_gemv_mma_uses_tensor_cores_and_16_byte_copies():
-    """The tensor-core GEMV: mma.sync m16n8k16 per 256 weights, 16-byte weight loads into registers with no
-    shared memory or barrier in the K loop, and the layout its inline asm relies on (each lane holds 4 consecutive words of dim 2: sizePerThread 4, 32 lanes)."""
+def _mma_variants():
+    """The first tensor-core GEMV variant of each (format, x dtype)."""
     if importlib.util.find_spec("lowbit.kernels.gemv_w4") is None:
-        pytest.skip("no gemv_w4")
+        return []
     from lowbit.kernels import gemv_w4
 
-    fn, signature, constexprs = next(v for v in gemv_w4.compile_variants() if v[0].__name__ == "_gemv_mma_kernel")
+    seen = {}
+    for fn, sig, consts in gemv_w4.compile_variants():
+        if fn.__name__ == "_gemv_mma_kernel":
+            seen.setdefault((consts["FMT"], consts.get("XF16", False)), (fn, sig, consts))
+    return [pytest.param(*v, id=f"fmt{f}-{'f16' if h else 'bf16'}") for (f, h), v in seen.items()]
+
+
+def test_gemv_mma_covers_fp4_and_int4():
+    assert {p.id for p in _mma_variants()} >= {"fmt0-bf16", "fmt1-bf16", "fmt2-bf16", "fmt2-f16"}
+
+
+@pytest.mark.parametrize("fn, signature, constexprs", _mma_variants())
+def test_gemv_mma_uses_tensor_cores_and_16_byte_copies(fn, signature, constexprs):
+    """The tensor-core GEMV: mma.sync m16n8k16 per 256 weights, 16-byte weight loads into registers with no
+    shared memory or barrier in the K loop, and the layout its inline asm relies on (each lane holds 4 consecutive words of dim 2: sizePerThread 4, 32 lanes)."""
+    ty = "f16" if constexprs.get("XF16") else "bf16"
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
     names = list(sig)
@@ -96,7 +110,7 @@ def test_gemv_mma_uses_tensor_cores_and_16_byte_copies():
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=HOPPER)
     ptx = ck.asm["ptx"]
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 4
+    assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32") >= 4
     # the words stream straight into registers with 16-byte loads (no shared-memory staging, no barrier)
     assert "ld.global.v4.b32" in ptx and "cp.async" not in ptx
     loop = ptx[ptx.index("Inner Loop Header"):]

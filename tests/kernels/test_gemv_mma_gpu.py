@@ -1,4 +1,5 @@
-"""Tensor-core W4A16 GEMV (``gemv_w4`` with the ``_gemv_mma`` kernel: NVFP4 / MXFP4 weights, bf16 x, M <= 16)
+"""Tensor-core W4A16 GEMV (``gemv_w4`` with the ``_gemv_mma`` kernel: NVFP4 / MXFP4 weights with bf16 x, int4_awq
+with bf16 or fp16 x, M <= 16)
 on the GPU. Against the fp64 reference of the decoded weight, the path is exact up to fp32 accumulation
 order, so the errors are the bf16 output rounding; adversarial codes and scales (every E2M1 code incl. -0
 and the subnormal 0.5, subnormal and maximal E4M3 scales, zero blocks, extreme E8M0 codes) are included."""
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import lowbit
+from lowbit.formats.int4_awq import pack_awq
 from lowbit.formats.qtensor import QTensor
 from lowbit.kernels import gemv_w4 as G
 from lowbit.testing import linear_oracle
@@ -155,3 +157,69 @@ def test_graph_capture_of_split_k_launches_has_no_memset():
             assert torch.equal(o, e)
         for x, e in zip(xs, eager):
             assert torch.equal(G.gemv_w4(x, p), e)
+
+
+def _int4(n, k, group, seed, adversarial=False):
+    """An int4_awq weight from random codes, zeros and fp16 scales; adversarial: codes and zeros at 0 and 15,
+    subnormal, zero and large scales, a zero row."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(0, 16, (k, n), device="cuda", generator=g, dtype=torch.int32)
+    zeros = torch.randint(0, 16, (k // group, n), device="cuda", generator=g, dtype=torch.int32)
+    scales = (torch.rand(k // group, n, device="cuda", generator=g) * 0.02 + 1e-3).half()
+    if adversarial:
+        codes[:, : n // 4] = 15 * (codes[:, : n // 4] % 2)            # only 0 and 15
+        zeros[:, : n // 8] = 0
+        zeros[:, n // 8: n // 4] = 15
+        pool = torch.tensor([6e-8, 2.5e-5, 0.0, 1.0, 64.0], device="cuda", dtype=torch.float16)
+        pick = torch.randint(0, len(pool), (k // group, n), device="cuda", generator=g)
+        scales[:, n // 2:] = pool[pick][:, n // 2:]
+        codes[:, n - 1] = 0
+        zeros[:, n - 1] = 0                                              # a zero row
+    return QTensor(data=pack_awq(codes), zeros=pack_awq(zeros), scale=scales.contiguous(), fmt="int4_awq",
+                   shape=(n, k), dtype=torch.float16, params={"group_size": group})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", [64, 128, 256])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (104, 512), (1040, 8192)])
+@pytest.mark.parametrize("m", [1, 2, 7, 9, 16])
+def test_mma_int4_random_weights(n, k, group, m, dtype):
+    q = _int4(n, k, group, seed=n + k + group + m)
+    p = G.prepare_w4(q)
+    lay = G.mma_layout(p)
+    assert lay is not None and lay.cpg == group // 64
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    got = G.gemv_w4(x, p, mma_config=ALL_M)
+    assert got.dtype == dtype
+    _check(got, _reference(x, q), f"int4 g{group} {n}x{k} M={m} {dtype}")
+    assert any(key[0] == m for key in lay.plans), "the tensor-core GEMV did not run"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_mma_int4_adversarial(m, dtype):
+    q = _int4(528, 1024, 128, seed=m, adversarial=True)
+    x = torch.randn(m, 1024, device="cuda", dtype=dtype)
+    got = G.gemv_w4(x, q, mma_config=ALL_M)
+    _check(got, _reference(x, q), f"int4 adversarial M={m} {dtype}")
+    other = G.gemv_w4(x, q, mma_config=False)
+    _check(got, other.float(), f"int4 adversarial M={m} {dtype} vs FMA kernel", rel=8e-3)
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "silu"])
+@pytest.mark.parametrize("m", [1, 12])
+def test_mma_int4_bias_activation_split_k(act, m):
+    q = _int4(1000, 8192, 128, seed=5)
+    x = torch.randn(m, 8192, device="cuda", dtype=torch.float16)
+    bias = torch.randn(1000, device="cuda", dtype=torch.float16)
+    for cfg in (ALL_M, {**ALL_M, "rg": 1, "j": 2, "ctas_per_sm": 16}, {**ALL_M, "rg": 4, "j": 4, "warps": 2}):
+        got = G.gemv_w4(x, q, bias, act, mma_config=cfg)
+        _check(got, _reference(x, q, bias, act), f"int4 act={act} M={m} cfg={cfg}")
+
+
+def test_mma_int4_not_used_for_small_groups():
+    # a 64-column chunk must lie in one group: group 32 runs the FMA / dot kernels, still correct
+    q = _int4(256, 512, 32, seed=1)
+    assert G.mma_layout(G.prepare_w4(q)) is None
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    _check(G.gemv_w4(x, q, mma_config=ALL_M), _reference(x, q), "int4 g32")

@@ -64,4 +64,45 @@ def test_describe_names_the_kernel_the_default_runs():
     odd_k = lowbit.quantize(torch.randn(64, 96), "nvfp4")                       # K % 64 != 0
     assert G.describe(odd_k, 8) == "tl.dot GEMV"
     awq = lowbit.quantize(torch.randn(64, 128, dtype=torch.float16), "int4_awq", group_size=64)
-    assert G.describe(awq, 3) == "CUDA-core FMA GEMV" and G.describe(awq, 16) == "tl.dot GEMV"
+    assert G.describe(awq, 3) == G.describe(awq, 16) == "tensor-core mma.sync GEMV (bf16 or fp16 x)"
+    assert G.describe(awq, 1) == "CUDA-core FMA GEMV"
+    awq32 = lowbit.quantize(torch.randn(64, 128, dtype=torch.float16), "int4_awq", group_size=32)
+    assert G.describe(awq32, 3) == "CUDA-core FMA GEMV" and G.describe(awq32, 16) == "tl.dot GEMV"
+
+
+@pytest.mark.parametrize("n,k,group", [(40, 256, 128), (16, 192, 64), (104, 512, 256)])
+def test_int4_layout_round_trip(n, k, group):
+    """Every int4 code lands at the nibble the kernel's decode reads, and each lane's (scale, zero) pairs hold
+    the fp16 scale and the zero of its rows g and g + 8 in the chunk's group."""
+    from lowbit.formats.int4_awq import int4_awq_codes
+
+    q = lowbit.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(k), dtype=torch.float32).half(),
+                        "int4_awq", group_size=group)
+    lay = G.mma_layout(G.prepare_w4(q))
+    n16 = -(-n // 16)
+    assert lay.words.shape == (n16, k // 64, 32, 4) and lay.cpg == group // 64
+    assert lay.scales.shape == (n16, k // group, 8, 2) and lay.scales.dtype == torch.int32
+    codes = torch.zeros(16 * n16, k, dtype=torch.int64)
+    q_codes, q_zeros = int4_awq_codes(q)
+    codes[:n] = q_codes.t().to(torch.int64)
+    w = lay.words.to(torch.int64) & 0xFFFFFFFF
+    rg = torch.arange(n16)[:, None, None, None]
+    kq = torch.arange(k // 64)[None, :, None, None]
+    lane = torch.arange(32)[None, None, :, None]
+    i = torch.arange(4)[None, None, None, :]
+    for (h, c), pos in G._MMA_INT4_BITS.items():
+        rows = 16 * rg + 8 * h + lane // 4
+        cols = 64 * kq + 16 * (lane % 4) + 4 * i + c
+        assert torch.equal((w >> pos) & 0xF, codes[rows, cols]), (h, c)
+    assert sorted(b for pos in G._MMA_INT4_BITS.values() for b in range(pos, pos + 4)) == list(range(32))
+    s_bits = torch.zeros(16 * n16, k // group, dtype=torch.int64)
+    s_bits[:n] = q.scale.t().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    zeros = torch.zeros(16 * n16, k // group, dtype=torch.int64)
+    zeros[:n] = q_zeros.t().to(torch.int64)
+    pairs = lay.scales.to(torch.int64) & 0xFFFFFFFF                 # [G, NG, 8, 2]
+    g = torch.arange(8)
+    for r in range(n16):
+        assert torch.equal(pairs[r, :, :, 0] & 0xFFFF, s_bits[16 * r + g].T)
+        assert torch.equal(pairs[r, :, :, 0] >> 16, s_bits[16 * r + 8 + g].T)
+        assert torch.equal(pairs[r, :, :, 1] & 0xFFFF, zeros[16 * r + g].T)
+        assert torch.equal(pairs[r, :, :, 1] >> 16, zeros[16 * r + 8 + g].T)

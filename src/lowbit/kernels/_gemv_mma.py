@@ -39,6 +39,7 @@ from ._gemv_w4 import _epilogue
 
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
+FMT_INT4 = tl.constexpr(2)
 
 # x: 32 bytes at $8 (16 bf16 of one x row) -> the B fragments of the chunk's 4 mmas: lo = columns 4i, 4i+1,
 # hi = columns 4i+2, 4i+3
@@ -100,6 +101,73 @@ def _mma_asm(nt: int) -> str:
 _MMA_ASM_1 = tl.constexpr(_mma_asm(1))
 _MMA_ASM_2 = tl.constexpr(_mma_asm(2))
 
+# int4 (AWQ/GPTQ): nibble q of element (row g + 8 h, column 4 i + c) sits at bit 4 (h + 2 (c // 2)) + 16 (c % 2)
+# of the lane's word, so A register j is ((w >> 4 j) & 0x000F000F) | MAGIC = (MAGIC + q) in both halves, exact
+# (bf16 0x4300 = 128, fp16 0x6400 = 1024, one unit per integer step there); minus (MAGIC + z) it is q - z
+_INT4_WORD = """
+and.b32 r0, {w}, 0x000F000F;
+or.b32 r0, r0, {magic};
+sub.{ty}x2 r0, r0, zg;
+shr.u32 t, {w}, 4;
+and.b32 r1, t, 0x000F000F;
+or.b32 r1, r1, {magic};
+sub.{ty}x2 r1, r1, zg8;
+shr.u32 t, {w}, 8;
+and.b32 r2, t, 0x000F000F;
+or.b32 r2, r2, {magic};
+sub.{ty}x2 r2, r2, zg;
+shr.u32 t, {w}, 12;
+and.b32 r3, t, 0x000F000F;
+or.b32 r3, r3, {magic};
+sub.{ty}x2 r3, r3, zg8;
+"""
+
+
+def _mma_int4_asm(nt: int, fp16: bool) -> str:
+    """Operands: outputs $0..$(4 nt - 1) (accumulators of n-tile 0, then 1); inputs: 4 words, x-lo / x-hi of
+    each n-tile (4 + 4 each), 4 copies of the scale pair (fp16 s_g | s_g8 << 16), 4 copies of the zero pair
+    (z_g | z_g8 << 16), the 4 nt accumulators. The chunk's 4 mmas go into fresh registers, which are then
+    scaled per row (rows g and g + 8 of the lane's C fragment: registers 0, 1 and 2, 3) into the
+    accumulators: ``acc += sum_k (q - z) x * s`` with the (q - z) x products exact."""
+    ty = "f16" if fp16 else "bf16"
+    magic = "0x64006400" if fp16 else "0x43004300"
+    n_out = 4 * nt
+    base = n_out
+    words = [f"${base + i}" for i in range(4)]
+    xs = []
+    for n in range(nt):
+        lo = [f"${base + 4 + 8 * n + i}" for i in range(4)]
+        hi = [f"${base + 8 + 8 * n + i}" for i in range(4)]
+        xs.append((lo, hi))
+    s_op = f"${base + 4 + 8 * nt}"
+    z_op = f"${base + 8 + 8 * nt}"
+    acc_in = [f"${base + 12 + 8 * nt + j}" for j in range(n_out)]
+    tmp = [f"c{j}" for j in range(n_out)]
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+    lines = ["{", ".reg .b32 r0, r1, r2, r3, t, zg, zg8;", ".reg .b16 h0, h1;", ".reg .f32 sg, sg8, "
+             + ", ".join(tmp) + ";",
+             f"mov.b32 {{h0, h1}}, {s_op};", "cvt.f32.f16 sg, h0;", "cvt.f32.f16 sg8, h1;",
+             f"prmt.b32 zg, {z_op}, 0, 0x1010;", f"prmt.b32 zg8, {z_op}, 0, 0x3232;",
+             f"or.b32 zg, zg, {magic};", f"or.b32 zg8, zg8, {magic};"]
+    lines += [f"mov.f32 {c}, 0f00000000;" for c in tmp]
+    for i in range(4):
+        lines.append(_INT4_WORD.format(w=words[i], magic=magic, ty=ty))
+        for n in range(nt):
+            d = tmp[4 * n:4 * n + 4]
+            lines.append(mma + f"{{{d[0]}, {d[1]}, {d[2]}, {d[3]}}}, {{r0, r1, r2, r3}}, "
+                         f"{{{xs[n][0][i]}, {xs[n][1][i]}}}, {{{d[0]}, {d[1]}, {d[2]}, {d[3]}}};")
+    for j in range(n_out):
+        lines.append(f"fma.rn.f32 ${j}, {tmp[j]}, {'sg' if j % 4 < 2 else 'sg8'}, {acc_in[j]};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_INT4_ASM_BF16_1 = tl.constexpr(_mma_int4_asm(1, False))
+_INT4_ASM_BF16_2 = tl.constexpr(_mma_int4_asm(2, False))
+_INT4_ASM_F16_1 = tl.constexpr(_mma_int4_asm(1, True))
+_INT4_ASM_F16_2 = tl.constexpr(_mma_int4_asm(2, True))
+_PAIR_ASM = tl.constexpr("ld.global.nc.v2.b32 {$0, $1}, [$2];")
+
 # NVFP4 scale pair (u16: row g E4M3 in the low byte, row g + 8 in the high byte) -> bf16x2 (s, s) * 2^63 each
 _SCALE_E4M3_ASM = tl.constexpr("""{
 .reg .b16 h0, h1;
@@ -146,7 +214,43 @@ def _load_scale_raw(ptrs):
 
 
 @triton.jit
-def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, acc0, acc1, FMT: tl.constexpr, NT: tl.constexpr):
+def _load_pair(ptrs):
+    """(scale pair, zero pair) int32 of an int4 lane's rows in one group."""
+    return tl.inline_asm_elementwise(_PAIR_ASM, "=r,=r,l", [ptrs], dtype=(tl.int32, tl.int32), is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _mma_int4_chunk(words, xlo0, xhi0, xlo1, xhi1, sraw, zraw, acc0, acc1, NT: tl.constexpr,
+                    XF16: tl.constexpr):
+    if NT == 1:
+        if XF16:
+            acc0 = tl.inline_asm_elementwise(
+                _INT4_ASM_F16_1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
+                [words, xlo0, xhi0, sraw, zraw, acc0], dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            acc0 = tl.inline_asm_elementwise(
+                _INT4_ASM_BF16_1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
+                [words, xlo0, xhi0, sraw, zraw, acc0], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        if XF16:
+            acc0, acc1 = tl.inline_asm_elementwise(
+                _INT4_ASM_F16_2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
+                [words, xlo0, xhi0, xlo1, xhi1, sraw, zraw, acc0, acc1], dtype=(tl.float32, tl.float32),
+                is_pure=True, pack=4)
+        else:
+            acc0, acc1 = tl.inline_asm_elementwise(
+                _INT4_ASM_BF16_2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
+                [words, xlo0, xhi0, xlo1, xhi1, sraw, zraw, acc0, acc1], dtype=(tl.float32, tl.float32),
+                is_pure=True, pack=4)
+    return acc0, acc1
+
+
+@triton.jit
+def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, FMT: tl.constexpr, NT: tl.constexpr,
+               XF16: tl.constexpr):
+    if FMT == FMT_INT4:
+        return _mma_int4_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, NT, XF16)
     sg, sg8 = _scale_pair(raw, FMT)
     if NT == 1:
         acc0 = tl.inline_asm_elementwise(
@@ -161,17 +265,23 @@ def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, acc0, acc1, FMT: tl.constexpr
 
 
 @triton.jit
-def _fetch(w_tile, s_tile, xr0, xr1, kq, SPC: tl.constexpr, NT: tl.constexpr):
-    """Everything one iteration at chunk kq consumes: words, scale pairs, x fragments (0 for an absent n-tile)."""
+def _fetch(w_tile, s_tile, xr0, xr1, kq, jj, FMT: tl.constexpr, SPC: tl.constexpr, CPG: tl.constexpr,
+           NT: tl.constexpr):
+    """Everything one iteration at chunk kq consumes: words, scale pairs (int4: and zero pairs; else the
+    second is a copy), x fragments (0 for an absent n-tile)."""
     words = tl.load(w_tile + kq * 128)
-    raw = _load_scale_raw(s_tile + kq * SPC * 8)
+    if FMT == FMT_INT4:
+        raw, zraw = _load_pair(s_tile + ((kq + jj) // CPG) * 16)
+    else:
+        raw = _load_scale_raw(s_tile + kq * SPC * 8)
+        zraw = raw
     xlo0, xhi0 = _load_x_frags(xr0 + kq * 64)
     if NT == 2:
         xlo1, xhi1 = _load_x_frags(xr1 + kq * 64)
     else:
         xlo1 = 0
         xhi1 = 0
-    return words, raw, xlo0, xhi0, xlo1, xhi1
+    return words, raw, zraw, xlo0, xhi0, xlo1, xhi1
 
 
 @triton.jit
@@ -181,12 +291,14 @@ def _gemv_mma_kernel(
     FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
+    CPG: tl.constexpr = 1, XF16: tl.constexpr = False,
 ):
     """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT.
 
     w_ptr: int32 [N16, KQ, 128] (= [N16, KQ, 32 lanes, 4]) (N16 = ceil(N / 16) row groups, KQ = K / 64
     chunks); s_ptr: uint16 [N16, K / SB, 8] scale pairs (SB = 16 for NVFP4: one per lane t; 32 for MXFP4:
-    lanes t, t + 1 share). A program owns RG row groups and IPS iterations of J chunks starting at chunk
+    lanes t, t + 1 share); int4: int32 [N16, K / G, 8, 2] (fp16 scale pair, zero pair) per group of
+    G = 64 CPG columns, x bf16 or (XF16) fp16. A program owns RG row groups and IPS iterations of J chunks starting at chunk
     pid_k * IPS * J; the tile is ``[J, RG, 128]`` and the warps split its J chunks, so a warp loads the x
     fragments of its chunk once and uses them for its RG row groups.
     """
@@ -206,11 +318,13 @@ def _gemv_mma_kernel(
     w_tile = w_ptr + (rr * KQ + jj) * 128 + d                                          # [J, RG, 128]
     if FMT == FMT_NVFP4:
         SPC: tl.constexpr = 4          # scale blocks per chunk
-        blk = jj * 4 + t
-    else:
+        s_tile = s_ptr + (rr * (KQ * SPC) + jj * 4 + t) * 8 + g
+    elif FMT == FMT_MXFP4:
         SPC: tl.constexpr = 2
-        blk = jj * 2 + t // 2
-    s_tile = s_ptr + (rr * (KQ * SPC) + blk) * 8 + g
+        s_tile = s_ptr + (rr * (KQ * SPC) + jj * 2 + t // 2) * 8 + g
+    else:
+        SPC: tl.constexpr = 0          # (unused) the group of chunk kq + jj is (kq + jj) // CPG
+        s_tile = s_ptr + rr * ((KQ // CPG) * 16) + g * 2 + 0 * jj
     # x rows of the two n-tiles (a row past M - 1 re-reads the last row; its output is masked); the 4
     # pointers of a lane's pack are equal (the asm reads 32 bytes from the first)
     x_col = jj * 64 + t * 16                                                          # [J, 1, 128]
@@ -222,12 +336,12 @@ def _gemv_mma_kernel(
     kq_start = pid_k * (IPS * J)
     # software pipeline in registers: what iteration i + 1 consumes is loaded during iteration i (the
     # prefetch after the last iteration re-reads the row's last chunks)
-    w_a, r_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, SPC, NT)
+    w_a, r_a, z_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, jj, FMT, SPC, CPG, NT)
     for it in tl.range(0, IPS, num_stages=1):
         kq_n = tl.minimum(kq_start + (it + 1) * J, KQ - J)
-        w_n, r_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, kq_n, SPC, NT)
-        acc0, acc1 = _mma_chunk(w_a, xa0, xa1, xa2, xa3, r_a, acc0, acc1, FMT, NT)
-        w_a, r_a, xa0, xa1, xa2, xa3 = w_n, r_n, xn0, xn1, xn2, xn3
+        w_n, r_n, z_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, kq_n, jj, FMT, SPC, CPG, NT)
+        acc0, acc1 = _mma_chunk(w_a, xa0, xa1, xa2, xa3, r_a, z_a, acc0, acc1, FMT, NT, XF16)
+        w_a, r_a, z_a, xa0, xa1, xa2, xa3 = w_n, r_n, z_n, xn0, xn1, xn2, xn3
 
     # C fragment register i of lane (g, t): row g + 8 (i // 2) of the group, x row 2 t + i % 2
     d2 = tl.arange(0, 128)[None, :]

@@ -375,9 +375,19 @@ _MMA_BITS = {(0, 0): (6, 7, 8, 15), (0, 1): (22, 23, 24, 31), (1, 0): (3, 4, 5, 
              (0, 2): (0, 1, 2, 9), (0, 3): (16, 17, 18, 25), (1, 2): (10, 11, 13, 14), (1, 3): (26, 27, 29, 30)}
 
 
-def _mma_format(fmt: str, kdim: int) -> bool:
-    """Whether the tensor-core layout exists for this format and K (MXFP4 scale codes are checked apart)."""
+def _mma_format(fmt: str, kdim: int, group: int | None = None) -> bool:
+    """Whether the tensor-core layout exists for this format, K and (int4_awq) group size: a 64-column chunk
+    must lie in one group, since the int4 scale is applied per chunk after its mmas (MXFP4 scale codes are
+    checked apart)."""
+    if fmt == "int4_awq":
+        return kdim % 64 == 0 and group is not None and group % 64 == 0
     return fmt in ("nvfp4", "mxfp4") and kdim % 64 == 0
+
+
+def _mma_x_dtypes(fmt: str) -> tuple:
+    """x dtypes the tensor-core GEMV takes for a format: the FP4 decode builds bf16 operands; int4's
+    ``MAGIC + q - (MAGIC + z)`` is exact in bf16 and fp16 alike."""
+    return (torch.bfloat16, torch.float16) if fmt == "int4_awq" else (torch.bfloat16,)
 
 
 def _mma_regime(n: int, kdim: int, m: int, cfg: dict) -> bool:
@@ -388,17 +398,25 @@ def _mma_regime(n: int, kdim: int, m: int, cfg: dict) -> bool:
 @dataclass(eq=False)
 class MmaLayout:
     words: torch.Tensor    # int32 [N16, K/64, 32, 4]
-    scales: torch.Tensor   # int16 [N16, K/SB, 8]: (row g, row g + 8) scale codes
+    scales: torch.Tensor   # int16 [N16, K/SB, 8]: (row g, row g + 8) scale codes; int4: int32 [N16, K/G, 8, 2]
     fmt_code: int
+    cpg: int = 1           # int4: 64-column chunks per group
     plans: dict = field(default_factory=dict, repr=False)
 
 
-def _mma_words(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes uint8 [16 G, K] (G row groups) -> int32 words [G, K/64, 32, 4]."""
+# int4: nibble bit position of element (row g + 8 h, column 4 i + c) of a lane's word (see _gemv_mma)
+_MMA_INT4_BITS = {(h, c): 4 * (h + 2 * (c // 2)) + 16 * (c % 2) for h in range(2) for c in range(4)}
+
+
+def _mma_words(codes: torch.Tensor, int4: bool = False) -> torch.Tensor:
+    """E2M1 (or int4) codes uint8 [16 G, K] (G row groups) -> int32 words [G, K/64, 32, 4]."""
     g16, kdim = codes.shape
     c = codes.reshape(g16 // 16, 2, 8, kdim // 64, 4, 4, 4).to(torch.int64)   # [G, h, g, kq, t, i, c]
     word = torch.zeros(g16 // 16, 8, kdim // 64, 4, 4, dtype=torch.int64, device=codes.device)
-    for (h, col), pos in _MMA_BITS.items():
+    if int4:
+        for (h, col), pos in _MMA_INT4_BITS.items():
+            word |= c[:, h, :, :, :, :, col] << pos
+    for (h, col), pos in ({} if int4 else _MMA_BITS).items():
         v = c[:, h, :, :, :, :, col]                                          # [G, g, kq, t, i]
         for b, bit in enumerate(pos):
             word |= ((v >> b) & 1) << bit
@@ -416,12 +434,15 @@ def mma_layout(p: PreparedW4) -> MmaLayout | None:
         # not built inside the custom op or a capture (see prepare_w4; the MXFP4 check reads the scales on the
         # host): the FMA / dot kernels run instead
         return None
-    ok = _mma_format(p.fmt, p.k)
+    ok = _mma_format(p.fmt, p.k, 8 * p.words_per_block)
     if ok and p.fmt == "mxfp4":
         ok = int(p.scales.max()) <= 191
     if not ok:
         p.mma = False
         return None
+    if p.fmt == "int4_awq":
+        p.mma = _mma_int4_layout(p)
+        return p.mma
     n, kdim = p.n, p.k
     n16 = _cdiv(n, 16)
     codes_packed = p.words.view(torch.uint8).reshape(n, kdim // 2)
@@ -445,6 +466,30 @@ def mma_layout(p: PreparedW4) -> MmaLayout | None:
     return p.mma
 
 
+def _mma_int4_layout(p: PreparedW4) -> MmaLayout:
+    """Words from the N-major int4 words (nibble j of word w = element 8 w + j), and per group the lane's
+    (fp16 scale of row g | row g + 8 << 16, zero of row g | row g + 8 << 16) from the ``sz`` pairs
+    (fp16 scale bits | (0x6400 + z) << 16). Padding rows get zero words and scales."""
+    n, kdim, group = p.n, p.k, 8 * p.words_per_block
+    n16, ng = _cdiv(n, 16), kdim // group
+    words = torch.empty(n16, kdim // 64, 32, 4, dtype=torch.int32, device=p.device)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=p.device)
+    step = max(1, (1 << 24) // kdim)
+    for g0 in range(0, n16, step):
+        g1 = min(n16, g0 + step)
+        r0, r1 = 16 * g0, min(n, 16 * g1)
+        codes = torch.zeros(16 * (g1 - g0), kdim, dtype=torch.uint8, device=p.device)
+        codes[: r1 - r0] = ((p.words[r0:r1, :, None] >> shifts) & 0xF).reshape(r1 - r0, kdim).to(torch.uint8)
+        words[g0:g1] = _mma_words(codes, int4=True)
+    sz = torch.full((16 * n16, ng), 0x6400 << 16, dtype=torch.int64, device=p.device)   # padding: s = z = 0
+    sz[:n] = p.scales.to(torch.int64) & 0xFFFFFFFF
+    scale, zero = sz & 0xFFFF, (sz >> 16) - 0x6400
+    scale, zero = scale.reshape(n16, 2, 8, ng), zero.reshape(n16, 2, 8, ng)
+    pairs = torch.stack([scale[:, 0] | (scale[:, 1] << 16), zero[:, 0] | (zero[:, 1] << 16)], dim=-1)
+    pairs = _to_int32(pairs.permute(0, 2, 1, 3).contiguous())                   # [N16, NG, 8, 2]
+    return MmaLayout(words=words, scales=pairs, fmt_code=km.FMT_INT4.value, cpg=group // 64)
+
+
 def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, out: torch.Tensor,
                 dev_index: int, cfg: dict, row_scale: torch.Tensor | None = None, rs_mode: int = 0) -> None:
     m, n, kdim = x.shape[0], p.n, p.k
@@ -464,7 +509,8 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
         split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), {**TILE, "ctas_per_sm": cps})
         consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
-                  "ROW_SCALE": rs_mode, "POST": 2.0 ** 63 * (p.post / 64.0)}
+                  "ROW_SCALE": rs_mode, "CPG": lay.cpg, "XF16": x.dtype == torch.float16,
+                  "POST": 1.0 if lay.fmt_code == km.FMT_INT4.value else 2.0 ** 63 * (p.post / 64.0)}
         # the warps split the J chunks (then the row groups): a warp's 32 lanes must hold dim 2 whole, which
         # the mma asm relies on
         plan = lay.plans[key] = _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
@@ -625,7 +671,9 @@ def describe(w: QTensor, m: int) -> str:
     """Which GEMV kernel the default configuration runs for ``w`` at M = ``m`` (what :func:`gemv_w4` chooses,
     for ``lowbit.explain``; it reads no tensor)."""
     n, kdim = w.shape[-2], w.shape[-1]
-    if _mma_format(w.fmt, kdim) and _mma_regime(n, kdim, m, MMA):
+    if _mma_format(w.fmt, kdim, getattr(w, "params", {}).get("group_size")) and _mma_regime(n, kdim, m, MMA):
+        if w.fmt == "int4_awq":
+            return "tensor-core mma.sync GEMV (bf16 or fp16 x)"
         other = "CUDA-core FMA" if m <= TILE["fma_max_m"] else "tl.dot"
         return (f"tensor-core mma.sync GEMV for bf16 x ({other} GEMV for fp16 x"
                 + (" or MXFP4 scale codes above 191)" if w.fmt == "mxfp4" else ")"))
@@ -687,7 +735,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
     dev_index = p.device.index if p.device.type == "cuda" else None
-    if (dev_index is not None and x.dtype == torch.bfloat16 and mma_config is not False
+    if (dev_index is not None and x.dtype in _mma_x_dtypes(p.fmt) and mma_config is not False
             and (config is None or mma_config is not None) and not _interpreting()):
         mcfg = MMA if mma_config is None else mma_config
         if _mma_regime(n, p.k, m, mcfg):
@@ -775,3 +823,12 @@ def compile_variants():
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63}
         yield km._gemv_mma_kernel, mma_sig, consts
+    # int4: group 128 (2 chunks) and 64, bf16 and fp16 x
+    for nt, split, has_bias, act, cpg, xf16 in [(1, 1, False, 0, 2, False), (2, 4, True, 1, 2, False),
+                                                (1, 4, True, 3, 1, True), (2, 1, False, 2, 2, True)]:
+        xd = "*fp16" if xf16 else "*bf16"
+        sig = dict(mma_sig, x_ptr=xd, s_ptr="*i32", bias_ptr=xd, out_ptr=xd)
+        consts = {"FMT": km.FMT_INT4.value, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": k.GS_NONE.value, "ROW_SCALE": 0,
+                  "POST": 1.0, "CPG": cpg, "XF16": xf16}
+        yield km._gemv_mma_kernel, sig, consts
