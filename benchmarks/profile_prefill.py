@@ -39,6 +39,39 @@ def chunked_copy(x2, w, chunk_bytes=None):
     return out
 
 
+def graph_time(fn, reps: int = 20) -> float:
+    """Median µs of ``fn`` as a CUDA-graph replay, L2 flushed before each call: a graph of (flush, fn) minus
+    a graph of the flush alone, so host launch overhead is out of the figure (prefill in a serving engine
+    is launched ahead of the GPU; a do_bench loop waits for the host on short calls)."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            flush.zero_()
+            if with_fn:
+                fn()
+        graphs.append(g)
+    out = []
+    for g in graphs:
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        out.append(sorted(times)[reps // 2])
+    return out[0] - out[1]
+
+
 def kernel_table(fn, steps: int = 3) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -65,6 +98,8 @@ def main() -> None:
     p.add_argument("--chunk-mb", type=int, nargs="+", default=[16, 32, 64, 128])
     p.add_argument("--rep", type=int, default=60)
     p.add_argument("--profile", action="store_true", help="torch.profiler kernel table per case")
+    p.add_argument("--graph", action="store_true", help="also time cuBLAS and the chunked path (first --chunk-mb) "
+                   "as CUDA-graph replays")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
     args = p.parse_args()
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -88,6 +123,13 @@ def main() -> None:
                 row[f"chunk{mb}_ratio"] = row["cublas_us"] / t
                 row[f"chunk{mb}_rows"] = _chunk_rows(q, 2, cb)
                 row[f"chunk{mb}_err_vs_bf16"] = err
+            if args.graph:
+                cb = args.chunk_mb[0] << 20
+                row["graph_cublas_us"] = graph_time(lambda: x @ w.T)  # noqa: B023
+                row["graph_chunked_us"] = graph_time(lambda: linear_dequant_gemm(x, q, chunk_bytes=cb))  # noqa: B023
+                row["graph_ratio"] = row["graph_cublas_us"] / row["graph_chunked_us"]
+                print(f"   graph: cuBLAS {row['graph_cublas_us']:.1f} us, chunked ({args.chunk_mb[0]} MB) "
+                      f"{row['graph_chunked_us']:.1f} us: {row['graph_ratio']:.3f}", flush=True)
             if args.profile:
                 row["kernels"] = kernel_table(lambda: linear_dequant_gemm(x, q))  # noqa: B023
             rows.append(row)
