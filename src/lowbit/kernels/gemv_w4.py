@@ -19,8 +19,9 @@ identity and version counter of every tensor of ``w``: a replaced tensor or an i
 ``q.data`` / ``q.scale`` is re-prepared. The prepared tensors alias the QTensor's storage where no copy is
 needed (nvfp4 / mxfp4 / fp4_b32 / nf4: no extra memory; int4_awq: one extra 0.5 byte per weight).
 
-Kernels: NVFP4 / MXFP4 with bf16 x at ``MMA["min_m"] <= M <= 16`` run the tensor-core GEMV (``_gemv_mma``:
-mma.sync over a weight laid out once by :func:`mma_layout`; at M = 1 only for large weights, see :data:`MMA`);
+Kernels: NVFP4 / MXFP4 with bf16 x, and int4_awq (group a multiple of 64) with bf16 or fp16 x, at
+``MMA["min_m"] <= M <= 16`` run the tensor-core GEMV (``_gemv_mma``: mma.sync over a weight laid out once by
+:func:`mma_layout`, a further copy of the 4-bit words; at M = 1 only for large weights, see :data:`MMA`);
 otherwise
 M <= ``TILE["fma_max_m"]`` runs the CUDA-core FMA kernel (``_gemv_w4``; M rows of x per program, so the
 weights are read once) and larger M the ``tl.dot`` kernel with M padded to 16. Both split K across programs when there are too few N tiles to fill the GPU, and reduce the
