@@ -625,11 +625,13 @@ def test_dequant_gemm_is_chosen_only_when_enabled(monkeypatch):
     assert lin._decide(4096, torch.device("cpu"), q, "auto")[0] == "reference"
 
 
-def test_dequant_gemm_threshold_per_format(weights, kernels):
+def test_dequant_gemm_threshold_per_format(weights, kernels, monkeypatch):
     kernels["gemv_w4"] = _stand_in("gemv_w4")
     kernels["gemm_w4"] = _stand_in("gemm_w4")
-    nf4_min = lin._dequant_gemm_min_m("nf4")
-    assert nf4_min > lin.DEQUANT_GEMM_MIN_M
+    for fmt in ("nf4", "mxfp4"):                    # no override ships: every format switches at the same M
+        assert _path(weights[fmt], lin.DEQUANT_GEMM_MIN_M - 1).path == "gemm_w4"
+        assert _path(weights[fmt], lin.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
+    monkeypatch.setitem(lin.DEQUANT_GEMM_MIN_M_BY_FORMAT, "nf4", 2 * lin.DEQUANT_GEMM_MIN_M)
     assert _path(weights["nf4"], lin.DEQUANT_GEMM_MIN_M).path == "gemm_w4"
-    assert _path(weights["nf4"], nf4_min).path == "dequant_gemm"
+    assert _path(weights["nf4"], 2 * lin.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
     assert _path(weights["mxfp4"], lin.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"

@@ -71,11 +71,11 @@ None: never. H200, ``benchmarks/bench_w4a16_gemm.py --chunked`` (git 02d3b15,
 issue shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton GEMM's
 0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. At M=2048 (git ca38379,
 ``..._chunked_m2048_m4096_ca38379.json``) chunked won for nvfp4, mxfp4, fp4_b32 and int4_awq on all six shapes
-(0.60-0.90x vs 0.44-0.56x); nf4 has its own threshold (:data:`DEQUANT_GEMM_MIN_M_BY_FORMAT`)."""
-DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {"nf4": 4096}
-"""Per-format overrides of :data:`DEQUANT_GEMM_MIN_M` (when that is not None). nf4's chunked path lost to the
-GEMM at M=2048 on the 4096-class shapes (0.23-0.34x vs 0.35-0.37x) and won at M=4096 on all six
-(``benchmarks/results/2026-11-21_h200_w4a16_gemm_chunked_m2048_m4096_ca38379.json``)."""
+(0.60-0.90x vs 0.44-0.56x). nf4 joined them once its chunks stopped decoding the absmax on the host side
+(git 15f4e07, ``..._profile_prefill_m2048_15f4e07.json`` and ``..._w4a16_gemm_nf4_m2048_15f4e07.json``: at
+M=2048 chunked 0.78-0.86x as CUDA-graph replays, 0.50-0.83x eager, against the GEMM's 0.32-0.35x)."""
+DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {}
+"""Per-format overrides of :data:`DEQUANT_GEMM_MIN_M` (when that is not None); none at present."""
 
 
 def _dequant_gemm_min_m(fmt: str) -> int:
