@@ -94,17 +94,23 @@ def _time_eager(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
 
 
-def _time_graph(fn) -> float:
+def capture(body, warm=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``body()``, after ``warm()`` (default ``body``) ran on a side stream (first launches
+    compile and allocate outside the capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            fn()
+            (warm or body)()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
+        body()
+    return graph
+
+
+def _time_graph(fn) -> float:
+    graph = capture(lambda: [fn() for _ in range(GRAPH_CALLS)], warm=fn)
     return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") * 1e3 / GRAPH_CALLS
 
 

@@ -24,6 +24,7 @@ from lowbit.formats.rows import nf4_without_double_quant, slice_rows
 from lowbit.ops.linear import _chunk_rows, linear_dequant_gemm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_w4a16 import capture  # noqa: E402
 from bench_w4a16_gemm import FORMATS, SHAPES, _problem, _quantize, bench, header  # noqa: E402
 
 
@@ -44,20 +45,12 @@ def graph_time(fn, reps: int = 20) -> float:
     a graph of the flush alone, so host launch overhead is out of the figure (prefill in a serving engine
     is launched ahead of the GPU; a do_bench loop waits for the host on short calls)."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graphs = []
-    for with_fn in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            flush.zero_()
-            if with_fn:
-                fn()
-        graphs.append(g)
+
+    def flushed():
+        flush.zero_()
+        fn()
+
+    graphs = [capture(flushed), capture(flush.zero_)]
     out = []
     for g in graphs:
         times = []

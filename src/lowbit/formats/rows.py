@@ -39,6 +39,12 @@ def nf4_without_double_quant(q: QTensor) -> QTensor:
     return replace(q, scale=nf4_absmax(q).reshape(-1), nested_scale=None, nested_offset=None, params=params)
 
 
+def nf4_slices_keep_double_quant(q: QTensor, n0: int) -> bool:
+    """Whether :func:`slice_rows` keeps an nf4 weight's absmax double-quantized for row starts that are
+    multiples of ``n0``: they must start a nested block (256 absmax blocks)."""
+    return q.nested_scale is not None and (n0 * q.shape[1] // q.params["blocksize"]) % NESTED_BLOCKSIZE == 0
+
+
 def slice_rows(q: QTensor, n0: int, n1: int) -> QTensor:
     """Rows ``n0:n1`` of the weight ``q`` ``[N, K]``; ``n0`` a multiple of ``ROW_ALIGN[q.fmt]``.
 
@@ -67,13 +73,12 @@ def slice_rows(q: QTensor, n0: int, n1: int) -> QTensor:
     if q.fmt == "nf4":
         blocksize = q.params["blocksize"]
         b0, b1 = n0 * k // blocksize, n1 * k // blocksize
-        if q.nested_scale is not None and b0 % NESTED_BLOCKSIZE == 0:
+        data = q.data.reshape(-1)[n0 * k // 2 : n1 * k // 2]
+        if nf4_slices_keep_double_quant(q, n0):
             # whole nested blocks: the absmax codes stay double-quantized (decoded by the kernel)
             nested = q.nested_scale.reshape(-1)[b0 // NESTED_BLOCKSIZE : -(-b1 // NESTED_BLOCKSIZE)]
-            data = q.data.reshape(-1)[n0 * k // 2 : n1 * k // 2]
             return replace(q, data=data, scale=q.scale.reshape(-1)[b0:b1], nested_scale=nested, shape=shape)
         q = nf4_without_double_quant(q)
-        data = q.data.reshape(-1)[n0 * k // 2 : n1 * k // 2]
         return replace(q, data=data, scale=q.scale.reshape(-1)[b0:b1], shape=shape)
     # int4_awq: qweight [K, N/8], qzeros [K/g, N/8] pack 8 output columns per int32; scales [K/g, N]
     if n1 % 8:

@@ -221,45 +221,31 @@ def _load_pair(ptrs):
 
 
 @triton.jit
-def _mma_int4_chunk(words, xlo0, xhi0, xlo1, xhi1, sraw, zraw, acc0, acc1, NT: tl.constexpr,
-                    XF16: tl.constexpr):
-    if NT == 1:
-        if XF16:
-            acc0 = tl.inline_asm_elementwise(
-                _INT4_ASM_F16_1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
-                [words, xlo0, xhi0, sraw, zraw, acc0], dtype=tl.float32, is_pure=True, pack=4)
-        else:
-            acc0 = tl.inline_asm_elementwise(
-                _INT4_ASM_BF16_1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
-                [words, xlo0, xhi0, sraw, zraw, acc0], dtype=tl.float32, is_pure=True, pack=4)
-    else:
-        if XF16:
-            acc0, acc1 = tl.inline_asm_elementwise(
-                _INT4_ASM_F16_2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
-                [words, xlo0, xhi0, xlo1, xhi1, sraw, zraw, acc0, acc1], dtype=(tl.float32, tl.float32),
-                is_pure=True, pack=4)
-        else:
-            acc0, acc1 = tl.inline_asm_elementwise(
-                _INT4_ASM_BF16_2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
-                [words, xlo0, xhi0, xlo1, xhi1, sraw, zraw, acc0, acc1], dtype=(tl.float32, tl.float32),
-                is_pure=True, pack=4)
-    return acc0, acc1
-
-
-@triton.jit
 def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, FMT: tl.constexpr, NT: tl.constexpr,
                XF16: tl.constexpr):
+    """The chunk's 4 mmas into the accumulators. The FP4 and int4 asm take the same operand list: after the
+    words and x fragments, two per-lane int32 pairs (FP4: the bf16x2 scales of rows g and g + 8; int4: the
+    fp16 scale pair and the zero pair)."""
     if FMT == FMT_INT4:
-        return _mma_int4_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, NT, XF16)
-    sg, sg8 = _scale_pair(raw, FMT)
+        a, b = raw, zraw
+        if XF16:
+            ASM1: tl.constexpr = _INT4_ASM_F16_1
+            ASM2: tl.constexpr = _INT4_ASM_F16_2
+        else:
+            ASM1: tl.constexpr = _INT4_ASM_BF16_1
+            ASM2: tl.constexpr = _INT4_ASM_BF16_2
+    else:
+        a, b = _scale_pair(raw, FMT)
+        ASM1: tl.constexpr = _MMA_ASM_1
+        ASM2: tl.constexpr = _MMA_ASM_2
     if NT == 1:
         acc0 = tl.inline_asm_elementwise(
-            _MMA_ASM_1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
-            [words, xlo0, xhi0, sg, sg8, acc0], dtype=tl.float32, is_pure=True, pack=4)
+            ASM1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
+            [words, xlo0, xhi0, a, b, acc0], dtype=tl.float32, is_pure=True, pack=4)
     else:
         acc0, acc1 = tl.inline_asm_elementwise(
-            _MMA_ASM_2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
-            [words, xlo0, xhi0, xlo1, xhi1, sg, sg8, acc0, acc1], dtype=(tl.float32, tl.float32),
+            ASM2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
+            [words, xlo0, xhi0, xlo1, xhi1, a, b, acc0, acc1], dtype=(tl.float32, tl.float32),
             is_pure=True, pack=4)
     return acc0, acc1
 
@@ -324,7 +310,7 @@ def _gemv_mma_kernel(
         s_tile = s_ptr + (rr * (KQ * SPC) + jj * 2 + t // 2) * 8 + g
     else:
         SPC: tl.constexpr = 0          # (unused) the group of chunk kq + jj is (kq + jj) // CPG
-        s_tile = s_ptr + rr * ((KQ // CPG) * 16) + g * 2 + 0 * jj
+        s_tile = s_ptr + rr * ((KQ // CPG) * 16) + g * 2
     # x rows of the two n-tiles (a row past M - 1 re-reads the last row; its output is masked); the 4
     # pointers of a lane's pack are equal (the asm reads 32 bytes from the first)
     x_col = jj * 64 + t * 16                                                          # [J, 1, 128]

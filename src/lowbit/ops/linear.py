@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from .. import kernels as _kernels
 from ..api import dequantize, resolve_backend
 from ..formats.qtensor import QTensor
-from ..formats.rows import nf4_without_double_quant, slice_rows
+from ..formats.rows import nf4_slices_keep_double_quant, nf4_without_double_quant, slice_rows
 from ..formats.rows import slice_rows_reason as _slice_rows_reason
 from . import _plumbing
 from ._plumbing import kernel_module as _kernel_module  # looked up here on every call: tests replace it
@@ -139,15 +139,15 @@ def _check_weight(w: QTensor) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- reference
 
 
-def _act(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+def _act(y: torch.Tensor, activation: str | None, inplace: bool = False) -> torch.Tensor:
+    """``activation`` of ``y``; ``inplace`` overwrites ``y`` (a buffer of ours, never a user's tensor)."""
     if activation is None:
         return y
-    if activation == "gelu":
-        return F.gelu(y)
-    if activation == "gelu_tanh":
-        return F.gelu(y, approximate="tanh")
+    if activation in ("gelu", "gelu_tanh"):
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        return torch.ops.aten.gelu_(y, approximate=approximate) if inplace else F.gelu(y, approximate=approximate)
     if activation == "silu":
-        return F.silu(y)
+        return F.silu(y, inplace=inplace)
     raise ValueError(f"lowbit.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
@@ -305,8 +305,8 @@ def linear_dequant_gemm(
     if rows >= n:
         return _act(F.linear(x2, dequantize(w, x2.dtype, backend=dequant_backend), bias), activation)
     wq = w
-    if w.fmt == "nf4" and w.nested_scale is not None and (rows * w.shape[1] // w.params["blocksize"]) % 256:
-        wq = nf4_without_double_quant(w)  # chunks do not start on nested blocks: decode the absmax once
+    if w.fmt == "nf4" and not nf4_slices_keep_double_quant(w, rows):
+        wq = nf4_without_double_quant(w)  # decode the absmax once, not per chunk
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
@@ -318,22 +318,8 @@ def linear_dequant_gemm(
             torch.mm(x2, wc.t(), out=dst)
         else:
             torch.addmm(bias[n0:n1], x2, wc.t(), out=dst)
-        _act_(dst, activation)
+        _act(dst, activation, inplace=True)  # on the chunk while it is still in L2
     return out
-
-
-def _act_(y: torch.Tensor, activation: str | None) -> None:
-    """In place (on a chunk still in L2): the same functions as :func:`_act`."""
-    if activation is None:
-        return
-    if activation == "gelu":
-        torch.ops.aten.gelu_(y)
-    elif activation == "gelu_tanh":
-        torch.ops.aten.gelu_(y, approximate="tanh")
-    elif activation == "silu":
-        F.silu(y, inplace=True)
-    else:
-        raise ValueError(f"lowbit.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 def _dequant_gemm_kernel(x2, w, bias, activation):
