@@ -56,6 +56,13 @@ VARIANTS = {
     "tmap2_64x128_w4s3": {**_cfg(64, 128, 4, 3, True, True), "per_sm": 2},
     "tmap2_64x128_w4s5": {**_cfg(64, 128, 4, 5, True, True), "per_sm": 2},
     "tmap2_64x128_w4s4_g16": {**_cfg(64, 128, 4, 4, True, True, group=16), "per_sm": 2},
+    # the warp-specialized Gluon kernel (two consumer warpgroups of 64 rows, one TMA producer warp, persistent)
+    "ws_128x128_s4": {**_cfg(128, 128, 4, 4, True), "ws": True},
+    "ws_128x128_s5": {**_cfg(128, 128, 4, 5, True), "ws": True},
+    "ws_128x128_s6": {**_cfg(128, 128, 4, 6, True), "ws": True},
+    "ws_128x128_s5_g16": {**_cfg(128, 128, 4, 5, True, group=16), "ws": True},
+    "ws_128x128_s5_g4": {**_cfg(128, 128, 4, 5, True, group=4), "ws": True},
+    "ws_128x64_s8": {**_cfg(128, 64, 4, 8, True), "ws": True},
 }
 
 

@@ -414,6 +414,53 @@ def test_fp8_block_tma_and_pointer_kernels_agree(m, n, k):
     _assert_close(out, ref, "unaligned a.data (pointer kernel)")
 
 
+WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True,
+             "ws": True}
+
+
+@pytest.mark.parametrize("m", [1, 33, 1000, 4096])
+@pytest.mark.parametrize("n, k", [(2112, 7168), (384, 1600), (7168, 2048)])
+@pytest.mark.parametrize("name", ["fp8_block", "fp8_block-ue8m0", "fp8_block-colmajor"])
+def test_fp8_block_warp_specialized_kernel(name, m, n, k):
+    """The Gluon warp-specialized kernel matches the reference (tiles past M, N and K zero-filled by TMA, bias,
+    alpha, both output dtypes, BN 64 and 128, 4 and 6 stages) and, for fp32 output, equals the one-partition TMA
+    kernel with 64-row tiles bit for bit: both promote the same four m64n128k32 wgmmas per K tile the same way."""
+    _need_kernel()
+    from lowbit.kernels import scaled_mm as ks
+
+    af, ao, wf, wo = PAIR[name]
+    w = _weight(wf, wo, n, k)
+    _, a = _act(af, ao, m, k, seed=5)
+    bias = _bias(n)
+    alpha = torch.full((1,), 0.75, device="cuda")
+    for extras in (False, True):
+        al, bi = (alpha, bias) if extras else (None, None)
+        ref = scaled_mm_reference(a, w, al, bi, torch.float32, dequant_backend="torch")
+        one_partition = ks.scaled_mm(a, w, al, bi, torch.float32, config=ks.FP8_CONFIGS[-1][1])
+        for cfg in (WS_CONFIG, {**WS_CONFIG, "BN": 64, "num_stages": 6}):
+            out = ks.scaled_mm(a, w, al, bi, torch.float32, config=cfg)
+            _assert_close(out, ref, f"ws {cfg} extras={extras}")
+            if cfg["BN"] == 128:
+                assert torch.equal(out, one_partition), (out - one_partition).abs().max()
+            out16 = ks.scaled_mm(a, w, al, bi, torch.bfloat16, config=cfg)
+            _assert_close(out16, ref, f"ws bf16 {cfg} extras={extras}")
+
+
+def test_fp8_block_warp_specialized_per_row_weight_scales():
+    """Weight scales per row (block (1, 128), as the FP8 re-encoded mxfp4 pairs use): a scale vector per tile."""
+    _need_kernel()
+    from lowbit.kernels import scaled_mm as ks
+
+    m, n, k = 1000, 2112, 1600
+    g = torch.Generator(device="cuda").manual_seed(21)
+    w = lowbit.quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16), "fp8_block")
+    _, a = _act("fp8_block", (), m, k, seed=6)
+    ref = scaled_mm_reference(a, w, None, None, torch.float32, dequant_backend="torch")
+    out = ks.scaled_mm(a, w, None, None, torch.float32, config=WS_CONFIG)
+    _assert_close(out, ref, "ws, per-row weight scales")
+    assert torch.equal(out, ks.scaled_mm(a, w, None, None, torch.float32, config=ks.FP8_CONFIGS[-1][1]))
+
+
 # ----------------------------------------------------------------------------- decode through the GEMV
 
 

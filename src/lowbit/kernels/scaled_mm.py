@@ -153,9 +153,56 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
+    """The warp-specialized Gluon kernel (``_fp8_block_ws``): 128 x BN tiles, one persistent program per SM."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from . import _fp8_block_ws as kws
+
+    bn = cfg["BN"]
+    a_data, b_data = a_args[0], b_args[0]
+    a_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+    b_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [128, 128], a_layout)
+    b_desc = TensorDescriptor(b_data, [n, k_dim], [b_data.stride(0), 1], [bn, 128], b_layout)
+    tiles = triton.cdiv(m, 128) * triton.cdiv(n, bn)
+    programs = min(tiles, _num_sms(out.device.index))
+    kws.fp8_block_mm_ws_kernel[(programs,)](
+        a_desc,
+        b_desc,
+        a_args[1],
+        b_args[1],
+        alpha if alpha is not None else out,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k_dim,
+        a_args[4],
+        a_args[5],
+        b_args[4],
+        b_args[5],
+        out.stride(0),
+        B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1),
+        HAS_ALPHA=alpha is not None,
+        HAS_BIAS=bias is not None,
+        BN=bn,
+        STAGES=cfg["num_stages"],
+        GROUP_M=cfg["GROUP_M"],
+        CONSUMER_REGS=cfg.get("consumer_regs", 232),
+        PRODUCER_REGS=cfg.get("producer_regs", 40),
+        num_warps=4,
+        maxnreg=cfg.get("maxnreg", 168),
+    )
+
+
 def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if cfg.get("ws"):
+        _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
+        return
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     a_data, b_data = a_args[0], b_args[0]
     a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [bm, bk])

@@ -1,0 +1,182 @@
+"""Warp-specialized fp8_block x fp8_block GEMM for Hopper, written in Gluon (DeepGEMM's structure).
+
+``out = alpha * (a * sa) @ (b * sb).T + bias``: a [M, K] E4M3 with fp32 scales per (row, 128-column block), b
+[N, K] E4M3 with fp32 scales per 128 x 128 block. Each 128-wide K tile's FP8 product is promoted into the fp32
+accumulator with ``sa[m] * sb`` (DeepSeek-V3's promotion), so the result equals the reference up to fp32
+accumulation order (the same math as ``_scaled_mm._fp8_block_mm_tma_kernel``).
+
+Why warp specialization: in the one-partition Triton kernel every warp waits for its K tile's wgmma, then does
+the promotion FMAs while the tensor cores sit idle, then issues the next loads (0.55-0.70x of
+``torch._scaled_mm`` on an H200). Here the partitions run independently:
+
+- a producer warp issues the TMA loads of A and B tiles into a ring of ``STAGES`` shared-memory slots, as far
+  ahead as the slots allow (``ready`` / ``empty`` mbarriers per slot);
+- two consumer warpgroups each own 64 rows of the 128-row tile. Each issues its wgmma for a K tile, waits for it,
+  releases the slot and promotes; while one promotes, the other's wgmma keeps the tensor cores busy.
+
+The launch is persistent: every program walks the output tiles ``pid, pid + P, ...`` in grouped order; the
+producer runs ahead into the next tile while the consumers finish the epilogue of the current one.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+# rows per consumer warpgroup: one wgmma m64 row block
+ROWS_PER_CONSUMER = gl.constexpr(64)
+
+
+@gluon.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_n = (tile % per_group) // size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+              M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+              B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr, WG: gl.constexpr):
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    k_tiles = gl.cdiv(K, BK)
+    tile_bytes: gl.constexpr = (BM + BN) * BK
+    it = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        for kt in range(k_tiles):
+            slot = it % STAGES
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, tile_bytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kt * BK], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kt * BK], bar, b_bufs.index(slot))
+            it += 1
+
+
+@gluon.jit
+def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+              M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+              B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr, WG: gl.constexpr):
+    """Warpgroup ``WG`` of the consumers: rows [WG * 64, WG * 64 + 64) of every tile."""
+    R: gl.constexpr = ROWS_PER_CONSUMER
+    # one weight scale per K tile when the tile's BN rows lie in one scale block (128x128 weight blocks)
+    SCALAR_B: gl.constexpr = B_ROWS_PER_SCALE % BN == 0
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    k_tiles = gl.cdiv(K, BK)
+    zero = gl.zeros([R, BN], gl.float32, acc_layout)
+    it = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        rows = pid_m * BM + WG * R + gl.arange(0, R, layout=row_layout)
+        row_ok = rows < M
+        sa_ptrs = as_ptr + rows.to(gl.int64) * stride_as0
+        cols = pid_n * BN + gl.arange(0, BN, layout=col_layout)
+        col_ok = cols < N
+        if SCALAR_B:
+            sb_ptr = bs_ptr + ((pid_n * BN) // B_ROWS_PER_SCALE) * stride_bs0
+        else:
+            sb_ptrs = bs_ptr + (gl.minimum(cols, N - 1) // B_ROWS_PER_SCALE).to(gl.int64) * stride_bs0
+        acc = zero
+        for kt in range(k_tiles):
+            slot = it % STAGES
+            # the scale loads go out before the wait, so their latency hides behind the TMA and the wgmma
+            sa = gl.load(sa_ptrs + kt * stride_as1, mask=row_ok, other=0.0)
+            if SCALAR_B:
+                sb = gl.load(sb_ptr + kt * stride_bs1)
+            else:
+                sb_vec = gl.load(sb_ptrs + kt * stride_bs1)
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            a = a_bufs.index(slot).slice(WG * R, R, dim=0)
+            part = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+            # the slot is free once this warpgroup's wgmma has read it (the arrive follows a warpgroup barrier)
+            mbarrier.arrive(empty.index(slot), count=1)
+            if SCALAR_B:
+                acc += part * (sa * sb)[:, None]
+            else:
+                acc += part * sa[:, None] * sb_vec[None, :]
+            it += 1
+        if HAS_ALPHA:
+            acc = acc * gl.load(alpha_ptr)
+        if HAS_BIAS:
+            acc = acc + gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+        ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@gluon.jit
+def _consumer0(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+               M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+               B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
+               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+               GROUP_M: gl.constexpr, WG: gl.constexpr):
+    _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+              M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+              B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, 0)
+
+
+@gluon.jit
+def _producer_entry(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                    M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                    B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                    GROUP_M: gl.constexpr, WG: gl.constexpr):
+    _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+              M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+              B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, -1)
+
+
+@gluon.jit
+def _consumer1(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+               M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+               B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
+               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+               GROUP_M: gl.constexpr, WG: gl.constexpr):
+    _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+              M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+              B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, 1)
+
+
+@gluon.jit
+def fp8_block_mm_ws_kernel(a_desc, b_desc, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                           M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                           B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
+                           BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Launch with num_warps=4 (the default partition is consumer warpgroup 0) and a grid of at most one program
+    per SM. ``a_desc`` has [128, 128] boxes, ``b_desc`` [BN, 128]."""
+    BM: gl.constexpr = 2 * ROWS_PER_CONSUMER
+    BK: gl.constexpr = 128
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    # the argument tuples are written out in place: a tuple assigned to a variable turns its constexprs into tensors
+    gl.warp_specialize([
+        (_consumer0, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                      M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                      B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, 0)),
+        (_consumer1, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                      M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                      B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, 1)),
+        (_producer_entry, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr,
+                           out_ptr, M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                           B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, -1)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
