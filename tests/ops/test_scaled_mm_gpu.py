@@ -447,7 +447,8 @@ def test_fp8_block_warp_specialized_kernel(name, m, n, k):
 
 
 def test_fp8_block_warp_specialized_per_row_weight_scales():
-    """Weight scales per row (block (1, 128), as the FP8 re-encoded mxfp4 pairs use): a scale vector per tile."""
+    """Weight scales per row (block (1, 128); the op layer takes 128 x 128 weights, the kernel layer both): a
+    vector of weight scales per K tile, against the dequantized fp32 product and the one-partition kernel."""
     _need_kernel()
     from lowbit.kernels import scaled_mm as ks
 
@@ -455,10 +456,16 @@ def test_fp8_block_warp_specialized_per_row_weight_scales():
     g = torch.Generator(device="cuda").manual_seed(21)
     w = lowbit.quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16), "fp8_block")
     _, a = _act("fp8_block", (), m, k, seed=6)
-    ref = scaled_mm_reference(a, w, None, None, torch.float32, dequant_backend="torch")
-    out = ks.scaled_mm(a, w, None, None, torch.float32, config=WS_CONFIG)
-    _assert_close(out, ref, "ws, per-row weight scales")
-    assert torch.equal(out, ks.scaled_mm(a, w, None, None, torch.float32, config=ks.FP8_CONFIGS[-1][1]))
+    ref = lowbit.dequantize(a, torch.float32) @ lowbit.dequantize(w, torch.float32).T
+    outs = []
+    for cfg in (WS_CONFIG, ks.FP8_CONFIGS[-1][1]):
+        out = torch.empty(m, n, device="cuda", dtype=torch.float32)
+        ks._fp8_block_tma([a.data, a.scale, None, None, *a.scale.stride()],
+                          [w.data, w.scale, None, None, *w.scale.stride()],
+                          {"ROWS_PER_SCALE": 1}, m, n, k, None, None, out, cfg)
+        _assert_close(out, ref, f"per-row weight scales {cfg}")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 # ----------------------------------------------------------------------------- decode through the GEMV

@@ -61,6 +61,31 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alph
 
 
 @gluon.jit
+def _k_tile_scales(sa_ptrs, sb_ptrs, row_ok, kt, stride_as1, stride_bs1):
+    """The activation scales of the consumer's rows and the weight scale (scalar, or one per column) of K tile
+    kt; loaded one iteration before their promotion, so the load latency is hidden."""
+    return gl.load(sa_ptrs + kt * stride_as1, mask=row_ok, other=0.0), gl.load(sb_ptrs + kt * stride_bs1)
+
+
+@gluon.jit
+def _issue(a_bufs, b_bufs, ready, it, zero, WG: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
+    """Wait for ring slot ``it % STAGES`` and start this warpgroup's wgmma on it (into fresh registers)."""
+    slot = it % STAGES
+    mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+    a = a_bufs.index(slot).slice(WG * R, R, dim=0)
+    return warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _promote(acc, part, sa, sb, SCALAR_B: gl.constexpr):
+    if SCALAR_B:
+        out = acc + part * (sa * sb)[:, None]
+    else:
+        out = acc + part * sa[:, None] * sb[None, :]
+    return out
+
+
+@gluon.jit
 def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
               M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
               B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -87,29 +112,31 @@ def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alph
         cols = pid_n * BN + gl.arange(0, BN, layout=col_layout)
         col_ok = cols < N
         if SCALAR_B:
-            sb_ptr = bs_ptr + ((pid_n * BN) // B_ROWS_PER_SCALE) * stride_bs0
+            sb_ptrs = bs_ptr + ((pid_n * BN) // B_ROWS_PER_SCALE) * stride_bs0
         else:
             sb_ptrs = bs_ptr + (gl.minimum(cols, N - 1) // B_ROWS_PER_SCALE).to(gl.int64) * stride_bs0
+        # software pipeline in the warpgroup: K tile kt's wgmma runs while tile kt - 1 is promoted (two partial
+        # accumulators live, 64 + 64 registers next to the 64 of acc)
+        sa, sb = _k_tile_scales(sa_ptrs, sb_ptrs, row_ok, 0, stride_as1, stride_bs1)
+        prev = _issue(a_bufs, b_bufs, ready, it, zero, WG, R, STAGES)
+        prev_slot = it % STAGES
+        it += 1
         acc = zero
-        for kt in range(k_tiles):
-            slot = it % STAGES
-            # the scale loads go out before the wait, so their latency hides behind the TMA and the wgmma
-            sa = gl.load(sa_ptrs + kt * stride_as1, mask=row_ok, other=0.0)
-            if SCALAR_B:
-                sb = gl.load(sb_ptr + kt * stride_bs1)
-            else:
-                sb_vec = gl.load(sb_ptrs + kt * stride_bs1)
-            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-            a = a_bufs.index(slot).slice(WG * R, R, dim=0)
-            part = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+        for kt in range(1, k_tiles):
+            nsa, nsb = _k_tile_scales(sa_ptrs, sb_ptrs, row_ok, kt, stride_as1, stride_bs1)
+            cur = _issue(a_bufs, b_bufs, ready, it, zero, WG, R, STAGES)
+            done = warpgroup_mma_wait(num_outstanding=1, deps=(prev, ))
             # the slot is free once this warpgroup's wgmma has read it (the arrive follows a warpgroup barrier)
-            mbarrier.arrive(empty.index(slot), count=1)
-            if SCALAR_B:
-                acc += part * (sa * sb)[:, None]
-            else:
-                acc += part * sa[:, None] * sb_vec[None, :]
+            mbarrier.arrive(empty.index(prev_slot), count=1)
+            acc = _promote(acc, done, sa, sb, SCALAR_B)
+            prev = cur
+            prev_slot = it % STAGES
+            sa = nsa
+            sb = nsb
             it += 1
+        done = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
+        mbarrier.arrive(empty.index(prev_slot), count=1)
+        acc = _promote(acc, done, sa, sb, SCALAR_B)
         if HAS_ALPHA:
             acc = acc * gl.load(alpha_ptr)
         if HAS_BIAS:

@@ -190,8 +190,8 @@ def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> Non
         BN=bn,
         STAGES=cfg["num_stages"],
         GROUP_M=cfg["GROUP_M"],
-        CONSUMER_REGS=cfg.get("consumer_regs", 232),
-        PRODUCER_REGS=cfg.get("producer_regs", 40),
+        CONSUMER_REGS=cfg.get("consumer_regs", 240),
+        PRODUCER_REGS=cfg.get("producer_regs", 24),
         num_warps=4,
         maxnreg=cfg.get("maxnreg", 168),
     )
