@@ -448,7 +448,7 @@ def test_fp8_block_warp_specialized_kernel(name, m, n, k):
 
 def test_fp8_block_warp_specialized_per_row_weight_scales():
     """Weight scales per row (block (1, 128); the op layer takes 128 x 128 weights, the kernel layer both): a
-    vector of weight scales per K tile, against the dequantized fp32 product and the one-partition kernel."""
+    ws config falls back to the one-partition kernel, which takes a vector of weight scales per K tile."""
     _need_kernel()
     from lowbit.kernels import scaled_mm as ks
 

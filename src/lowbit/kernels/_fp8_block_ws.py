@@ -61,10 +61,9 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alph
 
 
 @gluon.jit
-def _k_tile_scales(sa_ptrs, sb_ptrs, row_ok, kt, stride_as1, stride_bs1):
-    """The activation scales of the consumer's rows and the weight scale (scalar, or one per column) of K tile
-    kt; loaded one iteration before their promotion, so the load latency is hidden."""
-    return gl.load(sa_ptrs + kt * stride_as1, mask=row_ok, other=0.0), gl.load(sb_ptrs + kt * stride_bs1)
+def _k_tile_scales(sa_ptrs, sb_ptr, row_ok, kt, stride_as1, stride_bs1):
+    """The activation scales of the consumer's rows and the tile's weight scale for K tile kt."""
+    return gl.load(sa_ptrs + kt * stride_as1, mask=row_ok, other=0.0), gl.load(sb_ptr + kt * stride_bs1)
 
 
 @gluon.jit
@@ -77,15 +76,6 @@ def _issue(a_bufs, b_bufs, ready, it, zero, WG: gl.constexpr, R: gl.constexpr, S
 
 
 @gluon.jit
-def _promote(acc, part, sa, sb, SCALAR_B: gl.constexpr):
-    if SCALAR_B:
-        out = acc + part * (sa * sb)[:, None]
-    else:
-        out = acc + part * sa[:, None] * sb[None, :]
-    return out
-
-
-@gluon.jit
 def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
               M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
               B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -93,8 +83,7 @@ def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alph
               GROUP_M: gl.constexpr, WG: gl.constexpr):
     """Warpgroup ``WG`` of the consumers: rows [WG * 64, WG * 64 + 64) of every tile."""
     R: gl.constexpr = ROWS_PER_CONSUMER
-    # one weight scale per K tile when the tile's BN rows lie in one scale block (128x128 weight blocks)
-    SCALAR_B: gl.constexpr = B_ROWS_PER_SCALE % BN == 0
+    gl.static_assert(B_ROWS_PER_SCALE % BN == 0, "the BN rows of a tile must share one weight scale block")
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -111,32 +100,25 @@ def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alph
         sa_ptrs = as_ptr + rows.to(gl.int64) * stride_as0
         cols = pid_n * BN + gl.arange(0, BN, layout=col_layout)
         col_ok = cols < N
-        if SCALAR_B:
-            sb_ptrs = bs_ptr + ((pid_n * BN) // B_ROWS_PER_SCALE) * stride_bs0
-        else:
-            sb_ptrs = bs_ptr + (gl.minimum(cols, N - 1) // B_ROWS_PER_SCALE).to(gl.int64) * stride_bs0
-        # software pipeline in the warpgroup: K tile kt's wgmma runs while tile kt - 1 is promoted (two partial
-        # accumulators live, 64 + 64 registers next to the 64 of acc)
-        sa, sb = _k_tile_scales(sa_ptrs, sb_ptrs, row_ok, 0, stride_as1, stride_bs1)
-        prev = _issue(a_bufs, b_bufs, ready, it, zero, WG, R, STAGES)
-        prev_slot = it % STAGES
-        it += 1
+        sb_ptr = bs_ptr + ((pid_n * BN) // B_ROWS_PER_SCALE) * stride_bs0
+        # The wgmma of each K tile is waited for at once: promoting tile kt - 1 while tile kt's wgmma runs would
+        # read accumulator registers inside a wgmma pipeline stage, and ptxas then serializes every wgmma
+        # (C7514; measured 0.55x instead of 0.65x). The other consumer warpgroup's wgmma fills the gap instead.
+        # The scales of tile kt + 1 are loaded while tile kt runs: an L2 round trip under this much TMA
+        # traffic is longer than one tile's wgmma.
+        sa, sb = _k_tile_scales(sa_ptrs, sb_ptr, row_ok, 0, stride_as1, stride_bs1)
         acc = zero
-        for kt in range(1, k_tiles):
-            nsa, nsb = _k_tile_scales(sa_ptrs, sb_ptrs, row_ok, kt, stride_as1, stride_bs1)
-            cur = _issue(a_bufs, b_bufs, ready, it, zero, WG, R, STAGES)
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(prev, ))
+        for kt in range(k_tiles):
+            nxt = gl.minimum(kt + 1, k_tiles - 1)
+            nsa, nsb = _k_tile_scales(sa_ptrs, sb_ptr, row_ok, nxt, stride_as1, stride_bs1)
+            part = _issue(a_bufs, b_bufs, ready, it, zero, WG, R, STAGES)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
             # the slot is free once this warpgroup's wgmma has read it (the arrive follows a warpgroup barrier)
-            mbarrier.arrive(empty.index(prev_slot), count=1)
-            acc = _promote(acc, done, sa, sb, SCALAR_B)
-            prev = cur
-            prev_slot = it % STAGES
+            mbarrier.arrive(empty.index(it % STAGES), count=1)
+            acc += part * (sa * sb)[:, None]
             sa = nsa
             sb = nsb
             it += 1
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
-        mbarrier.arrive(empty.index(prev_slot), count=1)
-        acc = _promote(acc, done, sa, sb, SCALAR_B)
         if HAS_ALPHA:
             acc = acc * gl.load(alpha_ptr)
         if HAS_BIAS:

@@ -154,7 +154,8 @@ def _num_sms(device_index: int) -> int:
 
 
 def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
-    """The warp-specialized Gluon kernel (``_fp8_block_ws``): 128 x BN tiles, one persistent program per SM."""
+    """The warp-specialized Gluon kernel (``_fp8_block_ws``): 128 x BN tiles, one persistent program per SM;
+    weights with 128 x 128 scale blocks (one weight scale per tile and K tile)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -200,7 +201,7 @@ def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> Non
 def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if cfg.get("ws"):
+    if cfg.get("ws") and bc.get("ROWS_PER_SCALE", 1) % cfg["BN"] == 0:
         _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
         return
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
