@@ -419,12 +419,14 @@ WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num
 
 
 @pytest.mark.parametrize("m", [1, 33, 1000, 4096])
-@pytest.mark.parametrize("n, k", [(2112, 7168), (384, 1600), (7168, 2048)])
+@pytest.mark.parametrize("n, k", [(2112, 7168), (384, 1600), (7168, 2048), (1004, 1664)])
 @pytest.mark.parametrize("name", ["fp8_block", "fp8_block-ue8m0", "fp8_block-colmajor"])
 def test_fp8_block_warp_specialized_kernel(name, m, n, k):
     """The Gluon warp-specialized kernel matches the reference (tiles past M, N and K zero-filled by TMA, bias,
-    alpha, both output dtypes, BN 64 and 128, 4 and 6 stages) and, for fp32 output, equals the one-partition TMA
-    kernel with 64-row tiles bit for bit: both promote the same four m64n128k32 wgmmas per K tile the same way."""
+    alpha, both output dtypes, BN 64 and 128, 4 and 6 stages; the output through TMA stores, and through plain
+    stores where a bf16 row is not a multiple of 16 bytes: N = 1004) and, for fp32 output, equals the
+    one-partition TMA kernel with 64-row tiles bit for bit: both promote the same four m64n128k32 wgmmas per K
+    tile the same way."""
     _need_kernel()
     from lowbit.kernels import scaled_mm as ks
 

@@ -20,7 +20,13 @@ producer runs ahead into the next tile while the consumers finish the epilogue o
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 # rows per consumer warpgroup: one wgmma m64 row block
 ROWS_PER_CONSUMER = gl.constexpr(64)
@@ -37,11 +43,11 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+def _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
               M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
               B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, WG: gl.constexpr):
+              GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
     num_m = gl.cdiv(M, BM)
     num_n = gl.cdiv(N, BN)
     k_tiles = gl.cdiv(K, BK)
@@ -55,7 +61,10 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alph
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, tile_bytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kt * BK], bar, a_bufs.index(slot))
+            # one [64, BK] box of A per consumer warpgroup (a TMA box side must be a power of two: BM may be 192)
+            for c in gl.static_range(BM // ROWS_PER_CONSUMER):
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BM + c * ROWS_PER_CONSUMER, kt * BK], bar,
+                                                a_bufs.index(slot * (BM // ROWS_PER_CONSUMER) + c))
             tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kt * BK], bar, b_bufs.index(slot))
             it += 1
 
@@ -67,20 +76,20 @@ def _k_tile_scales(sa_ptrs, sb_ptr, row_ok, kt, stride_as1, stride_bs1):
 
 
 @gluon.jit
-def _issue(a_bufs, b_bufs, ready, it, zero, WG: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
+def _issue(a_bufs, b_bufs, ready, it, zero, WG: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
     """Wait for ring slot ``it % STAGES`` and start this warpgroup's wgmma on it (into fresh registers)."""
     slot = it % STAGES
     mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
-    a = a_bufs.index(slot).slice(WG * R, R, dim=0)
+    a = a_bufs.index(slot * CONSUMERS + WG)
     return warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+def _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
               M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
               B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, WG: gl.constexpr):
+              GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
     """Warpgroup ``WG`` of the consumers: rows [WG * 64, WG * 64 + 64) of every tile."""
     R: gl.constexpr = ROWS_PER_CONSUMER
     gl.static_assert(B_ROWS_PER_SCALE % BN == 0, "the BN rows of a tile must share one weight scale block")
@@ -111,7 +120,7 @@ def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alph
         for kt in range(k_tiles):
             nxt = gl.minimum(kt + 1, k_tiles - 1)
             nsa, nsb = _k_tile_scales(sa_ptrs, sb_ptr, row_ok, nxt, stride_as1, stride_bs1)
-            part = _issue(a_bufs, b_bufs, ready, it, zero, WG, R, STAGES)
+            part = _issue(a_bufs, b_bufs, ready, it, zero, WG, BM // R, STAGES)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
             # the slot is free once this warpgroup's wgmma has read it (the arrive follows a warpgroup barrier)
             mbarrier.arrive(empty.index(it % STAGES), count=1)
@@ -123,69 +132,70 @@ def _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alph
             acc = acc * gl.load(alpha_ptr)
         if HAS_BIAS:
             acc = acc + gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-        ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if TMA_STORE:
+            c_smem = c_bufs.index(WG)
+            tma.store_wait(0)  # this warpgroup's previous tile has left c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [pid_m * BM + WG * R, pid_n * BN], c_smem)
+        else:
+            ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if TMA_STORE:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer0(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-               M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-               B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
-               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-               GROUP_M: gl.constexpr, WG: gl.constexpr):
-    _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-              M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-              B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, 0)
-
-
-@gluon.jit
-def _producer_entry(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                    M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                    B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                    GROUP_M: gl.constexpr, WG: gl.constexpr):
-    _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-              M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-              B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, -1)
-
-
-@gluon.jit
-def _consumer1(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-               M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-               B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
-               BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-               GROUP_M: gl.constexpr, WG: gl.constexpr):
-    _consumer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-              M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-              B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, 1)
-
-
-@gluon.jit
-def fp8_block_mm_ws_kernel(a_desc, b_desc, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+def fp8_block_mm_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
                            M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
                            B_ROWS_PER_SCALE: gl.constexpr, HAS_ALPHA: gl.constexpr, HAS_BIAS: gl.constexpr,
                            BN: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                           CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           TMA_STORE: gl.constexpr):
     """Launch with num_warps=4 (the default partition is consumer warpgroup 0) and a grid of at most one program
-    per SM. ``a_desc`` has [128, 128] boxes, ``b_desc`` [BN, 128]."""
-    BM: gl.constexpr = 2 * ROWS_PER_CONSUMER
+    per SM. ``a_desc`` has [64, 128] boxes, ``b_desc`` [BN, 128]; CONSUMERS is 2 or 3. TMA_STORE: each consumer
+    writes its [64, BN] output block to shared memory and one TMA store takes it out (``c_desc`` over ``out``,
+    [64, BN] boxes; it clips the edges), so the next tile's K loop starts while the store drains."""
+    BM: gl.constexpr = CONSUMERS * ROWS_PER_CONSUMER
     BK: gl.constexpr = 128
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * CONSUMERS, ROWS_PER_CONSUMER, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    if TMA_STORE:
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [CONSUMERS, ROWS_PER_CONSUMER, BN], c_desc.layout)
+    else:
+        c_bufs = b_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    # the argument tuples are written out in place: a tuple assigned to a variable turns its constexprs into tensors
-    gl.warp_specialize([
-        (_consumer0, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                      M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                      B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, 0)),
-        (_consumer1, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                      M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                      B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, 1)),
-        (_producer_entry, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr,
-                           out_ptr, M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                           B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, -1)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    # The argument tuples are written out in place (a tuple assigned to a variable turns its constexprs into
+    # tensors); the last one is the warpgroup index (-1: the producer).
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 0)),
+            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 1)),
+            (_producer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, -1)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 3, "2 or 3 consumer warpgroups")
+        gl.warp_specialize([
+            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 0)),
+            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 1)),
+            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 2)),
+            (_producer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, -1)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -143,9 +143,9 @@ def _split_k(tiles: int, k_tiles: int, bk: int, cfg: dict, device: torch.device)
     return triton.cdiv(k_tiles, per), per * bk
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    """A TMA descriptor needs a 16-byte aligned base and row stride (one byte per FP8 element)."""
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+def _tma_ready(t: torch.Tensor, elem_bytes: int = 1) -> bool:
+    """A TMA descriptor needs a 16-byte aligned base and row stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * elem_bytes) % 16 == 0
 
 
 @functools.cache
@@ -154,24 +154,34 @@ def _num_sms(device_index: int) -> int:
 
 
 def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
-    """The warp-specialized Gluon kernel (``_fp8_block_ws``): 128 x BN tiles, one persistent program per SM;
+    """The warp-specialized Gluon kernel (``_fp8_block_ws``): BM x BN tiles (BM 128 or 192: 64 rows per consumer
+    warpgroup), one persistent program per SM;
     weights with 128 x 128 scale blocks (one weight scale per tile and K tile)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from . import _fp8_block_ws as kws
 
-    bn = cfg["BN"]
+    bm, bn = cfg["BM"], cfg["BN"]
+    consumers = bm // 64
     a_data, b_data = a_args[0], b_args[0]
-    a_layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+    a_layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
-    a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [128, 128], a_layout)
+    a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [64, 128], a_layout)
     b_desc = TensorDescriptor(b_data, [n, k_dim], [b_data.stride(0), 1], [bn, 128], b_layout)
-    tiles = triton.cdiv(m, 128) * triton.cdiv(n, bn)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     programs = min(tiles, _num_sms(out.device.index))
+    tma_store = cfg.get("tma_store", True) and _tma_ready(out, out.element_size())
+    c_desc = a_desc
+    if tma_store:
+        c_type = gl.bfloat16 if out.dtype == torch.bfloat16 else (gl.float16 if out.dtype == torch.float16
+                                                                   else gl.float32)
+        c_layout = gl.NVMMASharedLayout.get_default_for([64, bn], c_type)
+        c_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [64, bn], c_layout)
     kws.fp8_block_mm_ws_kernel[(programs,)](
         a_desc,
         b_desc,
+        c_desc,
         a_args[1],
         b_args[1],
         alpha if alpha is not None else out,
@@ -191,10 +201,13 @@ def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> Non
         BN=bn,
         STAGES=cfg["num_stages"],
         GROUP_M=cfg["GROUP_M"],
-        CONSUMER_REGS=cfg.get("consumer_regs", 240),
+        CONSUMERS=consumers,
+        # registers per thread: 3 warpgroups x 168 (2 consumers) or 4 x 128 (3 consumers) fill the 64K file
+        CONSUMER_REGS=cfg.get("consumer_regs", 240 if consumers == 2 else 160),
         PRODUCER_REGS=cfg.get("producer_regs", 24),
         num_warps=4,
-        maxnreg=cfg.get("maxnreg", 168),
+        maxnreg=168 if consumers == 2 else 128,
+        TMA_STORE=tma_store,
     )
 
 
