@@ -29,7 +29,7 @@ def main() -> None:
         if which == "ws":
             ks.scaled_mm(a, b, None, None, torch.bfloat16, config=WS)
         elif which == "tma":
-            ks.scaled_mm(a, b, None, None, torch.bfloat16, config=ks.FP8_CONFIGS[-1][1])
+            ks.scaled_mm(a, b, None, None, torch.bfloat16, config=ks.ONE_PARTITION_CONFIG)
         else:
             torch._scaled_mm(x8, w8.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     torch.cuda.synchronize()

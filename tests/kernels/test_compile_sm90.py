@@ -39,6 +39,13 @@ def compile_for_hopper(fn, signature, constexprs):
     sig.update({name: "constexpr" for name in constexprs})
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
+    if fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        from lowbit.kernels import _fp8_block_ws
+
+        options = _fp8_block_ws.launch_options(constexprs["CONSUMERS"])
+        return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=HOPPER, options=options)
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=HOPPER)
 
 
@@ -131,3 +138,21 @@ def test_fp8_block_tma_kernel_uses_tma_and_wgmma():
         ptx = compile_for_hopper(fn, sig, consts).asm["ptx"]
         assert "cp.async.bulk.tensor" in ptx, consts
         assert "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx, consts
+
+
+def test_fp8_block_warp_specialized_kernel_ptx():
+    """The Gluon kernel: TMA loads into the ring, fp8 wgmma waited per K tile (a wait_group 1 pipeline made
+    ptxas serialize every wgmma), register hand-over between the partitions, TMA stores of the output."""
+    if importlib.util.find_spec("lowbit.kernels.scaled_mm") is None:
+        pytest.skip("no scaled_mm kernels")
+    from lowbit.kernels import scaled_mm
+
+    variants = [v for v in scaled_mm.compile_variants() if v[0].__name__ == "fp8_block_mm_ws_kernel"]
+    assert len(variants) == 4
+    for fn, sig, consts in variants:
+        ptx = compile_for_hopper(fn, sig, consts).asm["ptx"]
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, consts
+        assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx, consts
+        assert "wgmma.wait_group.sync.aligned 0" in ptx and "wgmma.wait_group.sync.aligned 1" not in ptx, consts
+        assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx.replace("\t", "\\t") or "setmaxnreg.dec" in ptx
+        assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == consts["TMA_STORE"], consts

@@ -410,12 +410,12 @@ def test_fp8_block_tma_and_pointer_kernels_agree(m, n, k):
     shifted.copy_(a.data)
     assert shifted.data_ptr() % 16 == 1
     a_shifted = replace(a, data=shifted)
-    out = ks.scaled_mm(a_shifted, w, alpha, bias, torch.float32, config=ks.FP8_CONFIGS[-1][1])
+    out = ks.scaled_mm(a_shifted, w, alpha, bias, torch.float32, config=ks.ONE_PARTITION_CONFIG)
     _assert_close(out, ref, "unaligned a.data (pointer kernel)")
 
 
 WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True,
-             "ws": True}
+             "ws": True}  # also the shipped config for M > 1024 (scaled_mm.WS_CONFIG)
 
 
 @pytest.mark.parametrize("m", [1, 33, 1000, 4096])
@@ -438,7 +438,7 @@ def test_fp8_block_warp_specialized_kernel(name, m, n, k):
     for extras in (False, True):
         al, bi = (alpha, bias) if extras else (None, None)
         ref = scaled_mm_reference(a, w, al, bi, torch.float32, dequant_backend="torch")
-        one_partition = ks.scaled_mm(a, w, al, bi, torch.float32, config=ks.FP8_CONFIGS[-1][1])
+        one_partition = ks.scaled_mm(a, w, al, bi, torch.float32, config=ks.ONE_PARTITION_CONFIG)
         for cfg in (WS_CONFIG, {**WS_CONFIG, "BN": 64, "num_stages": 6}):
             out = ks.scaled_mm(a, w, al, bi, torch.float32, config=cfg)
             _assert_close(out, ref, f"ws {cfg} extras={extras}")
@@ -460,7 +460,7 @@ def test_fp8_block_warp_specialized_per_row_weight_scales():
     _, a = _act("fp8_block", (), m, k, seed=6)
     ref = lowbit.dequantize(a, torch.float32) @ lowbit.dequantize(w, torch.float32).T
     outs = []
-    for cfg in (WS_CONFIG, ks.FP8_CONFIGS[-1][1]):
+    for cfg in (WS_CONFIG, ks.ONE_PARTITION_CONFIG):
         out = torch.empty(m, n, device="cuda", dtype=torch.float32)
         ks._fp8_block_tma([a.data, a.scale, None, None, *a.scale.stride()],
                           [w.data, w.scale, None, None, *w.scale.stride()],

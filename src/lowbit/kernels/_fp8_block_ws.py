@@ -32,6 +32,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 ROWS_PER_CONSUMER = gl.constexpr(64)
 
 
+def launch_options(consumers: int) -> dict:
+    """num_warps and the register cap: (consumers + 1 producer) warpgroups share the 64K-register file
+    (3 x 168 or 4 x 128 per thread); setmaxnreg then moves registers from the producer to the consumers."""
+    return {"num_warps": 4, "maxnreg": 168 if consumers == 2 else 128}
+
+
 @gluon.jit
 def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
     per_group = GROUP_M * num_n

@@ -35,14 +35,20 @@ CONFIGS: list[tuple[int, dict]] = [
 # shapes: 0.60-0.72x (128x128 in the same run: 0.53-0.68x).
 # Decode (M <= 64) splits K over programs, about two per SM (sweep_fp8_decode, CUDA-graph replays over
 # weights out of L2, H200: benchmarks/results/2026-11-21_h200_sweep_fp8_decode.json).
+# M > 1024: the warp-specialized Gluon kernel (_fp8_block_ws: a TMA producer warp, two consumer warpgroups, output
+# through TMA stores). H100, 2026-11-21 (..._h100_sweep_fp8_block_ws_e725ff4.json): 0.69-0.78x torch._scaled_mm
+# on five of the six M=4096 / 8192^3 shapes against 0.52-0.66x for the one-partition persistent 64x128 kernel
+# (the one it replaces; kept as ONE_PARTITION_CONFIG for weights without 128x128 scale blocks and for tests).
+WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True, "ws": True}
+ONE_PARTITION_CONFIG = {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
+                        "persistent": True, "per_sm": 2}
 FP8_CONFIGS: list[tuple[int, dict]] = [
     (16, {"BM": 16, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "split_k": 16,
           "min_k_tiles": 2}),
     (64, {"BM": 64, "BN": 64, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "split_k": 16,
           "min_k_tiles": 2}),
     (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
-    (1 << 62, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
-               "persistent": True, "per_sm": 2}),
+    (1 << 62, WS_CONFIG),
 ]
 
 # The FP8 re-encoded mxfp4 pairs (fold_route) run the TMA kernel on 128x128-block weights; M starts at
@@ -55,8 +61,7 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
 # per-call launches outweigh a 48 us GEMM); at M = 256 it lost on most.
 FOLD_CONFIGS: list[tuple[int, dict]] = [
     (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
-    (1 << 62, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
-               "persistent": True, "per_sm": 2}),
+    (1 << 62, WS_CONFIG),
 ]
 
 _MINIFLOAT = {"mxfp6_e2m3": (2, 3, 1), "mxfp6_e3m2": (3, 2, 3), "mxfp4": (2, 1, 1), "nvfp4": (2, 1, 1)}
@@ -205,18 +210,19 @@ def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> Non
         # registers per thread: 3 warpgroups x 168 (2 consumers) or 4 x 128 (3 consumers) fill the 64K file
         CONSUMER_REGS=cfg.get("consumer_regs", 240 if consumers == 2 else 160),
         PRODUCER_REGS=cfg.get("producer_regs", 24),
-        num_warps=4,
-        maxnreg=168 if consumers == 2 else 128,
         TMA_STORE=tma_store,
+        **kws.launch_options(consumers),
     )
 
 
 def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if cfg.get("ws") and bc.get("ROWS_PER_SCALE", 1) % cfg["BN"] == 0:
-        _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
-        return
+    if cfg.get("ws"):
+        if bc.get("ROWS_PER_SCALE", 1) % cfg["BN"] == 0:
+            _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
+            return
+        cfg = ONE_PARTITION_CONFIG
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     a_data, b_data = a_args[0], b_args[0]
     a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [bm, bk])
@@ -568,11 +574,13 @@ def compile_variants():
     # and every config of the FP8 re-encoded pairs (128x128 weight blocks, with bias/alpha)
     tma_cases = []
     for i, (_limit, cfg) in enumerate(FP8_CONFIGS):
+        if cfg.get("ws"):
+            cfg = ONE_PARTITION_CONFIG  # what a ws config runs for weights without 128x128 scale blocks
         if cfg.get("tma"):
             tma_cases.append((cfg, 128, False))
             if i == len(FP8_CONFIGS) - 1:
                 tma_cases.append((cfg, 1, True))
-    tma_cases += [(cfg, 128, True) for _limit, cfg in FOLD_CONFIGS]
+    tma_cases += [(cfg, 128, True) for _limit, cfg in FOLD_CONFIGS if not cfg.get("ws")]
     for cfg, rows_per_scale, extras in tma_cases:
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
         sig = {
@@ -589,3 +597,43 @@ def compile_variants():
         consts = dict(B_ROWS_PER_SCALE=rows_per_scale, HAS_ALPHA=extras, HAS_BIAS=extras, BM=bm, BN=bn, BK=bk,
                       GROUP_M=cfg["GROUP_M"])
         yield k._fp8_block_mm_tma_kernel, sig, consts
+    yield from _ws_compile_variants()
+
+
+def _ws_compile_variants():
+    """The Gluon kernel: the shipped config (TMA and plain output stores, bf16 and fp32 out, bias/alpha) and the
+    three-consumer tile (BM 192) of the sweeps. Descriptor signatures come from host descriptors over small CPU
+    tensors, as the JIT would write them."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from . import _fp8_block_ws as kws
+
+    def desc_sig(dtype, gl_dtype, block):
+        t = torch.empty(256, 256, dtype=dtype)
+        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
+
+    cases = [(WS_CONFIG, torch.bfloat16, True, True), (WS_CONFIG, torch.float32, True, False),
+             (WS_CONFIG, torch.bfloat16, False, True), ({**WS_CONFIG, "BM": 192}, torch.bfloat16, True, False)]
+    for cfg, out_dtype, tma_store, extras in cases:
+        bn, consumers = cfg["BN"], cfg["BM"] // 64
+        gl_out, ptr_out = (gl.bfloat16, "*bf16") if out_dtype == torch.bfloat16 else (gl.float32, "*fp32")
+        sig = {
+            "a_desc": desc_sig(torch.float8_e4m3fn, gl.float8e4nv, [64, 128]),
+            "b_desc": desc_sig(torch.float8_e4m3fn, gl.float8e4nv, [bn, 128]),
+            "c_desc": desc_sig(out_dtype, gl_out, [64, bn]),
+            "as_ptr": "*fp32",
+            "bs_ptr": "*fp32",
+            "alpha_ptr": "*fp32",
+            "bias_ptr": "*bf16",
+            "out_ptr": ptr_out,
+        }
+        sig.update({n: "i32" for n in ("M", "N", "K", "stride_as0", "stride_as1", "stride_bs0", "stride_bs1",
+                                       "stride_om")})
+        consts = dict(B_ROWS_PER_SCALE=128, HAS_ALPHA=extras, HAS_BIAS=extras, BN=bn, STAGES=cfg["num_stages"],
+                      GROUP_M=cfg["GROUP_M"], CONSUMERS=consumers, CONSUMER_REGS=240 if consumers == 2 else 160,
+                      PRODUCER_REGS=24, TMA_STORE=tma_store)
+        yield kws.fp8_block_mm_ws_kernel, sig, consts
