@@ -36,9 +36,10 @@ CONFIGS: list[tuple[int, dict]] = [
 # Decode (M <= 64) splits K over programs, about two per SM (sweep_fp8_decode, CUDA-graph replays over
 # weights out of L2, H200: benchmarks/results/2026-11-21_h200_sweep_fp8_decode.json).
 # M > 1024: the warp-specialized Gluon kernel (_fp8_block_ws: a TMA producer warp, two consumer warpgroups, output
-# through TMA stores). H100, 2026-11-21 (..._h100_sweep_fp8_block_ws_e725ff4.json): 0.69-0.78x torch._scaled_mm
-# on five of the six M=4096 / 8192^3 shapes against 0.52-0.66x for the one-partition persistent 64x128 kernel
-# (the one it replaces; kept as ONE_PARTITION_CONFIG for weights without 128x128 scale blocks and for tests).
+# through TMA stores). H100, 2026-11-21 (..._h100_sweep_fp8_block_ws_f8a2144.json): 0.67-0.83x torch._scaled_mm on
+# five of the six M=4096 / 8192^3 shapes against 0.52-0.67x for the one-partition persistent 64x128 kernel (kept
+# as ONE_PARTITION_CONFIG for weights without 128x128 scale blocks). On 4096x7168x2048 it is 0.58 against 0.68
+# eagerly: its Gluon launch costs more host time (as graph replays 124 against 154 us, ..._ab_fp8_ws_126f400).
 WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True, "ws": True}
 ONE_PARTITION_CONFIG = {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
                         "persistent": True, "per_sm": 2}
@@ -59,9 +60,12 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
 # FOLD_MIN_M = 1024: at M = 1024 the route beat or matched the decoding kernel on 5 of the 6 DeepSeek/8192
 # shapes for mxfp4 x mxfp4 and W4A8 (..._bench_scaled_mm_fold_ffca2db.json; not on 7168x2048, where the
 # per-call launches outweigh a 48 us GEMM); at M = 256 it lost on most.
+# The ws kernel would help here on the GPU (H100 graph replays, ..._h100_ab_fp8_ws_126f400.json: 135 vs 167 us on
+# 4096x7168x2048), but eagerly the route's several launches become host-bound with the Gluon launch (473 vs
+# 370 us): it stays on the one-partition kernel until that launch is cheaper.
 FOLD_CONFIGS: list[tuple[int, dict]] = [
     (1024, {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True}),
-    (1 << 62, WS_CONFIG),
+    (1 << 62, ONE_PARTITION_CONFIG),
 ]
 
 _MINIFLOAT = {"mxfp6_e2m3": (2, 3, 1), "mxfp6_e3m2": (3, 2, 3), "mxfp4": (2, 1, 1), "nvfp4": (2, 1, 1)}
