@@ -65,7 +65,6 @@ VARIANTS = {
     "ws_128x128_s3": {**_cfg(128, 128, 4, 3, True), "ws": True},
     "ws_128x128_s4_g16": {**_cfg(128, 128, 4, 4, True, group=16), "ws": True},
     "ws_128x128_s4_direct": {**_cfg(128, 128, 4, 4, True), "ws": True, "tma_store": False},
-    "ws_192x128_s4": {**_cfg(192, 128, 4, 4, True), "ws": True},
     "ws_128x64_s8": {**_cfg(128, 64, 4, 8, True), "ws": True},
 }
 

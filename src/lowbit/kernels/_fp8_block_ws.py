@@ -32,10 +32,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 ROWS_PER_CONSUMER = gl.constexpr(64)
 
 
-def launch_options(consumers: int) -> dict:
-    """num_warps and the register cap: (consumers + 1 producer) warpgroups share the 64K-register file
-    (3 x 168 or 4 x 128 per thread); setmaxnreg then moves registers from the producer to the consumers."""
-    return {"num_warps": 4, "maxnreg": 168 if consumers == 2 else 128}
+def launch_options(consumers: int = 2) -> dict:
+    """num_warps and the register cap: 2 consumer + 1 producer warpgroups share the 64K-register file (3 x 168
+    per thread); setmaxnreg then moves registers from the producer (24) to the consumers (240)."""
+    assert consumers == 2, "two consumer warpgroups (three spill at 160 registers)"
+    return {"num_warps": 4, "maxnreg": 168}
 
 
 @gluon.jit
@@ -67,7 +68,7 @@ def _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_p
             mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, tile_bytes)
-            # one [64, BK] box of A per consumer warpgroup (a TMA box side must be a power of two: BM may be 192)
+            # one [64, BK] box of A per consumer warpgroup (each consumer's wgmma reads its own slot)
             for c in gl.static_range(BM // ROWS_PER_CONSUMER):
                 tma.async_copy_global_to_shared(a_desc, [pid_m * BM + c * ROWS_PER_CONSUMER, kt * BK], bar,
                                                 a_bufs.index(slot * (BM // ROWS_PER_CONSUMER) + c))
@@ -177,31 +178,15 @@ def fp8_block_mm_ws_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, alpha_ptr, bi
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     # The argument tuples are written out in place (a tuple assigned to a variable turns its constexprs into
     # tensors); the last one is the warpgroup index (-1: the producer).
-    if CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 0)),
-            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 1)),
-            (_producer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, -1)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.static_assert(CONSUMERS == 3, "2 or 3 consumer warpgroups")
-        gl.warp_specialize([
-            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 0)),
-            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 1)),
-            (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 2)),
-            (_producer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
-                         M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
-                         B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, -1)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    gl.static_assert(CONSUMERS == 2, "two consumer warpgroups (three spill at 160 registers)")
+    gl.warp_specialize([
+        (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                     M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                     B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 0)),
+        (_consumer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                     M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                     B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, 1)),
+        (_producer, (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, alpha_ptr, bias_ptr, out_ptr,
+                     M, N, K, stride_as0, stride_as1, stride_bs0, stride_bs1, stride_om,
+                     B_ROWS_PER_SCALE, HAS_ALPHA, HAS_BIAS, BM, BN, BK, STAGES, GROUP_M, TMA_STORE, -1)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -163,7 +163,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
-    """The warp-specialized Gluon kernel (``_fp8_block_ws``): BM x BN tiles (BM 128 or 192: 64 rows per consumer
+    """The warp-specialized Gluon kernel (``_fp8_block_ws``): 128 x BN tiles (64 rows per consumer
     warpgroup), one persistent program per SM;
     weights with 128 x 128 scale blocks (one weight scale per tile and K tile)."""
     from triton.experimental.gluon import language as gl
@@ -211,8 +211,7 @@ def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> Non
         STAGES=cfg["num_stages"],
         GROUP_M=cfg["GROUP_M"],
         CONSUMERS=consumers,
-        # registers per thread: 3 warpgroups x 168 (2 consumers) or 4 x 128 (3 consumers) fill the 64K file
-        CONSUMER_REGS=cfg.get("consumer_regs", 240 if consumers == 2 else 160),
+        CONSUMER_REGS=cfg.get("consumer_regs", 240),
         PRODUCER_REGS=cfg.get("producer_regs", 24),
         TMA_STORE=tma_store,
         **kws.launch_options(consumers),
@@ -605,8 +604,7 @@ def compile_variants():
 
 
 def _ws_compile_variants():
-    """The Gluon kernel: the shipped config (TMA and plain output stores, bf16 and fp32 out, bias/alpha) and the
-    three-consumer tile (BM 192) of the sweeps. Descriptor signatures come from host descriptors over small CPU
+    """The Gluon kernel: the shipped config (TMA and plain output stores, bf16 and fp32 out, bias/alpha). Descriptor signatures come from host descriptors over small CPU
     tensors, as the JIT would write them."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
@@ -621,7 +619,7 @@ def _ws_compile_variants():
         return native_specialize_impl(BaseBackend, d, False, True, True)[0]
 
     cases = [(WS_CONFIG, torch.bfloat16, True, True), (WS_CONFIG, torch.float32, True, False),
-             (WS_CONFIG, torch.bfloat16, False, True), ({**WS_CONFIG, "BM": 192}, torch.bfloat16, True, False)]
+             (WS_CONFIG, torch.bfloat16, False, True)]
     for cfg, out_dtype, tma_store, extras in cases:
         bn, consumers = cfg["BN"], cfg["BM"] // 64
         gl_out, ptr_out = (gl.bfloat16, "*bf16") if out_dtype == torch.bfloat16 else (gl.float32, "*fp32")
@@ -638,6 +636,6 @@ def _ws_compile_variants():
         sig.update({n: "i32" for n in ("M", "N", "K", "stride_as0", "stride_as1", "stride_bs0", "stride_bs1",
                                        "stride_om")})
         consts = dict(B_ROWS_PER_SCALE=128, HAS_ALPHA=extras, HAS_BIAS=extras, BN=bn, STAGES=cfg["num_stages"],
-                      GROUP_M=cfg["GROUP_M"], CONSUMERS=consumers, CONSUMER_REGS=240 if consumers == 2 else 160,
+                      GROUP_M=cfg["GROUP_M"], CONSUMERS=consumers, CONSUMER_REGS=240,
                       PRODUCER_REGS=24, TMA_STORE=tma_store)
         yield kws.fp8_block_mm_ws_kernel, sig, consts
