@@ -61,7 +61,9 @@ SWEEP_MMA = [{"mma": False}] + [
     {"mma": {"min_m": 1, "max_m": 16, "rg": rg, "j": j, "warps": w, "ctas_per_sm": cps}}
     for rg, j, w, cps in [(2, 4, 4, 8), (2, 4, 4, 4), (1, 4, 4, 8), (4, 4, 4, 4), (2, 8, 8, 4)]
 ]
-SWEEPS = {"all": SWEEP, "mma": SWEEP_MMA}
+# M = 1: the tensor-core GEMV against the FMA kernel on every weight size (where MMA["m1_min_weights"] belongs)
+SWEEP_M1 = [{"mma": False}, {"mma": {**G.MMA, "m1_min_weights": 0}}]
+SWEEPS = {"all": SWEEP, "mma": SWEEP_MMA, "m1": SWEEP_M1}
 
 
 def _git() -> str:

@@ -101,8 +101,9 @@ def _mma_variants():
     return [pytest.param(*v, id=f"fmt{f}-{'f16' if h else 'bf16'}") for (f, h), v in seen.items()]
 
 
-def test_gemv_mma_covers_fp4_and_int4():
-    assert {p.id for p in _mma_variants()} >= {"fmt0-bf16", "fmt1-bf16", "fmt2-bf16", "fmt2-f16"}
+def test_gemv_mma_covers_fp4_int4_and_nf4():
+    assert {p.id for p in _mma_variants()} >= {"fmt0-bf16", "fmt1-bf16", "fmt2-bf16", "fmt2-f16", "fmt3-bf16",
+                                               "fmt3-f16"}
 
 
 @pytest.mark.parametrize("fn, signature, constexprs", _mma_variants())

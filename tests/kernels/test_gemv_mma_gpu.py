@@ -1,5 +1,5 @@
 """Tensor-core W4A16 GEMV (``gemv_w4`` with the ``_gemv_mma`` kernel: NVFP4 / MXFP4 weights with bf16 x, int4_awq
-with bf16 or fp16 x, M <= 16)
+and NF4 with bf16 or fp16 x, M <= 16)
 on the GPU. Against the fp64 reference of the decoded weight, the path is exact up to fp32 accumulation
 order, so the errors are the bf16 output rounding; adversarial codes and scales (every E2M1 code incl. -0
 and the subnormal 0.5, subnormal and maximal E4M3 scales, zero blocks, extreme E8M0 codes) are included."""
@@ -223,3 +223,87 @@ def test_mma_int4_not_used_for_small_groups():
     assert G.mma_layout(G.prepare_w4(q)) is None
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     _check(G.gemv_w4(x, q, mma_config=ALL_M), _reference(x, q), "int4 g32")
+
+
+def _nf4(n, k, blocksize, dq, seed, adversarial=False, decades=30):
+    """An nf4 weight from random data; adversarial: zero blocks, rows of one code (0 = -1.0, 15 = 1.0), absmax
+    spanning 10^-decades .. 10^decades by block in the lower half of the rows."""
+    from lowbit.formats.nf4 import quantize_nf4
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    if adversarial:
+        w[: n // 8, :blocksize] = 0
+        w[n // 8: n // 4] = -1.0
+        w[n // 4: n // 4 + 3] = 1.0
+        scale = 10.0 ** torch.randint(-decades, decades + 1, (n, k // blocksize), device="cuda", generator=g).float()
+        w[n // 2:] *= scale.repeat_interleave(blocksize, dim=1)[n // 2:]
+    return quantize_nf4(w, blocksize=blocksize, double_quant=dq)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("blocksize,dq", [(64, False), (64, True), (128, True), (256, False)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (104, 512), (1040, 8192)])
+@pytest.mark.parametrize("m", [1, 2, 7, 9, 16])
+def test_mma_nf4_random_weights(n, k, blocksize, dq, m, dtype):
+    """NF4 levels are rounded to the mma operand type (bf16: 8 significant bits) and the fp32 absmax is applied
+    per chunk after the mmas: a relative error of a few 1e-3 against the fp32 dequantization."""
+    q = _nf4(n, k, blocksize, dq, seed=n + k + blocksize + m)
+    p = G.prepare_w4(q)
+    lay = G.mma_layout(p)
+    assert lay is not None and lay.cpg == blocksize // 64
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    got = G.gemv_w4(x, p, mma_config=ALL_M)
+    assert got.dtype == dtype
+    _check(got, _reference(x, q), f"nf4 b{blocksize} dq={dq} {n}x{k} M={m} {dtype}", rel=6e-3)
+    assert any(key[0] == m for key in lay.plans), "the tensor-core GEMV did not run"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dq", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_mma_nf4_adversarial(m, dq, dtype):
+    # fp16 output holds about 10^-5 .. 10^4
+    q = _nf4(528, 1024, 64, dq, seed=m, adversarial=True, decades=30 if dtype == torch.bfloat16 else 2)
+    x = torch.randn(m, 1024, device="cuda", dtype=dtype)
+    got = G.gemv_w4(x, q, mma_config=ALL_M).double()
+    ref = _reference(x, q).double()
+    # elementwise against the dot-product error bound sum_k |x w| (the absmax of a row's blocks spans up to 60
+    # decades, so a norm over the whole output would only see the largest rows): level rounding (2^-9 in bf16)
+    # plus the output rounding
+    bound = x.double().abs() @ lowbit.dequantize(q, torch.float32).double().abs().T
+    assert torch.isfinite(got).all()
+    worst = float(((got - ref).abs() / bound.clamp_min(1e-300)).max())
+    assert worst <= 8e-3, f"nf4 adversarial M={m} dq={dq} {dtype}: error {worst:.2e} of the bound"
+    other = G.gemv_w4(x, q, mma_config=False).double()
+    worst = float(((got - other).abs() / bound.clamp_min(1e-300)).max())
+    assert worst <= 1.6e-2, f"vs the FMA / dot kernel: {worst:.2e} of the bound"
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "silu"])
+@pytest.mark.parametrize("m", [1, 12])
+def test_mma_nf4_bias_activation_split_k(act, m):
+    q = _nf4(1000, 8192, 64, True, seed=7)
+    x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    for cfg in (ALL_M, {**ALL_M, "rg": 1, "j": 2, "ctas_per_sm": 16}, {**ALL_M, "rg": 4, "j": 4, "warps": 2}):
+        got = G.gemv_w4(x, q, bias, act, mma_config=cfg)
+        _check(got, _reference(x, q, bias, act), f"nf4 act={act} M={m} cfg={cfg}", rel=6e-3)
+
+
+def test_mma_nf4_graph_capture_and_not_used_for_blocksize_32():
+    q = _nf4(4096, 4096, 64, False, seed=3)
+    p = G.prepare_w4(q)
+    G.mma_layout(p)
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    first = G.gemv_w4(x, p)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = G.gemv_w4(x, p)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    q32 = _nf4(256, 512, 32, False, seed=1)
+    assert G.mma_layout(G.prepare_w4(q32)) is None
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    _check(G.gemv_w4(x, q32, mma_config=ALL_M), _reference(x, q32), "nf4 b32", rel=4e-3)

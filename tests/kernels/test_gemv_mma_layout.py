@@ -46,7 +46,8 @@ def test_layout_round_trip(fmt, n, k):
 
 def test_layout_not_made_where_the_kernel_does_not_apply():
     assert G.mma_layout(G.prepare_w4(lowbit.quantize(torch.randn(32, 96), "nvfp4"))) is None       # K % 64
-    assert G.mma_layout(G.prepare_w4(lowbit.quantize(torch.randn(32, 128), "nf4"))) is None
+    # NF4 blocks of 32 columns: a 64-column chunk would span two absmax blocks
+    assert G.mma_layout(G.prepare_w4(lowbit.quantize(torch.randn(32, 128), "nf4", blocksize=32))) is None
     q = lowbit.quantize(torch.randn(32, 128), "mxfp4")
     q.scale.view(torch.uint8)[3, 1] = 192
     assert G.mma_layout(G.prepare_w4(q)) is None
@@ -66,6 +67,9 @@ def test_describe_names_the_kernel_the_default_runs():
     awq = lowbit.quantize(torch.randn(64, 128, dtype=torch.float16), "int4_awq", group_size=64)
     assert G.describe(awq, 3) == G.describe(awq, 16) == "tensor-core mma.sync GEMV (bf16 or fp16 x)"
     assert G.describe(awq, 1) == "CUDA-core FMA GEMV"
+    nf4 = lowbit.quantize(torch.randn(64, 128), "nf4")
+    assert G.describe(nf4, 5) == "tensor-core mma.sync GEMV (bf16 or fp16 x)"
+    assert G.describe(lowbit.quantize(torch.randn(64, 128), "nf4", blocksize=32), 5) == "tl.dot GEMV"
     awq32 = lowbit.quantize(torch.randn(64, 128, dtype=torch.float16), "int4_awq", group_size=32)
     assert G.describe(awq32, 3) == "CUDA-core FMA GEMV" and G.describe(awq32, 16) == "tl.dot GEMV"
 
@@ -106,3 +110,88 @@ def test_int4_layout_round_trip(n, k, group):
         assert torch.equal(pairs[r, :, :, 0] >> 16, s_bits[16 * r + 8 + g].T)
         assert torch.equal(pairs[r, :, :, 1] & 0xFFFF, zeros[16 * r + g].T)
         assert torch.equal(pairs[r, :, :, 1] >> 16, zeros[16 * r + 8 + g].T)
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel) -> torch.Tensor:
+    """PTX ``prmt.b32`` (default mode) on int64 tensors holding 32-bit values."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = torch.zeros_like(a)
+    for k in range(4):
+        s = (sel >> (4 * k)) & 0xF
+        s = torch.as_tensor(s, dtype=torch.int64).expand_as(a)
+        byte = torch.zeros_like(a)
+        for idx in range(8):
+            byte = torch.where((s & 7) == idx, src[idx], byte)
+        byte = torch.where((s & 8) != 0, torch.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        out |= byte << (8 * k)
+    return out
+
+
+def _nf4_decode_word(w: torch.Tensor, table: tuple) -> list:
+    """The NF4 asm of one word (``_gemv_mma._nf4_word``), instruction for instruction: the 4 A registers."""
+    from lowbit.kernels import _gemv_mma as km
+
+    t = [v & 0xFFFFFFFF for v in table]
+    lo, hi = t[:4], t[4:]
+    s = w & 0x77777777
+    u = (w << 4) & 0xFFFFFFFF
+    masks = (_prmt(u, w, km.NF4_MASK_LO), _prmt(u, w, km.NF4_MASK_HI))
+    regs = []
+    for half in range(2):
+        if half:
+            s = s >> 16
+        m = masks[half]
+        a, b = _prmt(torch.full_like(w, lo[0]), torch.full_like(w, lo[1]), s), \
+            _prmt(torch.full_like(w, lo[2]), torch.full_like(w, lo[3]), s)
+        xl = (a & ~m) | (b & m)                                         # lop3 0xD8
+        a, b = _prmt(torch.full_like(w, hi[0]), torch.full_like(w, hi[1]), s), \
+            _prmt(torch.full_like(w, hi[2]), torch.full_like(w, hi[3]), s)
+        xh = (a & ~m) | (b & m)
+        regs += [_prmt(xl, xh, km.NF4_PAIR_01), _prmt(xl, xh, km.NF4_PAIR_23)]
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,blocksize,dq", [(40, 256, 64, False), (16, 192, 64, True), (104, 512, 128, True),
+                                              (33, 256, 256, False)])
+def test_nf4_layout_and_table_decode(n, k, blocksize, dq, dtype):
+    """Every NF4 code lands where the kernel's prmt decode reads it, and that decode (emulated instruction for
+    instruction) gives each A register the level of the right element, rounded to the mma operand type; each
+    lane's absmax pair is bit for bit bitsandbytes' fp32 absmax (double quantization decoded)."""
+    from lowbit.formats.nf4 import nf4_absmax, quantize_nf4
+    from lowbit.formats.packing import unpack_nibbles_high_first
+    from lowbit.formats.spec import NF4
+
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+    x[0, :blocksize] = 0                                               # a zero block
+    q = quantize_nf4(x, blocksize=blocksize, double_quant=dq)
+    lay = G.mma_layout(G.prepare_w4(q))
+    n16 = -(-n // 16)
+    assert lay.words.shape == (n16, k // 64, 32, 4) and lay.cpg == blocksize // 64
+    assert lay.scales.shape == (n16, k // blocksize, 8, 2) and lay.scales.dtype == torch.int32
+    codes = torch.zeros(16 * n16, k, dtype=torch.int64)
+    codes[:n] = unpack_nibbles_high_first(q.data, n * k).reshape(n, k).to(torch.int64)
+    levels = torch.tensor(NF4.levels, dtype=torch.float32).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    w = lay.words.to(torch.int64) & 0xFFFFFFFF
+    regs = _nf4_decode_word(w, lay.table(dtype))
+    rg = torch.arange(n16)[:, None, None, None]
+    kq = torch.arange(k // 64)[None, :, None, None]
+    lane = torch.arange(32)[None, None, :, None]
+    i = torch.arange(4)[None, None, None, :]
+    # A register j: rows g (j even) / g + 8 (j odd), columns c = 0, 1 (j < 2) / 2, 3; half e is column c + e
+    for j in range(4):
+        h = j % 2
+        for e in range(2):
+            c = 2 * (j // 2) + e
+            rows = 16 * rg + 8 * h + lane // 4
+            cols = 64 * kq + 16 * (lane % 4) + 4 * i + c
+            got = (regs[j] >> (16 * e)) & 0xFFFF
+            assert torch.equal(got, levels[codes[rows, cols]]), (j, e)
+    assert sorted(b for pos in G._MMA_NF4_BITS.values() for b in range(pos, pos + 4)) == list(range(32))
+    absmax = torch.zeros(16 * n16, k // blocksize, dtype=torch.float32)
+    absmax[:n] = nf4_absmax(q).reshape(n, k // blocksize)
+    bits = absmax.view(torch.int32)
+    g = torch.arange(8)
+    for r in range(n16):
+        assert torch.equal(lay.scales[r, :, :, 0], bits[16 * r + g].T)
+        assert torch.equal(lay.scales[r, :, :, 1], bits[16 * r + 8 + g].T)

@@ -32,14 +32,18 @@ activation); the C fragment of lane ``(g, t)`` register ``r`` is output row ``g 
 x row ``2 t + r % 2`` (+ 8 for the second n-tile).
 """
 
+import struct
+
 import triton
 import triton.language as tl
 
+from ..formats.spec import NF4
 from ._gemv_w4 import _epilogue
 
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
 FMT_INT4 = tl.constexpr(2)
+FMT_NF4 = tl.constexpr(3)
 
 # x: 32 bytes at $8 (16 bf16 of one x row) -> the B fragments of the chunk's 4 mmas: lo = columns 4i, 4i+1,
 # hi = columns 4i+2, 4i+3
@@ -166,6 +170,95 @@ _INT4_ASM_BF16_1 = tl.constexpr(_mma_int4_asm(1, False))
 _INT4_ASM_BF16_2 = tl.constexpr(_mma_int4_asm(2, False))
 _INT4_ASM_F16_1 = tl.constexpr(_mma_int4_asm(1, True))
 _INT4_ASM_F16_2 = tl.constexpr(_mma_int4_asm(2, True))
+
+
+# NF4 (bitsandbytes): a 16-entry table lookup per nibble with prmt. The table of the 16 levels (rounded to the
+# mma operand type: bf16 for bf16 x, fp16 for fp16 x) is split into its low bytes and its high bytes, 4
+# registers each; a prmt indexes 8 bytes with the 3 low bits of a nibble, so each byte comes from two prmts
+# (levels 0-7, levels 8-15) and a select on the nibble's bit 3 (a byte mask made by prmt's sign-replicate
+# mode). Nibble placement (see gemv_w4._MMA_NF4_BITS): the low half-word holds the nibbles of A registers 0
+# and 1 (row g, then row g + 8, columns c = 0, 1), the high half-word those of registers 2 and 3 (c = 2, 3).
+def _level_bits(fp16: bool) -> list:
+    out = []
+    for v in NF4.levels:
+        if fp16:
+            out.append(struct.unpack("<H", struct.pack("<e", v))[0])
+        else:
+            b = struct.unpack("<I", struct.pack("<f", v))[0]
+            out.append(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF)   # round to nearest even
+    return out
+
+
+def nf4_table_words(fp16: bool) -> tuple:
+    """(low-byte words, high-byte words): 4 int32 each, byte j of word i = byte of level 4 i + j."""
+    bits = _level_bits(fp16)
+    lo = tuple(sum((bits[4 * i + j] & 0xFF) << (8 * j) for j in range(4)) for i in range(4))
+    hi = tuple(sum((bits[4 * i + j] >> 8) << (8 * j) for j in range(4)) for i in range(4))
+    return lo, hi
+
+
+# selectors (see the asm): the bit-3 byte masks of nibbles 0-3 and 4-7 (sign-replicate of bytes of w << 4 and
+# w), and the two byte interleaves of (low bytes, high bytes) into two 16-bit pairs
+NF4_MASK_LO, NF4_MASK_HI, NF4_PAIR_01, NF4_PAIR_23 = 0xD9C8, 0xFBEA, 0x5140, 0x7362
+
+
+def _nf4_word(w: str, lo: list, hi: list) -> str:
+    """The 4 A registers r0..r3 of word ``w`` (21 instructions); lo / hi: the operands holding the table words
+    (registers loaded once per program: as immediates, ptxas re-materializes them at every prmt)."""
+    lines = [f"and.b32 s, {w}, 0x77777777;", f"shl.b32 u, {w}, 4;",
+             f"prmt.b32 m0, u, {w}, {NF4_MASK_LO:#x};", f"prmt.b32 m1, u, {w}, {NF4_MASK_HI:#x};"]
+    for half, (ra, rb, m) in enumerate((("r0", "r1", "m0"), ("r2", "r3", "m1"))):
+        if half:
+            lines.append("shr.u32 s, s, 16;")
+        lines += [f"prmt.b32 a, {lo[0]}, {lo[1]}, s;", f"prmt.b32 b, {lo[2]}, {lo[3]}, s;",
+                  f"lop3.b32 xl, a, b, {m}, 0xD8;",
+                  f"prmt.b32 a, {hi[0]}, {hi[1]}, s;", f"prmt.b32 b, {hi[2]}, {hi[3]}, s;",
+                  f"lop3.b32 xh, a, b, {m}, 0xD8;",
+                  f"prmt.b32 {ra}, xl, xh, {NF4_PAIR_01:#x};", f"prmt.b32 {rb}, xl, xh, {NF4_PAIR_23:#x};"]
+    return "\n".join(lines)
+
+
+def _mma_nf4_asm(nt: int, fp16: bool) -> str:
+    """Operands as in :func:`_mma_int4_asm`, then the 8 table words (:func:`nf4_table_words`: low bytes, high
+    bytes; 4 copies each, pack = 4); the two per-lane pairs are the fp32 absmax of rows g and g + 8 in the chunk's block (as int32
+    bits). ``acc += absmax * sum_k level(q) x``, the products exact in fp32."""
+    ty = "f16" if fp16 else "bf16"
+    n_out = 4 * nt
+    base = n_out
+    words = [f"${base + i}" for i in range(4)]
+    xs = []
+    for n in range(nt):
+        lo_x = [f"${base + 4 + 8 * n + i}" for i in range(4)]
+        hi_x = [f"${base + 8 + 8 * n + i}" for i in range(4)]
+        xs.append((lo_x, hi_x))
+    sg_op = f"${base + 4 + 8 * nt}"
+    sg8_op = f"${base + 8 + 8 * nt}"
+    acc_in = [f"${base + 12 + 8 * nt + j}" for j in range(n_out)]
+    tab = [f"${base + 12 + 8 * nt + n_out + 4 * j}" for j in range(8)]   # the first of each word's 4 copies
+    lo, hi = tab[:4], tab[4:]
+    tmp = [f"c{j}" for j in range(n_out)]
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+    lines = ["{", ".reg .b32 r0, r1, r2, r3, s, u, m0, m1, a, b, xl, xh;",
+             ".reg .f32 sg, sg8, " + ", ".join(tmp) + ";",
+             f"mov.b32 sg, {sg_op};", f"mov.b32 sg8, {sg8_op};"]
+    lines += [f"mov.f32 {c}, 0f00000000;" for c in tmp]
+    for i in range(4):
+        lines.append(_nf4_word(words[i], lo, hi))
+        for n in range(nt):
+            d = tmp[4 * n:4 * n + 4]
+            lines.append(mma + f"{{{d[0]}, {d[1]}, {d[2]}, {d[3]}}}, {{r0, r1, r2, r3}}, "
+                         f"{{{xs[n][0][i]}, {xs[n][1][i]}}}, {{{d[0]}, {d[1]}, {d[2]}, {d[3]}}};")
+    for j in range(n_out):
+        lines.append(f"fma.rn.f32 ${j}, {tmp[j]}, {'sg' if j % 4 < 2 else 'sg8'}, {acc_in[j]};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_NF4_ASM_BF16_1 = tl.constexpr(_mma_nf4_asm(1, False))
+_NF4_ASM_BF16_2 = tl.constexpr(_mma_nf4_asm(2, False))
+_NF4_ASM_F16_1 = tl.constexpr(_mma_nf4_asm(1, True))
+_NF4_ASM_F16_2 = tl.constexpr(_mma_nf4_asm(2, True))
+
 _PAIR_ASM = tl.constexpr("ld.global.nc.v2.b32 {$0, $1}, [$2];")
 
 # NVFP4 scale pair (u16: row g E4M3 in the low byte, row g + 8 in the high byte) -> bf16x2 (s, s) * 2^63 each
@@ -221,11 +314,11 @@ def _load_pair(ptrs):
 
 
 @triton.jit
-def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, FMT: tl.constexpr, NT: tl.constexpr,
+def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, tab, FMT: tl.constexpr, NT: tl.constexpr,
                XF16: tl.constexpr):
-    """The chunk's 4 mmas into the accumulators. The FP4 and int4 asm take the same operand list: after the
-    words and x fragments, two per-lane int32 pairs (FP4: the bf16x2 scales of rows g and g + 8; int4: the
-    fp16 scale pair and the zero pair)."""
+    """The chunk's 4 mmas into the accumulators. The FP4, int4 and NF4 asm take the same operand list: after
+    the words and x fragments, two per-lane int32 pairs (FP4: the bf16x2 scales of rows g and g + 8; int4: the
+    fp16 scale pair and the zero pair; NF4: the fp32 absmax of rows g and g + 8)."""
     if FMT == FMT_INT4:
         a, b = raw, zraw
         if XF16:
@@ -234,11 +327,30 @@ def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, FMT: tl.con
         else:
             ASM1: tl.constexpr = _INT4_ASM_BF16_1
             ASM2: tl.constexpr = _INT4_ASM_BF16_2
+    elif FMT == FMT_NF4:
+        a, b = raw, zraw
+        if XF16:
+            ASM1: tl.constexpr = _NF4_ASM_F16_1
+            ASM2: tl.constexpr = _NF4_ASM_F16_2
+        else:
+            ASM1: tl.constexpr = _NF4_ASM_BF16_1
+            ASM2: tl.constexpr = _NF4_ASM_BF16_2
     else:
         a, b = _scale_pair(raw, FMT)
         ASM1: tl.constexpr = _MMA_ASM_1
         ASM2: tl.constexpr = _MMA_ASM_2
-    if NT == 1:
+    if FMT == FMT_NF4:
+        if NT == 1:
+            acc0 = tl.inline_asm_elementwise(
+                ASM1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f" + ",r" * 32,
+                [words, xlo0, xhi0, a, b, acc0, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7]],
+                dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            acc0, acc1 = tl.inline_asm_elementwise(
+                ASM2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f" + ",r" * 32,
+                [words, xlo0, xhi0, xlo1, xhi1, a, b, acc0, acc1, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5],
+                 tab[6], tab[7]], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    elif NT == 1:
         acc0 = tl.inline_asm_elementwise(
             ASM1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
             [words, xlo0, xhi0, a, b, acc0], dtype=tl.float32, is_pure=True, pack=4)
@@ -253,10 +365,10 @@ def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, FMT: tl.con
 @triton.jit
 def _fetch(w_tile, s_tile, xr0, xr1, kq, jj, FMT: tl.constexpr, SPC: tl.constexpr, CPG: tl.constexpr,
            NT: tl.constexpr):
-    """Everything one iteration at chunk kq consumes: words, scale pairs (int4: and zero pairs; else the
-    second is a copy), x fragments (0 for an absent n-tile)."""
+    """Everything one iteration at chunk kq consumes: words, scale pairs (int4: and zero pairs; NF4: the absmax
+    of the lane's two rows; else the second is a copy), x fragments (0 for an absent n-tile)."""
     words = tl.load(w_tile + kq * 128)
-    if FMT == FMT_INT4:
+    if FMT == FMT_INT4 or FMT == FMT_NF4:
         raw, zraw = _load_pair(s_tile + ((kq + jj) // CPG) * 16)
     else:
         raw = _load_scale_raw(s_tile + kq * SPC * 8)
@@ -273,7 +385,7 @@ def _fetch(w_tile, s_tile, xr0, xr1, kq, jj, FMT: tl.constexpr, SPC: tl.constexp
 @triton.jit
 def _gemv_mma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, KQ,
+    M, N, K, KQ, T0, T1, T2, T3, T4, T5, T6, T7,
     FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
@@ -284,7 +396,9 @@ def _gemv_mma_kernel(
     w_ptr: int32 [N16, KQ, 128] (= [N16, KQ, 32 lanes, 4]) (N16 = ceil(N / 16) row groups, KQ = K / 64
     chunks); s_ptr: uint16 [N16, K / SB, 8] scale pairs (SB = 16 for NVFP4: one per lane t; 32 for MXFP4:
     lanes t, t + 1 share); int4: int32 [N16, K / G, 8, 2] (fp16 scale pair, zero pair) per group of
-    G = 64 CPG columns, x bf16 or (XF16) fp16. A program owns RG row groups and IPS iterations of J chunks starting at chunk
+    G = 64 CPG columns; NF4: the same shape, (fp32 absmax of row g, of row g + 8) per block of G columns;
+    x bf16 or (XF16, int4 and NF4) fp16; T0..T7: NF4's table words (``nf4_table_words``), unused otherwise.
+    A program owns RG row groups and IPS iterations of J chunks starting at chunk
     pid_k * IPS * J; the tile is ``[J, RG, 128]`` and the warps split its J chunks, so a warp loads the x
     fragments of its chunk once and uses them for its RG row groups.
     """
@@ -309,7 +423,8 @@ def _gemv_mma_kernel(
         SPC: tl.constexpr = 2
         s_tile = s_ptr + (rr * (KQ * SPC) + jj * 2 + t // 2) * 8 + g
     else:
-        SPC: tl.constexpr = 0          # (unused) the group of chunk kq + jj is (kq + jj) // CPG
+        # int4 / NF4: the group (NF4 block) of chunk kq + jj is (kq + jj) // CPG
+        SPC: tl.constexpr = 0
         s_tile = s_ptr + rr * ((KQ // CPG) * 16) + g * 2
     # x rows of the two n-tiles (a row past M - 1 re-reads the last row; its output is masked); the 4
     # pointers of a lane's pack are equal (the asm reads 32 bytes from the first)
@@ -322,11 +437,15 @@ def _gemv_mma_kernel(
     kq_start = pid_k * (IPS * J)
     # software pipeline in registers: what iteration i + 1 consumes is loaded during iteration i (the
     # prefetch after the last iteration re-reads the row's last chunks)
+    # NF4: the table words are kernel arguments; ptxas keeps them in registers across the loop (loaded from
+    # memory as warp-uniform values they went to uniform registers, which prmt cannot read, and were copied back
+    # at every use: 34 against 28 instructions per word at M <= 8)
+    tab = (T0, T1, T2, T3, T4, T5, T6, T7)
     w_a, r_a, z_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, jj, FMT, SPC, CPG, NT)
     for it in tl.range(0, IPS, num_stages=1):
         kq_n = tl.minimum(kq_start + (it + 1) * J, KQ - J)
         w_n, r_n, z_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, kq_n, jj, FMT, SPC, CPG, NT)
-        acc0, acc1 = _mma_chunk(w_a, xa0, xa1, xa2, xa3, r_a, z_a, acc0, acc1, FMT, NT, XF16)
+        acc0, acc1 = _mma_chunk(w_a, xa0, xa1, xa2, xa3, r_a, z_a, acc0, acc1, tab, FMT, NT, XF16)
         w_a, r_a, z_a, xa0, xa1, xa2, xa3 = w_n, r_n, z_n, xn0, xn1, xn2, xn3
 
     # C fragment register i of lane (g, t): row g + 8 (i // 2) of the group, x row 2 t + i % 2

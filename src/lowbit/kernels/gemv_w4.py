@@ -378,17 +378,17 @@ _MMA_BITS = {(0, 0): (6, 7, 8, 15), (0, 1): (22, 23, 24, 31), (1, 0): (3, 4, 5, 
 
 def _mma_format(fmt: str, kdim: int, group: int | None = None) -> bool:
     """Whether the tensor-core layout exists for this format, K and (int4_awq) group size: a 64-column chunk
-    must lie in one group, since the int4 scale is applied per chunk after its mmas (MXFP4 scale codes are
-    checked apart)."""
-    if fmt == "int4_awq":
+    must lie in one group (NF4: one absmax block), since the int4 scale and the NF4 absmax are applied per
+    chunk after its mmas (MXFP4 scale codes are checked apart)."""
+    if fmt in ("int4_awq", "nf4", "nf4_dq"):
         return kdim % 64 == 0 and group is not None and group % 64 == 0
     return fmt in ("nvfp4", "mxfp4") and kdim % 64 == 0
 
 
 def _mma_x_dtypes(fmt: str) -> tuple:
     """x dtypes the tensor-core GEMV takes for a format: the FP4 decode builds bf16 operands; int4's
-    ``MAGIC + q - (MAGIC + z)`` is exact in bf16 and fp16 alike."""
-    return (torch.bfloat16, torch.float16) if fmt == "int4_awq" else (torch.bfloat16,)
+    ``MAGIC + q - (MAGIC + z)`` is exact in bf16 and fp16 alike; the NF4 table is kept in both."""
+    return (torch.bfloat16, torch.float16) if fmt in ("int4_awq", "nf4", "nf4_dq") else (torch.bfloat16,)
 
 
 def _mma_regime(n: int, kdim: int, m: int, cfg: dict) -> bool:
@@ -401,23 +401,39 @@ class MmaLayout:
     words: torch.Tensor    # int32 [N16, K/64, 32, 4]
     scales: torch.Tensor   # int16 [N16, K/SB, 8]: (row g, row g + 8) scale codes; int4: int32 [N16, K/G, 8, 2]
     fmt_code: int
-    cpg: int = 1           # int4: 64-column chunks per group
+    cpg: int = 1           # int4 / NF4: 64-column chunks per group (block)
     plans: dict = field(default_factory=dict, repr=False)
 
+    def table(self, x_dtype: torch.dtype) -> tuple:
+        """The kernel's T0..T7: NF4's level table for the mma operand type as signed int32 values, else 0s."""
+        if self.fmt_code != km.FMT_NF4.value:
+            return _NO_TABLE
+        return _NF4_TABLE_F16 if x_dtype == torch.float16 else _NF4_TABLE_BF16
+
+
+def _signed_words(lo: tuple, hi: tuple) -> tuple:
+    return tuple(v - (1 << 32) if v >= 1 << 31 else v for v in lo + hi)
+
+
+_NO_TABLE = (0,) * 8
+_NF4_TABLE_BF16 = _signed_words(*km.nf4_table_words(False))
+_NF4_TABLE_F16 = _signed_words(*km.nf4_table_words(True))
 
 # int4: nibble bit position of element (row g + 8 h, column 4 i + c) of a lane's word (see _gemv_mma)
 _MMA_INT4_BITS = {(h, c): 4 * (h + 2 * (c // 2)) + 16 * (c % 2) for h in range(2) for c in range(4)}
+# NF4: the low half-word holds A registers 0 and 1 (rows g, g + 8 at c = 0, 1), the high one registers 2 and 3
+_MMA_NF4_BITS = {(h, c): 4 * (2 * h + c % 2) + 16 * (c // 2) for h in range(2) for c in range(4)}
 
 
-def _mma_words(codes: torch.Tensor, int4: bool = False) -> torch.Tensor:
-    """E2M1 (or int4) codes uint8 [16 G, K] (G row groups) -> int32 words [G, K/64, 32, 4]."""
+def _mma_words(codes: torch.Tensor, nibbles: dict | None = None) -> torch.Tensor:
+    """E2M1 codes (or, with ``nibbles``, int4 / NF4 codes placed whole at those bit positions) uint8 [16 G, K]
+    (G row groups) -> int32 words [G, K/64, 32, 4]."""
     g16, kdim = codes.shape
     c = codes.reshape(g16 // 16, 2, 8, kdim // 64, 4, 4, 4).to(torch.int64)   # [G, h, g, kq, t, i, c]
     word = torch.zeros(g16 // 16, 8, kdim // 64, 4, 4, dtype=torch.int64, device=codes.device)
-    if int4:
-        for (h, col), pos in _MMA_INT4_BITS.items():
-            word |= c[:, h, :, :, :, :, col] << pos
-    for (h, col), pos in ({} if int4 else _MMA_BITS).items():
+    for (h, col), pos in (nibbles or {}).items():
+        word |= c[:, h, :, :, :, :, col] << pos
+    for (h, col), pos in ({} if nibbles else _MMA_BITS).items():
         v = c[:, h, :, :, :, :, col]                                          # [G, g, kq, t, i]
         for b, bit in enumerate(pos):
             word |= ((v >> b) & 1) << bit
@@ -443,6 +459,9 @@ def mma_layout(p: PreparedW4) -> MmaLayout | None:
         return None
     if p.fmt == "int4_awq":
         p.mma = _mma_int4_layout(p)
+        return p.mma
+    if p.fmt in ("nf4", "nf4_dq"):
+        p.mma = _mma_nf4_layout(p)
         return p.mma
     n, kdim = p.n, p.k
     n16 = _cdiv(n, 16)
@@ -481,7 +500,7 @@ def _mma_int4_layout(p: PreparedW4) -> MmaLayout:
         r0, r1 = 16 * g0, min(n, 16 * g1)
         codes = torch.zeros(16 * (g1 - g0), kdim, dtype=torch.uint8, device=p.device)
         codes[: r1 - r0] = ((p.words[r0:r1, :, None] >> shifts) & 0xF).reshape(r1 - r0, kdim).to(torch.uint8)
-        words[g0:g1] = _mma_words(codes, int4=True)
+        words[g0:g1] = _mma_words(codes, _MMA_INT4_BITS)
     sz = torch.full((16 * n16, ng), 0x6400 << 16, dtype=torch.int64, device=p.device)   # padding: s = z = 0
     sz[:n] = p.scales.to(torch.int64) & 0xFFFFFFFF
     scale, zero = sz & 0xFFFF, (sz >> 16) - 0x6400
@@ -489,6 +508,43 @@ def _mma_int4_layout(p: PreparedW4) -> MmaLayout:
     pairs = torch.stack([scale[:, 0] | (scale[:, 1] << 16), zero[:, 0] | (zero[:, 1] << 16)], dim=-1)
     pairs = _to_int32(pairs.permute(0, 2, 1, 3).contiguous())                   # [N16, NG, 8, 2]
     return MmaLayout(words=words, scales=pairs, fmt_code=km.FMT_INT4.value, cpg=group // 64)
+
+
+def _nf4_block_absmax(p: PreparedW4) -> torch.Tensor:
+    """fp32 absmax [N, K / blocksize] of a prepared nf4 weight; double quantization decoded with the same fp32
+    operations as ``formats.nf4.nf4_absmax`` (bitsandbytes' ``dequantize_4bit``): ``dmap[code] * nested +
+    offset``."""
+    n, nb = p.n, p.k // (8 * p.words_per_block)
+    if p.fmt == "nf4":
+        return p.scales.reshape(n, nb)
+    codes = p.scales.reshape(-1).to(torch.int64)
+    dmap = p.tab[k.TAB_DMAP.value:k.TAB_DMAP.value + 256]
+    nested = p.nested[torch.arange(codes.numel(), device=p.device) // ref_nf4.NESTED_BLOCKSIZE]
+    return (dmap[codes] * nested + p.tab[k.TAB_OFFSET.value]).reshape(n, nb)
+
+
+def _mma_nf4_layout(p: PreparedW4) -> MmaLayout:
+    """Words from bitsandbytes' bytes (element 2 i in the high nibble), nibbles at :data:`_MMA_NF4_BITS`, and
+    per block the lane's (absmax of row g, absmax of row g + 8) as fp32 bits; double quantization is decoded
+    here, once (4 bytes per block instead of 1 + 4/256: the same bytes per weight as NVFP4 at blocksize 64).
+    Padding rows get zero words and absmax."""
+    n, kdim, block = p.n, p.k, 8 * p.words_per_block
+    n16, nb = _cdiv(n, 16), kdim // block
+    words = torch.empty(n16, kdim // 64, 32, 4, dtype=torch.int32, device=p.device)
+    packed = p.words.view(torch.uint8).reshape(n, kdim // 2)
+    step = max(1, (1 << 24) // kdim)
+    for g0 in range(0, n16, step):
+        g1 = min(n16, g0 + step)
+        r0, r1 = 16 * g0, min(n, 16 * g1)
+        codes = torch.zeros(16 * (g1 - g0), kdim, dtype=torch.uint8, device=p.device)
+        b = packed[r0:r1]
+        codes[: r1 - r0] = torch.stack([b >> 4, b & 0xF], dim=-1).reshape(r1 - r0, kdim)
+        words[g0:g1] = _mma_words(codes, _MMA_NF4_BITS)
+    absmax = torch.zeros(16 * n16, nb, dtype=torch.float32, device=p.device)
+    absmax[:n] = _nf4_block_absmax(p)
+    bits = absmax.view(torch.int32).reshape(n16, 2, 8, nb)
+    pairs = torch.stack([bits[:, 0], bits[:, 1]], dim=-1).permute(0, 2, 1, 3).contiguous()   # [N16, NB, 8, 2]
+    return MmaLayout(words=words, scales=pairs, fmt_code=km.FMT_NF4.value, cpg=block // 64)
 
 
 def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, out: torch.Tensor,
@@ -511,7 +567,8 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
         consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
                   "ROW_SCALE": rs_mode, "CPG": lay.cpg, "XF16": x.dtype == torch.float16,
-                  "POST": 1.0 if lay.fmt_code == km.FMT_INT4.value else 2.0 ** 63 * (p.post / 64.0)}
+                  "POST": 1.0 if lay.fmt_code in (km.FMT_INT4.value, km.FMT_NF4.value)
+                  else 2.0 ** 63 * (p.post / 64.0)}
         # the warps split the J chunks (then the row groups): a warp's 32 lanes must hold dim 2 whole, which
         # the mma asm relies on
         plan = lay.plans[key] = _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
@@ -520,7 +577,7 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
     dev = x.device
     ws, cnt, rs = _epilogue_buffers(plan, n, row_scale, dev, dev_index)
     args = (x, lay.words, lay.scales, p.gs, rs, _unused(dev, x.dtype) if bias is None else bias, out, ws, cnt,
-            *plan.ints)
+            *plan.ints, *lay.table(x.dtype))
     _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
 
 
@@ -672,8 +729,10 @@ def describe(w: QTensor, m: int) -> str:
     """Which GEMV kernel the default configuration runs for ``w`` at M = ``m`` (what :func:`gemv_w4` chooses,
     for ``lowbit.explain``; it reads no tensor)."""
     n, kdim = w.shape[-2], w.shape[-1]
-    if _mma_format(w.fmt, kdim, getattr(w, "params", {}).get("group_size")) and _mma_regime(n, kdim, m, MMA):
-        if w.fmt == "int4_awq":
+    params = getattr(w, "params", {})
+    group = params.get("blocksize") if w.fmt == "nf4" else params.get("group_size")
+    if _mma_format(w.fmt, kdim, group) and _mma_regime(n, kdim, m, MMA):
+        if w.fmt in ("int4_awq", "nf4"):
             return "tensor-core mma.sync GEMV (bf16 or fp16 x)"
         other = "CUDA-core FMA" if m <= TILE["fma_max_m"] else "tl.dot"
         return (f"tensor-core mma.sync GEMV for bf16 x ({other} GEMV for fp16 x"
@@ -816,7 +875,7 @@ def compile_variants():
     mma_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "rs_ptr": "*fp32",
                "bias_ptr": "*bf16",
                "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-               "KQ": "i32"}
+               "KQ": "i32", **{f"T{i}": "i32" for i in range(8)}}
     for fmt_code, nt, split, has_bias, act, gs_kind, rs in [(0, 1, 1, False, 0, 1, 0), (0, 2, 4, True, 1, 1, 2),
                                                             (1, 1, 4, True, 3, 0, 1), (1, 2, 1, False, 2, 0, 0),
                                                             (0, 1, 2, False, 0, 2, 2), (0, 2, 1, True, 0, 1, 3)]:
@@ -830,6 +889,15 @@ def compile_variants():
         xd = "*fp16" if xf16 else "*bf16"
         sig = dict(mma_sig, x_ptr=xd, s_ptr="*i32", bias_ptr=xd, out_ptr=xd)
         consts = {"FMT": km.FMT_INT4.value, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": k.GS_NONE.value, "ROW_SCALE": 0,
+                  "POST": 1.0, "CPG": cpg, "XF16": xf16}
+        yield km._gemv_mma_kernel, sig, consts
+    # NF4: blocksize 64 (1 chunk) and 128, bf16 and fp16 x
+    for nt, split, has_bias, act, cpg, xf16 in [(1, 1, False, 0, 1, False), (2, 4, True, 1, 1, False),
+                                                (1, 4, True, 3, 2, True), (2, 1, False, 2, 1, True)]:
+        xd = "*fp16" if xf16 else "*bf16"
+        sig = dict(mma_sig, x_ptr=xd, s_ptr="*i32", bias_ptr=xd, out_ptr=xd)
+        consts = {"FMT": km.FMT_NF4.value, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": k.GS_NONE.value, "ROW_SCALE": 0,
                   "POST": 1.0, "CPG": cpg, "XF16": xf16}
         yield km._gemv_mma_kernel, sig, consts
