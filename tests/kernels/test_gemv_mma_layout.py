@@ -60,13 +60,19 @@ def test_describe_names_the_kernel_the_default_runs():
     assert G.describe(small, 1) == "CUDA-core FMA GEMV"                         # M = 1, small weight
     assert G.describe(small, 2).startswith("tensor-core mma.sync GEMV for bf16 x (CUDA-core FMA")
     assert G.describe(small, 16).startswith("tensor-core mma.sync GEMV for bf16 x (tl.dot")
-    big = SimpleNamespace(fmt="mxfp4", shape=(16384, G.MMA["m1_min_weights"] // 16384))
+    big = SimpleNamespace(fmt="mxfp4", shape=(16384, G.MMA["m1_min_weights"]["other"] // 16384))
     assert G.describe(big, 1).startswith("tensor-core") and "scale codes above 191" in G.describe(big, 1)
     odd_k = lowbit.quantize(torch.randn(64, 96), "nvfp4")                       # K % 64 != 0
     assert G.describe(odd_k, 8) == "tl.dot GEMV"
     awq = lowbit.quantize(torch.randn(64, 128, dtype=torch.float16), "int4_awq", group_size=64)
     assert G.describe(awq, 3) == G.describe(awq, 16) == "tensor-core mma.sync GEMV (bf16 or fp16 x)"
     assert G.describe(awq, 1) == "CUDA-core FMA GEMV"
+    # M = 1: NF4 switches to the tensor-core GEMV on smaller weights than the FP4 formats
+    nf4_mid = SimpleNamespace(fmt="nf4", shape=(8192, 8192), params={"blocksize": 64})
+    assert G.describe(nf4_mid, 1).startswith("tensor-core")
+    assert G.describe(SimpleNamespace(fmt="nvfp4", shape=(8192, 8192)), 1) == "CUDA-core FMA GEMV"
+    assert G.describe(SimpleNamespace(fmt="nf4", shape=(4096, 4096), params={"blocksize": 64}), 1) \
+        == "CUDA-core FMA GEMV"
     nf4 = lowbit.quantize(torch.randn(64, 128), "nf4")
     assert G.describe(nf4, 5) == "tensor-core mma.sync GEMV (bf16 or fp16 x)"
     assert G.describe(lowbit.quantize(torch.randn(64, 128), "nf4", blocksize=32), 5) == "tl.dot GEMV"

@@ -360,10 +360,13 @@ def clear_cache() -> None:
 
 # ------------------------------------------------------------------------------------- tensor-core layout
 
-MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": 1 << 27, "rg": 2, "j": 4, "warps": 4,
-       "ctas_per_sm": (8, 4)}
+MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": {"nf4": 1 << 25, "other": 1 << 27}, "rg": 2, "j": 4,
+       "warps": 4, "ctas_per_sm": (8, 4)}
 """The tensor-core GEMV (``_gemv_mma``): used for min_m <= M <= max_m where the weight allows it (see
-:func:`mma_layout`), at M = 1 only for weights of at least m1_min_weights elements; rg: 16-row groups per
+:func:`mma_layout`), at M = 1 only for weights of at least m1_min_weights elements (an int, or per format with
+"other" for the rest: the FMA kernel's NF4 table loads make it slower, so NF4 switches on smaller weights; H100,
+``..._h100_w4a16_nf4_mma_172fa2c.json``: 8192x8192 27.8 against 33.5 us, 4096x14336 26.6 against 33.2,
+6144x4096 and 4096x4096 within 0.2 us of the FMA kernel, which they keep); rg: 16-row groups per
 program, j: 64-column chunks per iteration (one per warp), ctas_per_sm: the split-K target for M <= 8 and for
 M > 8 (an int for both). ``min_m=17`` turns it off. H200 sweeps (NVFP4, CUDA graphs,
 ``benchmarks/results/2026-11-21_h200_sweep_gemv_mma_c1d8111.json``): at M = 1 it beats the row-major FMA
@@ -391,9 +394,12 @@ def _mma_x_dtypes(fmt: str) -> tuple:
     return (torch.bfloat16, torch.float16) if fmt in ("int4_awq", "nf4", "nf4_dq") else (torch.bfloat16,)
 
 
-def _mma_regime(n: int, kdim: int, m: int, cfg: dict) -> bool:
+def _mma_regime(n: int, kdim: int, m: int, cfg: dict, fmt: str = "") -> bool:
     """Whether ``cfg`` (an :data:`MMA`-shaped dict) sends M = ``m`` on an N x K weight to the tensor-core GEMV."""
-    return cfg["min_m"] <= m <= cfg["max_m"] and (m > 1 or n * kdim >= cfg.get("m1_min_weights", 0))
+    floor = cfg.get("m1_min_weights", 0)
+    if isinstance(floor, dict):
+        floor = floor.get("nf4" if fmt.startswith("nf4") else fmt, floor.get("other", 0))
+    return cfg["min_m"] <= m <= cfg["max_m"] and (m > 1 or n * kdim >= floor)
 
 
 @dataclass(eq=False)
@@ -558,7 +564,8 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
         j //= 2
     iters = kq // j
     n_tiles = _cdiv(_cdiv(n, 16), rg)
-    key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype, tuple(cfg.items()), rs_mode, out.dtype)
+    key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype,
+           tuple((k_, v) for k_, v in cfg.items() if k_ != "m1_min_weights"), rs_mode, out.dtype)
     plan = lay.plans.get(key)
     if plan is None:
         cps = cfg.get("ctas_per_sm", TILE["ctas_per_sm"])
@@ -731,7 +738,7 @@ def describe(w: QTensor, m: int) -> str:
     n, kdim = w.shape[-2], w.shape[-1]
     params = getattr(w, "params", {})
     group = params.get("blocksize") if w.fmt == "nf4" else params.get("group_size")
-    if _mma_format(w.fmt, kdim, group) and _mma_regime(n, kdim, m, MMA):
+    if _mma_format(w.fmt, kdim, group) and _mma_regime(n, kdim, m, MMA, w.fmt):
         if w.fmt in ("int4_awq", "nf4"):
             return "tensor-core mma.sync GEMV (bf16 or fp16 x)"
         other = "CUDA-core FMA" if m <= TILE["fma_max_m"] else "tl.dot"
@@ -798,7 +805,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     if (dev_index is not None and x.dtype in _mma_x_dtypes(p.fmt) and mma_config is not False
             and (config is None or mma_config is not None) and not _interpreting()):
         mcfg = MMA if mma_config is None else mma_config
-        if _mma_regime(n, p.k, m, mcfg):
+        if _mma_regime(n, p.k, m, mcfg, p.fmt):
             lay = mma_layout(p)
             if lay is not None:
                 _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg, row_scale, rs_mode)
