@@ -27,6 +27,11 @@ multiplied (no shared memory, no barrier in the loop). A cp.async pipeline of th
 memory, a two-iteration register prefetch and warps split over the row groups were each slower (28672x8192
 NVFP4 at M = 1: 44-53 us against 42 us; at M = 16: 58-92 us against 52 us).
 
+int4 and NF4 (bitsandbytes) put whole nibbles in the words (``gemv_w4._MMA_INT4_BITS`` / ``_MMA_NF4_BITS``):
+int4 decodes to ``(MAGIC + q) - (MAGIC + z)``, NF4 to its table level (prmt lookups, see ``_nf4_word``); both
+multiply each chunk's mma result by the row's scale (int4 group scale, NF4 fp32 absmax) into the accumulators,
+so a chunk must lie in one group / block.
+
 Epilogue as in ``_gemv_w4`` (split-K partials reduced by the last-arriving program, global scale, bias,
 activation); the C fragment of lane ``(g, t)`` register ``r`` is output row ``g + 8 (r // 2)`` of the group,
 x row ``2 t + r % 2`` (+ 8 for the second n-tile).

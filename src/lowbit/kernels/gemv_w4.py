@@ -19,7 +19,8 @@ identity and version counter of every tensor of ``w``: a replaced tensor or an i
 ``q.data`` / ``q.scale`` is re-prepared. The prepared tensors alias the QTensor's storage where no copy is
 needed (nvfp4 / mxfp4 / fp4_b32 / nf4: no extra memory; int4_awq: one extra 0.5 byte per weight).
 
-Kernels: NVFP4 / MXFP4 with bf16 x, and int4_awq (group a multiple of 64) with bf16 or fp16 x, at
+Kernels: NVFP4 / MXFP4 with bf16 x, and int4_awq (group a multiple of 64) and nf4 (blocksize a multiple of
+64) with bf16 or fp16 x, at
 ``MMA["min_m"] <= M <= 16`` run the tensor-core GEMV (``_gemv_mma``: mma.sync over a weight laid out once by
 :func:`mma_layout`, a further copy of the 4-bit words; at M = 1 only for large weights, see :data:`MMA`);
 otherwise
