@@ -7,7 +7,7 @@ Run on the GPU machine from the repository root, with ``.whl`` carried (bitsandb
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py bench --quick --ops 'quantize.*'
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests ops                        # GPU tests + operator benches
 
-Writes ``$OUT/gpu_tests.xml`` and ``$OUT/quant_kernels_<date>.json``; the results table is printed last.
+Writes ``$OUT/gpu_tests_<path>.xml`` (one pytest and report per test path) and ``$OUT/quant_kernels_<date>.json``; the results table is printed last.
 Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
 start (lowbit's own cases always run and are written to the JSON before any baseline).
 """
@@ -66,36 +66,39 @@ def setup_paths() -> None:
     )
 
 
-def run_tests(out_dir: str, timeout_s: float, paths: list[str]) -> str:
-    xml = os.path.join(out_dir, "gpu_tests.xml")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-m",
-        "gpu",
-        "--maxfail=8",
-        *paths,
-        f"--junitxml={xml}",
-    ]
-    try:
-        rc = subprocess.call(cmd, cwd=ROOT, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    summary = f"gpu tests: exit code {rc}"
+def _xml_summary(xml: str) -> str:
     try:
         root = ET.parse(xml).getroot()
         s = root.find("testsuite")
         s = root if s is None else s
-        summary += (
-            f"; {s.get('tests')} tests, {s.get('failures')} failures, {s.get('errors')} errors, "
-            f"{s.get('skipped')} skipped, {float(s.get('time', 0)):.0f} s"
-        )
+        return (f"{s.get('tests')} tests, {s.get('failures')} failures, {s.get('errors')} errors, "
+                f"{s.get('skipped')} skipped, {float(s.get('time', 0)):.0f} s")
     except (OSError, ET.ParseError):
-        summary += "; no junit xml"
+        return "no junit xml"
+
+
+def run_tests(out_dir: str, timeout_s: float, paths: list[str]) -> str:
+    """One pytest per path, each with its own junit report (``gpu_tests_<path>.xml``), within ``timeout_s`` in
+    all: a path that runs out of time loses only its own report (one pytest over every path, killed by its
+    time limit, wrote no report at all). The first calls on a fresh machine compile every kernel variant."""
+    deadline = time.monotonic() + timeout_s
+    lines = []
+    for path in paths:
+        name = path.strip("/").replace("/", "_").removesuffix(".py")
+        left = deadline - time.monotonic()
+        if left < 10:
+            lines.append(f"{path}: not run (time limit)")
+            continue
+        xml = os.path.join(out_dir, f"gpu_tests_{name}.xml")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--maxfail=8", path,
+               f"--junitxml={xml}"]
+        try:
+            rc = subprocess.call(cmd, cwd=ROOT, timeout=left)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        lines.append(f"{path}: exit code {rc}; {_xml_summary(xml)}")
+        print(lines[-1], flush=True)
+    summary = "gpu tests:\n  " + "\n  ".join(lines)
     print(summary, flush=True)
     return summary
 
