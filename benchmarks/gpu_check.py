@@ -122,12 +122,21 @@ def run_ops_benches(out_dir: str) -> None:
         print(f"{' '.join(cmd)}: exit {rc}", flush=True)
 
 
+# every file with GPU tests, one pytest each (see run_tests); the quick ones first
+GPU_TEST_PATHS = [
+    "tests/kernels/test_gemv_mma_gpu.py", "tests/ops/test_linear_gpu.py", "tests/kernels/test_gemv_w4_gpu.py",
+    "tests/kernels/test_nf4_int4_gpu.py", "tests/kernels/test_gemm_w4_gpu.py", "tests/kernels/test_blockscaled_gpu.py",
+    "tests/kernels/test_fp8_block_gpu.py", "tests/kernels/test_fp8_rowwise_gpu.py", "tests/ops/test_scaled_mm_gpu.py",
+    "tests/bench",
+]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="*", help="tests, bench (the quant harness) and/or ops (W4A16 and scaled_mm "
                     "benchmarks); default tests + bench; install: wheels only")
-    ap.add_argument("--tests", default="tests/kernels,tests/bench,tests/ops",
-                    help="comma-separated test paths for the tests step")
+    ap.add_argument("--tests", default=",".join(GPU_TEST_PATHS),
+                    help="comma-separated test paths for the tests step (one pytest and report each)")
     ap.add_argument("--quick", action="store_true", help="harness: each op's quick shapes")
     ap.add_argument("--ops", default=None, help="harness: op patterns, as `lowbit bench --ops`")
     ap.add_argument("--shapes", default=None, help="harness: shapes, as `lowbit bench --shapes`")
