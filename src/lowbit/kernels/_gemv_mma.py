@@ -132,14 +132,15 @@ sub.{ty}x2 r3, r3, zg8;
 """
 
 
-def _mma_int4_asm(nt: int, fp16: bool) -> str:
-    """Operands: outputs $0..$(4 nt - 1) (accumulators of n-tile 0, then 1); inputs: 4 words, x-lo / x-hi of
-    each n-tile (4 + 4 each), 4 copies of the scale pair (fp16 s_g | s_g8 << 16), 4 copies of the zero pair
-    (z_g | z_g8 << 16), the 4 nt accumulators. The chunk's 4 mmas go into fresh registers, which are then
-    scaled per row (rows g and g + 8 of the lane's C fragment: registers 0, 1 and 2, 3) into the
-    accumulators: ``acc += sum_k (q - z) x * s`` with the (q - z) x products exact."""
+def _post_scaled_asm(nt: int, fp16: bool, regs: str, prologue, decode_word, extra_inputs: int = 0) -> str:
+    """The chunk asm of the formats whose scale goes after the mmas (int4, NF4). Operands: outputs
+    $0..$(4 nt - 1) (accumulators of n-tile 0, then 1); inputs: 4 words, x-lo / x-hi of each n-tile (4 + 4
+    each), 4 copies of each of the two per-lane pairs, the 4 nt accumulators, then ``extra_inputs`` more.
+    ``prologue(pair_a, pair_b, extra)`` sets the f32 registers sg / sg8 (the scales of rows g and g + 8) from
+    the pairs; ``decode_word(word, extra)`` writes the A registers r0..r3. The chunk's 4 mmas go into fresh
+    registers, which are then scaled per row (rows g and g + 8 of the lane's C fragment: registers 0, 1 and
+    2, 3) into the accumulators: ``acc += s * sum_k a x`` with the a x products exact."""
     ty = "f16" if fp16 else "bf16"
-    magic = "0x64006400" if fp16 else "0x43004300"
     n_out = 4 * nt
     base = n_out
     words = [f"${base + i}" for i in range(4)]
@@ -148,19 +149,16 @@ def _mma_int4_asm(nt: int, fp16: bool) -> str:
         lo = [f"${base + 4 + 8 * n + i}" for i in range(4)]
         hi = [f"${base + 8 + 8 * n + i}" for i in range(4)]
         xs.append((lo, hi))
-    s_op = f"${base + 4 + 8 * nt}"
-    z_op = f"${base + 8 + 8 * nt}"
+    pair_a = f"${base + 4 + 8 * nt}"
+    pair_b = f"${base + 8 + 8 * nt}"
     acc_in = [f"${base + 12 + 8 * nt + j}" for j in range(n_out)]
+    extra = [f"${base + 12 + 8 * nt + n_out + 4 * j}" for j in range(extra_inputs)]  # first of each 4 copies
     tmp = [f"c{j}" for j in range(n_out)]
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
-    lines = ["{", ".reg .b32 r0, r1, r2, r3, t, zg, zg8;", ".reg .b16 h0, h1;", ".reg .f32 sg, sg8, "
-             + ", ".join(tmp) + ";",
-             f"mov.b32 {{h0, h1}}, {s_op};", "cvt.f32.f16 sg, h0;", "cvt.f32.f16 sg8, h1;",
-             f"prmt.b32 zg, {z_op}, 0, 0x1010;", f"prmt.b32 zg8, {z_op}, 0, 0x3232;",
-             f"or.b32 zg, zg, {magic};", f"or.b32 zg8, zg8, {magic};"]
+    lines = ["{", regs, ".reg .f32 sg, sg8, " + ", ".join(tmp) + ";"] + prologue(pair_a, pair_b, extra)
     lines += [f"mov.f32 {c}, 0f00000000;" for c in tmp]
     for i in range(4):
-        lines.append(_INT4_WORD.format(w=words[i], magic=magic, ty=ty))
+        lines.append(decode_word(words[i], extra))
         for n in range(nt):
             d = tmp[4 * n:4 * n + 4]
             lines.append(mma + f"{{{d[0]}, {d[1]}, {d[2]}, {d[3]}}}, {{r0, r1, r2, r3}}, "
@@ -169,6 +167,21 @@ def _mma_int4_asm(nt: int, fp16: bool) -> str:
         lines.append(f"fma.rn.f32 ${j}, {tmp[j]}, {'sg' if j % 4 < 2 else 'sg8'}, {acc_in[j]};")
     lines.append("}")
     return "\n".join(lines)
+
+
+def _mma_int4_asm(nt: int, fp16: bool) -> str:
+    """int4: the pairs are the fp16 scale pair (s_g | s_g8 << 16) and the zero pair (z_g | z_g8 << 16);
+    ``acc += s * sum_k (q - z) x``."""
+    ty = "f16" if fp16 else "bf16"
+    magic = "0x64006400" if fp16 else "0x43004300"
+
+    def prologue(s_op, z_op, _):
+        return [f"mov.b32 {{h0, h1}}, {s_op};", "cvt.f32.f16 sg, h0;", "cvt.f32.f16 sg8, h1;",
+                f"prmt.b32 zg, {z_op}, 0, 0x1010;", f"prmt.b32 zg8, {z_op}, 0, 0x3232;",
+                f"or.b32 zg, zg, {magic};", f"or.b32 zg8, zg8, {magic};"]
+
+    return _post_scaled_asm(nt, fp16, ".reg .b32 r0, r1, r2, r3, t, zg, zg8;\n.reg .b16 h0, h1;", prologue,
+                            lambda w, _: _INT4_WORD.format(w=w, magic=magic, ty=ty))
 
 
 _INT4_ASM_BF16_1 = tl.constexpr(_mma_int4_asm(1, False))
@@ -209,7 +222,7 @@ NF4_MASK_LO, NF4_MASK_HI, NF4_PAIR_01, NF4_PAIR_23 = 0xD9C8, 0xFBEA, 0x5140, 0x7
 
 def _nf4_word(w: str, lo: list, hi: list) -> str:
     """The 4 A registers r0..r3 of word ``w`` (21 instructions); lo / hi: the operands holding the table words
-    (registers loaded once per program: as immediates, ptxas re-materializes them at every prmt)."""
+    (kernel arguments, see ``_gemv_mma_kernel``: as immediates, ptxas re-materializes them at every prmt)."""
     lines = [f"and.b32 s, {w}, 0x77777777;", f"shl.b32 u, {w}, 4;",
              f"prmt.b32 m0, u, {w}, {NF4_MASK_LO:#x};", f"prmt.b32 m1, u, {w}, {NF4_MASK_HI:#x};"]
     for half, (ra, rb, m) in enumerate((("r0", "r1", "m0"), ("r2", "r3", "m1"))):
@@ -224,39 +237,13 @@ def _nf4_word(w: str, lo: list, hi: list) -> str:
 
 
 def _mma_nf4_asm(nt: int, fp16: bool) -> str:
-    """Operands as in :func:`_mma_int4_asm`, then the 8 table words (:func:`nf4_table_words`: low bytes, high
-    bytes; 4 copies each, pack = 4); the two per-lane pairs are the fp32 absmax of rows g and g + 8 in the chunk's block (as int32
-    bits). ``acc += absmax * sum_k level(q) x``, the products exact in fp32."""
-    ty = "f16" if fp16 else "bf16"
-    n_out = 4 * nt
-    base = n_out
-    words = [f"${base + i}" for i in range(4)]
-    xs = []
-    for n in range(nt):
-        lo_x = [f"${base + 4 + 8 * n + i}" for i in range(4)]
-        hi_x = [f"${base + 8 + 8 * n + i}" for i in range(4)]
-        xs.append((lo_x, hi_x))
-    sg_op = f"${base + 4 + 8 * nt}"
-    sg8_op = f"${base + 8 + 8 * nt}"
-    acc_in = [f"${base + 12 + 8 * nt + j}" for j in range(n_out)]
-    tab = [f"${base + 12 + 8 * nt + n_out + 4 * j}" for j in range(8)]   # the first of each word's 4 copies
-    lo, hi = tab[:4], tab[4:]
-    tmp = [f"c{j}" for j in range(n_out)]
-    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
-    lines = ["{", ".reg .b32 r0, r1, r2, r3, s, u, m0, m1, a, b, xl, xh;",
-             ".reg .f32 sg, sg8, " + ", ".join(tmp) + ";",
-             f"mov.b32 sg, {sg_op};", f"mov.b32 sg8, {sg8_op};"]
-    lines += [f"mov.f32 {c}, 0f00000000;" for c in tmp]
-    for i in range(4):
-        lines.append(_nf4_word(words[i], lo, hi))
-        for n in range(nt):
-            d = tmp[4 * n:4 * n + 4]
-            lines.append(mma + f"{{{d[0]}, {d[1]}, {d[2]}, {d[3]}}}, {{r0, r1, r2, r3}}, "
-                         f"{{{xs[n][0][i]}, {xs[n][1][i]}}}, {{{d[0]}, {d[1]}, {d[2]}, {d[3]}}};")
-    for j in range(n_out):
-        lines.append(f"fma.rn.f32 ${j}, {tmp[j]}, {'sg' if j % 4 < 2 else 'sg8'}, {acc_in[j]};")
-    lines.append("}")
-    return "\n".join(lines)
+    """NF4: the pairs are the fp32 absmax of rows g and g + 8 in the chunk's block (as int32 bits), then come
+    the 8 table words (:func:`nf4_table_words`: low bytes, high bytes; 4 copies each, pack = 4);
+    ``acc += absmax * sum_k level(q) x``."""
+    return _post_scaled_asm(
+        nt, fp16, ".reg .b32 r0, r1, r2, r3, s, u, m0, m1, a, b, xl, xh;",
+        lambda sg, sg8, _: [f"mov.b32 sg, {sg};", f"mov.b32 sg8, {sg8};"],
+        lambda w, tab: _nf4_word(w, tab[:4], tab[4:]), extra_inputs=8)
 
 
 _NF4_ASM_BF16_1 = tl.constexpr(_mma_nf4_asm(1, False))

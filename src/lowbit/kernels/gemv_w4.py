@@ -51,7 +51,7 @@ from triton.runtime.jit import JITFunction
 from ..formats import int4_awq as ref_awq
 from ..formats import nf4 as ref_nf4
 from ..formats.codecs import codebook_table
-from ..formats.packing import unpack_fp4, unswizzle_scales
+from ..formats.packing import unpack_fp4, unpack_nibbles_high_first, unswizzle_scales
 from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _gemv_w4 as k
@@ -449,8 +449,9 @@ def _mma_words(codes: torch.Tensor, nibbles: dict | None = None) -> torch.Tensor
 
 
 def mma_layout(p: PreparedW4) -> MmaLayout | None:
-    """The tensor-core layout of a prepared NVFP4 / MXFP4 weight (made once, cached on ``p``), or None where
-    the tensor-core GEMV does not apply: other formats, K not a multiple of 64, MXFP4 scale codes outside
+    """The tensor-core layout of a prepared NVFP4 / MXFP4 / int4_awq / nf4 weight (made once, cached on ``p``),
+    or None where the tensor-core GEMV does not apply: other formats, K not a multiple of 64 (int4 / nf4: a
+    group or block not a multiple of 64 columns), MXFP4 scale codes outside
     [-62, 191] - 127 (their 2^63-offset bf16 form would overflow; such weights use the FMA kernel)."""
     if p.mma is not None:
         return p.mma or None
@@ -473,24 +474,32 @@ def mma_layout(p: PreparedW4) -> MmaLayout | None:
     n, kdim = p.n, p.k
     n16 = _cdiv(n, 16)
     codes_packed = p.words.view(torch.uint8).reshape(n, kdim // 2)
-    words = torch.empty(n16, kdim // 64, 32, 4, dtype=torch.int32, device=p.device)
+    words = _layout_words(p, lambda r0, r1: unpack_fp4(codes_packed[r0:r1]))
     scales = p.scales.reshape(n, -1)
     sb = scales.shape[1]
-    pairs = torch.zeros(n16, sb, 8, dtype=torch.int16, device=p.device)
-    step = max(1, (1 << 24) // kdim)  # row groups per slice: bounded int64 temporaries
+    sc = torch.zeros(16 * n16, sb, dtype=torch.int32, device=p.device)
+    sc[:n] = scales.view(torch.uint8).to(torch.int32)
+    sc = sc.reshape(n16, 2, 8, sb)
+    pairs = (sc[:, 0] | (sc[:, 1] << 8)).permute(0, 2, 1).to(torch.int16).contiguous()   # [N16, SB, 8]
+    p.mma = MmaLayout(words=words, scales=pairs,
+                      fmt_code=km.FMT_NVFP4.value if p.fmt == "nvfp4" else km.FMT_MXFP4.value)
+    return p.mma
+
+
+def _layout_words(p: PreparedW4, codes_of, nibbles: dict | None = None) -> torch.Tensor:
+    """The words [N16, K/64, 32, 4] of :func:`_mma_words`, made over slices of row groups (bounded int64
+    temporaries); ``codes_of(r0, r1)``: the uint8 codes [r1 - r0, K] of rows r0..r1. Padding rows get code 0."""
+    n, kdim = p.n, p.k
+    n16 = _cdiv(n, 16)
+    words = torch.empty(n16, kdim // 64, 32, 4, dtype=torch.int32, device=p.device)
+    step = max(1, (1 << 24) // kdim)
     for g0 in range(0, n16, step):
         g1 = min(n16, g0 + step)
         r0, r1 = 16 * g0, min(n, 16 * g1)
         codes = torch.zeros(16 * (g1 - g0), kdim, dtype=torch.uint8, device=p.device)
-        codes[: r1 - r0] = unpack_fp4(codes_packed[r0:r1])
-        words[g0:g1] = _mma_words(codes)
-        sc = torch.zeros(16 * (g1 - g0), sb, dtype=torch.int32, device=p.device)
-        sc[: r1 - r0] = scales[r0:r1].view(torch.uint8).to(torch.int32)
-        sc = sc.reshape(g1 - g0, 2, 8, sb)
-        pairs[g0:g1] = (sc[:, 0] | (sc[:, 1] << 8)).permute(0, 2, 1).to(torch.int16)
-    p.mma = MmaLayout(words=words, scales=pairs,
-                      fmt_code=km.FMT_NVFP4.value if p.fmt == "nvfp4" else km.FMT_MXFP4.value)
-    return p.mma
+        codes[: r1 - r0] = codes_of(r0, r1)
+        words[g0:g1] = _mma_words(codes, nibbles)
+    return words
 
 
 def _mma_int4_layout(p: PreparedW4) -> MmaLayout:
@@ -499,15 +508,10 @@ def _mma_int4_layout(p: PreparedW4) -> MmaLayout:
     (fp16 scale bits | (0x6400 + z) << 16). Padding rows get zero words and scales."""
     n, kdim, group = p.n, p.k, 8 * p.words_per_block
     n16, ng = _cdiv(n, 16), kdim // group
-    words = torch.empty(n16, kdim // 64, 32, 4, dtype=torch.int32, device=p.device)
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=p.device)
-    step = max(1, (1 << 24) // kdim)
-    for g0 in range(0, n16, step):
-        g1 = min(n16, g0 + step)
-        r0, r1 = 16 * g0, min(n, 16 * g1)
-        codes = torch.zeros(16 * (g1 - g0), kdim, dtype=torch.uint8, device=p.device)
-        codes[: r1 - r0] = ((p.words[r0:r1, :, None] >> shifts) & 0xF).reshape(r1 - r0, kdim).to(torch.uint8)
-        words[g0:g1] = _mma_words(codes, _MMA_INT4_BITS)
+    words = _layout_words(
+        p, lambda r0, r1: ((p.words[r0:r1, :, None] >> shifts) & 0xF).reshape(r1 - r0, kdim).to(torch.uint8),
+        _MMA_INT4_BITS)
     sz = torch.full((16 * n16, ng), 0x6400 << 16, dtype=torch.int64, device=p.device)   # padding: s = z = 0
     sz[:n] = p.scales.to(torch.int64) & 0xFFFFFFFF
     scale, zero = sz & 0xFFFF, (sz >> 16) - 0x6400
@@ -518,16 +522,13 @@ def _mma_int4_layout(p: PreparedW4) -> MmaLayout:
 
 
 def _nf4_block_absmax(p: PreparedW4) -> torch.Tensor:
-    """fp32 absmax [N, K / blocksize] of a prepared nf4 weight; double quantization decoded with the same fp32
-    operations as ``formats.nf4.nf4_absmax`` (bitsandbytes' ``dequantize_4bit``): ``dmap[code] * nested +
-    offset``."""
+    """fp32 absmax [N, K / blocksize] of a prepared nf4 weight, double quantization decoded as
+    ``formats.nf4.nf4_absmax`` does (bitsandbytes' ``dequantize_4bit``)."""
     n, nb = p.n, p.k // (8 * p.words_per_block)
     if p.fmt == "nf4":
         return p.scales.reshape(n, nb)
-    codes = p.scales.reshape(-1).to(torch.int64)
-    dmap = p.tab[k.TAB_DMAP.value:k.TAB_DMAP.value + 256]
-    nested = p.nested[torch.arange(codes.numel(), device=p.device) // ref_nf4.NESTED_BLOCKSIZE]
-    return (dmap[codes] * nested + p.tab[k.TAB_OFFSET.value]).reshape(n, nb)
+    absmax = ref_nf4.dequantize_blockwise_8bit(p.scales.reshape(-1), p.nested, None, ref_nf4.NESTED_BLOCKSIZE)
+    return (absmax + p.tab[k.TAB_OFFSET.value]).reshape(n, nb)
 
 
 def _mma_nf4_layout(p: PreparedW4) -> MmaLayout:
@@ -537,16 +538,10 @@ def _mma_nf4_layout(p: PreparedW4) -> MmaLayout:
     Padding rows get zero words and absmax."""
     n, kdim, block = p.n, p.k, 8 * p.words_per_block
     n16, nb = _cdiv(n, 16), kdim // block
-    words = torch.empty(n16, kdim // 64, 32, 4, dtype=torch.int32, device=p.device)
     packed = p.words.view(torch.uint8).reshape(n, kdim // 2)
-    step = max(1, (1 << 24) // kdim)
-    for g0 in range(0, n16, step):
-        g1 = min(n16, g0 + step)
-        r0, r1 = 16 * g0, min(n, 16 * g1)
-        codes = torch.zeros(16 * (g1 - g0), kdim, dtype=torch.uint8, device=p.device)
-        b = packed[r0:r1]
-        codes[: r1 - r0] = torch.stack([b >> 4, b & 0xF], dim=-1).reshape(r1 - r0, kdim)
-        words[g0:g1] = _mma_words(codes, _MMA_NF4_BITS)
+    words = _layout_words(
+        p, lambda r0, r1: unpack_nibbles_high_first(packed[r0:r1], (r1 - r0) * kdim).reshape(r1 - r0, kdim),
+        _MMA_NF4_BITS)
     absmax = torch.zeros(16 * n16, nb, dtype=torch.float32, device=p.device)
     absmax[:n] = _nf4_block_absmax(p)
     bits = absmax.view(torch.int32).reshape(n16, 2, 8, nb)
@@ -891,21 +886,16 @@ def compile_variants():
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63}
         yield km._gemv_mma_kernel, mma_sig, consts
-    # int4: group 128 (2 chunks) and 64, bf16 and fp16 x
-    for nt, split, has_bias, act, cpg, xf16 in [(1, 1, False, 0, 2, False), (2, 4, True, 1, 2, False),
-                                                (1, 4, True, 3, 1, True), (2, 1, False, 2, 2, True)]:
+    # the post-scaled formats: int4 groups of 128 (2 chunks) and 64, NF4 blocks of 64 and 128; bf16 and fp16 x
+    for fmt, nt, split, has_bias, act, cpg, xf16 in [
+        (km.FMT_INT4, 1, 1, False, 0, 2, False), (km.FMT_INT4, 2, 4, True, 1, 2, False),
+        (km.FMT_INT4, 1, 4, True, 3, 1, True), (km.FMT_INT4, 2, 1, False, 2, 2, True),
+        (km.FMT_NF4, 1, 1, False, 0, 1, False), (km.FMT_NF4, 2, 4, True, 1, 1, False),
+        (km.FMT_NF4, 1, 4, True, 3, 2, True), (km.FMT_NF4, 2, 1, False, 2, 1, True),
+    ]:
         xd = "*fp16" if xf16 else "*bf16"
         sig = dict(mma_sig, x_ptr=xd, s_ptr="*i32", bias_ptr=xd, out_ptr=xd)
-        consts = {"FMT": km.FMT_INT4.value, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
-                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": k.GS_NONE.value, "ROW_SCALE": 0,
-                  "POST": 1.0, "CPG": cpg, "XF16": xf16}
-        yield km._gemv_mma_kernel, sig, consts
-    # NF4: blocksize 64 (1 chunk) and 128, bf16 and fp16 x
-    for nt, split, has_bias, act, cpg, xf16 in [(1, 1, False, 0, 1, False), (2, 4, True, 1, 1, False),
-                                                (1, 4, True, 3, 2, True), (2, 1, False, 2, 1, True)]:
-        xd = "*fp16" if xf16 else "*bf16"
-        sig = dict(mma_sig, x_ptr=xd, s_ptr="*i32", bias_ptr=xd, out_ptr=xd)
-        consts = {"FMT": km.FMT_NF4.value, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
+        consts = {"FMT": fmt.value, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": k.GS_NONE.value, "ROW_SCALE": 0,
                   "POST": 1.0, "CPG": cpg, "XF16": xf16}
         yield km._gemv_mma_kernel, sig, consts
