@@ -116,7 +116,22 @@ def main() -> None:
                     if t_fp8:
                         row["vs_scaled_mm_fp8"] = t_fp8 / row["ms"]
                     row["weight_GBps"] = wq.nbytes / (row["ms"] * 1e-3) / 1e9
-                    if _ks().fold_route(a, wq) is None:
+                    ks = _ks()
+                    folds = ks.fold_route(a, wq) is None
+                    if ks.cublas_route(a, wq, None, torch.bfloat16) is None or (
+                            folds and ks.cb.route(m, n, k, x.device, True, None, torch.bfloat16) is None):
+                        # the default ran cuBLASLt's block-scaled GEMM: lowbit's own kernel, and the peer alone
+                        row["gemm"] = "cublas_blockwise"
+                        row["triton_ms"] = _bench(lambda: ks.scaled_mm(a, wq, None, None, torch.bfloat16,  # noqa: B023
+                                                                       cublas=False), args.rep)
+                        row["triton_vs_cublas_bf16"] = t_bf16 / row["triton_ms"]
+                        if t_fp8:
+                            row["triton_vs_scaled_mm_fp8"] = t_fp8 / row["triton_ms"]
+                        if pair == "fp8_block":
+                            row["cublas_blockwise_ms"] = _bench(
+                                lambda: ks.cb.mm(a.data, a.scale, wq.data, wq.scale, None, None,  # noqa: B023
+                                                 torch.bfloat16), args.rep)
+                    if folds:
                         # the same pair on the decoding kernel, and the share of the re-encoding passes
                         row["route"] = "fold"
                         row["decoding_ms"] = _bench(lambda: _ks().scaled_mm(a, wq, None, None, torch.bfloat16,  # noqa: B023
@@ -130,6 +145,8 @@ def main() -> None:
                           f"x{row['vs_cublas_bf16']:.2f} bf16" + (f"  x{row['vs_scaled_mm_fp8']:.2f} fp8" if t_fp8 else "")
                           + f"  fused x{row['fused_vs_cublas_bf16']:.2f}  err {row['rel_err']:.1e}"
                           + f"  {row['weight_GBps']:.0f} GB/s weights"
+                          + (f"  [cuBLASLt GEMM; lowbit Triton x{row['triton_vs_cublas_bf16']:.2f} bf16]"
+                             if "gemm" in row else "")
                           + (f"  [fold; decoding kernel x{row['decoding_vs_cublas_bf16']:.2f}, re-encoding "
                              f"{row['reencode_ms'] * 1e3:.1f} us, FP8 GEMM alone {row['gemm_only_ms'] * 1e3:.1f} us"
                              f"{'' if row['fold_exact'] else ', NOT EXACT: fallback ran'}]" if "route" in row else ""),

@@ -99,6 +99,21 @@ SCRIPT = textwrap.dedent(
     (fr, er), (fk, ek) = ref.mxfp4_as_fp8_block(q, (128, 128)), kb.mxfp4_as_fp8_block(q, (128, 128))
     if not (same(fr, fk) and bool(er) and bool(ek) and fr.scale.shape == (2, 2)):
         bad.append(("mxfp4_as_fp8_block", "130 rows"))
+    # the scale layouts cuBLASLt reads: same values, (1, 128) M-major, (128, 128) rows padded to 4 K tiles
+    # with zeros (K = 640: 5 tiles, so rows of 8)
+    w3 = torch.randn(130, 640) * torch.logspace(-1, 1, 130)[:, None]
+    q = ref.quantize_mx(w3, "mxfp4", "rceil", "linear")
+    for blk in ((1, 128), (128, 128)):
+        flag = torch.zeros(1, dtype=torch.int32)
+        fr, _ = ref.mxfp4_as_fp8_block(q, blk)
+        fk = kb.mxfp4_fold(q, blk, flag, cublas_scales=True)
+        if blk == (1, 128):
+            layout_ok = fk.scale.stride() == (1, 130)
+        else:
+            full = fk.scale.as_strided((2, 8), (8, 1))
+            layout_ok = fk.scale.stride() == (8, 1) and torch.equal(full[:, 5:], torch.zeros(2, 3))
+        if not (same(fr, fk) and layout_ok and int(flag) == 0):
+            bad.append(("mxfp4_fold cublas_scales", blk))
     print("BAD", bad)
     """
 )

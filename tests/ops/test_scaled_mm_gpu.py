@@ -559,6 +559,66 @@ def test_decode_gemv_route_captured_cold(name):
     _assert_close(out, scaled_mm_reference(a, w, None, None, torch.float32, dequant_backend="torch"), "replay")
 
 
+# --------------------------------------------------------------- cuBLASLt block-scaled FP8 (cublas route)
+
+CUBLAS_CASES = [  # (name, M, N, K, alpha, bias dtype, out dtype, cuBLAS expected)
+    ("fp8_block", 128, 7168, 2048, None, None, torch.bfloat16, True),
+    ("fp8_block-ue8m0", 1000, 2112, 7168, 0.75, torch.bfloat16, torch.bfloat16, True),
+    ("fp8_block-colmajor", 4096, 4096, 4096, 2.0, torch.float16, torch.float16, True),
+    ("fp8_block", 256, 1024, 1408, None, None, torch.float32, True),          # K/128 = 11: padded weight scales
+    ("fp8_block", 1000, 2112, 7168, None, torch.float32, torch.bfloat16, False),  # fp32 bias: Triton
+    ("fp8_block", 1000, 2112, 7168, 0.5, torch.bfloat16, torch.float32, False),   # fp32 out + bias: Triton
+    ("fp8_block", 1030, 2112, 7168, None, None, torch.bfloat16, False),       # M % 4: Triton
+    ("fp8_block", 64, 7168, 2048, None, None, torch.bfloat16, False),         # decode: split-K kernel
+]
+
+
+@pytest.mark.parametrize("case", CUBLAS_CASES, ids=lambda c: f"{c[0]}-M{c[1]}-{c[2]}x{c[3]}-{c[5]}-{c[6]}")
+def test_cublas_route(case):
+    """fp8_block pairs run cuBLASLt's block-scaled GEMM where it can, lowbit's kernels where it cannot; both
+    are the block-scaled product, and each agrees with the reference and with the other."""
+    km = _km()
+    name, m, n, k, alpha, bias_dtype, out_dtype, expected = case
+    af, ao, wf, wo = PAIR[name]
+    w = _weight(wf, wo, n, k)
+    _, a = _act(af, ao, m, k, seed=5)
+    bias = None if bias_dtype is None else _bias(n, bias_dtype)
+    alpha_t = None if alpha is None else torch.tensor([alpha], device="cuda")
+    why = km.cublas_route(a, w, bias, out_dtype)
+    assert (why is None) == expected, why
+    ref = scaled_mm_reference(a, w, alpha_t, bias, torch.float32, dequant_backend="torch")
+    before = {key: t.clone() for key, t in a.tensors().items()}
+    out = lowbit.scaled_mm(a, w, alpha_t, bias, out_dtype)
+    assert all(torch.equal(t, before[key]) for key, t in a.tensors().items())
+    _assert_close(out, ref, f"default {case}")
+    triton_out = km.scaled_mm(a, w, alpha_t, bias, out_dtype, cublas=False)
+    _assert_close(triton_out, ref, f"cublas=False {case}")
+    if expected:
+        _assert_close(km.scaled_mm(a, w, alpha_t, bias, out_dtype, cublas=True), ref, f"cublas=True {case}")
+        assert "cuBLASLt" in str(smm.plan_scaled_mm(a, w)) or bias is not None or out_dtype != torch.bfloat16
+    else:
+        with pytest.raises(ValueError, match="cublas=True"):
+            km.scaled_mm(a, w, alpha_t, bias, out_dtype, cublas=True)
+
+
+def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
+    km = _km()
+    w = _weight("fp8_block", (("block", (128, 128)),), 4096, 4096)
+    x, a = _act("fp8_block", (), 256, 4096)
+    assert km.cublas_route(a, w, None, torch.bfloat16) is None
+    graph, out = _capture(lambda t: scaled_linear(t, w, "fp8_block"), x)
+    for seed in (1, 2):
+        x.copy_(_act("fp8_block", (), 256, 4096, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = scaled_mm_reference(_quantize(x, "fp8_block", ()), w, None, None, torch.float32,
+                                  dequant_backend="torch")
+        _assert_close(out, ref, "cuBLAS route, graph replay")
+    monkeypatch.setenv("LOWBIT_CUBLAS_FP8_BLOCK", "0")
+    assert "LOWBIT_CUBLAS_FP8_BLOCK=0" in km.cublas_route(a, w, None, torch.bfloat16)
+    assert "cuBLASLt" not in str(smm.plan_scaled_mm(a, w))
+
+
 # ------------------------------------------------------------------------ FP8 re-encoding (fold route)
 
 FOLD_PAIRS = ["mxfp4", "mxfp4-swizzled", "w4a8-rowwise-mxfp4", "w4a8-block-mxfp4"]
@@ -587,18 +647,23 @@ def test_fold_route_matches_reference_and_decoding_kernel(name, m):
     _assert_close(lowbit.scaled_mm(a, w, alpha, bias, torch.bfloat16), ref, f"default {name} M={m}")
     for out_dtype in (torch.bfloat16, torch.float32):
         _assert_close(km.scaled_mm(a, w, alpha, bias, out_dtype, fold=True), ref, f"fold {out_dtype} {name} M={m}")
+        _assert_close(km.scaled_mm(a, w, alpha, bias, out_dtype, fold=True, cublas=False), ref,
+                      f"fold on the TMA kernel {out_dtype} {name} M={m}")
+    if routed and m % 4 == 0:  # the GEMM behind the re-encoding is cuBLASLt's
+        _assert_close(km.scaled_mm(a, w, alpha, bias, torch.bfloat16, cublas=True), ref, f"fold cuBLAS {name} M={m}")
     _assert_close(km.scaled_mm(a, w, alpha, bias, torch.float32, fold=False), ref, f"decoding {name} M={m}")
 
 
+@pytest.mark.parametrize("m", [1030, 1032])  # 1030: the TMA kernel behind the re-encoding, 1032: cuBLASLt
 @pytest.mark.parametrize("case", ["weight-window", "activation-window", "activation-nan", "weight-nan"])
-def test_fold_route_exact_fallback(case):
+def test_fold_route_exact_fallback(case, m):
     """Blocks the E4M3 re-encoding cannot hold arm the guarded decoding kernel, which recomputes the output:
     the result is still the block-scaled product (dropping those blocks would be far off: they are the
     largest values of their rows)."""
     from lowbit.kernels import blockscaled as kb
 
     km = _km()
-    m, n, k = 1030, 512, 1024
+    n, k = 512, 1024
     g = torch.Generator(device="cuda").manual_seed(11)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
     x = torch.randn(m, k, device="cuda", generator=g)
@@ -615,6 +680,7 @@ def test_fold_route_exact_fallback(case):
     odd, block = (wq, (128, 128)) if case.startswith("weight") else (a, (1, 128))
     assert not bool(kb.mxfp4_as_fp8_block(odd, block)[1])
     assert km.fold_route(a, wq) is None
+    assert (km.cb.route(m, n, k, a.data.device, True, None, torch.float32) is None) == (m % 4 == 0)
     out = lowbit.scaled_mm(a, wq, None, None, torch.float32)
     ref = scaled_mm_reference(a, wq, None, None, torch.float32, dequant_backend="torch")
     if case.endswith("nan"):

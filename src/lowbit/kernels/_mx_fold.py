@@ -80,6 +80,7 @@ def _mxfp4_as_fp8_block_kernel(
     s_cols4,
     stride_o,
     stride_os,
+    stride_os_k,
     SWIZZLED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     ROWS_PER_SCALE: tl.constexpr,
@@ -128,8 +129,9 @@ def _mxfp4_as_fp8_block_kernel(
     tl.store(out_ptr + rows64[:, None] * stride_o + oc[None, :], out, mask=row_ok[:, None] & (oc < K // 4)[None, :])
     scale_bits = tl.where(emax > FOLD_SHIFT, (emax - FOLD_SHIFT) << 23, 1 << (emax + 22 - FOLD_SHIFT))
     if ROWS_PER_SCALE == 1:
-        tl.store(out_scale_ptr + rows64 * stride_os + kt, scale_bits.to(tl.float32, bitcast=True), mask=row_ok)
+        tl.store(out_scale_ptr + rows64 * stride_os + kt * stride_os_k, scale_bits.to(tl.float32, bitcast=True),
+                 mask=row_ok)
     else:
-        tl.store(out_scale_ptr + pid_r * stride_os + kt, scale_bits.to(tl.float32, bitcast=True))
+        tl.store(out_scale_ptr + pid_r * stride_os + kt * stride_os_k, scale_bits.to(tl.float32, bitcast=True))
     if tl.max(tl.max(dropped.to(tl.int32), axis=1), axis=0) > 0:
         tl.store(flag_ptr, 1)

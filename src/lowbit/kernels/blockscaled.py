@@ -79,7 +79,7 @@ def compile_variants():
             yield (_mx_fold._mxfp4_as_fp8_block_kernel,
                    {"data_ptr": "*i32", "scale_ptr": "*u8", "out_ptr": "*i32", "out_scale_ptr": "*fp32",
                     "flag_ptr": "*i32", **{n: "i32" for n in ("R", "K", "stride_d", "stride_s0", "s_cols4",
-                                                             "stride_o", "stride_os")}},
+                                                             "stride_o", "stride_os", "stride_os_k")}},
                    {"SWIZZLED": swizzled, "BLOCK_R": FOLD_BLOCK_R, "ROWS_PER_SCALE": rows_per_scale, "ON_GPU": True})
     for dtype in ("*bf16", "*fp16", "*fp32"):
         yield (k._finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
@@ -284,8 +284,14 @@ def mxfp4_as_fp8_block(q: QTensor, block: tuple[int, int] = (1, 128),
     return mxfp4_fold(q, block, dropped_flag), dropped_flag[0] == 0
 
 
-def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor) -> QTensor:
-    """:func:`mxfp4_as_fp8_block` without the flag's comparison (one launch less on scaled_mm's path)."""
+def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor, cublas_scales: bool = False
+               ) -> QTensor:
+    """:func:`mxfp4_as_fp8_block` without the flag's comparison (one launch less on scaled_mm's path).
+
+    ``cublas_scales``: lay the scales out as cuBLASLt's block-scaled GEMM reads them
+    (:mod:`lowbit.kernels.cublas_fp8_block`): (1, 128) scales M-major (strides (1, rows)); (128, 128) scales
+    in rows of ``round_up(K/128, 4)`` with zeros after the last K tile (the QTensor's scale is the [:, :K/128]
+    view). Same values either way."""
     block = ref.check_fold_args(q, block)
     rows, kdim = q.shape
     device = q.data.device
@@ -299,12 +305,20 @@ def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor) -
     scale = (scale if swizzled else scale.reshape(rows, kdim // 32)).contiguous()
     out = torch.empty(rows, kdim, dtype=torch.float8_e4m3fn, device=device)
     scale_rows = rows if block[0] == 1 else -(-rows // 128)
-    out_scale = torch.empty(scale_rows, tiles, dtype=torch.float32, device=device)
+    if not cublas_scales:
+        out_scale = torch.empty(scale_rows, tiles, dtype=torch.float32, device=device)
+    elif block[0] == 1:
+        out_scale = torch.empty_strided((rows, tiles), (1, rows), dtype=torch.float32, device=device)
+    else:
+        tiles4 = -(-tiles // 4) * 4
+        alloc = torch.empty if tiles4 == tiles else torch.zeros
+        out_scale = alloc(scale_rows, tiles4, dtype=torch.float32, device=device)[:, :tiles]
     if rows and kdim:
         words = data.view(torch.int32)
         _mx_fold._mxfp4_as_fp8_block_kernel[(triton.cdiv(rows, FOLD_BLOCK_R), tiles)](
             words, scale, out.view(torch.int32), out_scale, dropped_flag, rows, kdim, words.stride(0),
             scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, kdim // 4, out_scale.stride(0),
+            out_scale.stride(1),
             SWIZZLED=swizzled, BLOCK_R=FOLD_BLOCK_R, ROWS_PER_SCALE=block[0], ON_GPU=not _interpreting(),
             num_warps=FOLD_WARPS,
         )

@@ -18,6 +18,7 @@ import triton
 
 from ..formats.qtensor import QTensor
 from . import _scaled_mm as k
+from . import cublas_fp8_block as cb
 from ._scratch import split_k_scratch
 from . import interpreting as _interpreting
 
@@ -348,16 +349,22 @@ def _fold_pair(a: QTensor, b: QTensor) -> str | None:
     return None
 
 
-def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict) -> torch.Tensor:
+def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: bool | None = None) -> torch.Tensor:
     from . import blockscaled
 
     m, k_dim = a.shape
     n = b.shape[0]
-    dropped = torch.zeros(1, dtype=torch.int32, device=a.data.device)
+    device = a.data.device
+    fp8_act = a.fmt != "mxfp4"
+    why = cb.route(m, n, k_dim, device, not fp8_act or cb.aligned(a.data), bias, out_dtype)
+    if cublas and why is not None:
+        raise ValueError(f"cublas=True: {why}")
+    use_cublas = why is None and cublas is not False
+    dropped = torch.zeros(1, dtype=torch.int32, device=device)
     # 128x128 weight blocks: one scale per weight tile, so the promotion is one FMA per accumulator element
-    wb = blockscaled.mxfp4_fold(b, (128, 128), dropped)
+    wb = blockscaled.mxfp4_fold(b, (128, 128), dropped, cublas_scales=use_cublas)
     if a.fmt == "mxfp4":
-        wa = blockscaled.mxfp4_fold(a, (1, 128), dropped)
+        wa = blockscaled.mxfp4_fold(a, (1, 128), dropped, cublas_scales=use_cublas)
         a_data, a_scale, s0, s1 = wa.data, wa.scale, wa.scale.stride(0), wa.scale.stride(1)
     elif a.fmt == "fp8_rowwise":
         # one scale per row serves every K tile
@@ -365,32 +372,55 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict) -> torch
     else:
         a_data, a_scale = a.data, a.scale
         s0, s1 = a_scale.stride()
-    if not _tma_ready(a_data):
-        a_data = a_data.clone(memory_format=torch.contiguous_format)
-    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    _fp8_block_tma([a_data, a_scale, None, None, s0, s1],
-                   [wb.data, wb.scale, None, None, wb.scale.stride(0), wb.scale.stride(1)],
-                   {"ROWS_PER_SCALE": 128}, m, n, k_dim, alpha, bias, out, cfg)
+    if use_cublas:
+        out = cb.mm(a_data, a_scale, wb.data, wb.scale, alpha, bias, out_dtype, b_scale_zero_padded=True)
+    else:
+        if not _tma_ready(a_data):
+            a_data = a_data.clone(memory_format=torch.contiguous_format)
+        out = torch.empty((m, n), dtype=out_dtype, device=device)
+        _fp8_block_tma([a_data, a_scale, None, None, s0, s1],
+                       [wb.data, wb.scale, None, None, wb.scale.stride(0), wb.scale.stride(1)],
+                       {"ROWS_PER_SCALE": 128}, m, n, k_dim, alpha, bias, out, cfg)
     a_args, ac = _operand(a)
     b_args, bc = _operand(b)
     _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, _config(m, False), guard=dropped)
     return out
 
 
+def cublas_route(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
+    """None when :func:`scaled_mm` runs this fp8_block pair on cuBLASLt's block-scaled FP8 GEMM
+    (:mod:`lowbit.kernels.cublas_fp8_block`: faster than lowbit's kernels from M = 65 on the H100), else why not."""
+    if a.fmt != "fp8_block" or b.fmt != "fp8_block" or tuple(b.params.get("block", ())) != (128, 128):
+        return "cuBLAS takes fp8_block activations with 128x128-block fp8_block weights"
+    if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
+        return "cuBLAS takes E4M3 data"
+    m, k_dim = a.shape
+    return cb.route(m, b.shape[0], k_dim, a.data.device, cb.aligned(a.data) and cb.aligned(b.data), bias,
+                    out_dtype)
+
+
 def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None,
-              fold: bool | None = None) -> torch.Tensor:
+              fold: bool | None = None, cublas: bool | None = None) -> torch.Tensor:
     """``config``: a tile config to use instead of the table's (of the TMA kernel when ``fold``, else of the
     decoding kernel); ``fold``: force (True) or refuse (False) the FP8 re-encoding of :func:`fold_route`
-    (None: as the route says). Either one turns off the GEMV route; ``config`` alone also the re-encoding."""
+    (None: as the route says). Either one turns off the GEMV route; ``config`` alone also the re-encoding.
+    ``cublas``: force (True: ValueError where it cannot run) or refuse (False) cuBLASLt's block-scaled FP8 GEMM
+    for fp8_block pairs and the re-encoded ones (None: as :func:`cublas_route` says; a ``config`` refuses it)."""
     m, k_dim = a.shape
     n = b.shape[0]
-    if config is None and fold is None and gemv_route(a, b) is None:
+    if config is None and fold is None and not cublas and gemv_route(a, b) is None:
         return _scaled_gemv(a, b, alpha, bias, out_dtype)
     if fold or (fold is None and config is None and fold_route(a, b) is None):
         if fold and _fold_pair(a, b) is not None:
             raise ValueError(f"fold=True: {_fold_pair(a, b)}")
         cfg = dict(config) if config is not None else _config(m, True, fold=True)
-        return _fold_mm(a, b, alpha, bias, out_dtype, cfg)
+        return _fold_mm(a, b, alpha, bias, out_dtype, cfg, cublas if config is None else False)
+    if cublas is not False and config is None:
+        why = cublas_route(a, b, bias, out_dtype)
+        if why is None:
+            return cb.mm(a.data, a.scale, b.data, b.scale, alpha, bias, out_dtype)
+        if cublas:
+            raise ValueError(f"cublas=True: {why}")
     a_args, ac = _operand(a)
     b_args, bc = _operand(b)
     raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1

@@ -433,8 +433,17 @@ def _reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: QTenso
         fold = getattr(facts[0], "fold_route", None)
         if fold is not None and fold(a, b) is None:
             return (
-                "mxfp4 re-encoded exactly as E4M3 with one fp32 scale per 128 columns, then the FP8 TMA GEMM; an "
-                "exact decoding fallback runs if a block does not fit (lowbit.kernels.scaled_mm.fold_route)"
+                "mxfp4 re-encoded exactly as E4M3 with one fp32 scale per 128 columns, then the FP8 GEMM "
+                "(cuBLASLt's block-scaled one where lowbit.kernels.cublas_fp8_block.route allows, else the TMA "
+                "kernel); an exact decoding fallback runs if a block does not fit "
+                "(lowbit.kernels.scaled_mm.fold_route)"
+            )
+        cublas = getattr(facts[0], "cublas_route", None)
+        if cublas is not None and cublas(a, b, None, torch.bfloat16) is None:
+            return (
+                "cuBLASLt's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm, BlockWise1x128 x "
+                "BlockWise128x128) for a bf16/fp16 output with no bias or one of the output's dtype, else the "
+                "Triton kernel (lowbit.kernels.scaled_mm.cublas_route)"
             )
         return "Triton block-scaled GEMM (lowbit.kernels.scaled_mm)"
     if facts[0] == "triton_off_cuda":

@@ -1,0 +1,104 @@
+"""Host cost of one ``lowbit.scaled_mm`` call: GPU time (CUDA-graph replays), eager time per call when calls are
+issued back to back (host-bound when it exceeds the GPU time), and where the host time goes (cProfile).
+JSON and profiles to $OUT.
+
+    PYTHONPATH=src python benchmarks/profile_host.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import time
+
+import torch
+import triton
+
+import lowbit
+
+CASES = [  # (name, a format, a options, b format, b options, M, N, K)
+    ("fp8_block_m16", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 16, 24576, 1536),
+    ("fp8_block_m64", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 64, 2112, 7168),
+    ("fp8_block_m4096", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 4096, 7168, 2048),
+    ("mxfp4_m4096", "mxfp4", {}, "mxfp4", {}, 4096, 7168, 2048),
+    ("w4a8_m4096", "fp8_rowwise", {}, "mxfp4", {}, 4096, 7168, 2048),
+    ("nvfp4_m16", "nvfp4", {}, "nvfp4", {}, 16, 7168, 2048),
+]
+
+
+def _graph_us(fn, calls: int = 20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (reps * calls) * 1e6
+
+
+def _eager_us(fn, calls: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main() -> None:
+    out_dir = os.environ.get("OUT", "benchmarks/results/tmp")
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+            "git": os.environ.get("GIT_SHA", "unknown"), "host": platform.node(), "date": time.strftime("%Y-%m-%d")}
+    rows = []
+    only = os.environ.get("CASES")
+    for name, af, ao, bf, bo, m, n, k in CASES:
+        if only and name not in only.split(","):
+            continue
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        aq = lowbit.quantize(x, af, **ao)
+        wq = lowbit.quantize(w, bf, **bo)
+
+        def fn(aq=aq, wq=wq):
+            return lowbit.scaled_mm(aq, wq)
+
+        row = {"case": name, "M": m, "N": n, "K": k, "plan": str(lowbit.ops.plan_scaled_mm(aq, wq))}
+        row["graph_us"] = _graph_us(fn)
+        row["eager_us"] = _eager_us(fn)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        with open(os.path.join(out_dir, f"profile_host_{name}.txt"), "w") as f:
+            f.write(buf.getvalue())
+        print(row, flush=True)
+        print("\n".join(buf.getvalue().splitlines()[:40]), flush=True)
+        rows.append(row)
+        with open(os.path.join(out_dir, "profile_host.json"), "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""cuBLASLt's block-scaled FP8 GEMM on Hopper, reached through ``torch.nn.functional.scaled_mm``.
+
+CUDA 12.9 put DeepSeek-V3's recipe into cuBLASLt for SM90: E4M3 operands, an fp32 scale per 1x128 block of the
+activation and per 128x128 block of the weight, and the partial product of every 128-wide K block promoted to
+fp32 with its two scales. PyTorch (2.9 on) exposes it as ``ScalingType.BlockWise1x128`` x ``BlockWise128x128``.
+It is the kernel a user of torch would pick instead of ours, so :mod:`lowbit.kernels.scaled_mm` runs it where
+it is faster. On the H100 (``benchmarks/results/2026-11-21_h100_probe_cublas_blockwise_ac69f09.json``) it ran at
+0.84-0.90x ``torch._scaled_mm`` per-tensor FP8 at M = 4096 on the DeepSeek-V3 shapes and 8192^3, where lowbit's
+warp-specialized Gluon kernel ran at 0.71-0.75x, and it was faster than lowbit's kernels at every M >= 256 of the
+probe. At M <= 64 lowbit's split-K kernel streams the weight faster, so decode stays there.
+
+What cuBLAS takes (the probe's edge cases, ``..._probe_cublas_blockwise_edges_ac69f09.json``):
+
+- M a multiple of 4 (M = 4095: ``CUBLAS_STATUS_NOT_SUPPORTED``); K and N multiples of 16;
+- activation scales M-major: ``[M, K/128]`` with strides ``(1, M)``;
+- weight scales ``[N/128, round_up(K/128, 4)]`` row-major, handed over transposed (``[round_up(K/128, 4), N/128]``);
+- a bias only of the output's dtype and only with a bfloat16 or float16 output.
+
+Results are the block-scaled product up to fp32 accumulation order: relative error 1.3e-4 with a float32 output
+in the probe, the same as the Triton kernels (Hopper's FP8 MMA accumulates with fewer bits inside each K block).
+There is no ``alpha`` argument, so ``alpha`` is folded into the activation scales (one fp32 rounding per scale).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENV = "LOWBIT_CUBLAS_FP8_BLOCK"
+"""Set to ``0`` to keep fp8_block GEMMs on lowbit's Triton kernels."""
+MIN_M = 65
+"""Below this M (decode) lowbit's split-K kernel runs instead."""
+
+
+@functools.cache
+def _unavailable(device_index: int) -> str | None:
+    import torch.nn.functional as F
+
+    if not hasattr(F, "scaled_mm") or not hasattr(getattr(F, "ScalingType", None), "BlockWise128x128"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with BlockWise128x128 scales"
+    cuda = torch.version.cuda
+    if cuda is None or tuple(int(v) for v in cuda.split(".")[:2]) < (12, 9):
+        return f"cuBLASLt block scaling needs CUDA >= 12.9, torch is built with {cuda}"
+    cap = torch.cuda.get_device_capability(device_index)
+    if cap != (9, 0):
+        return f"cuBLASLt's 1x128 x 128x128 FP8 scaling runs on SM90 only, this GPU is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """cuBLAS reads an operand with a 16-byte aligned base and row stride, unit column stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+
+
+def route(m: int, n: int, k: int, device: torch.device, operands_aligned: bool, bias: torch.Tensor | None,
+          out_dtype: torch.dtype) -> str | None:
+    """None when :func:`mm` can run this GEMM (and should: M >= :data:`MIN_M`), else why not."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"${ENV}=0"
+    if m < MIN_M:
+        return f"M = {m} < {MIN_M}: decode runs lowbit's split-K kernel"
+    if m % 4:
+        return f"M = {m} is not a multiple of 4 (cuBLAS)"
+    if n % 16 or k % 16:
+        return f"N = {n} and K = {k} must be multiples of 16 (cuBLAS)"
+    if not operands_aligned:
+        return "an operand's base or row stride is not 16-byte aligned"
+    if bias is not None and (bias.dtype != out_dtype or out_dtype == torch.float32):
+        return (f"cuBLAS adds a bias only of the output's dtype to a bf16/fp16 output (bias {bias.dtype}, "
+                f"output {out_dtype})")
+    if device.type != "cuda":
+        return "not on CUDA"
+    return _unavailable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def activation_scales(scale: torch.Tensor, m: int, k_blocks: int, alpha: torch.Tensor | None) -> torch.Tensor:
+    """``scale`` ([M, K/128], or [M, 1] for one scale per row) times ``alpha``, M-major as cuBLAS reads it."""
+    if alpha is None and scale.shape == (m, k_blocks) and scale.stride() == (1, m):
+        return scale
+    out = torch.empty_strided((m, k_blocks), (1, m), dtype=torch.float32, device=scale.device)
+    src = scale.expand(m, k_blocks)
+    if alpha is None:
+        out.copy_(src)
+    else:
+        torch.mul(src, alpha, out=out)
+    return out
+
+
+def weight_scales(scale: torch.Tensor, zero_padded: bool = False) -> torch.Tensor:
+    """``[N/128, K/128]`` weight scales as ``[round_up(K/128, 4), N/128]`` with strides ``(1, round_up(K/128, 4))``.
+
+    A view when the scales are contiguous and K/128 is a multiple of 4, or when ``zero_padded`` says that
+    ``scale`` is the ``[:, :K/128]`` view of rows of ``round_up(K/128, 4)`` whose tail is zero; else a copy."""
+    nb, kb = scale.shape
+    k4 = -(-kb // 4) * 4
+    if (k4 == kb and scale.is_contiguous()) or (zero_padded and scale.stride() == (k4, 1)):
+        return scale.as_strided((k4, nb), (1, k4))
+    padded = torch.zeros(nb, k4, dtype=torch.float32, device=scale.device)
+    padded[:, :kb] = scale
+    return padded.t()
+
+
+def mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+       alpha: torch.Tensor | None, bias: torch.Tensor | None, out_dtype: torch.dtype,
+       b_scale_zero_padded: bool = False) -> torch.Tensor:
+    """``alpha * (a_data * a_scale) @ (b_data * b_scale).T + bias`` for E4M3 ``a_data`` [M, K] with 1x128 scales
+    ``a_scale`` ([M, K/128] in any layout, or [M, 1]) and ``b_data`` [N, K] with 128x128 scales ``b_scale``
+    [N/128, K/128] (``b_scale_zero_padded``: see :func:`weight_scales`); :func:`route` must have said yes."""
+    import torch.nn.functional as F
+
+    m, k = a_data.shape
+    sa = activation_scales(a_scale, m, -(-k // 128), alpha)
+    sb = weight_scales(b_scale, b_scale_zero_padded)
+    return F.scaled_mm(a_data, b_data.t(), sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                       bias=bias, output_dtype=out_dtype)
