@@ -40,8 +40,33 @@ PAIRS = {
 }
 
 
+GRAPH = False  # --graph: time CUDA-graph replays instead (no host launch cost in the figure)
+
+
 def _bench(fn, rep: int) -> float:
-    return do_bench(fn, rep=rep, return_mode="median")
+    if not GRAPH:
+        return do_bench(fn, rep=rep, return_mode="median")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    calls = 10
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def _rel(y, ref) -> float:
@@ -61,8 +86,13 @@ def main() -> None:
     ap.add_argument("--fold-sweep", action="store_true",
                     help="only: TMA configs of the FP8 re-encoded mxfp4 pairs (fold_route) at --ms on --shapes, vs "
                          "the decoding kernel and cuBLAS bf16")
+    ap.add_argument("--graph", action="store_true",
+                    help="time every case as CUDA-graph replays of 10 calls (GPU time without the host's launch "
+                         "cost; eager do_bench by default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
     args = ap.parse_args()
+    global GRAPH
+    GRAPH = args.graph
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     os.makedirs(args.out, exist_ok=True)
@@ -77,7 +107,8 @@ def main() -> None:
     if args.fold_sweep:
         return fold_sweep(args, meta, shapes, ms)
     rows = []
-    path = os.path.join(args.out, "bench_scaled_mm.json")
+    path = os.path.join(args.out, "bench_scaled_mm_graph.json" if args.graph else "bench_scaled_mm.json")
+    meta["timing"] = "cuda_graph_replay" if args.graph else "do_bench_eager"
     dev = "cuda"
     for n, k in shapes:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05
