@@ -66,6 +66,8 @@ VARIANTS = {
     "ws_128x128_s4_g16": {**_cfg(128, 128, 4, 4, True, group=16), "ws": True},
     "ws_128x128_s4_direct": {**_cfg(128, 128, 4, 4, True), "ws": True, "tma_store": False},
     "ws_128x64_s8": {**_cfg(128, 64, 4, 8, True), "ws": True},
+    # lowbit.scaled_mm's default route (cuBLASLt's block-scaled GEMM where kernels.cublas_fp8_block.route allows)
+    "default": None,
 }
 
 
@@ -117,7 +119,11 @@ def main() -> None:
                 y = ks.scaled_mm(a, b, None, None, torch.bfloat16, config=cfg)
                 t = do_bench(lambda c=cfg: ks.scaled_mm(a, b, None, None, torch.bfloat16, config=c),  # noqa: B023
                              rep=args.rep, return_mode="median")
+                if cfg is None:
+                    r_route = "cublas_blockwise" if ks.cublas_route(a, b, None, torch.bfloat16) is None else "triton"
                 r = {"ms": t, "tflops": flops / t / 1e9, "vs_scaled_mm_fp8": t_fp8 / t, "rel_err": _peers.rel_error(y, ref)}
+                if cfg is None:
+                    r["route"] = r_route
                 if "seed001" in row and "ms" in row["seed001"]:
                     r["vs_seed001"] = row["seed001"]["ms"] / t
                 print(f"  {name:22s} {t * 1e3:8.1f} us {r['tflops']:6.0f} TFLOPS x{r['vs_scaled_mm_fp8']:.2f} fp8"
