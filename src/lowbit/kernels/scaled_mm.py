@@ -44,6 +44,8 @@ CONFIGS: list[tuple[int, dict]] = [
 WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True, "ws": True}
 ONE_PARTITION_CONFIG = {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
                         "persistent": True, "per_sm": 2}
+# From M = 65 (M % 4 == 0, aligned, bias rules) fp8_block pairs run cuBLASLt's block-scaled GEMM instead
+# (cublas_route); these configs serve the rest and scaled_mm(..., cublas=False).
 FP8_CONFIGS: list[tuple[int, dict]] = [
     (16, {"BM": 16, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "split_k": 16,
           "min_k_tiles": 2}),
@@ -329,8 +331,8 @@ def fold_route(a: QTensor, b: QTensor) -> str | None:
     becomes E4M3 values with one fp32 scale per 128x128 block (the weight) or per row and 128 columns (an
     mxfp4 activation) and the same fp32 value per element (``lowbit.formats.blockscaled.mxfp4_as_fp8_block``).
     The operands are re-encoded on every call by a memory-bound kernel (the weight is read at 4 bits and
-    written at 8: the FP8 copy is a per-call scratch, never kept), and the product is the fp8_block TMA GEMM
-    of DeepSeek-V3 weights. A block the re-encoding cannot hold (a NaN scale, or a nonzero MX block more than
+    written at 8: the FP8 copy is a per-call scratch, never kept), and the product is the fp8_block GEMM of
+    DeepSeek-V3 weights (cuBLASLt's where :mod:`lowbit.kernels.cublas_fp8_block` takes it, else the TMA kernel). A block the re-encoding cannot hold (a NaN scale, or a nonzero MX block more than
     ``lowbit.formats.blockscaled.FOLD_WINDOW`` (11) binades below the largest of its 128x128 or 1x128 block)
     sets a device flag, and the decoding kernel, launched behind the GEMM with that flag as its guard,
     recomputes the whole output: the result is the block-scaled product up to fp32 accumulation order either

@@ -44,7 +44,8 @@ Dispatch (:func:`plan_scaled_mm`), as for ``lowbit.linear``:
    Inside that module, M <= 16 with an nvfp4/mxfp4 weight and an nvfp4, mxfp4 or fp8_rowwise activation
    runs the W4A16 GEMV on the exactly decoded bf16 activation (``gemv_route``; the plan's reason says so).
    From M = 1024 an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation is re-encoded exactly as
-   E4M3 and runs on the FP8 tensor cores (``fold_route``).
+   E4M3 and runs on the FP8 tensor cores (``fold_route``). fp8_block GEMMs (direct or re-encoded) run cuBLASLt's
+   block-scaled FP8 GEMM where ``cublas_route`` / ``lowbit.kernels.cublas_fp8_block.route`` allow it.
 
 Kernel contract (``lowbit.kernels.scaled_mm``): ``supports(a, b) -> str | None`` (called on every call, keep it
 cheap) and ``scaled_mm(a, b, alpha, bias, out_dtype) -> Tensor [M, N]`` in ``out_dtype``, where ``a``/``b``
