@@ -44,29 +44,12 @@ GRAPH = False  # --graph: time CUDA-graph replays instead (no host launch cost i
 
 
 def _bench(fn, rep: int) -> float:
+    """Milliseconds per call: eager ``do_bench`` median, or with ``--graph`` bench_w4a16's CUDA-graph timing."""
     if not GRAPH:
         return do_bench(fn, rep=rep, return_mode="median")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    calls = 10
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    import bench_w4a16  # the benchmarks folder is on sys.path
+
+    return bench_w4a16._time_graph(fn) * 1e-3
 
 
 def _rel(y, ref) -> float:
@@ -87,8 +70,8 @@ def main() -> None:
                     help="only: TMA configs of the FP8 re-encoded mxfp4 pairs (fold_route) at --ms on --shapes, vs "
                          "the decoding kernel and cuBLAS bf16")
     ap.add_argument("--graph", action="store_true",
-                    help="time every case as CUDA-graph replays of 10 calls (GPU time without the host's launch "
-                         "cost; eager do_bench by default)")
+                    help="time every case as CUDA-graph replays of bench_w4a16.GRAPH_CALLS calls (GPU time without "
+                         "the host's launch cost; eager do_bench by default)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
     args = ap.parse_args()
     global GRAPH

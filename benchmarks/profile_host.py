@@ -13,12 +13,16 @@ import json
 import os
 import platform
 import pstats
+import sys
 import time
 
 import torch
 import triton
 
 import lowbit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_w4a16 import _time_graph  # noqa: E402 - the benchmarks folder is not a package
 
 CASES = [  # (name, a format, a options, b format, b options, M, N, K)
     ("fp8_block_m16", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 16, 24576, 1536),
@@ -28,27 +32,6 @@ CASES = [  # (name, a format, a options, b format, b options, M, N, K)
     ("w4a8_m4096", "fp8_rowwise", {}, "mxfp4", {}, 4096, 7168, 2048),
     ("nvfp4_m16", "nvfp4", {}, "nvfp4", {}, 16, 7168, 2048),
 ]
-
-
-def _graph_us(fn, calls: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    reps = 10
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (reps * calls) * 1e6
 
 
 def _eager_us(fn, calls: int = 200) -> float:
@@ -81,7 +64,7 @@ def main() -> None:
             return lowbit.scaled_mm(aq, wq)
 
         row = {"case": name, "M": m, "N": n, "K": k, "plan": str(lowbit.ops.plan_scaled_mm(aq, wq))}
-        row["graph_us"] = _graph_us(fn)
+        row["graph_us"] = _time_graph(fn)
         row["eager_us"] = _eager_us(fn)
         prof = cProfile.Profile()
         prof.enable()

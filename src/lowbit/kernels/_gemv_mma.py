@@ -81,19 +81,23 @@ _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d0}, {d1}, {d2},
         "{{{b0}, {b1}}}, {{{d0}, {d1}, {d2}, {d3}}};\n")
 
 
+def _chunk_operands(nt: int) -> tuple[list[str], list[tuple[list[str], list[str]]]]:
+    """Operand names shared by the chunk asm of every format: after the 4 nt outputs, the lane's 4 words, then
+    x-lo / x-hi (4 + 4) of each n-tile."""
+    base = 4 * nt
+    words = [f"${base + i}" for i in range(4)]
+    xs = [([f"${base + 4 + 8 * n + i}" for i in range(4)], [f"${base + 8 + 8 * n + i}" for i in range(4)])
+          for n in range(nt)]
+    return words, xs
+
+
 def _mma_asm(nt: int) -> str:
     """Operands: outputs $0..$3 (n-tile 0), $4..$7 (n-tile 1 if nt == 2); inputs, after the outputs: 4 words,
     4 x-lo, 4 x-hi (n-tile 0), [4 x-lo, 4 x-hi (n-tile 1)], 4 scale-pair copies (bf16x2 sg | sg8 packed as
     two int32 operands: sg, sg8), 4 (or 8) accumulators."""
     n_out = 4 * nt
-    base = n_out
-    words = [f"${base + i}" for i in range(4)]
-    xs = []
-    for n in range(nt):
-        lo = [f"${base + 4 + 8 * n + i}" for i in range(4)]
-        hi = [f"${base + 8 + 8 * n + i}" for i in range(4)]
-        xs.append((lo, hi))
-    s_base = base + 4 + 8 * nt
+    words, xs = _chunk_operands(nt)
+    s_base = n_out + 4 + 8 * nt
     sg, sg8 = f"${s_base}", f"${s_base + 4}"
     acc_in = [f"${s_base + 8 + j}" for j in range(n_out)]
     lines = ["{", ".reg .b32 r0, r1, r2, r3, t, sg, sg8;", f"mov.b32 sg, {sg};", f"mov.b32 sg8, {sg8};"]
@@ -143,12 +147,7 @@ def _post_scaled_asm(nt: int, fp16: bool, regs: str, prologue, decode_word, extr
     ty = "f16" if fp16 else "bf16"
     n_out = 4 * nt
     base = n_out
-    words = [f"${base + i}" for i in range(4)]
-    xs = []
-    for n in range(nt):
-        lo = [f"${base + 4 + 8 * n + i}" for i in range(4)]
-        hi = [f"${base + 8 + 8 * n + i}" for i in range(4)]
-        xs.append((lo, hi))
+    words, xs = _chunk_operands(nt)
     pair_a = f"${base + 4 + 8 * nt}"
     pair_b = f"${base + 8 + 8 * nt}"
     acc_in = [f"${base + 12 + 8 * nt + j}" for j in range(n_out)]

@@ -95,8 +95,10 @@ def weight_scales(scale: torch.Tensor, zero_padded: bool = False) -> torch.Tenso
     ``scale`` is the ``[:, :K/128]`` view of rows of ``round_up(K/128, 4)`` whose tail is zero; else a copy."""
     nb, kb = scale.shape
     k4 = -(-kb // 4) * 4
-    if (k4 == kb and scale.is_contiguous()) or (zero_padded and scale.stride() == (k4, 1)):
-        return scale.as_strided((k4, nb), (1, k4))
+    if k4 == kb and scale.is_contiguous():
+        return scale.t()
+    if zero_padded and scale.stride() == (k4, 1):
+        return scale.as_strided((k4, nb), (1, k4))  # the zero tail past the view, which cuBLAS wants
     padded = torch.zeros(nb, k4, dtype=torch.float32, device=scale.device)
     padded[:, :kb] = scale
     return padded.t()

@@ -357,8 +357,8 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: 
     m, k_dim = a.shape
     n = b.shape[0]
     device = a.data.device
-    fp8_act = a.fmt != "mxfp4"
-    why = cb.route(m, n, k_dim, device, not fp8_act or cb.aligned(a.data), bias, out_dtype)
+    # an mxfp4 activation is re-encoded into a fresh, aligned tensor
+    why = cb.route(m, n, k_dim, device, a.fmt == "mxfp4" or cb.aligned(a.data), bias, out_dtype)
     if cublas and why is not None:
         raise ValueError(f"cublas=True: {why}")
     use_cublas = why is None and cublas is not False
@@ -367,18 +367,16 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: 
     wb = blockscaled.mxfp4_fold(b, (128, 128), dropped, cublas_scales=use_cublas)
     if a.fmt == "mxfp4":
         wa = blockscaled.mxfp4_fold(a, (1, 128), dropped, cublas_scales=use_cublas)
-        a_data, a_scale, s0, s1 = wa.data, wa.scale, wa.scale.stride(0), wa.scale.stride(1)
-    elif a.fmt == "fp8_rowwise":
-        # one scale per row serves every K tile
-        a_data, a_scale, s0, s1 = a.data, a.scale, a.scale.stride(0), 0
+        a_data, a_scale = wa.data, wa.scale
     else:
         a_data, a_scale = a.data, a.scale
-        s0, s1 = a_scale.stride()
     if use_cublas:
         out = cb.mm(a_data, a_scale, wb.data, wb.scale, alpha, bias, out_dtype, b_scale_zero_padded=True)
     else:
         if not _tma_ready(a_data):
             a_data = a_data.clone(memory_format=torch.contiguous_format)
+        # fp8_rowwise: one scale per row serves every K tile (K-tile stride 0)
+        s0, s1 = a_scale.stride(0), 0 if a.fmt == "fp8_rowwise" else a_scale.stride(1)
         out = torch.empty((m, n), dtype=out_dtype, device=device)
         _fp8_block_tma([a_data, a_scale, None, None, s0, s1],
                        [wb.data, wb.scale, None, None, wb.scale.stride(0), wb.scale.stride(1)],
