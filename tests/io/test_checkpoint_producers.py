@@ -173,9 +173,8 @@ def test_load_compressed_tensors_checkpoint(tmp_path, preset):
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
-def test_load_bitsandbytes_nf4_checkpoint(tmp_path, double_quant):
+def test_load_bitsandbytes_nf4_checkpoint(tmp_path, double_quant, bnb_dequantize_4bit):
     bnb = pytest.importorskip("bitsandbytes")
-    from bitsandbytes.functional import dequantize_4bit
 
     model = _llama()
     parents = dict(model.named_modules())
@@ -202,7 +201,7 @@ def test_load_bitsandbytes_nf4_checkpoint(tmp_path, double_quant):
     for name, m in q.items():
         assert m.scheme.name == "w4a16-nf4" and (m.weight_nested_scale is not None) == double_quant
         w = bnb_mods[name].weight
-        theirs = dequantize_4bit(w.data, w.quant_state, quant_type="nf4")
+        theirs = bnb_dequantize_4bit(w.data, w.quant_state)
         assert torch.equal(_bits(m.dequantize_weight(torch.bfloat16)), _bits(theirs)), name
     with torch.no_grad():
         assert torch.isfinite(loaded(IDS).logits).all()

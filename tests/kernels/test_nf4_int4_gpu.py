@@ -106,6 +106,35 @@ def test_nf4_shapes_via_api(shape):
             _assert_matches(lowbit.dequantize(qc, dt), want, f"auto {shape} dq={dq} {dt}")
 
 
+@pytest.mark.interop
+@pytest.mark.parametrize("blocksize", [64, 128, 256])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("dtype", OUT_DTYPES)
+def test_nf4_matches_bitsandbytes_cuda_dequantize(blocksize, double_quant, dtype):
+    """bitsandbytes' CUDA ``dequantize_4bit`` (its format, on every host) against the reference and the kernel,
+    bit for bit on finite values. Inputs come from bnb's CPU ``quantize_4bit``; blocks straddle rows
+    ((5, 100)), tails, subnormal and huge absmax, zero blocks and bf16 subnormal results are included."""
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    g = torch.Generator().manual_seed(blocksize + double_quant)
+    cases = [torch.randn(64, 256, generator=g) * 3, torch.randn(5, 100, generator=g), torch.randn(4, 32, generator=g),
+             _nf4_input(4096 + 77, seed=blocksize, adversarial=True).reshape(1, -1)]
+    tiny = torch.full((2, 64), torch.finfo(torch.bfloat16).tiny) * torch.randn(2, 64, generator=g)  # subnormal out
+    cases.append(tiny)
+    for x in cases:
+        x = x.to(dtype)
+        packed, state = bnbf.quantize_4bit(x, blocksize=blocksize, compress_statistics=double_quant,
+                                           quant_type="nf4")
+        q = ref_nf4.quantize_nf4(x, blocksize, double_quant)
+        assert torch.equal(packed.reshape(-1), q.data)
+        state.to("cuda")
+        theirs = bnbf.dequantize_4bit(packed.cuda(), state, quant_type="nf4").cpu().reshape(-1)
+        want = ref_nf4.dequantize_nf4(q, dtype).reshape(-1)
+        got = k_nf4.dequantize_nf4(q.to("cuda"), dtype).cpu().reshape(-1)
+        what = f"{tuple(x.shape)} bs={blocksize} dq={double_quant} {dtype}"
+        assert_bitexact(want, theirs, "reference vs bnb CUDA " + what, any_nan=True)
+        assert_bitexact(got, theirs, "kernel vs bnb CUDA " + what, any_nan=True)
+
+
 def test_nf4_nan_payloads_plain_absmax():
     """NaN absmax keeps its payload (quieted), 0 * inf is the x86 default NaN 0xFFC00000, -0 / negative /
     subnormal absmax."""
