@@ -169,8 +169,10 @@ def test_prepare_cache_and_inputs():
     xm.copy_(x)
     assert torch.equal(G.gemv_w4(xm, q), ref)
     # direct launch (cached compiled kernel) and Triton's normal launch agree
-    G.DIRECT_LAUNCH = False
+    from lowbit.kernels import _launch
+
+    _launch.DIRECT_LAUNCH = False
     try:
         assert torch.equal(G.gemv_w4(x, q), ref)
     finally:
-        G.DIRECT_LAUNCH = True
+        _launch.DIRECT_LAUNCH = True

@@ -65,6 +65,15 @@ def scratch_per_call() -> bool:
     return _per_call_scratch_depth > 0
 
 
+def tensor_version(t) -> int:
+    """``t._version``, or -1 for an inference tensor (``torch.inference_mode``), which has no version counter:
+    caches of layouts derived from a tensor key on it to notice in-place updates."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 @functools.cache
 def triton_available() -> str | None:
     """None if triton imports, else the reason it does not."""

@@ -37,6 +37,7 @@ from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _gemm_w4 as k
 from . import interpreting as _interpreting
+from . import tensor_version
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
 _FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp4_b32": 2, "nf4": 3, "int4_awq": 4}
@@ -226,11 +227,7 @@ def _stamp(deps) -> tuple:
     out = []
     for t in deps:
         if isinstance(t, torch.Tensor):
-            try:
-                version = t._version
-            except RuntimeError:          # inference tensors have no version counter (and cannot change)
-                version = -1
-            out.append((id(t), version))
+            out.append((id(t), tensor_version(t)))
         else:
             out.append(t)
     return tuple(out)

@@ -57,7 +57,8 @@ from ..formats.spec import NF4
 from . import _gemv_w4 as k
 from . import _gemv_mma as km
 from . import interpreting as _interpreting
-from . import scratch_per_call
+from . import scratch_per_call, tensor_version
+from ._launch import Launch
 from ._scratch import split_k_scratch
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
@@ -83,8 +84,6 @@ TILE = {
 """Tile configuration per regime (data, no autotuning). ``benchmarks/bench_w4a16.py --sweep`` tries
 variants; ``gemv_w4(..., config=...)`` overrides it per call."""
 
-DIRECT_LAUNCH = True
-"""Launch cached compiled kernels without Triton's per-call argument binding (tests turn it off)."""
 
 _FMT = {"nvfp4": k.FMT_NVFP4.value, "mxfp4": k.FMT_MXFP4.value, "fp4_b32": k.FMT_FP4_B32.value,
         "nf4": k.FMT_NF4.value, "nf4_dq": k.FMT_NF4_DQ.value, "int4_awq": k.FMT_AWQ.value}
@@ -254,8 +253,9 @@ def _sig_of(q: QTensor) -> tuple:
     invalidates the layout (``q.global_scale`` and ``q.nested_scale`` are aliased, read at each launch)."""
     d, sc, z, no = q.data, q.scale, q.zeros, q.nested_offset
     pts = q.params.get("per_tensor_scale")
-    return (q.fmt, q.shape, q.scale_layout, d._version, id(sc), sc._version,
-            None if z is None else (id(z), z._version), None if no is None else (id(no), no._version),
+    return (q.fmt, q.shape, q.scale_layout, tensor_version(d), id(sc), tensor_version(sc),
+            None if z is None else (id(z), tensor_version(z)),
+            None if no is None else (id(no), tensor_version(no)),
             id(q.global_scale), id(q.nested_scale), id(pts) if isinstance(pts, torch.Tensor) else pts)
 
 
@@ -549,9 +549,10 @@ def _mma_nf4_layout(p: PreparedW4) -> MmaLayout:
     return MmaLayout(words=words, scales=pairs, fmt_code=km.FMT_NF4.value, cpg=block // 64)
 
 
-def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, out: torch.Tensor,
-                dev_index: int, cfg: dict, row_scale: torch.Tensor | None = None, rs_mode: int = 0) -> None:
-    m, n, kdim = x.shape[0], p.n, p.k
+def _mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, post: float, has_bias: bool,
+              act: int, x_dtype: torch.dtype, dev_index: int, cfg: dict, rs_mode: int = 0) -> _Plan:
+    """The launch plan of the tensor-core GEMV (static facts only: no tensor is read, so the compiled path can
+    build it from fake tensors)."""
     nt = 1 if m <= 8 else 2
     kq = kdim // 64
     rg = cfg["rg"]
@@ -560,28 +561,34 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
         j //= 2
     iters = kq // j
     n_tiles = _cdiv(_cdiv(n, 16), rg)
+    cps = cfg.get("ctas_per_sm", TILE["ctas_per_sm"])
+    cps = cps if isinstance(cps, int) else cps[nt - 1]
+    split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), {**TILE, "ctas_per_sm": cps})
+    consts = {"FMT": fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt,
+              "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind,
+              "ROW_SCALE": rs_mode, "CPG": cpg, "XF16": x_dtype == torch.float16,
+              "POST": 1.0 if fmt_code in (km.FMT_INT4.value, km.FMT_NF4.value) else 2.0 ** 63 * (post / 64.0)}
+    # the warps split the J chunks (then the row groups): a warp's 32 lanes must hold dim 2 whole, which
+    # the mma asm relies on
+    return _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
+                 num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split,
+                 mp=8 * nt, n_tiles=n_tiles * nt)
+
+
+def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, out: torch.Tensor,
+                dev_index: int, cfg: dict, row_scale: torch.Tensor | None = None, rs_mode: int = 0) -> None:
+    m = x.shape[0]
     key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype,
            tuple((k_, v) for k_, v in cfg.items() if k_ != "m1_min_weights"), rs_mode, out.dtype)
     plan = lay.plans.get(key)
     if plan is None:
-        cps = cfg.get("ctas_per_sm", TILE["ctas_per_sm"])
-        cps = cps if isinstance(cps, int) else cps[nt - 1]
-        split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), {**TILE, "ctas_per_sm": cps})
-        consts = {"FMT": lay.fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt,
-                  "SPLIT": split, "HAS_BIAS": bias is not None, "ACT": act, "GS_KIND": p.gs_kind,
-                  "ROW_SCALE": rs_mode, "CPG": lay.cpg, "XF16": x.dtype == torch.float16,
-                  "POST": 1.0 if lay.fmt_code in (km.FMT_INT4.value, km.FMT_NF4.value)
-                  else 2.0 ** 63 * (p.post / 64.0)}
-        # the warps split the J chunks (then the row groups): a warp's 32 lanes must hold dim 2 whole, which
-        # the mma asm relies on
-        plan = lay.plans[key] = _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
-                                      num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split,
-                                      mp=8 * nt, n_tiles=n_tiles * nt)
+        plan = lay.plans[key] = _mma_plan(m, p.n, p.k, lay.fmt_code, lay.cpg, p.gs_kind, p.post, bias is not None,
+                                          act, x.dtype, dev_index, cfg, rs_mode)
     dev = x.device
-    ws, cnt, rs = _epilogue_buffers(plan, n, row_scale, dev, dev_index)
+    ws, cnt, rs = _epilogue_buffers(plan, p.n, row_scale, dev, dev_index)
     args = (x, lay.words, lay.scales, p.gs, rs, _unused(dev, x.dtype) if bias is None else bias, out, ws, cnt,
             *plan.ints, *lay.table(x.dtype))
-    _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
+    _launch(plan, args, dev_index)
 
 
 # ------------------------------------------------------------------------------------------------ launch
@@ -620,7 +627,10 @@ class _Plan:
     split: int
     mp: int
     n_tiles: int
-    compiled: dict = field(default_factory=dict)
+    launch: Launch = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.launch = Launch(self.fn, self.grid, self.consts, self.num_warps)
 
 
 def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim: int, sk: int, m: int,
@@ -657,33 +667,15 @@ def _cfg_key(cfg: dict) -> tuple:
 
 
 
-def _launch(plan: _Plan, key, args: tuple, device: int | None) -> None:
-    """Launch on ``device`` (made current for the launch if it is not)."""
-    if device is not None and torch._C._cuda_getDevice() != device:
+def _launch(plan: _Plan, args: tuple, device: int | None) -> None:
+    """Launch on ``device`` (made current for the launch if it is not); ``None``: the interpreter."""
+    if device is None or type(plan.fn) is not JITFunction:
+        plan.fn[plan.grid](*args, **plan.consts, num_warps=plan.num_warps)
+    elif torch._C._cuda_getDevice() != device:
         with torch.cuda.device(device):
-            _launch_here(plan, key, args, device)
+            plan.launch.run(device, *args)
     else:
-        _launch_here(plan, key, args, device)
-
-
-def _launch_here(plan: _Plan, key, args: tuple, device: int | None) -> None:
-    fn = plan.fn
-    if DIRECT_LAUNCH and device is not None and type(fn) is JITFunction:
-        hooks = triton.knobs.runtime
-        if not hooks.launch_enter_hook.calls and not hooks.launch_exit_hook.calls:
-            ck = plan.compiled.get((device, key))
-            if ck is not None:
-                g = plan.grid
-                ck.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), ck.function,
-                       ck.packed_metadata, None, None, None, *args, *plan.consts.values())
-                return
-            ck = fn[plan.grid](*args, **plan.consts, num_warps=plan.num_warps)
-            if hasattr(ck, "result"):
-                ck = ck.result()
-            if hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
-                plan.compiled[(device, key)] = ck
-            return
-    fn[plan.grid](*args, **plan.consts, num_warps=plan.num_warps)
+        plan.launch.run(device, *args)
 
 
 def _check_x(x: torch.Tensor, p: PreparedW4) -> None:
@@ -725,7 +717,8 @@ def _check_bias(bias, x: torch.Tensor, n: int) -> torch.Tensor:
                          f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
     if bias.device != x.device:
         raise ValueError(f"gemv_w4: bias is on {bias.device}, x on {x.device}")
-    return bias if bias.is_contiguous() else bias.contiguous()
+    # a cached compiled kernel assumes 16-byte aligned pointers (Triton specializes on it): copy others
+    return bias if bias.is_contiguous() and bias.data_ptr() % 16 == 0 else bias.clone()
 
 
 def describe(w: QTensor, m: int) -> str:
@@ -828,7 +821,115 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     ws, cnt, rs = _epilogue_buffers(plan, n, row_scale, dev, dev_index)
     args = (x, p.words, p.scales, p.nested, p.tab, p.gs, rs, _unused(dev, x.dtype) if bias is None else bias, out,
             ws, cnt, *plan.ints)
-    _launch(plan, bias is None or bias.data_ptr() % 16 == 0, args, dev_index)
+    _launch(plan, args, dev_index)
+    return out
+
+
+# ------------------------------------------------------------------------------------ prepared-layer calls
+#
+# A layer that owns its weight decides everything once: the layouts (prepare_w4, mma_layout), then per row
+# count M and x dtype a GemvRunner with the plan, the compiled kernel and every argument but x, the output
+# and the split-K scratch. Its call allocates the output and launches the cached kernel: nothing else. The
+# same plans, built from the static facts alone, serve the compiled path (traced_gemv), where the tensors
+# arrive as fake tensors and the launch goes through wrap_triton.
+
+
+@dataclass(frozen=True)
+class GemvFacts:
+    """What the GEMV plan of a prepared weight depends on (no tensors): format, shape, decode constants and
+    the tensor-core layout's format code (-1: none) and chunks per group."""
+
+    fmt: str
+    fmt_code: int
+    n: int
+    k: int
+    sk: int
+    wpb: int
+    post: float
+    gs_kind: int
+    mma_fmt: int
+    cpg: int
+
+
+def facts(p: PreparedW4) -> GemvFacts:
+    """The static facts of ``p``; builds its tensor-core layout first (call in eager mode, at load time)."""
+    lay = mma_layout(p)
+    return GemvFacts(p.fmt, p.fmt_code, p.n, p.k, p.sk, p.words_per_block, p.post, p.gs_kind,
+                     -1 if lay is None else lay.fmt_code, 1 if lay is None else lay.cpg)
+
+
+def _default_plan(f: GemvFacts, m: int, x_dtype: torch.dtype, has_bias: bool, act: int,
+                  dev_index: int) -> tuple[bool, _Plan]:
+    """(tensor-core?, plan) that :func:`gemv_w4` picks under the default :data:`TILE` and :data:`MMA`."""
+    if (f.mma_fmt >= 0 and x_dtype in _mma_x_dtypes(f.fmt) and not _interpreting()
+            and _mma_regime(f.n, f.k, m, MMA, f.fmt)):
+        return True, _mma_plan(m, f.n, f.k, f.mma_fmt, f.cpg, f.gs_kind, f.post, has_bias, act, x_dtype,
+                               dev_index, MMA)
+    return False, _make_plan(f.fmt_code, f.wpb, f.post, f.gs_kind, f.n, f.k, f.sk, m, x_dtype == torch.float16,
+                             has_bias, act, dev_index, TILE)
+
+
+class GemvRunner:
+    """``runner(x, bias) -> out`` for one prepared weight, row count M, x dtype, bias presence and activation:
+    ``x`` is ``[M, K]`` contiguous and 16-byte aligned on the weight's device, ``bias`` None or ``[N]`` of x's
+    dtype, contiguous and aligned (the caller checks; nothing is checked here)."""
+
+    __slots__ = ("launch", "w_args", "tail", "rs", "no_bias", "ws", "cnt", "split", "ws_numel", "n_cnt",
+                 "m", "n", "dtype", "device", "dev_index")
+
+    def __init__(self, p: PreparedW4, m: int, x_dtype: torch.dtype, has_bias: bool, act: int) -> None:
+        dev = p.device
+        self.dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
+        mma, plan = _default_plan(facts(p), m, x_dtype, has_bias, act, self.dev_index)
+        if mma:
+            lay = mma_layout(p)
+            self.w_args = (lay.words, lay.scales, p.gs)
+            self.tail = (*plan.ints, *lay.table(x_dtype))
+        else:
+            self.w_args = (p.words, p.scales, p.nested, p.tab, p.gs)
+            self.tail = plan.ints
+        self.launch = plan.launch
+        self.split, self.ws_numel, self.n_cnt = plan.split, plan.split * plan.mp * p.n, plan.n_tiles
+        self.rs = torch.empty(16, dtype=torch.float32, device=dev)
+        self.no_bias = torch.empty(16, dtype=x_dtype, device=dev)
+        self.ws = torch.empty(16, dtype=torch.float32, device=dev)
+        self.cnt = torch.empty(16, dtype=torch.int32, device=dev)
+        self.m, self.n, self.dtype, self.device = m, p.n, x_dtype, dev
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
+        if self.split > 1:
+            ws, cnt = split_k_scratch(self.device, self.dev_index, self.ws_numel, self.n_cnt)
+        else:
+            ws, cnt = self.ws, self.cnt
+        self.launch.run(self.dev_index, x, *self.w_args, self.rs, self.no_bias if bias is None else bias, out,
+                        ws, cnt, *self.tail)
+        return out
+
+
+def traced_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, nested: torch.Tensor,
+                tab: torch.Tensor, gs: torch.Tensor, mma_words: torch.Tensor, mma_scales: torch.Tensor,
+                bias: torch.Tensor | None, f: GemvFacts, act: int) -> torch.Tensor:
+    """The GEMV as ``torch.compile`` traces it (inside a ``triton_op`` body): the plan of :func:`gemv_w4`'s
+    default configuration, built from ``f`` and x's shape alone; the split-K scratch and the output are
+    allocated by the traced graph (per call, so CUDA-graph trees own them)."""
+    m, dev = x.shape[0], x.device
+    mma, plan = _default_plan(f, m, x.dtype, bias is not None, act, dev.index)
+    out = torch.empty((m, f.n), dtype=x.dtype, device=dev)
+    if plan.split > 1:
+        ws = torch.empty(plan.split * plan.mp * f.n, dtype=torch.float32, device=dev)
+        cnt = torch.zeros(plan.n_tiles, dtype=torch.int32, device=dev)
+    else:
+        ws = torch.empty(16, dtype=torch.float32, device=dev)
+        cnt = torch.empty(16, dtype=torch.int32, device=dev)
+    rs = torch.empty(16, dtype=torch.float32, device=dev)
+    b = torch.empty(16, dtype=x.dtype, device=dev) if bias is None else bias
+    if mma:
+        table = _NF4_TABLE_F16 if x.dtype == torch.float16 else _NF4_TABLE_BF16
+        table = table if f.mma_fmt == km.FMT_NF4.value else _NO_TABLE
+        plan.launch.traced(x, mma_words, mma_scales, gs, rs, b, out, ws, cnt, *plan.ints, *table)
+    else:
+        plan.launch.traced(x, words, scales, nested, tab, gs, rs, b, out, ws, cnt, *plan.ints)
     return out
 
 

@@ -10,22 +10,13 @@ from torch import nn
 
 from ..api import dequantize, quantize
 from ..formats.qtensor import QTensor
-from ..ops.linear import ACTIVATIONS, _act
+from ..ops.linear import ACTIVATIONS
+from ..ops.prepared import PreparedWeight, prepare
 from .schemes import Scheme, get_scheme
 
 QTENSOR_FIELDS = ("data", "scale", "global_scale", "zeros", "nested_scale", "nested_offset")
 """QTensor tensor fields; each is stored in the buffer ``weight_<field>`` (None fields are None buffers)."""
 BUFFER_NAMES = tuple(f"weight_{f}" for f in QTENSOR_FIELDS)
-_COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _warm_gemv(w) -> None:
-    """Cache the GEMV kernels' weight layouts in eager mode, so compiled / CUDA-graph calls find them."""
-    try:
-        from ..kernels import gemv_w4
-    except ImportError:  # no triton: the reference path needs no layout
-        return
-    gemv_w4.warm(w)
 
 
 class QuantLinear(nn.Module):
@@ -36,6 +27,12 @@ class QuantLinear(nn.Module):
     tensor), so ``.to(device)``, ``state_dict()`` and ``load_state_dict()`` work as for any module. Casting the
     module to another dtype (``model.half()``, ``model.to(torch.bfloat16)``) casts only ``bias``: the
     quantized tensors keep their storage dtypes (they are bit patterns, not values) and move devices only.
+
+    Everything about the weight that does not depend on the call (validation, kernel layouts, launch plans
+    per row count) is decided once, when the layer gets its weight on a device (construction, ``.to()``,
+    ``load_state_dict``; :class:`lowbit.ops.prepared.PreparedWeight`), and again when a weight buffer is
+    replaced or changed in place. Under ``torch.compile`` the decode regime of the weight-only schemes is a
+    ``triton_op`` whose kernels Inductor launches from its generated code.
 
     ``forward``:
       - weight-only schemes (``w4a16-*``): :func:`lowbit.linear` for bfloat16/float16 ``x`` (Triton kernels
@@ -91,6 +88,7 @@ class QuantLinear(nn.Module):
         self.backend = backend
         self.weight_format = self.scheme.weight_format
         self._meta: dict[str, Any] = {}
+        self._prepared: PreparedWeight | None = None
         for name in BUFFER_NAMES:
             self.register_buffer(name, None)
         if weight is not None:
@@ -109,6 +107,7 @@ class QuantLinear(nn.Module):
             "input_global_scale",
             None if input_global_scale is None else input_global_scale.detach().float().reshape(1).clone(),
         )
+        self._prepare_if_ready()
 
     # ------------------------------------------------------------------ weight
 
@@ -132,6 +131,25 @@ class QuantLinear(nn.Module):
             "scale_layout": weight.scale_layout,
             "params": dict(weight.params),
         }
+        self._prepared = None
+        if hasattr(self, "bias"):  # set_weight after construction: prepare now
+            self._prepare_if_ready()
+
+    # ------------------------------------------------------------------ preparation
+
+    def _prepare(self) -> PreparedWeight:
+        self._prepared = prepare(self.weight_qtensor, self.scheme, self.activation, self.backend)
+        return self._prepared
+
+    def _prepare_if_ready(self) -> None:
+        """Prepare now (a weight on a CUDA device, outside a CUDA-graph capture and torch.compile tracing);
+        otherwise the first eager call prepares."""
+        self._prepared = None
+        data = self.weight_data
+        if (data is None or self.weight_scale is None or data.device.type != "cuda"
+                or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+            return
+        self._prepare()
 
     @property
     def weight_qtensor(self) -> QTensor:
@@ -180,6 +198,7 @@ class QuantLinear(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        self._prepare_if_ready()
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight ``[out_features, in_features]`` in ``dtype``."""
@@ -248,37 +267,18 @@ class QuantLinear(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight_qtensor
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        if self.scheme.weight_only:
-            if x.dtype in _COMPUTE_DTYPES:
-                from ..ops import linear
-
-                if x.is_cuda and self.backend != "torch" and not torch.compiler.is_compiling():
-                    _warm_gemv(w)
-                return linear(x, w, bias, self.activation, backend=self.backend)
-            y = F.linear(
-                x.float(), self.dequantize_weight(torch.float32), None if bias is None else bias.float()
-            )
-            return _act(y, self.activation).to(x.dtype)
-        from ..ops.scaled_mm import scaled_linear
-
-        if w.fmt in ("nvfp4", "mxfp4") and x.is_cuda and self.backend != "torch" and not torch.compiler.is_compiling():
-            _warm_gemv(w)  # decode runs the W4A16 GEMV on these weights (lowbit.kernels.scaled_mm.gemv_route)
-        act_opts = dict(self.scheme.act_options)
-        y = scaled_linear(
-            x,
-            w,
-            self.scheme.act_format,
-            act_options=act_opts or None,
-            act_global_scale=self.input_global_scale,
-            bias=bias,
-            out_dtype=x.dtype,
-            backend=self.backend,
-        )
-        return _act(y, self.activation)
+        prep = self._prepared
+        if torch.compiler.is_compiling():
+            # prepared in eager mode (at load / .to(), or by an eager call): the traced path reads its layouts
+            if prep is None:  # not prepared: the opaque custom ops, nothing derived inside the graph
+                prep = prepare(self.weight_qtensor, self.scheme, self.activation, self.backend, layouts=False)
+            return prep.traced_call(x, bias, self.input_global_scale)
+        if prep is None or prep.stale():
+            prep = self._prepare()
+        return prep(x, bias, self.input_global_scale)
 
     # ------------------------------------------------------------------ nn.Module plumbing
 
@@ -290,6 +290,8 @@ class QuantLinear(nn.Module):
             new = getattr(self, name)
             if old is not None and new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
+        if any(getattr(self, n) is not saved[n] for n in saved):
+            self._prepare_if_ready()
         return self
 
     def extra_repr(self) -> str:

@@ -1,0 +1,227 @@
+"""Prepared weights: what a layer's quantized weight needs for every call, decided once.
+
+A :class:`PreparedWeight` is made when a ``QuantLinear`` gets its weight (construction, ``.to(device)``,
+``load_state_dict``) and remade when one of the weight's tensors is replaced or changed in place. It holds
+
+- the weight as a QTensor, validated once;
+- the kernel layouts (``lowbit.kernels.gemv_w4.prepare_w4`` and the tensor-core layout) and their static facts;
+- per (rows M, x dtype, bias or not) a runner with the launch plan, the compiled kernel and every argument
+  but x and the output (``lowbit.kernels.gemv_w4.GemvRunner``).
+
+A call then checks x cheaply (dtype, last dim, device, alignment), looks its runner up and launches. The
+dispatch rules are those of :func:`lowbit.ops.linear.linear` / :func:`lowbit.ops.scaled_mm.scaled_linear`:
+where no runner applies (fp32 x, M above the GEMV regime, the ``torch`` backend, CPU) the call goes through
+those functions unchanged, so every path gives the same bits as before.
+
+Under ``torch.compile`` the W4A16 GEMV regime is the ``torch.library.triton_op`` ``lowbit::w4a16_gemv``
+(:func:`w4a16_gemv`), whose body launches the same kernels through ``wrap_triton``: Inductor traces into it
+and launches the kernels from its generated code, with the layouts as graph inputs. Other regimes and
+schemes stay one opaque custom op each (``lowbit::linear_w4a16``, ``lowbit::scaled_linear``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .. import kernels as _kernels
+from ..formats.qtensor import QTensor
+from .linear import ACTIVATIONS, GEMV_MAX_M, _act, _check_weight, linear
+
+_X_DTYPES = (torch.bfloat16, torch.float16)
+_ACT_CODE = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+_MAX_RUNNERS = 256
+"""Runners kept per layer (one per M up to GEMV_MAX_M, x dtype and bias presence); cleared when full."""
+
+
+def _trackable(q: QTensor) -> tuple:
+    """(tensor, version) of each tensor of ``q`` whose in-place updates can be seen (inference tensors have no
+    version counter; they cannot be changed outside inference mode either)."""
+    out = []
+    for t in q.tensors().values():
+        v = _kernels.tensor_version(t)
+        if v >= 0:
+            out.append((t, v))
+    return tuple(out)
+
+
+class PreparedWeight:
+    """A layer's weight made ready for calls (see the module docstring).
+
+    Args:
+        w: the QTensor ``[N, K]``.
+        weight_only: the scheme's activations stay in bf16/fp16 (W4A16): :func:`lowbit.linear`; else
+            :func:`lowbit.ops.scaled_linear` with ``act_format`` / ``act_options``.
+        activation: fused activation after the bias.
+        backend: the layer's backend (None: ``$LOWBIT_BACKEND`` at call time, else ``"auto"``).
+    """
+
+    def __init__(self, w: QTensor, *, weight_only: bool, activation: str | None = None,
+                 act_format: str | None = None, act_options: dict | None = None,
+                 backend: str | None = None, layouts: bool = True) -> None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.w = w
+        self.n, self.k = w.shape
+        self.weight_only = weight_only
+        self.activation = activation
+        self.act_code = _ACT_CODE[activation]
+        self.act_format = act_format
+        self.act_options = dict(act_options or {})
+        self.backend = backend
+        self.device = w.data.device
+        self.versions = _trackable(w) if layouts else ()
+        self.gemv = None          # lowbit.kernels.gemv_w4.PreparedW4 when the GEMV regime has runners
+        self.facts = None         # its GemvFacts
+        self.gemv_tensors: tuple = ()
+        self.runners: dict = {}
+        ready = layouts and self.device.type == "cuda" and backend != "torch" and _kernels.triton_available() is None
+        if weight_only:
+            _check_weight(w)
+            if ready:
+                self._prepare_gemv()
+        elif ready and w.fmt in ("nvfp4", "mxfp4"):
+            from ..kernels import gemv_w4
+
+            gemv_w4.warm(w)  # the decode route of scaled_mm runs the W4A16 GEMV on these weights
+
+    def _prepare_gemv(self) -> None:
+        from ..kernels import gemv_w4
+
+        if gemv_w4.supports(self.w) is not None:
+            return
+        p = gemv_w4.prepare_w4(self.w)
+        self.facts = gemv_w4.facts(p)   # builds the tensor-core layout too
+        lay = gemv_w4.mma_layout(p)
+        dummy = p.nested if lay is None else None
+        self.gemv = p
+        self.gemv_tensors = (p.words, p.scales, p.nested, p.tab, p.gs,
+                             lay.words if lay is not None else dummy, lay.scales if lay is not None else dummy)
+
+    # ------------------------------------------------------------------ state
+
+    def stale(self) -> bool:
+        """Whether a tensor of the weight changed in place since preparation."""
+        for t, v in self.versions:
+            if t._version != v:
+                return True
+        return False
+
+    def _backend(self) -> str | None:
+        return self.backend if self.backend is not None else os.environ.get("LOWBIT_BACKEND")
+
+    # ------------------------------------------------------------------ calls
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 act_global_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``act(x @ dequant(w).T + bias)`` in x's dtype; ``bias`` None or ``[N]`` in x's dtype."""
+        if self.gemv is not None and x.dtype in _X_DTYPES and x.shape[-1] == self.k and x.device == self.device:
+            out = self._gemv_call(x, bias)
+            if out is not None:
+                return out
+        return self.call_general(x, bias, act_global_scale)
+
+    def _gemv_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        k = self.k
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        m = x2.shape[0]
+        if not 0 < m <= GEMV_MAX_M:
+            return None
+        if bias is not None and (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
+                                 or bias.device != self.device or bias.shape != (self.n,)):
+            return None
+        key = (m, x.dtype, bias is None)
+        run = self.runners.get(key)
+        if run is None:
+            if torch.cuda.is_current_stream_capturing() or self._backend() == "torch":
+                return None  # made outside a capture only (its buffers must not live in the graph's pool)
+            from ..kernels import gemv_w4
+
+            if len(self.runners) >= _MAX_RUNNERS:
+                self.runners.clear()
+            run = self.runners[key] = gemv_w4.GemvRunner(self.gemv, m, x.dtype, bias is not None, self.act_code)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        out = run(x2, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
+
+    def call_general(self, x: torch.Tensor, bias: torch.Tensor | None,
+                     act_global_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The call through the public ops (every regime, device and backend; their checks and errors)."""
+        if self.weight_only:
+            if x.dtype in _X_DTYPES:
+                return linear(x, self.w, bias, self.activation, backend=self.backend)
+            # fp32 (or other) x: the fp32 reference on any device
+            from ..api import dequantize
+
+            y = torch.nn.functional.linear(x.float(), dequantize(self.w, torch.float32, backend=self.backend),
+                                           None if bias is None else bias.float())
+            return _act(y, self.activation).to(x.dtype)
+        from .scaled_mm import scaled_linear
+
+        y = scaled_linear(x, self.w, self.act_format, act_options=self.act_options or None,
+                          act_global_scale=act_global_scale, bias=bias, out_dtype=x.dtype, backend=self.backend)
+        return _act(y, self.activation)
+
+    def traced_call(self, x: torch.Tensor, bias: torch.Tensor | None,
+                    act_global_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """The call as ``torch.compile`` traces it: the GEMV regime through the ``lowbit::w4a16_gemv``
+        triton_op, everything else through :meth:`call_general` (opaque custom ops)."""
+        f = self.facts
+        if (f is not None and x.dtype in _X_DTYPES and x.shape[-1] == self.k and x.device == self.device
+                and (bias is None or bias.dtype == x.dtype)):
+            x2 = x.reshape(-1, self.k)
+            if 0 < x2.shape[0] <= GEMV_MAX_M:
+                out = torch.ops.lowbit.w4a16_gemv(
+                    x2.contiguous(), *self.gemv_tensors, bias, f.fmt, f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post,
+                    f.gs_kind, f.mma_fmt, f.cpg, self.act_code)
+                return out.reshape(*x.shape[:-1], self.n)
+        return self.call_general(x, bias, act_global_scale)
+
+
+# ---------------------------------------------------------------------------------------------- triton op
+
+
+@torch.library.triton_op("lowbit::w4a16_gemv", mutates_args=())
+def w4a16_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    nested: torch.Tensor,
+    tab: torch.Tensor,
+    gs: torch.Tensor,
+    mma_words: torch.Tensor,
+    mma_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    fmt_code: int,
+    n: int,
+    k: int,
+    sk: int,
+    wpb: int,
+    post: float,
+    gs_kind: int,
+    mma_fmt: int,
+    cpg: int,
+    act: int,
+) -> torch.Tensor:
+    """``act(x @ W.T + bias)`` for x ``[M, K]`` (M <= 16, contiguous) on a prepared weight's GEMV layouts
+    (``lowbit.kernels.gemv_w4``: words, scales, nested absmax, NF4 table, global scale, tensor-core words and
+    scales) and its static facts; the plan is :func:`lowbit.kernels.gemv_w4.gemv_w4`'s default one."""
+    from ..kernels import gemv_w4
+
+    f = gemv_w4.GemvFacts(fmt, fmt_code, n, k, sk, wpb, post, gs_kind, mma_fmt, cpg)
+    return gemv_w4.traced_gemv(x, words, scales, nested, tab, gs, mma_words, mma_scales, bias, f, act)
+
+
+def prepare(w: QTensor, scheme: Any, activation: str | None = None, backend: str | None = None,
+            layouts: bool = True) -> PreparedWeight:
+    """A :class:`PreparedWeight` for ``w`` under a ``lowbit.nn.Scheme`` (``layouts=False``: no kernel layouts
+    and no runners, every call through the public ops)."""
+    return PreparedWeight(w, weight_only=scheme.weight_only, activation=activation, act_format=scheme.act_format,
+                          act_options=dict(scheme.act_options), backend=backend, layouts=layouts)
+
+
+__all__ = ["PreparedWeight", "prepare", "w4a16_gemv"]
