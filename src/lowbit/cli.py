@@ -4,6 +4,7 @@
   report the quality each scheme lost (:mod:`lowbit.eval`).
 - ``lowbit inspect PATH``: formats, shapes, bytes and producer of a checkpoint, from its headers.
 - ``lowbit bench``: the benchmark harness (:mod:`lowbit.bench`).
+- ``lowbit e2e``: the end-to-end decoder benchmark (:mod:`lowbit.bench.e2e`; ``lowbit e2e --help``).
 - ``lowbit env``: versions, GPU, which backends and kernels can run.
 
 Thin over the library; importing this module does no GPU work and imports neither transformers nor matplotlib.
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--list", action="store_true", help="list the registered ops and their shapes, then exit")
     b.add_argument("--quiet", action="store_true", help="no per-case progress lines")
+
+    sub.add_parser("e2e", help="end-to-end decoder benchmark: decode/prefill/generate in every run mode "
+                   "(see lowbit e2e --help)", add_help=False)
 
     e = sub.add_parser("env", help="versions, GPU, which backends and kernels can run, LOWBIT_* variables")
     e.add_argument("--json", action="store_true", help="print JSON")
@@ -282,6 +286,11 @@ def _quantize_deps() -> dict[str, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["e2e"]:
+        from .bench import e2e
+
+        return e2e.main(argv[1:])
     args = build_parser().parse_args(argv)
     commands = {"bench": cmd_bench, "env": cmd_env, "quantize": cmd_quantize, "inspect": cmd_inspect}
     return commands[args.command](args)

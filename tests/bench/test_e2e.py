@@ -1,0 +1,85 @@
+"""Plumbing of the end-to-end decoder benchmark (lowbit.bench.e2e) on CPU with a tiny decoder: the model
+computes what a plain implementation computes, configs quantize the linears, every mode records a number or
+an error, and the JSON and table carry the ratios to bf16. Timings here mean nothing."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowbit.bench import e2e
+from lowbit.nn import QuantLinear
+
+
+def _plain_forward(m: e2e.Decoder, ids: torch.Tensor) -> torch.Tensor:
+    """The decoder without a cache: causal attention over the sequence, the same weights."""
+    s = m.s
+    t = ids.shape[1]
+    pos = torch.arange(t)
+    h = m.embed(ids)
+    cos, sin = m.cos[pos], m.sin[pos]
+    for layer in m.layers:
+        x = layer.attn_norm(h)
+        q = layer.q_proj(x).view(1, t, s.heads, s.head_dim).transpose(1, 2)
+        k = layer.k_proj(x).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = layer.v_proj(x).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        q, k = e2e._rope(q, cos, sin), e2e._rope(k, cos, sin)
+        rep = s.heads // s.kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        a = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(h.dtype)
+        h = h + layer.o_proj(a.transpose(1, 2).reshape(1, t, -1))
+        x = layer.mlp_norm(h)
+        h = h + layer.down_proj(F.silu(layer.gate_proj(x)) * layer.up_proj(x))
+    return m.lm_head(m.norm(h[:, -1]))
+
+
+def test_cached_decode_matches_a_plain_forward():
+    m = e2e.build_decoder(e2e.SHAPES["tiny"], max_len=24, device="cpu")
+    ids = torch.randint(0, m.s.vocab, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = _plain_forward(m, ids).float()
+        m(ids[:, :6], torch.arange(6))                        # prefill 6 into the cache
+        for i in range(6, 9):                                 # then one token at a time
+            got = m(ids[:, i:i + 1], torch.tensor([i])).float()
+    assert torch.allclose(got, want, rtol=0.05, atol=0.05), (got - want).abs().max()
+
+
+def test_configs_quantize_every_linear_but_lm_head():
+    m = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-nvfp4")
+    assert all(isinstance(getattr(b, n), QuantLinear) for b in m.layers
+               for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    assert type(m.lm_head) is torch.nn.Linear
+    assert e2e.weight_bytes(m) < e2e.weight_bytes(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"))
+    with pytest.raises(ValueError, match="unknown config"):
+        e2e.apply_config(m, "nope")
+
+
+def test_run_writes_json_with_ratios_and_errors(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    rc = e2e.main(["--shape", "tiny", "--layers", "1", "--device", "cpu", "--steps", "2", "--prefill", "8",
+                   "--modes", "eager,prefill,host,generate", "--configs", "bf16,lowbit:w4a16-nvfp4,bogus:x",
+                   "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {r["config"]: r for r in result["rows"]}
+    assert result["shape"]["layers"] == 1 and result["settings"]["prefill"] == 8
+    for name in ("bf16", "lowbit:w4a16-nvfp4"):
+        r = rows[name]
+        assert r["errors"] == {}, r["errors"]
+        assert r["eager"] > 0 and r["prefill"] > 0 and r["generate"] > 0 and r["weight_gb"] > 0
+        assert r["host"]["us"] > 0 and r["host"]["f_linear_us"] > 0
+        assert set(r["ratio"]) == {"host_vs_f_linear", "eager", "prefill", "generate"}
+    q = rows["lowbit:w4a16-nvfp4"]
+    assert q["ratio"]["eager"] == pytest.approx(q["eager"] / rows["bf16"]["eager"])
+    assert q["ratio"]["prefill"] == pytest.approx(rows["bf16"]["prefill"] / q["prefill"])
+    assert "unknown config" in rows["bogus:x"]["errors"]["build"]
+    table = capsys.readouterr().out
+    assert "lowbit:w4a16-nvfp4" in table and "errors:" in table and "bogus:x build" in table
+
+
+def test_bad_modes_and_missing_gpu_exit_2(capsys):
+    assert e2e.main(["--modes", "eager,warp"]) == 2
+    if not torch.cuda.is_available():
+        assert e2e.main(["--shape", "tiny"]) == 2
+    assert "lowbit e2e" in capsys.readouterr().err
