@@ -1,13 +1,16 @@
 """One device call: carried wheels, the GPU tests, then the benchmark harness (lowbit.bench); results in $OUT.
 
-Run on the GPU machine from the repository root, with ``.whl`` carried (bitsandbytes, torchao; see
-/work/.library/device/README.md) and the git sha passed in, since the machine has no git history::
+Run on the GPU machine from the repository root, with a wheel folder carried (``.whl`` or ``$WHEELS``:
+pytest, hypothesis, bitsandbytes, torchao; see /work/.library/device/README.md) and the git sha passed in,
+since the machine has no git history::
 
     GIT_SHA=<sha> PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py              # tests + harness
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py bench --quick --ops 'quantize.*'
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests ops                        # GPU tests + operator benches
+    GIT_SHA=<sha> python3 benchmarks/gpu_check.py e2e --e2e-args "--configs bf16,lowbit:w4a16-nvfp4"
 
-Writes ``$OUT/gpu_tests_<path>.xml`` (one pytest and report per test path) and ``$OUT/quant_kernels_<date>.json``; the results table is printed last.
+Writes ``$OUT/gpu_tests_<path>.xml`` (one pytest and report per test path), ``$OUT/quant_kernels_<date>.json``
+and ``$OUT/e2e.json`` (the end-to-end decoder benchmark, ``lowbit e2e``); the results tables are printed last.
 Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
 start (lowbit's own cases always run and are written to the JSON before any baseline).
 """
@@ -29,7 +32,8 @@ SITE = "/tmp/site"
 
 def install_wheels() -> None:
     """pip-install the carried wheels (no index, no deps) into /tmp/site, as the device README says."""
-    wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
+    folder = os.environ.get("WHEELS", os.path.join(ROOT, ".whl"))
+    wheels = sorted(glob.glob(os.path.join(folder, "*.whl")))
     if not wheels:
         print("no .whl/ wheels carried: bitsandbytes/torchao baselines use what is installed, if anything")
         return
@@ -127,8 +131,21 @@ GPU_TEST_PATHS = [
     "tests/kernels/test_gemv_mma_gpu.py", "tests/ops/test_linear_gpu.py", "tests/kernels/test_gemv_w4_gpu.py",
     "tests/kernels/test_nf4_int4_gpu.py", "tests/kernels/test_gemm_w4_gpu.py", "tests/kernels/test_blockscaled_gpu.py",
     "tests/kernels/test_fp8_block_gpu.py", "tests/kernels/test_fp8_rowwise_gpu.py", "tests/ops/test_scaled_mm_gpu.py",
-    "tests/bench",
+    "tests/nn/test_prepared_gpu.py", "tests/bench",
 ]
+
+
+def run_e2e(out_dir: str, extra: str, timeout_s: float) -> None:
+    """``lowbit e2e`` with ``extra`` arguments, JSON to ``$OUT/e2e.json`` (written after every config)."""
+    import shlex
+
+    cmd = [sys.executable, "-m", "lowbit.bench.e2e", "--json", os.path.join(out_dir, "e2e.json"), *shlex.split(extra)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        rc = "timeout (the configs done are in the JSON)"
+    print(f"lowbit e2e: exit {rc}", flush=True)
 
 
 def main() -> int:
@@ -148,11 +165,13 @@ def main() -> int:
         help="seconds after the script's start past which baselines are skipped (default 400)",
     )
     ap.add_argument("--tests-timeout-s", type=float, default=240.0)
+    ap.add_argument("--e2e-args", default="", help="arguments of `lowbit e2e` for the e2e step")
+    ap.add_argument("--e2e-timeout-s", type=float, default=420.0)
     args = ap.parse_args()
     what = set(args.what or ["tests", "bench"])
-    steps = {"tests", "bench", "ops", "install"}
+    steps = {"tests", "bench", "ops", "install", "e2e"}
     if what - steps:
-        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops or install")
+        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e or install")
 
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "tmp")
     os.makedirs(out_dir, exist_ok=True)
@@ -164,6 +183,8 @@ def main() -> int:
     tests_summary = run_tests(out_dir, args.tests_timeout_s, args.tests.split(",")) if "tests" in what else None
     if "ops" in what:
         run_ops_benches(out_dir)
+    if "e2e" in what:
+        run_e2e(out_dir, args.e2e_args, args.e2e_timeout_s)
     if "bench" not in what:
         if tests_summary:
             print(tests_summary)

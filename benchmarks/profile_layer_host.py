@@ -1,0 +1,112 @@
+"""Where the host time of one ``QuantLinear`` call goes, per scheme: CPU microseconds per call (back-to-back
+calls, no synchronization) at M = 1 and M = 2048 against ``F.linear``, GPU time of the same call (CUDA-graph
+replays), and the top functions of a cProfile of M = 1 calls. JSON to ``$OUT/profile_layer_host.json``.
+
+    PYTHONPATH=src python benchmarks/profile_layer_host.py [--schemes w4a16-nvfp4,w8a8-fp8-block] [--k 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+import lowbit
+from lowbit.nn import SCHEMES, QuantLinear
+
+
+def _host_us(fn, calls: int = 300) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / calls * 1e6
+
+
+def _graph_us(fn, reps: int = 50) -> float:
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(10):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps / 10 * 1e6
+
+
+def _profile(fn, calls: int = 200, top: int = 18) -> str:
+    for _ in range(5):
+        fn()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--ms", default="1,2048")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "benchmarks/results/tmp")
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(args.k, args.n, bias=False, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    with torch.inference_mode():
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
+            base = {"host_us": _host_us(lambda: F.linear(x, lin.weight)),
+                    "gpu_us": _graph_us(lambda: F.linear(x, lin.weight))}
+            print(f"M={m} F.linear host {base['host_us']:.1f} us, GPU {base['gpu_us']:.1f} us", flush=True)
+            for scheme in args.schemes.split(","):
+                row = {"scheme": scheme, "m": m, "f_linear": base}
+                try:
+                    layer = QuantLinear.from_linear(lin, scheme)
+                    row["host_us"] = _host_us(lambda: layer(x))
+                    row["gpu_us"] = _graph_us(lambda: layer(x))
+                    row["explain"] = (lowbit.explain(x, layer.weight_qtensor) if layer.scheme.weight_only else
+                                      "scaled_linear")
+                    if m == 1:
+                        row["profile"] = _profile(lambda: layer(x))
+                except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                    row["error"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+                print(f"M={m} {scheme}: host {row.get('host_us', float('nan')):.1f} us "
+                      f"({row.get('host_us', float('nan')) / base['host_us']:.2f}x F.linear), "
+                      f"GPU {row.get('gpu_us', float('nan')):.1f} us {row.get('error', '')}", flush=True)
+                if "profile" in row:
+                    print(row["profile"][:2500], flush=True)
+    with open(os.path.join(out_dir, "profile_layer_host.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "n": args.n, "k": args.k, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Prepared QuantLinear on CUDA: the per-M GEMV runners give the bits lowbit.linear gives, for every W4A16
+format, x dtype, bias and activation; misaligned and strided x; CUDA graphs; in-place weight updates and
+load_state_dict re-prepare; torch.inference_mode and no_grad for every scheme at quantize and call time;
+torch.compile (Inductor, fullgraph) launches the GEMV kernels from its generated code, equals eager, and does not
+recompile per M within the GEMV regime.
+
+Run on the device machine: ``python -m pytest -q -p no:cacheprovider tests/nn/test_prepared_gpu.py``.
+"""
+
+import pytest
+import torch._dynamo.testing
+import torch
+from torch import nn
+
+import lowbit
+from lowbit.nn import SCHEMES, QuantLinear
+from lowbit.ops.scaled_mm import scaled_linear
+
+pytestmark = pytest.mark.gpu
+
+W4A16 = [s for s in SCHEMES if SCHEMES[s].weight_only]
+SCALED = [s for s in SCHEMES if not SCHEMES[s].weight_only]
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _layer(scheme, n=384, k=512, bias=True, activation=None, seed=0, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype)
+    return QuantLinear.from_linear(lin, scheme, activation=activation)
+
+
+def _want(layer, x):
+    w = layer.weight_qtensor
+    b = None if layer.bias is None else layer.bias.to(x.dtype)
+    if layer.scheme.weight_only:
+        return lowbit.linear(x, w, b, layer.activation)
+    y = scaled_linear(x, w, layer.scheme.act_format, act_options=dict(layer.scheme.act_options) or None,
+                      act_global_scale=layer.input_global_scale, bias=b, out_dtype=x.dtype)
+    from lowbit.ops.linear import _act
+
+    return _act(y, layer.activation)
+
+
+@pytest.mark.parametrize("scheme", W4A16)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias, activation", [(True, None), (False, "silu"), (True, "gelu")])
+def test_runner_bits_equal_linear(scheme, x_dtype, bias, activation):
+    layer = _layer(scheme, bias=bias, activation=activation, dtype=x_dtype)
+    prep = layer._prepared
+    assert prep is not None and prep.gemv is not None, "prepared at construction on CUDA"
+    for shape in [(1, 512), (3, 512), (16, 512), (2, 5, 512), (1, 1, 512), (17, 512), (300, 512)]:
+        x = torch.randn(shape, device="cuda", dtype=x_dtype)
+        got = layer(x)
+        want = _want(layer, x)
+        assert got.shape == want.shape == (*shape[:-1], 384)
+        assert torch.equal(_bits(got), _bits(want)), (scheme, shape)
+    assert {k[0] for k in prep.runners} == {1, 3, 16, 10}, "the GEMV regime ran through runners"
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-int4"])
+def test_misaligned_strided_x_and_bias_cast(scheme):
+    layer = _layer(scheme)
+    x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+    want = _want(layer, x)
+    buf = torch.empty(4 * 512 + 1, device="cuda", dtype=torch.bfloat16)
+    xm = buf[1:].view(4, 512)
+    xm.copy_(x)
+    assert torch.equal(layer(xm), want)
+    xt = x.t().contiguous().t()
+    assert torch.equal(layer(xt), want)
+    layer.bias.data = layer.bias.float()  # an fp32 bias is cast to x's dtype per call
+    assert torch.equal(layer(x), want)
+
+
+@pytest.mark.parametrize("scheme", W4A16)
+def test_cuda_graph_capture_and_replay(scheme):
+    layer = _layer(scheme)
+    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    layer(x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x)
+    x2 = torch.randn_like(x)
+    x.copy_(x2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, _want(layer, x2))
+
+
+def test_in_place_update_and_load_state_dict_re_prepare():
+    layer = _layer("w4a16-int4")
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    before = layer(x)
+    with torch.no_grad():
+        layer.weight_scale.mul_(2)
+    after = layer(x)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, _want(layer, x))
+    other = _layer("w4a16-int4", seed=3)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer(x), other(x))
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_inference_mode_and_no_grad(scheme):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 128)).cuda().to(torch.bfloat16)
+    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+    plain = lowbit.quantize_model(_copy(model), scheme, skip=())
+    want = plain(x)
+    with torch.inference_mode():
+        q = lowbit.quantize_model(_copy(model), scheme, skip=())  # quantized inside inference_mode
+        for m in (1, 3, 16, 40):
+            xm = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(q(xm), plain(xm)), (scheme, m)
+        assert torch.equal(plain(x), want)  # a layer made outside, called inside
+    assert torch.equal(q(x), want)           # a layer made inside, called outside
+    with torch.no_grad():
+        assert torch.equal(q(x), want)
+        q2 = lowbit.quantize_model(_copy(model), scheme, skip=())
+        assert torch.equal(q2(x), want)
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("scheme", SCALED)
+def test_scaled_schemes_unchanged(scheme):
+    layer = _layer(scheme, n=256, k=512)
+    for m in (1, 16, 100):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(layer(x), _want(layer, x)), (scheme, m)
+
+
+# ------------------------------------------------------------------------------------------- torch.compile
+
+
+class _MLP(nn.Module):
+    def __init__(self, scheme):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = QuantLinear.from_linear(nn.Linear(512, 1024, device="cuda", dtype=torch.bfloat16), scheme,
+                                          activation="silu")
+        self.down = QuantLinear.from_linear(nn.Linear(1024, 512, bias=False, device="cuda", dtype=torch.bfloat16),
+                                            scheme)
+
+    def forward(self, x):
+        return self.down(self.up(x)) + x
+
+
+@pytest.mark.parametrize("scheme", W4A16)
+def test_compile_inductor_launches_the_gemv_kernels(scheme):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = _MLP(scheme)
+    cf = torch.compile(model, fullgraph=True)
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, code = run_and_get_code(cf, x)
+        assert torch.equal(got, model(x))
+    src = "\n".join(code)
+    assert "lowbit.w4a16_gemv" not in src and "lowbit::w4a16_gemv" not in src, "the triton_op was traced into"
+    assert "_gemv_mma_kernel" in src or "_gemv_w4_fma_kernel" in src or "_gemv_w4_dot_kernel" in src
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-nf4"])
+def test_compile_matches_eager_across_regimes_without_recompiling_per_m(scheme):
+    torch._dynamo.reset()
+    model = _MLP(scheme)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    cf = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    with torch.inference_mode():
+        for m in (2, 3, 5, 8, 9, 12, 16, 40, 64, 200):
+            x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(cf(x), model(x)), m
+    # buckets: the GEMV regime splits at M = 4 (FMA vs dot kernel) and M = 8 (tensor-core tile), then M > 16
+    assert counter.frame_count <= 5, counter.frame_count
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-int4", "w8a8-fp8-block"])
+def test_compile_reduce_overhead(scheme):
+    torch._dynamo.reset()
+    model = _MLP(scheme)
+    cf = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.inference_mode():
+        for _ in range(3):
+            x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+            torch.compiler.cudagraph_mark_step_begin()
+            assert torch.equal(cf(x).clone(), model(x))
