@@ -110,6 +110,17 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, *, backend: str | None = No
     Returns:
         A :class:`QTensor`. ``x`` is never modified.
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    fn, kwargs = quantizer(fmt, x, backend=backend, **options)
+    return fn(x, **kwargs)
+
+
+def quantizer(fmt: str | FormatSpec, like: torch.Tensor, *, backend: str | None = None,
+              **options: Any) -> tuple[Callable[..., QTensor], dict[str, Any]]:
+    """``(fn, kwargs)`` with ``fn(x, **kwargs) == quantize(x, fmt, backend=backend, **options)`` for every ``x``
+    on ``like``'s device: the format, options, backend and kernel decided once (what a prepared layer keeps
+    for its activations). Raises as :func:`quantize` does."""
     name, defaults = _resolve(fmt)
     fn = _impl(name, 0)
     allowed, takes_fmt = _signature(name)
@@ -120,10 +131,8 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, *, backend: str | None = No
     kwargs.update(options)
     if takes_fmt:
         kwargs["fmt"] = name
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     kernel = _kernels().quantize_kernel(name, kwargs) if resolve_backend(backend) != "torch" else "unused"
-    return _pick(backend, x, kernel, fn, f"quantize({name!r})")(x, **kwargs)
+    return _pick(backend, like, kernel, fn, f"quantize({name!r})"), kwargs
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, backend: str | None = None) -> torch.Tensor:

@@ -51,13 +51,15 @@ def test_runner_bits_equal_linear(scheme, x_dtype, bias, activation):
     layer = _layer(scheme, bias=bias, activation=activation, dtype=x_dtype)
     prep = layer._prepared
     assert prep is not None and prep.gemv is not None, "prepared at construction on CUDA"
-    for shape in [(1, 512), (3, 512), (16, 512), (2, 5, 512), (1, 1, 512), (17, 512), (300, 512)]:
+    for shape in [(1, 512), (3, 512), (16, 512), (2, 5, 512), (1, 1, 512), (17, 512), (300, 512), (2048, 512),
+                  (2, 1100, 512)]:
         x = torch.randn(shape, device="cuda", dtype=x_dtype)
         got = layer(x)
         want = _want(layer, x)
         assert got.shape == want.shape == (*shape[:-1], 384)
         assert torch.equal(_bits(got), _bits(want)), (scheme, shape)
     assert {k[0] for k in prep.runners} == {1, 3, 16, 10}, "the GEMV regime ran through runners"
+    assert len(prep._chunks[x_dtype]) == 2, "the dequantize-then-BLAS regime ran through prepared decode calls"
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-int4"])

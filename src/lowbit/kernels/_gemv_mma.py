@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..formats.spec import NF4
-from ._gemv_w4 import _epilogue
+from ._gemv_w4 import _epilogue, one_line
 
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
@@ -52,10 +52,10 @@ FMT_NF4 = tl.constexpr(3)
 
 # x: 32 bytes at $8 (16 bf16 of one x row) -> the B fragments of the chunk's 4 mmas: lo = columns 4i, 4i+1,
 # hi = columns 4i+2, 4i+3
-_X_ASM = tl.constexpr("""{
+_X_ASM = tl.constexpr(one_line("""{
 ld.global.nc.v4.b32 {$0, $4, $1, $5}, [$8];
 ld.global.nc.v4.b32 {$2, $6, $3, $7}, [$8+16];
-}""")
+}"""))
 
 # the 4 words of a chunk ($16..$19), the scale pair, x fragments -> 4 chained mmas into the accumulators
 _DECODE_WORD = """
@@ -111,8 +111,8 @@ def _mma_asm(nt: int) -> str:
     return "\n".join(lines)
 
 
-_MMA_ASM_1 = tl.constexpr(_mma_asm(1))
-_MMA_ASM_2 = tl.constexpr(_mma_asm(2))
+_MMA_ASM_1 = tl.constexpr(one_line(_mma_asm(1)))
+_MMA_ASM_2 = tl.constexpr(one_line(_mma_asm(2)))
 
 # int4 (AWQ/GPTQ): nibble q of element (row g + 8 h, column 4 i + c) sits at bit 4 (h + 2 (c // 2)) + 16 (c % 2)
 # of the lane's word, so A register j is ((w >> 4 j) & 0x000F000F) | MAGIC = (MAGIC + q) in both halves, exact
@@ -183,10 +183,10 @@ def _mma_int4_asm(nt: int, fp16: bool) -> str:
                             lambda w, _: _INT4_WORD.format(w=w, magic=magic, ty=ty))
 
 
-_INT4_ASM_BF16_1 = tl.constexpr(_mma_int4_asm(1, False))
-_INT4_ASM_BF16_2 = tl.constexpr(_mma_int4_asm(2, False))
-_INT4_ASM_F16_1 = tl.constexpr(_mma_int4_asm(1, True))
-_INT4_ASM_F16_2 = tl.constexpr(_mma_int4_asm(2, True))
+_INT4_ASM_BF16_1 = tl.constexpr(one_line(_mma_int4_asm(1, False)))
+_INT4_ASM_BF16_2 = tl.constexpr(one_line(_mma_int4_asm(2, False)))
+_INT4_ASM_F16_1 = tl.constexpr(one_line(_mma_int4_asm(1, True)))
+_INT4_ASM_F16_2 = tl.constexpr(one_line(_mma_int4_asm(2, True)))
 
 
 # NF4 (bitsandbytes): a 16-entry table lookup per nibble with prmt. The table of the 16 levels (rounded to the
@@ -245,15 +245,15 @@ def _mma_nf4_asm(nt: int, fp16: bool) -> str:
         lambda w, tab: _nf4_word(w, tab[:4], tab[4:]), extra_inputs=8)
 
 
-_NF4_ASM_BF16_1 = tl.constexpr(_mma_nf4_asm(1, False))
-_NF4_ASM_BF16_2 = tl.constexpr(_mma_nf4_asm(2, False))
-_NF4_ASM_F16_1 = tl.constexpr(_mma_nf4_asm(1, True))
-_NF4_ASM_F16_2 = tl.constexpr(_mma_nf4_asm(2, True))
+_NF4_ASM_BF16_1 = tl.constexpr(one_line(_mma_nf4_asm(1, False)))
+_NF4_ASM_BF16_2 = tl.constexpr(one_line(_mma_nf4_asm(2, False)))
+_NF4_ASM_F16_1 = tl.constexpr(one_line(_mma_nf4_asm(1, True)))
+_NF4_ASM_F16_2 = tl.constexpr(one_line(_mma_nf4_asm(2, True)))
 
 _PAIR_ASM = tl.constexpr("ld.global.nc.v2.b32 {$0, $1}, [$2];")
 
 # NVFP4 scale pair (u16: row g E4M3 in the low byte, row g + 8 in the high byte) -> bf16x2 (s, s) * 2^63 each
-_SCALE_E4M3_ASM = tl.constexpr("""{
+_SCALE_E4M3_ASM = tl.constexpr(one_line("""{
 .reg .b16 h0, h1;
 .reg .b32 t;
 .reg .f32 f0, f1;
@@ -266,7 +266,7 @@ mul.f32 f0, f0, 0f5F000000;
 mul.f32 f1, f1, 0f5F000000;
 cvt.rn.bf16x2.f32 $0, f0, f0;
 cvt.rn.bf16x2.f32 $1, f1, f1;
-}""")
+}"""))
 _U16_ASM = tl.constexpr("ld.global.nc.u16 $0, [$1];")
 
 

@@ -44,6 +44,14 @@ import triton.language as tl
 
 from ._blockscaled import _decode_minifloat
 
+
+def one_line(asm: str) -> str:
+    """Inline asm on one line (statements end with ';'): torch.compile pastes a kernel's global constants into
+    generated source inside a triple-quoted string, where the ``\\n`` of a multi-line repr would become a line
+    break inside a string literal."""
+    return " ".join(part.strip() for part in asm.splitlines() if part.strip())
+
+
 # FMT
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
@@ -65,7 +73,7 @@ GS_MULTIPLY = tl.constexpr(2)  # nvfp4 per_tensor_scale p (dequant = value * p *
 TAB_DMAP = tl.constexpr(16)
 TAB_OFFSET = tl.constexpr(272)
 
-_FP4_ASM = tl.constexpr("""{
+_FP4_ASM = tl.constexpr(one_line("""{
 .reg .b32 e, o, t;
 .reg .b16 h0, h1, h2, h3, q0, q1, q2, q3, q4, q5, q6, q7;
 .reg .b32 p0, p1, p2, p3;
@@ -96,11 +104,11 @@ cvt.f32.f16 $1, q4;
 cvt.f32.f16 $3, q5;
 cvt.f32.f16 $5, q6;
 cvt.f32.f16 $7, q7;
-}""")
+}"""))
 
 # element j of the word is nibble j ^ 1 (bitsandbytes: element 2i in the high nibble); the table pointer's
 # low 32 bits are ORed with 4 * code (the table is 64-byte aligned, so OR is addition)
-_NF4_ASM = tl.constexpr("""{
+_NF4_ASM = tl.constexpr(one_line("""{
 .reg .b32 lo, hi, a;
 .reg .b64 p;
 mov.b64 {lo, hi}, $9;
@@ -136,10 +144,10 @@ shr.u32 a, $8, 22;
 lop3.b32 a, a, 0x3C, lo, 0xEA;
 mov.b64 p, {a, hi};
 ld.global.nc.f32 $7, [p];
-}""")
+}"""))
 
 # $8: word (nibble j = element j), $9: fp16 pair (1024 + z, 1024 + z); outputs q_j - z as fp32
-_AWQ_ASM = tl.constexpr("""{
+_AWQ_ASM = tl.constexpr(one_line("""{
 .reg .b32 t0, t1, t2, t3, u;
 .reg .b16 a, b;
 lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
@@ -165,10 +173,10 @@ cvt.f32.f16 $6, b;
 mov.b32 {a, b}, t3;
 cvt.f32.f16 $3, a;
 cvt.f32.f16 $7, b;
-}""")
+}"""))
 
 # 16 bytes of x (8 bf16 or 8 fp16) -> 8 fp32
-_X_BF16_ASM = tl.constexpr("""{
+_X_BF16_ASM = tl.constexpr(one_line("""{
 .reg .b32 a, b, c, d;
 ld.global.nc.v4.b32 {a, b, c, d}, [$8];
 shl.b32 $0, a, 16;
@@ -179,8 +187,8 @@ shl.b32 $4, c, 16;
 and.b32 $5, c, 0xFFFF0000;
 shl.b32 $6, d, 16;
 and.b32 $7, d, 0xFFFF0000;
-}""")
-_X_FP16_ASM = tl.constexpr("""{
+}"""))
+_X_FP16_ASM = tl.constexpr(one_line("""{
 .reg .b32 a, b, c, d;
 .reg .b16 l, h;
 ld.global.nc.v4.b32 {a, b, c, d}, [$8];
@@ -196,20 +204,20 @@ cvt.f32.f16 $5, h;
 mov.b32 {l, h}, d;
 cvt.f32.f16 $6, l;
 cvt.f32.f16 $7, h;
-}""")
+}"""))
 
 # raw scale loads (read-only path) and the E4M3 byte -> fp32 decode
 _U8_ASM = tl.constexpr("ld.global.nc.u8 $0, [$1];")
 _B32_ASM = tl.constexpr("ld.global.nc.b32 $0, [$1];")
 _F32_ASM = tl.constexpr("ld.global.nc.f32 $0, [$1];")
-_E4M3_ASM = tl.constexpr("""{
+_E4M3_ASM = tl.constexpr(one_line("""{
 .reg .b16 s, lo, hi;
 .reg .b32 h;
 cvt.u16.u32 s, $1;
 cvt.rn.f16x2.e4m3x2 h, s;
 mov.b32 {lo, hi}, h;
 cvt.f32.f16 $0, lo;
-}""")
+}"""))
 
 
 @triton.jit

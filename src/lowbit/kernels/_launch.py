@@ -31,22 +31,20 @@ def _constexpr_tail(fn, consts: dict) -> tuple:
 class Launch:
     """``fn[grid](*args, **consts, num_warps=..., num_stages=...)`` with everything but ``args`` fixed."""
 
-    __slots__ = ("fn", "grid", "consts", "num_warps", "num_stages", "compiled", "_tail")
+    __slots__ = ("fn", "grid", "consts", "options", "compiled", "_tail")
 
-    def __init__(self, fn, grid: tuple, consts: dict, num_warps: int, num_stages: int | None = None) -> None:
+    def __init__(self, fn, grid: tuple, consts: dict, num_warps: int, num_stages: int | None = None,
+                 **options) -> None:
         self.fn = fn
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.consts = dict(consts)
-        self.num_warps = num_warps
-        self.num_stages = num_stages
+        self.options = {"num_warps": num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+                        **options}
         self.compiled = None
         self._tail = _constexpr_tail(fn, self.consts)
 
     def _options(self) -> dict:
-        opts = {"num_warps": self.num_warps}
-        if self.num_stages is not None:
-            opts["num_stages"] = self.num_stages
-        return opts
+        return self.options
 
     def run(self, device_index: int, *args) -> None:
         """Launch on the current stream of CUDA device ``device_index`` (the current device)."""
@@ -71,10 +69,90 @@ class Launch:
         wrap_triton(self.fn)[self.grid](*args, **self.consts, **self._options())
 
 
+class KernelCall:
+    """A launch whose arguments are all fixed but one output, allocated per call: ``call() -> out``.
+
+    A dequantize launcher returns one (``lowbit.kernels.blockscaled`` / ``nf4`` / ``int4_awq``); calling it
+    once is the plain launch, and a prepared layer keeps it to launch the same decode again with no argument
+    binding (the fixed arguments keep their alignment, the output comes from the caching allocator).
+    """
+
+    __slots__ = ("launch", "args", "out_index", "shape", "dtype", "view", "device", "dev_index", "result_shape")
+
+    def __init__(self, launch: Launch | None, args: tuple, out_index: int, shape: tuple, dtype: torch.dtype,
+                 view: torch.dtype, device: torch.device, result_shape: tuple | None = None) -> None:
+        self.launch, self.args, self.out_index = launch, args, out_index
+        self.shape, self.dtype, self.view, self.device = tuple(shape), dtype, view, device
+        self.dev_index = device.index if device.type == "cuda" else None
+        self.result_shape = tuple(shape) if result_shape is None else tuple(result_shape)
+
+    def __call__(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        if self.launch is not None:
+            i = self.out_index
+            args = self.args[:i] + (out.view(self.view),) + self.args[i + 1:]
+            if self.dev_index is None:  # the interpreter
+                self.launch.fn[self.launch.grid](*args, **self.launch.consts, **self.launch.options)
+            else:
+                self.launch.run(self.dev_index, *args)
+        return out.reshape(self.result_shape)
+
+
+_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
+                      "launch_pdl"})
+_CACHE: dict = {}
+_MAX_CACHE = 4096
+_SCALARS = (int, float, bool, str)
+
+
+def _arg_key(args: tuple):
+    """What Triton specializes a launch on, or finer: each tensor's dtype and 16-byte alignment, each scalar's
+    type and exact value, each host tensor descriptor's base dtype and alignment, shape, strides and block.
+    None where an argument is of another kind (then the launch goes through Triton)."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif a is None or type(a) in _SCALARS:
+            key.append((type(a), a))
+        elif type(a).__name__ == "TensorDescriptor" and hasattr(a, "block_shape"):
+            base = a.base
+            key.append((base.dtype, base.data_ptr() & 15 == 0, tuple(a.shape), tuple(a.strides),
+                        tuple(a.block_shape), getattr(a, "padding", None), type(a)))
+        else:
+            return None
+    return tuple(key)
+
+
+def launch(fn, grid: tuple, args: tuple, **kwargs) -> None:
+    """``fn[grid](*args, **kwargs)`` (constexprs and compile options as keywords, every other argument
+    positional), through a cached compiled kernel when an earlier launch had the same kernel, device, grid,
+    keywords and argument key (:func:`_arg_key`): then no argument binding, a few microseconds of host time."""
+    if not DIRECT_LAUNCH or type(fn).__name__ != "JITFunction":
+        fn[grid](*args, **kwargs)
+        return
+    dev = torch._C._cuda_getDevice()
+    akey = _arg_key(args)
+    try:
+        key = (fn, dev, tuple(grid), tuple(kwargs.items()), akey) if akey is not None else None
+        hit = _CACHE.get(key) if key is not None else None
+    except TypeError:  # an unhashable keyword value
+        key = hit = None
+    if hit is None:
+        consts = {k: v for k, v in kwargs.items() if k not in _OPTIONS}
+        options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+        hit = Launch(fn, grid, consts, options.pop("num_warps", 4), options.pop("num_stages", None), **options)
+        if key is not None:
+            if len(_CACHE) >= _MAX_CACHE:
+                _CACHE.clear()
+            _CACHE[key] = hit
+    hit.run(dev, *args)
+
+
 def _hooks():
     import triton
 
     return triton.knobs.runtime
 
 
-__all__ = ["DIRECT_LAUNCH", "Launch"]
+__all__ = ["DIRECT_LAUNCH", "KernelCall", "Launch", "launch"]

@@ -16,6 +16,7 @@ from ..formats.qtensor import QTensor
 from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
 from . import _blockscaled as k
 from . import _mx_fold
+from ._launch import KernelCall, Launch, launch
 from . import interpreting as _interpreting
 
 _ELEM_KIND = {"e4m3": k.ELEM_E4M3, "e5m2": k.ELEM_E5M2}
@@ -117,15 +118,15 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, 
     n_groups = m * cols
     if n_groups:
         block_g = _block_g(group)
-        k._quantize_blockscaled_kernel[(triton.cdiv(n_groups, block_g),)](
-            x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
-            n_groups, cols, -(-cols // 4) * 4,
-            BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind,
-            MAX=elem.max_normal, RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax,
-            HAS_GSCALE=gscale is not None and amax is None, SWIZZLED=swizzled,
+        launch(k._quantize_blockscaled_kernel, (triton.cdiv(n_groups, block_g),), (
+                x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
+                n_groups, cols, -(-cols // 4) * 4,
+            ),
+            BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind, MAX=elem.max_normal,
+            RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax, HAS_GSCALE=gscale is not None and amax is None,
+            SWIZZLED=swizzled,
             NAN_FIXUP=_interpreting(),  # the interpreter's min() keeps NaN: test for it (see _encode_minifloat)
-            GSCALE_FROM_AMAX=amax is not None,
-            num_warps=TILE["warps"], **_elem_args(elem),
+            GSCALE_FROM_AMAX=amax is not None, num_warps=TILE["warps"], **_elem_args(elem),
         )
     lead = x.shape[:-1]
     data = data.reshape(*lead, data.shape[-1])
@@ -146,8 +147,11 @@ def _finite_absmax_bits(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flat.numel():
         per_program = _ABSMAX_CHUNK * _ABSMAX_CHUNKS
-        k._finite_absmax_kernel[(triton.cdiv(flat.numel(), per_program),)](
-            flat, out, flat.numel(), CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4)
+        launch(k._finite_absmax_kernel, (triton.cdiv(flat.numel(), per_program),), (
+                flat, out, flat.numel(),
+            ),
+            CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4,
+        )
     return out
 
 
@@ -230,27 +234,40 @@ def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
 _OUT_KIND = {torch.float32: (0, torch.int32), torch.bfloat16: (1, torch.int16), torch.float16: (2, torch.int16)}
 
 
-def _launch_dequantize(q: QTensor, elem, group, scale_kind, dtype):
+def _dequantize_call(q: QTensor, elem, group, scale_kind, dtype) -> KernelCall:
     kdim = q.shape[-1]
     m = q.shape[:-1].numel()
-    out = torch.empty(m, kdim, dtype=dtype, device=q.data.device)
     out_kind, int_view = _OUT_KIND[dtype]
     swizzled = q.scale_layout == "swizzled"
     cols = kdim // group
     n_groups = m * cols
+    call, args = None, (None,)
     if n_groups:
         block_g = _block_g(group)
         gscale = q.global_scale
         scale = q.scale if scale_kind == k.SCALE_FP32 else q.scale.view(torch.uint8)
-        k._dequantize_blockscaled_kernel[(triton.cdiv(n_groups, block_g),)](
-            q.data.view(torch.uint8).contiguous(), scale.contiguous(),
-            gscale if gscale is not None else scale, out.view(int_view),
-            n_groups, cols, -(-cols // 4) * 4,
-            BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind,
-            HAS_GSCALE=gscale is not None, SWIZZLED=swizzled, OUT_KIND=out_kind, num_warps=TILE["warps"],
-            **_elem_args(elem),
-        )
-    return out.reshape(q.shape)
+        call = Launch(k._dequantize_blockscaled_kernel, (triton.cdiv(n_groups, block_g),),
+                        dict(BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind, HAS_GSCALE=gscale is not None,
+                             SWIZZLED=swizzled, OUT_KIND=out_kind, **_elem_args(elem)), TILE["warps"])
+        args = (q.data.view(torch.uint8).contiguous(), scale.contiguous(), gscale if gscale is not None else scale,
+                None, n_groups, cols, -(-cols // 4) * 4)
+    return KernelCall(call, args, 3, (m, kdim), dtype, int_view, q.data.device, q.shape)
+
+
+def _launch_dequantize(q: QTensor, elem, group, scale_kind, dtype):
+    return _dequantize_call(q, elem, group, scale_kind, dtype)()
+
+
+def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
+    """The kernel call behind :func:`dequantize_nvfp4` / :func:`dequantize_mx` / :func:`dequantize_fp4_b32`
+    for ``q`` (its format decides), to launch again without argument binding."""
+    if q.fmt == "nvfp4":
+        if "per_tensor_scale" in q.params:
+            raise ValueError("the triton nvfp4 dequantize kernel does not implement the torchao convention")
+        return _dequantize_call(q, E2M1, 16, k.SCALE_E4M3, dtype)
+    if q.fmt == "fp4_b32":
+        return _dequantize_call(q, E2M1, 32, k.SCALE_FP32, dtype)
+    return _dequantize_call(q, q.spec.element, 32, k.SCALE_E8M0_RCEIL, dtype)
 
 
 def dequantize_nvfp4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -315,10 +332,11 @@ def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor, c
         out_scale = alloc(scale_rows, tiles4, dtype=torch.float32, device=device)[:, :tiles]
     if rows and kdim:
         words = data.view(torch.int32)
-        _mx_fold._mxfp4_as_fp8_block_kernel[(triton.cdiv(rows, FOLD_BLOCK_R), tiles)](
-            words, scale, out.view(torch.int32), out_scale, dropped_flag, rows, kdim, words.stride(0),
-            scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, kdim // 4, out_scale.stride(0),
-            out_scale.stride(1),
+        launch(_mx_fold._mxfp4_as_fp8_block_kernel, (triton.cdiv(rows, FOLD_BLOCK_R), tiles), (
+                words, scale, out.view(torch.int32), out_scale, dropped_flag, rows, kdim, words.stride(0),
+                scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, kdim // 4,
+                out_scale.stride(0), out_scale.stride(1),
+            ),
             SWIZZLED=swizzled, BLOCK_R=FOLD_BLOCK_R, ROWS_PER_SCALE=block[0], ON_GPU=not _interpreting(),
             num_warps=FOLD_WARPS,
         )

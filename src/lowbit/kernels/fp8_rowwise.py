@@ -12,6 +12,7 @@ import triton
 from ..formats import fp8_rowwise as ref
 from ..formats.qtensor import QTensor
 from . import _fp8_block as k
+from ._launch import launch
 
 MIN_SCALE_BITS = int(torch.tensor(ref.MIN_SCALE, dtype=torch.float32).view(torch.int32).item())
 BLOCK_M = 4
@@ -33,8 +34,9 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> QTensor:
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
     if rows:
-        k._quantize_rowwise_kernel[(triton.cdiv(rows, BLOCK_M),)](
-            x2, data, scale, rows, kdim, x2.stride(0) if rows > 1 else kdim,
+        launch(k._quantize_rowwise_kernel, (triton.cdiv(rows, BLOCK_M),), (
+                x2, data, scale, rows, kdim, x2.stride(0) if rows > 1 else kdim,
+            ),
             MIN_SCALE_BITS=MIN_SCALE_BITS, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
         )
     return QTensor(data=data, scale=scale, fmt="fp8_rowwise", shape=x.shape, dtype=x.dtype,

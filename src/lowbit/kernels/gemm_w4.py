@@ -37,6 +37,7 @@ from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _gemm_w4 as k
 from . import interpreting as _interpreting
+from ._launch import launch
 from . import tensor_version
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
@@ -405,16 +406,18 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     x_tma = cfg.get("X_TMA", X_TMA) and _tma_ok(x)
     x_desc = TensorDescriptor.from_tensor(x, block_shape=[bm, bk]) if x_tma else x
-    k._gemm_w4_kernel[grid](
-        x, x_desc, *args[:8], b, target, m, n, k_dim, x.stride(0), out.stride(0), *args[8:],
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split,
-        EVEN_K=k_dim % bk == 0, X_TMA=x_tma, HAS_BIAS=has_bias, ACT=act, ON_GPU=on_gpu,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **consts,
+    launch(k._gemm_w4_kernel, grid, (
+            x, x_desc, *args[:8], b, target, m, n, k_dim, x.stride(0), out.stride(0), *args[8:],
+        ),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split, EVEN_K=k_dim % bk == 0,
+        X_TMA=x_tma, HAS_BIAS=has_bias, ACT=act, ON_GPU=on_gpu, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **consts,
     )
     if split > 1:
         rm, rn = 32, 128
-        k._split_k_reduce_kernel[(triton.cdiv(m, rm), triton.cdiv(n, rn))](
-            target, args[7], b, out, m, n, out.stride(0),
+        launch(k._split_k_reduce_kernel, (triton.cdiv(m, rm), triton.cdiv(n, rn)), (
+                target, args[7], b, out, m, n, out.stride(0),
+            ),
             SPLIT_K=split, BLOCK_M=rm, BLOCK_N=rn, GSCALE_MODE=consts["GSCALE_MODE"], HAS_BIAS=has_bias,
             ACT=act, ON_GPU=on_gpu, num_warps=4,
         )

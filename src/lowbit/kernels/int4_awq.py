@@ -15,6 +15,7 @@ from ..formats import int4_awq as ref
 from ..formats.qtensor import QTensor
 from . import _int4_awq as k
 from . import interpreting as _interpreting
+from ._launch import KernelCall, Launch
 
 # elements per program, widest column tile (powers of two) and warps: best of benchmarks/sweep_dequant_tile.py
 # on an H200 (bf16 out, 8192^2 / 28672x8192: 3.20 / 3.52 TB/s against 3.14 / 3.34 for 8192 elements;
@@ -43,23 +44,27 @@ def dequantize_int4_awq(q: QTensor, dtype: torch.dtype = torch.float32) -> torch
     """``(q - z) * s`` rounded to fp16 as AutoAWQ computes it, returned as the logical ``[out, in]`` weight in
     ``dtype`` (float32, bfloat16, float16), bit-identical to the reference. CUDA tensors (CPU under
     ``TRITON_INTERPRET=1``)."""
+    return dequantize_call(q, dtype)()
+
+
+def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
+    """The kernel call behind :func:`dequantize_int4_awq`, to launch again without argument binding."""
     out_features, in_features, group_size = ref.check_int4_awq(q)
     if dtype not in _OUT:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     out_kind, int_view = _OUT[dtype]
-    out = torch.empty(out_features, in_features, dtype=dtype, device=q.data.device)
-    if out.numel():
+    call, args = None, (None,)
+    if out_features * in_features:
         ti, tc = _tiles(group_size, out_kind)
         outw = out_features // 8
         nc = triton.cdiv(outw, tc)
         qweight, qzeros, scales = (_rows_unit_stride(t) for t in (q.data, q.zeros, q.scale))
-        k._dequantize_int4_awq_kernel[(nc * (in_features // ti),)](
-            qweight, qzeros, scales, out.view(int_view),
-            in_features, out_features, outw, nc, qweight.stride(0), qzeros.stride(0), scales.stride(0),
-            GROUP=group_size, TI=ti, TC=tc, OUT_KIND=out_kind, ON_GPU=not _interpreting(),
-            num_warps=TILE["warps"], enable_fp_fusion=False,
-        )
-    return out
+        call = Launch(k._dequantize_int4_awq_kernel, (nc * (in_features // ti),),
+                        dict(GROUP=group_size, TI=ti, TC=tc, OUT_KIND=out_kind, ON_GPU=not _interpreting()),
+                        TILE["warps"], enable_fp_fusion=False)
+        args = (qweight, qzeros, scales, None, in_features, out_features, outw, nc, qweight.stride(0),
+                qzeros.stride(0), scales.stride(0))
+    return KernelCall(call, args, 3, (out_features, in_features), dtype, int_view, q.data.device)
 
 
 def compile_variants():

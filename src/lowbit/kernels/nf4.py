@@ -21,6 +21,7 @@ from ..formats.qtensor import QTensor
 from ..formats.spec import NF4
 from . import _nf4 as k
 from . import interpreting as _interpreting
+from ._launch import KernelCall, Launch
 
 # elements per program (power of two) and warps: best of benchmarks/sweep_dequant_tile.py on an H200
 # (bf16 out, 8192^2 / 28672x8192: 3.10 / 3.39 TB/s against 2.91 / 3.17 for 4096 elements;
@@ -53,12 +54,17 @@ def dequantize_nf4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     Returns:
         ``dtype`` tensor of shape ``q.shape``.
     """
+    return dequantize_call(q, dtype)()
+
+
+def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
+    """The kernel call behind :func:`dequantize_nf4`, to launch again without argument binding."""
     n, blocksize, double_quant = ref.check_nf4_qtensor(q)
     if dtype not in _OUT:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     device = q.data.device
     out_kind, int_view, vec = _OUT[dtype]
-    out = torch.empty(n, dtype=dtype, device=device)
+    call, args = None, (None,)
     if n:
         lut, dmap = _tables(device)
         data = _aligned_bytes(q.data)
@@ -69,12 +75,11 @@ def dequantize_nf4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tens
         else:
             nested = offset = scale
         block = TILE["elems"]
-        k._dequantize_nf4_kernel[(triton.cdiv(n, block),)](
-            data, scale, nested, offset, lut, dmap, out.view(int_view), n,
-            BLOCKSIZE=blocksize, BLOCK=block, V=vec, DOUBLE_QUANT=double_quant, OUT_KIND=out_kind,
-            ON_GPU=not _interpreting(), num_warps=TILE["warps"], enable_fp_fusion=False,
-        )
-    return out.reshape(q.shape)
+        call = Launch(k._dequantize_nf4_kernel, (triton.cdiv(n, block),),
+                        dict(BLOCKSIZE=blocksize, BLOCK=block, V=vec, DOUBLE_QUANT=double_quant, OUT_KIND=out_kind,
+                             ON_GPU=not _interpreting()), TILE["warps"], enable_fp_fusion=False)
+        args = (data, scale, nested, offset, lut, dmap, None, n)
+    return KernelCall(call, args, 6, (n,), dtype, int_view, device, q.shape)
 
 
 def compile_variants():

@@ -21,6 +21,7 @@ from . import _scaled_mm as k
 from . import cublas_fp8_block as cb
 from ._scratch import split_k_scratch
 from . import interpreting as _interpreting
+from ._launch import launch
 
 # (largest M, config); the last entry covers every larger M
 CONFIGS: list[tuple[int, dict]] = [
@@ -236,31 +237,13 @@ def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> No
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     persistent = bool(cfg.get("persistent"))
     programs = min(tiles, _num_sms(out.device.index) * cfg.get("per_sm", 1)) if persistent else tiles
-    k._fp8_block_mm_tma_kernel[(programs,)](
-        a_desc,
-        b_desc,
-        a_args[1],
-        b_args[1],
-        alpha if alpha is not None else out,
-        bias if bias is not None else out,
-        out,
-        m,
-        n,
-        k_dim,
-        a_args[4],
-        a_args[5],
-        b_args[4],
-        b_args[5],
-        out.stride(0),
-        programs,
-        B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1),
-        HAS_ALPHA=alpha is not None,
-        HAS_BIAS=bias is not None,
-        BM=bm,
-        BN=bn,
-        BK=bk,
-        GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"],
+    launch(k._fp8_block_mm_tma_kernel, (programs,), (
+            a_desc, b_desc, a_args[1], b_args[1], alpha if alpha is not None else out,
+            bias if bias is not None else out, out, m, n, k_dim, a_args[4], a_args[5], b_args[4], b_args[5],
+            out.stride(0), programs,
+        ),
+        B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1), HAS_ALPHA=alpha is not None,
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 
@@ -452,58 +435,17 @@ def _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, guard=No
         ws, cnt = out, out
     alpha_t = alpha if alpha is not None else out
     bias_t = bias if bias is not None else out
-    k._scaled_mm_kernel[(tiles, split)](
-        a_args[0],
-        a_args[1],
-        a_args[2],
-        b_args[0],
-        b_args[1],
-        b_args[2],
-        alpha_t,
-        bias_t,
-        out,
-        ws,
-        cnt,
-        guard if guard is not None else cnt,
-        m,
-        n,
-        k_dim,
-        k_per,
-        a_args[3],
-        a_args[4],
-        a_args[5],
-        a_args[6],
-        b_args[3],
-        b_args[4],
-        b_args[5],
-        b_args[6],
-        out.stride(0),
-        A_KIND=ac["KIND"],
-        A_SMODE=ac["SMODE"],
-        A_SWIZZLED=ac["SWIZZLED"],
-        A_GMODE=ac["GMODE"],
-        A_EBITS=ac["EBITS"],
-        A_MBITS=ac["MBITS"],
-        A_BIAS=ac["BIAS"],
-        B_KIND=bc["KIND"],
-        B_SMODE=bc["SMODE"],
-        B_SWIZZLED=bc["SWIZZLED"],
-        B_GMODE=bc["GMODE"],
-        B_EBITS=bc["EBITS"],
-        B_MBITS=bc["MBITS"],
-        B_BIAS=bc["BIAS"],
-        B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1),
-        HAS_ALPHA=alpha is not None,
-        HAS_BIAS=bias is not None,
-        BM=bm,
-        BN=bn,
-        BK=bk,
-        GROUP_M=cfg["GROUP_M"],
-        EVEN_K=k_dim % bk == 0,
-        SPLIT=split,
-        ON_GPU=not _interpreting(),
-        GUARD=guard is not None,
-        num_warps=cfg["num_warps"],
+    launch(k._scaled_mm_kernel, (tiles, split), (
+            a_args[0], a_args[1], a_args[2], b_args[0], b_args[1], b_args[2], alpha_t, bias_t, out, ws, cnt,
+            guard if guard is not None else cnt, m, n, k_dim, k_per, a_args[3], a_args[4], a_args[5], a_args[6],
+            b_args[3], b_args[4], b_args[5], b_args[6], out.stride(0),
+        ),
+        A_KIND=ac["KIND"], A_SMODE=ac["SMODE"], A_SWIZZLED=ac["SWIZZLED"], A_GMODE=ac["GMODE"],
+        A_EBITS=ac["EBITS"], A_MBITS=ac["MBITS"], A_BIAS=ac["BIAS"], B_KIND=bc["KIND"], B_SMODE=bc["SMODE"],
+        B_SWIZZLED=bc["SWIZZLED"], B_GMODE=bc["GMODE"], B_EBITS=bc["EBITS"], B_MBITS=bc["MBITS"],
+        B_BIAS=bc["BIAS"], B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1), HAS_ALPHA=alpha is not None,
+        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=k_dim % bk == 0,
+        SPLIT=split, ON_GPU=not _interpreting(), GUARD=guard is not None, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 

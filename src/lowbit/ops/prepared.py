@@ -14,7 +14,7 @@ where no runner applies (fp32 x, M above the GEMV regime, the ``torch`` backend,
 those functions unchanged, so every path gives the same bits as before.
 
 Under ``torch.compile`` the W4A16 GEMV regime is the ``torch.library.triton_op`` ``lowbit::w4a16_gemv``
-(:func:`w4a16_gemv`), whose body launches the same kernels through ``wrap_triton``: Inductor traces into it
+(:func:`register_gemv_op`), whose body launches the same kernels through ``wrap_triton``: Inductor traces into it
 and launches the kernels from its generated code, with the layouts as graph inputs. Other regimes and
 schemes stay one opaque custom op each (``lowbit::linear_w4a16``, ``lowbit::scaled_linear``).
 """
@@ -31,6 +31,7 @@ from ..formats.qtensor import QTensor
 from .linear import ACTIVATIONS, GEMV_MAX_M, _act, _check_weight, linear
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
+_SCALED_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ACT_CODE = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 _MAX_RUNNERS = 256
 """Runners kept per layer (one per M up to GEMV_MAX_M, x dtype and bias presence); cleared when full."""
@@ -77,21 +78,34 @@ class PreparedWeight:
         self.facts = None         # its GemvFacts
         self.gemv_tensors: tuple = ()
         self.runners: dict = {}
+        self._chunks: dict = {}      # x dtype -> the decode calls of the dequantize-then-BLAS regime
+        self._dequant_min_m = 1 << 62
+        self._scaled_ready = False   # activation-quantized schemes: the quick call below applies
+        self._quantizers: dict = {}  # x dtype -> (activation quantize function, its kwargs)
+        self._pairs_checked: set = set()
         ready = layouts and self.device.type == "cuda" and backend != "torch" and _kernels.triton_available() is None
         if weight_only:
             _check_weight(w)
             if ready:
                 self._prepare_gemv()
-        elif ready and w.fmt in ("nvfp4", "mxfp4"):
-            from ..kernels import gemv_w4
+        elif ready:
+            if w.fmt in ("nvfp4", "mxfp4"):
+                from ..kernels import gemv_w4
 
-            gemv_w4.warm(w)  # the decode route of scaled_mm runs the W4A16 GEMV on these weights
+                gemv_w4.warm(w)  # the decode route of scaled_mm runs the W4A16 GEMV on these weights
+            self._scaled_ready = True
 
     def _prepare_gemv(self) -> None:
         from ..kernels import gemv_w4
 
         if gemv_w4.supports(self.w) is not None:
             return
+        register_gemv_op()
+        from ..formats.rows import slice_rows_reason
+        from . import linear as _linear
+
+        if _linear.DEQUANT_GEMM_MIN_M is not None and slice_rows_reason(self.w) is None:
+            self._dequant_min_m = _linear._dequant_gemm_min_m(self.w.fmt)
         p = gemv_w4.prepare_w4(self.w)
         self.facts = gemv_w4.facts(p)   # builds the tensor-core layout too
         lay = gemv_w4.mma_layout(p)
@@ -121,13 +135,53 @@ class PreparedWeight:
             out = self._gemv_call(x, bias)
             if out is not None:
                 return out
+        elif self._scaled_ready:
+            out = self._scaled_call(x, bias, act_global_scale)
+            if out is not None:
+                return out
         return self.call_general(x, bias, act_global_scale)
+
+    def _scaled_call(self, x: torch.Tensor, bias: torch.Tensor | None,
+                     act_global_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """:func:`lowbit.ops.scaled_linear` without its per-call decisions: the activation's quantize function
+        is resolved once per x dtype and the operand pair checked once (the same kernels and bits)."""
+        if (x.dtype not in _SCALED_X_DTYPES or x.dim() < 1 or x.shape[-1] != self.k or x.device != self.device
+                or (bias is not None and (bias.shape != (self.n,) or bias.device != self.device))):
+            return None
+        backend = self._backend()
+        if backend == "torch":
+            return None
+        from ..api import quantizer
+        from .scaled_mm import _check_operands, _run
+
+        k = self.k
+        flat = x.dim() == 2
+        x2 = x if flat and x.is_contiguous() else x.reshape(-1, k).contiguous()
+        if x2.shape[0] == 0:
+            return None
+        q = self._quantizers.get(x.dtype)
+        if q is None:
+            q = self._quantizers[x.dtype] = quantizer(self.act_format, x2, backend=backend, **self.act_options)
+        fn, kwargs = q
+        if act_global_scale is not None:
+            if self.act_format != "nvfp4" or "global_scale" in self.act_options:
+                return None  # scaled_linear's error
+            kwargs = {**kwargs, "global_scale": act_global_scale}
+        a = fn(x2, **kwargs)
+        if x.dtype not in self._pairs_checked:
+            _check_operands(a, self.w)
+            self._pairs_checked.add(x.dtype)
+        out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
+        out = out if flat else out.reshape(*x.shape[:-1], self.n)
+        return _act(out, self.activation)
 
     def _gemv_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         k = self.k
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         m = x2.shape[0]
         if not 0 < m <= GEMV_MAX_M:
+            if m >= self._dequant_min_m and (bias is None or bias.dtype == x.dtype):
+                return self._dequant_gemm_call(x, x2, bias)
             return None
         if bias is not None and (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
                                  or bias.device != self.device or bias.shape != (self.n,)):
@@ -146,6 +200,55 @@ class PreparedWeight:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         out = run(x2, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
+
+    def _dequant_gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """:func:`lowbit.ops.linear.linear_dequant_gemm` with the chunks' decode launches made once per x dtype
+        (the same chunks, kernels and BLAS calls, so the same bits)."""
+        if self._backend() == "torch" or torch.cuda.is_current_stream_capturing():
+            return None
+        chunks = self._chunks.get(x.dtype)
+        if chunks is None:
+            chunks = self._chunks[x.dtype] = self._build_chunks(x.dtype)
+        if not chunks:
+            return None
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        act = self.activation
+        if len(chunks) == 1:
+            out = _act(torch.nn.functional.linear(x2, chunks[0][2](), bias), act)
+        else:
+            out = torch.empty((x2.shape[0], self.n), dtype=x.dtype, device=x.device)
+            for n0, n1, call in chunks:
+                wc = call()
+                dst = out[:, n0:n1]
+                if bias is None:
+                    torch.mm(x2, wc.t(), out=dst)
+                else:
+                    torch.addmm(bias[n0:n1], x2, wc.t(), out=dst)
+                _act(dst, act, inplace=True)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
+
+    def _build_chunks(self, dtype: torch.dtype) -> list:
+        """[(n0, n1, KernelCall decoding rows n0:n1 to ``dtype``)] as linear_dequant_gemm slices the weight, or
+        [] where no Triton dequantize kernel covers it (the general path then runs)."""
+        from .. import kernels
+        from ..formats.rows import nf4_slices_keep_double_quant, nf4_without_double_quant, slice_rows
+        from .linear import _chunk_rows
+
+        w = self.w
+        if not callable(kernels.dequantize_kernel(w.fmt, w)):
+            return []
+        module = {"nvfp4": "blockscaled", "mxfp4": "blockscaled", "fp4_b32": "blockscaled", "nf4": "nf4",
+                  "int4_awq": "int4_awq"}[w.fmt]
+        call = getattr(__import__(f"lowbit.kernels.{module}", fromlist=["dequantize_call"]), "dequantize_call")
+        rows = _chunk_rows(w, torch.empty((), dtype=dtype).element_size(), None)
+        if rows >= self.n:
+            return [(0, self.n, call(w, dtype))]
+        wq = w
+        if w.fmt == "nf4" and not nf4_slices_keep_double_quant(w, rows):
+            wq = nf4_without_double_quant(w)
+        return [(n0, min(self.n, n0 + rows), call(slice_rows(wq, n0, min(self.n, n0 + rows)), dtype))
+                for n0 in range(0, self.n, rows)]
 
     def call_general(self, x: torch.Tensor, bias: torch.Tensor | None,
                      act_global_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,8 +287,7 @@ class PreparedWeight:
 # ---------------------------------------------------------------------------------------------- triton op
 
 
-@torch.library.triton_op("lowbit::w4a16_gemv", mutates_args=())
-def w4a16_gemv(
+def _gemv_body(
     x: torch.Tensor,
     words: torch.Tensor,
     scales: torch.Tensor,
@@ -216,6 +318,17 @@ def w4a16_gemv(
     return gemv_w4.traced_gemv(x, words, scales, nested, tab, gs, mma_words, mma_scales, bias, f, act)
 
 
+_GEMV_OP = []
+
+
+def register_gemv_op():
+    """Define the ``lowbit::w4a16_gemv`` triton_op (once; defining it imports triton, so it happens when a
+    weight is first prepared for the CUDA kernels, never at import)."""
+    if not _GEMV_OP:
+        _GEMV_OP.append(torch.library.triton_op("lowbit::w4a16_gemv", _gemv_body, mutates_args=()))
+    return _GEMV_OP[0]
+
+
 def prepare(w: QTensor, scheme: Any, activation: str | None = None, backend: str | None = None,
             layouts: bool = True) -> PreparedWeight:
     """A :class:`PreparedWeight` for ``w`` under a ``lowbit.nn.Scheme`` (``layouts=False``: no kernel layouts
@@ -224,4 +337,4 @@ def prepare(w: QTensor, scheme: Any, activation: str | None = None, backend: str
                           act_options=dict(scheme.act_options), backend=backend, layouts=layouts)
 
 
-__all__ = ["PreparedWeight", "prepare", "w4a16_gemv"]
+__all__ = ["PreparedWeight", "prepare", "register_gemv_op"]

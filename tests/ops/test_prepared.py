@@ -1,0 +1,68 @@
+"""The prepared-weight path on CPU: it falls back to the public ops with the same results; the kernels the
+``lowbit::w4a16_gemv`` triton_op launches survive Inductor's source pasting (their global constants are
+rewritten into a triple-quoted string of generated code) and its mutation analysis finds the buffers they
+write. The GPU behaviour is in tests/nn/test_prepared_gpu.py."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.ops.prepared import PreparedWeight, prepare
+from lowbit.nn import SCHEMES
+
+triton = pytest.importorskip("triton")
+
+
+def _gemv_kernels():
+    from lowbit.kernels import _gemv_mma, _gemv_w4
+
+    return [_gemv_w4._gemv_w4_fma_kernel, _gemv_w4._gemv_w4_dot_kernel, _gemv_mma._gemv_mma_kernel]
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_inductor_pasted_kernel_source_compiles(i):
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    kernel = _gemv_kernels()[i]
+    src = user_defined_triton_kernel_transitive_closure_source_code(kernel)
+    # the wrapper writes async_compile.triton(name, '''<src>''') and the generated module is imported: the
+    # string literal is evaluated, then the source inside it is compiled
+    wrapped = "x = '''\n" + src + "\n'''"
+    ns: dict = {}
+    exec(compile(wrapped, "<wrapper>", "exec"), ns)
+    compile(ns["x"], "<kernel module>", "exec")
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if SCHEMES[s].weight_only])
+def test_cpu_prepared_call_equals_linear(scheme):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64).to(torch.bfloat16)
+    layer = lowbit.nn.QuantLinear.from_linear(lin, scheme, activation="gelu")
+    prep = prepare(layer.weight_qtensor, layer.scheme, "gelu")
+    assert isinstance(prep, PreparedWeight) and prep.gemv is None and prep.facts is None  # no kernels on CPU
+    for shape in [(1, 256), (3, 7, 256)]:
+        x = torch.randn(shape, dtype=torch.bfloat16)
+        b = layer.bias.to(x.dtype)
+        assert torch.equal(prep(x, b), lowbit.linear(x, layer.weight_qtensor, b, "gelu"))
+        assert torch.equal(layer(x), prep(x, b))
+    xf = torch.randn(2, 256)
+    assert layer(xf).dtype == torch.float32
+
+
+def test_stale_after_in_place_update():
+    torch.manual_seed(0)
+    layer = lowbit.nn.QuantLinear.from_linear(torch.nn.Linear(128, 32).to(torch.bfloat16), "w4a16-int4")
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    y = layer(x)
+    prep = layer._prepared
+    assert not prep.stale()
+    with torch.no_grad():
+        layer.weight_scale.mul_(2)
+    assert prep.stale()
+    y2 = layer(x)
+    assert layer._prepared is not prep and not torch.equal(y, y2)
+    with torch.inference_mode():  # inference tensors have no version counter: never stale, never an error
+        q = lowbit.nn.QuantLinear.from_linear(torch.nn.Linear(128, 32).to(torch.bfloat16), "w4a16-nvfp4")
+        q(x)
+        assert q._prepared.versions == () and not q._prepared.stale()
+    assert q(x).shape == (2, 32)
