@@ -47,7 +47,8 @@ def main() -> None:
                  "mxfp4_fold": (lowbit.quantize(x, "mxfp4"), lowbit.quantize(w, "mxfp4"), True)}
         for pname, (a, b, fold) in pairs.items():
             for cname, cfg in (("ws", ks.WS_CONFIG), ("one_partition", ks.ONE_PARTITION_CONFIG)):
-                fn = lambda c=cfg, a=a, b=b, f=fold: ks.scaled_mm(a, b, None, None, torch.bfloat16, config=c, fold=f)  # noqa: E731
+                fn = lambda c=cfg, a=a, b=b, f=fold: ks.scaled_mm(a, b, None, None, torch.bfloat16,  # noqa: E731
+                                                                  "fold" if f else "kernel", config=c)
                 r = {"eager": do_bench(fn, return_mode="median"), "graph": _graph_ms(fn)}
                 row[f"{pname}_{cname}"] = r
                 print(shape, pname, cname, {kk: round(v * 1e3, 1) for kk, v in r.items()}, "us", flush=True)

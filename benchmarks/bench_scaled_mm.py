@@ -23,6 +23,7 @@ import triton
 from triton.testing import do_bench
 
 import lowbit
+from lowbit.ops import policy
 from lowbit.ops import scaled_linear, scaled_mm_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +68,7 @@ def main() -> None:
                     help="only: decode M (--ms, <= 64) timed as CUDA-graph replays over weight copies that do not "
                          "fit in L2, with the weight bytes per second as a share of the copy bandwidth")
     ap.add_argument("--fold-sweep", action="store_true",
-                    help="only: TMA configs of the FP8 re-encoded mxfp4 pairs (fold_route) at --ms on --shapes, vs "
+                    help="only: TMA configs of the FP8 re-encoded mxfp4 pairs (the policy's fold route) at --ms on --shapes, vs "
                          "the decoding kernel and cuBLAS bf16")
     ap.add_argument("--graph", action="store_true",
                     help="time every case as CUDA-graph replays of bench_w4a16.GRAPH_CALLS calls (GPU time without "
@@ -131,13 +132,14 @@ def main() -> None:
                         row["vs_scaled_mm_fp8"] = t_fp8 / row["ms"]
                     row["weight_GBps"] = wq.nbytes / (row["ms"] * 1e-3) / 1e9
                     ks = _ks()
-                    folds = ks.fold_route(a, wq) is None
-                    if ks.cublas_route(a, wq, None, torch.bfloat16) is None or (
-                            folds and ks.cb.route(m, n, k, x.device, True, None, torch.bfloat16) is None):
+                    route = policy.scaled_route(a, wq, None, torch.bfloat16)
+                    folds = route == "fold"
+                    if route == "cublas" or (
+                            folds and ks.cb.unsupported(m, n, k, x.device, True, None, torch.bfloat16) is None):
                         # the default ran cuBLASLt's block-scaled GEMM: lowbit's own kernel, and the peer alone
                         row["gemm"] = "cublas_blockwise"
                         row["triton_ms"] = _bench(lambda: ks.scaled_mm(a, wq, None, None, torch.bfloat16,  # noqa: B023
-                                                                       cublas=False), args.rep)
+                                                                       route, cublas=False), args.rep)
                         row["triton_vs_cublas_bf16"] = t_bf16 / row["triton_ms"]
                         if t_fp8:
                             row["triton_vs_scaled_mm_fp8"] = t_fp8 / row["triton_ms"]
@@ -149,7 +151,7 @@ def main() -> None:
                         # the same pair on the decoding kernel, and the share of the re-encoding passes
                         row["route"] = "fold"
                         row["decoding_ms"] = _bench(lambda: _ks().scaled_mm(a, wq, None, None, torch.bfloat16,  # noqa: B023
-                                                                            fold=False), args.rep)
+                                                                            "kernel"), args.rep)
                         row["decoding_vs_cublas_bf16"] = t_bf16 / row["decoding_ms"]
                         row["reencode_ms"] = _bench(lambda: _reencode(a, wq), args.rep)  # noqa: B023
                         fa, fw, exact = _folded(a, wq)
@@ -269,11 +271,11 @@ def fold_sweep(args, meta, shapes, ms) -> None:
             for pair in args.pairs.split(","):
                 (af, ao), (wf, wo) = PAIRS[pair]
                 a, wq = lowbit.quantize(x, af, **ao), lowbit.quantize(w, wf, **wo)
-                if ks.fold_route(a, wq) is not None and m >= ks.FOLD_MIN_M:
+                if ks.fold_unsupported(a, wq) is not None and m >= policy.FOLD_MIN_M:
                     continue
                 ref = scaled_mm_reference(a, wq)
                 base = {"pair": pair, "M": m, "N": n, "K": k, "cublas_bf16_ms": t_bf16}
-                t_dec = _bench(lambda: ks.scaled_mm(a, wq, None, None, torch.bfloat16, fold=False), args.rep)  # noqa: B023
+                t_dec = _bench(lambda: ks.scaled_mm(a, wq, None, None, torch.bfloat16, "kernel"), args.rep)  # noqa: B023
                 t_re = _bench(lambda: _reencode(a, wq), args.rep)  # noqa: B023
                 rows.append({**base, "config": "decoding", "ms": t_dec, "vs_cublas_bf16": t_bf16 / t_dec})
                 rows.append({**base, "config": "reencode_only", "ms": t_re})
@@ -284,10 +286,10 @@ def fold_sweep(args, meta, shapes, ms) -> None:
                            "tma": True, "persistent": per_sm > 0, "per_sm": max(per_sm, 1)}
                     row = {**base, "config": cfg}
                     try:
-                        y = ks.scaled_mm(a, wq, None, None, torch.bfloat16, config=cfg, fold=True)
+                        y = ks.scaled_mm(a, wq, None, None, torch.bfloat16, "fold", config=cfg)
                         row["rel_err"] = _rel(y, ref)
-                        row["ms"] = _bench(lambda c=cfg: ks.scaled_mm(a, wq, None, None, torch.bfloat16, config=c,  # noqa: B023
-                                                                      fold=True), args.rep)
+                        row["ms"] = _bench(lambda c=cfg: ks.scaled_mm(a, wq, None, None, torch.bfloat16,  # noqa: B023
+                                                                      "fold", config=c), args.rep)
                         row["vs_cublas_bf16"] = t_bf16 / row["ms"]
                         print(f"   {bm}x{bn} w{nw} s{ns} p{per_sm}: x{row['vs_cublas_bf16']:.2f} bf16  "
                               f"err {row['rel_err']:.1e}", flush=True)

@@ -19,19 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import lowbit
+from lowbit.bench.e2e import host_us_per_call
 from lowbit.nn import SCHEMES, QuantLinear
-
-
-def _host_us(fn, calls: int = 300) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return t / calls * 1e6
 
 
 def _graph_us(fn, reps: int = 50) -> float:
@@ -83,14 +72,14 @@ def main() -> None:
     with torch.inference_mode():
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
-            base = {"host_us": _host_us(lambda: F.linear(x, lin.weight)),
+            base = {"host_us": host_us_per_call(lambda: F.linear(x, lin.weight), "cuda", 300),
                     "gpu_us": _graph_us(lambda: F.linear(x, lin.weight))}
             print(f"M={m} F.linear host {base['host_us']:.1f} us, GPU {base['gpu_us']:.1f} us", flush=True)
             for scheme in args.schemes.split(","):
                 row = {"scheme": scheme, "m": m, "f_linear": base}
                 try:
                     layer = QuantLinear.from_linear(lin, scheme)
-                    row["host_us"] = _host_us(lambda: layer(x))
+                    row["host_us"] = host_us_per_call(lambda: layer(x), "cuda", 300)
                     row["gpu_us"] = _graph_us(lambda: layer(x))
                     row["explain"] = (lowbit.explain(x, layer.weight_qtensor) if layer.scheme.weight_only else
                                       "scaled_linear")

@@ -19,6 +19,7 @@ import triton
 from triton.testing import do_bench
 
 import lowbit
+from lowbit.ops import policy
 from lowbit.kernels import scaled_mm as ks
 from lowbit.ops import scaled_mm_reference
 
@@ -116,11 +117,12 @@ def main() -> None:
         for name in args.variants.split(","):
             cfg = VARIANTS[name]
             try:
-                y = ks.scaled_mm(a, b, None, None, torch.bfloat16, config=cfg)
-                t = do_bench(lambda c=cfg: ks.scaled_mm(a, b, None, None, torch.bfloat16, config=c),  # noqa: B023
+                route = policy.scaled_route(a, b, None, torch.bfloat16) if cfg is None else "kernel"
+                y = ks.scaled_mm(a, b, None, None, torch.bfloat16, route, config=cfg)
+                t = do_bench(lambda c=cfg: ks.scaled_mm(a, b, None, None, torch.bfloat16, route, config=c),  # noqa: B023
                              rep=args.rep, return_mode="median")
                 if cfg is None:
-                    r_route = "cublas_blockwise" if ks.cublas_route(a, b, None, torch.bfloat16) is None else "triton"
+                    r_route = "cublas_blockwise" if route == "cublas" else "triton"
                 r = {"ms": t, "tflops": flops / t / 1e9, "vs_scaled_mm_fp8": t_fp8 / t, "rel_err": _peers.rel_error(y, ref)}
                 if cfg is None:
                     r["route"] = r_route

@@ -1,5 +1,12 @@
+import os
+import tempfile
+
 import pytest
 import torch
+
+# Inductor's on-disk cache keys do not include the host's CPU capability: a cache left by another machine or
+# setting (a reused /tmp) can hand CPU tests code vectorized for the wrong ISA. Each test session gets its own.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="lowbit-inductor-"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,22 +1,23 @@
-"""The host side of lowbit.kernels.cublas_fp8_block on CPU: which GEMMs it takes, and the scale layouts it
-hands to cuBLASLt (the GEMM itself runs in tests/ops/test_scaled_mm_gpu.py on the H100)."""
+"""The host side of lowbit.kernels.cublas_fp8_block on CPU: which GEMMs it can take, the M from which the policy
+routes fp8_block pairs to it, and the scale layouts it hands to cuBLASLt (the GEMM itself runs in
+tests/ops/test_scaled_mm_gpu.py on the H100)."""
 
 import pytest
 import torch
 
 from lowbit.kernels import cublas_fp8_block as cb
+from lowbit.ops import policy
 
 CPU = torch.device("cpu")
 
 
 def _route(m=4096, n=7168, k=2048, aligned=True, bias=None, out_dtype=torch.bfloat16, device=CPU):
-    return cb.route(m, n, k, device, aligned, bias, out_dtype)
+    return cb.unsupported(m, n, k, device, aligned, bias, out_dtype)
 
 
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        ({"m": 64}, "M = 64 < 65"),
         ({"m": 4094}, "not a multiple of 4"),
         ({"n": 2120 + 4}, "multiples of 16"),
         ({"k": 2000 + 8}, "multiples of 16"),
@@ -30,6 +31,19 @@ def _route(m=4096, n=7168, k=2048, aligned=True, bias=None, out_dtype=torch.bflo
 )
 def test_route_reasons(kwargs, reason):
     assert reason in _route(**kwargs)
+
+
+def test_policy_routes_decode_to_lowbits_kernel():
+    import lowbit
+
+    a = lowbit.quantize(torch.randn(64, 256), "fp8_block")
+    b = lowbit.quantize(torch.randn(128, 256), "fp8_block", block=(128, 128))
+    capable = type("M", (), {"gemv_unsupported": lambda *x: "no", "fold_unsupported": lambda *x: "no",
+                             "cublas_unsupported": lambda *x: None})
+    assert policy.CUBLAS_FP8_BLOCK_MIN_M == 65
+    assert policy.scaled_route(a, b, None, torch.bfloat16, capable) == "kernel"  # M = 64
+    a68 = lowbit.quantize(torch.randn(68, 256), "fp8_block")
+    assert policy.scaled_route(a68, b, None, torch.bfloat16, capable) == "cublas"
 
 
 def test_route_can_be_switched_off(monkeypatch):

@@ -21,6 +21,7 @@ from lowbit.formats.nf4 import NESTED_BLOCKSIZE, dynamic_map
 
 # the package re-exports the function ``linear``, which shadows the module attribute of the same name
 lin = sys.modules["lowbit.ops.linear"]
+policy = sys.modules["lowbit.ops.policy"]
 
 ACTS = [None, "gelu", "gelu_tanh", "silu"]
 XDTYPES = [torch.bfloat16, torch.float16]
@@ -322,7 +323,7 @@ def _stand_in(name, reason=None, calls=None):
 def kernels(monkeypatch):
     """Replace the kernel-module lookup: ``kernels["gemv_w4"] = module or None``."""
     table = {"gemv_w4": None, "gemm_w4": None}
-    monkeypatch.setattr(lin, "_kernel_module", lambda name: table[name])
+    monkeypatch.setattr(policy, "_kernel_module", lambda name: table[name])
     monkeypatch.setattr("lowbit.kernels.triton_available", lambda: None)
     return table
 
@@ -338,12 +339,12 @@ def test_dispatch_rules(weights, kernels):
     w = weights["nvfp4"]
     kernels["gemv_w4"] = _stand_in("gemv_w4")
     kernels["gemm_w4"] = _stand_in("gemm_w4")
-    for m in (1, 2, 7, lin.GEMV_MAX_M):
+    for m in (1, 2, 7, policy.GEMV_MAX_M):
         assert _path(w, m).path == "gemv_w4"
         assert _path(w, m, "triton").path == "gemv_w4"
-    for m in (lin.GEMV_MAX_M + 1, 33, lin.DEQUANT_GEMM_MIN_M - 1):
+    for m in (policy.GEMV_MAX_M + 1, 33, policy.DEQUANT_GEMM_MIN_M - 1):
         assert _path(w, m).path == "gemm_w4"
-    for m in (lin.DEQUANT_GEMM_MIN_M, 4096):
+    for m in (policy.DEQUANT_GEMM_MIN_M, 4096):
         plan = _path(w, m)
         assert plan.path == "dequant_gemm" and "then cuBLAS" in plan.reason
     assert _path(w, 0).path == "empty"
@@ -384,8 +385,8 @@ def test_run_calls_the_kernel(weights, kernels, monkeypatch):
     calls = []
     kernels["gemv_w4"] = _stand_in("gemv_w4", calls=calls)
     kernels["gemm_w4"] = _stand_in("gemm_w4", calls=calls)
-    real_decide = lin._decide
-    monkeypatch.setattr(lin, "_decide", lambda m, device, w, backend: real_decide(m, CUDA, w, backend))
+    real_decide = policy.linear_decide
+    monkeypatch.setattr(policy, "linear_decide", lambda m, device, w, backend: real_decide(m, CUDA, w, backend))
     q = weights["fp4_b32"]
     x = _x((384, 2, 3), torch.bfloat16).permute(1, 2, 0)  # [2, 3, 384], not contiguous
     b = _x((48,), torch.bfloat16)
@@ -404,9 +405,9 @@ def test_run_calls_the_kernel(weights, kernels, monkeypatch):
 
 def test_kernel_module_lookup():
     # the real lookup: absent modules are None (the kernels may land later), present ones are imported
-    lin._kernel_module.cache_clear()
-    assert lin._kernel_module("no_such_kernel_module") is None
-    lin._kernel_module.cache_clear()
+    policy._kernel_module.cache_clear()
+    assert policy._kernel_module("no_such_kernel_module") is None
+    policy._kernel_module.cache_clear()
 
 
 # ---------------------------------------------------------------------------------- custom op
@@ -615,23 +616,23 @@ def test_linear_dequant_gemm_matches_reference_over_several_chunks(fmt, opts, ac
 
 def test_dequant_gemm_is_chosen_only_when_enabled(monkeypatch):
     q = lowbit.quantize(torch.randn(256, 128), "nvfp4")
-    monkeypatch.setattr(lin, "DEQUANT_GEMM_MIN_M", None)
-    assert lin._decide(4096, torch.device("cuda"), q, "auto")[0] != "dequant_gemm"
-    monkeypatch.setattr(lin, "DEQUANT_GEMM_MIN_M", 1024)
-    path, target, facts = lin._decide(4096, torch.device("cuda"), q, "auto")
-    assert path == "dequant_gemm" and target is lin._dequant_gemm_kernel
+    monkeypatch.setattr(policy, "DEQUANT_GEMM_MIN_M", None)
+    assert policy.linear_decide(4096, torch.device("cuda"), q, "auto")[0] != "dequant_gemm"
+    monkeypatch.setattr(policy, "DEQUANT_GEMM_MIN_M", 1024)
+    path, target, facts = policy.linear_decide(4096, torch.device("cuda"), q, "auto")
+    assert path == "dequant_gemm" and target is None
     assert "DEQUANT_GEMM_MIN_M=1024" in lin._reason(path, facts, 4096, torch.device("cuda"), q)
-    assert lin._decide(1000, torch.device("cuda"), q, "auto")[0] != "dequant_gemm"
-    assert lin._decide(4096, torch.device("cpu"), q, "auto")[0] == "reference"
+    assert policy.linear_decide(1000, torch.device("cuda"), q, "auto")[0] != "dequant_gemm"
+    assert policy.linear_decide(4096, torch.device("cpu"), q, "auto")[0] == "reference"
 
 
 def test_dequant_gemm_threshold_per_format(weights, kernels, monkeypatch):
     kernels["gemv_w4"] = _stand_in("gemv_w4")
     kernels["gemm_w4"] = _stand_in("gemm_w4")
     for fmt in ("nf4", "mxfp4"):                    # no override ships: every format switches at the same M
-        assert _path(weights[fmt], lin.DEQUANT_GEMM_MIN_M - 1).path == "gemm_w4"
-        assert _path(weights[fmt], lin.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
-    monkeypatch.setitem(lin.DEQUANT_GEMM_MIN_M_BY_FORMAT, "nf4", 2 * lin.DEQUANT_GEMM_MIN_M)
-    assert _path(weights["nf4"], lin.DEQUANT_GEMM_MIN_M).path == "gemm_w4"
-    assert _path(weights["nf4"], 2 * lin.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
-    assert _path(weights["mxfp4"], lin.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
+        assert _path(weights[fmt], policy.DEQUANT_GEMM_MIN_M - 1).path == "gemm_w4"
+        assert _path(weights[fmt], policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
+    monkeypatch.setitem(policy.DEQUANT_GEMM_MIN_M_BY_FORMAT, "nf4", 2 * policy.DEQUANT_GEMM_MIN_M)
+    assert _path(weights["nf4"], policy.DEQUANT_GEMM_MIN_M).path == "gemm_w4"
+    assert _path(weights["nf4"], 2 * policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
+    assert _path(weights["mxfp4"], policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"

@@ -25,6 +25,7 @@ import lowbit
 
 pytestmark = pytest.mark.gpu
 lin = sys.modules["lowbit.ops.linear"]  # the package's `linear` attribute is the function
+policy = sys.modules["lowbit.ops.policy"]
 
 FORMATS = {
     "nvfp4": {},
@@ -85,8 +86,8 @@ def _assert_close(out, ref, what=""):
 
 
 def _need_kernels(m: int) -> None:
-    gemv, gemm = lin._kernel_module("gemv_w4"), lin._kernel_module("gemm_w4")
-    if gemm is None and (m > lin.GEMV_MAX_M or gemv is None):
+    gemv, gemm = policy._kernel_module("gemv_w4"), policy._kernel_module("gemm_w4")
+    if gemm is None and (m > policy.GEMV_MAX_M or gemv is None):
         pytest.skip(f"no W4A16 kernel module for M={m} yet (lowbit.kernels.gemv_w4 / gemm_w4)")
 
 
@@ -181,12 +182,12 @@ def test_format_variants(fmt, variant, m):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_dispatch(fmt):
     w = _weight(fmt, 4096, 4096)
-    gemv, gemm = lin._kernel_module("gemv_w4"), lin._kernel_module("gemm_w4")
-    for m in (1, lin.GEMV_MAX_M, lin.GEMV_MAX_M + 1, 4096):
+    gemv, gemm = policy._kernel_module("gemv_w4"), policy._kernel_module("gemm_w4")
+    for m in (1, policy.GEMV_MAX_M, policy.GEMV_MAX_M + 1, 4096):
         plan = lin.plan_linear((m, 4096), w)
-        if m <= lin.GEMV_MAX_M and gemv is not None and gemv.supports(w) is None:
+        if m <= policy.GEMV_MAX_M and gemv is not None and gemv.supports(w) is None:
             assert plan.path == "gemv_w4", str(plan)
-        elif lin.DEQUANT_GEMM_MIN_M is not None and m >= lin.DEQUANT_GEMM_MIN_M:
+        elif policy.DEQUANT_GEMM_MIN_M is not None and m >= policy.DEQUANT_GEMM_MIN_M:
             assert plan.path == "dequant_gemm", str(plan)
         elif gemm is not None and gemm.supports(w) is None:
             assert plan.path == "gemm_w4", str(plan)
@@ -287,7 +288,7 @@ def stand_in_kernels(monkeypatch):
         return SimpleNamespace(supports=lambda w: None, **{name: kernel})
 
     modules = {"gemv_w4": make("gemv_w4"), "gemm_w4": make("gemm_w4")}
-    monkeypatch.setattr(lin, "_kernel_module", lambda name: modules[name])
+    monkeypatch.setattr(policy, "_kernel_module", lambda name: modules[name])
     return calls
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import lowbit
 from lowbit.formats.qtensor import QTensor
-from lowbit.ops import PAIRS, scaled_linear, scaled_mm_reference
+from lowbit.ops import PAIRS, policy, scaled_linear, scaled_mm_reference
 
 # the package re-exports the function ``scaled_mm``, which shadows the module attribute of the same name
 smm = sys.modules["lowbit.ops.scaled_mm"]
@@ -674,20 +674,26 @@ def test_explain_cpu(operands):
         smm.explain_scaled_mm(b, a)
 
 
-def _stand_in(reason=None, calls=None):
-    def kernel(a, b, alpha, bias, out_dtype):
+def _stand_in(reason=None, calls=None, routes=()):
+    """A kernel module that can run the routes in ``routes`` (besides "kernel") and records its calls."""
+
+    def kernel(a, b, alpha, bias, out_dtype, route):
         if calls is not None:
-            calls.append((a.fmt, b.fmt, alpha, bias, out_dtype))
+            calls.append((a.fmt, b.fmt, alpha, bias, out_dtype, route))
         return scaled_mm_reference(a, b, alpha, bias, out_dtype)
 
-    return SimpleNamespace(supports=lambda a, b: reason, scaled_mm=kernel)
+    def capability(name):
+        return lambda *args: None if name in routes else f"stand-in: no {name}"
+
+    return SimpleNamespace(supports=lambda a, b: reason, scaled_mm=kernel, gemv_unsupported=capability("gemv"),
+                           fold_unsupported=capability("fold"), cublas_unsupported=capability("cublas"))
 
 
 @pytest.fixture
 def kernels(monkeypatch):
     """Replace the kernel-module lookup: ``kernels["scaled_mm"] = module or None``."""
     table = {"scaled_mm": None}
-    monkeypatch.setattr(smm, "_kernel_module", lambda name: table[name])
+    monkeypatch.setattr(policy, "_kernel_module", lambda name: table[name])
     monkeypatch.setattr("lowbit.kernels.triton_available", lambda: None)
     return table
 
@@ -697,8 +703,8 @@ CUDA = torch.device("cuda", 0)
 
 def _path(a, b, backend="auto", device=CUDA, m=None):
     m = a.shape[0] if m is None else m
-    path, target, facts = smm._decide(m, b.shape[0], a.shape[1], device, a, b, backend)
-    return SimpleNamespace(path=path, target=target, reason=smm._reason(path, facts, device, a, b))
+    path, target, facts = policy.scaled_decide(m, b.shape[0], a.shape[1], device, a, b, backend)
+    return SimpleNamespace(path=path, target=target, reason=policy.scaled_reason(path, facts, device, a, b))
 
 
 def test_dispatch_rules(operands, kernels):
@@ -733,16 +739,16 @@ def test_run_calls_the_kernel(operands, kernels, monkeypatch):
     """The CPU stand-in for CUDA: the kernel gets alpha as float32 [1] (or None), a contiguous bias, out_dtype."""
     calls = []
     kernels["scaled_mm"] = _stand_in(calls=calls)
-    real_decide = smm._decide
+    real_decide = policy.scaled_decide
     monkeypatch.setattr(
-        smm, "_decide", lambda m, n, k, device, a, b, backend: real_decide(m, n, k, CUDA, a, b, backend)
+        policy, "scaled_decide", lambda m, n, k, device, a, b, backend: real_decide(m, n, k, CUDA, a, b, backend)
     )
     a, b = operands[VIDS[16]]
     bias = _x((2 * N,), torch.float16)[::2]
     assert not bias.is_contiguous()
     out = lowbit.scaled_mm(a, b, 0.25, bias, torch.float16)
-    ((af, bf, alpha, kb, odt),) = calls
-    assert (af, bf, odt) == ("fp8_rowwise", "nvfp4", torch.float16)
+    ((af, bf, alpha, kb, odt, route),) = calls
+    assert (af, bf, odt, route) == ("fp8_rowwise", "nvfp4", torch.float16, "kernel")
     assert alpha.dtype == torch.float32 and alpha.shape == (1,) and alpha.item() == 0.25
     assert kb.is_contiguous() and torch.equal(kb, bias)
     assert torch.equal(out, scaled_mm_reference(a, b, 0.25, bias, torch.float16))
@@ -762,9 +768,9 @@ def test_run_calls_the_kernel(operands, kernels, monkeypatch):
 
 
 def test_kernel_module_lookup():
-    smm._kernel_module.cache_clear()
-    assert smm._kernel_module("no_such_kernel_module") is None
-    smm._kernel_module.cache_clear()
+    policy._kernel_module.cache_clear()
+    assert policy._kernel_module("no_such_kernel_module") is None
+    policy._kernel_module.cache_clear()
 
 
 # ---------------------------------------------------------------------------------- custom ops

@@ -31,6 +31,7 @@ from lowbit.ops import scaled_linear, scaled_mm_reference
 
 pytestmark = pytest.mark.gpu
 smm = sys.modules["lowbit.ops.scaled_mm"]
+policy = sys.modules["lowbit.ops.policy"]
 
 REL_FRO, REL_MAX = 1e-3, 1e-2
 # (name, activation format, options, weight format, options)
@@ -106,7 +107,7 @@ def _assert_close(out, ref, what=""):
 
 
 def _need_kernel():
-    if smm._kernel_module(smm.KERNEL_MODULE) is None:
+    if policy._kernel_module(smm.KERNEL_MODULE) is None:
         pytest.skip("no lowbit.kernels.scaled_mm yet")
 
 
@@ -163,7 +164,7 @@ def test_empty_and_dispatch():
     _, a = _act("nvfp4", (), 4, 4096)
     assert smm.plan_scaled_mm(a, w, backend="torch").path == "reference"
     plan = smm.plan_scaled_mm(a, w)
-    module = smm._kernel_module(smm.KERNEL_MODULE)
+    module = policy._kernel_module(smm.KERNEL_MODULE)
     if module is None:
         assert plan.path == "unavailable" and plan.error is RuntimeError
         with pytest.raises(RuntimeError, match="no triton kernel runs lowbit.scaled_mm"):
@@ -332,14 +333,16 @@ def stand_in_kernel(monkeypatch):
     """lowbit.kernels.scaled_mm replaced by dequantize (torch on the device, capturable) + matmul."""
     calls = []
 
-    def kernel(a, b, alpha, bias, out_dtype):
+    def kernel(a, b, alpha, bias, out_dtype, route):
         assert a.data.is_cuda and (alpha is None or (alpha.shape == (1,) and alpha.dtype == torch.float32))
         assert bias is None or bias.is_contiguous()
         calls.append((a.fmt, b.fmt, a.shape[0]))
         return scaled_mm_reference(a, b, alpha, bias, out_dtype, dequant_backend="torch")
 
-    module = SimpleNamespace(supports=lambda a, b: None, scaled_mm=kernel)
-    monkeypatch.setattr(smm, "_kernel_module", lambda name: module)
+    cannot = lambda *args: "stand-in"  # noqa: E731 - only the "kernel" route
+    module = SimpleNamespace(supports=lambda a, b: None, scaled_mm=kernel, gemv_unsupported=cannot,
+                             fold_unsupported=cannot, cublas_unsupported=cannot)
+    monkeypatch.setattr(policy, "_kernel_module", lambda name: module)
     return calls
 
 
@@ -487,7 +490,7 @@ def test_decode_gemv_route(name, m, out_dtype):
     af, ao, wf, wo = PAIR[name]
     w = _weight(wf, wo, 6144, 4096)
     _, a = _act(af, ao, m, 4096, seed=11)
-    assert ks.gemv_route(a, w) is None
+    assert policy.scaled_route(a, w, None, out_dtype) == "gemv"
     plan = smm.plan_scaled_mm(a, w)
     assert plan.path == "scaled_mm" and "GEMV" in plan.reason, str(plan)
     bias = _bias(6144)
@@ -584,28 +587,29 @@ def test_cublas_route(case):
     _, a = _act(af, ao, m, k, seed=5)
     bias = None if bias_dtype is None else _bias(n, bias_dtype)
     alpha_t = None if alpha is None else torch.tensor([alpha], device="cuda")
-    why = km.cublas_route(a, w, bias, out_dtype)
-    assert (why is None) == expected, why
+    route = policy.scaled_route(a, w, bias, out_dtype, km)
+    assert (route == "cublas") == expected, (route, km.cublas_unsupported(a, w, bias, out_dtype))
     ref = scaled_mm_reference(a, w, alpha_t, bias, torch.float32, dequant_backend="torch")
     before = {key: t.clone() for key, t in a.tensors().items()}
     out = lowbit.scaled_mm(a, w, alpha_t, bias, out_dtype)
     assert all(torch.equal(t, before[key]) for key, t in a.tensors().items())
     _assert_close(out, ref, f"default {case}")
-    triton_out = km.scaled_mm(a, w, alpha_t, bias, out_dtype, cublas=False)
-    _assert_close(triton_out, ref, f"cublas=False {case}")
+    triton_out = km.scaled_mm(a, w, alpha_t, bias, out_dtype, "kernel")
+    _assert_close(triton_out, ref, f"lowbit's kernel {case}")
+    if km.cublas_unsupported(a, w, bias, out_dtype) is None:
+        _assert_close(km.scaled_mm(a, w, alpha_t, bias, out_dtype, "cublas"), ref, f"route cublas {case}")
     if expected:
-        _assert_close(km.scaled_mm(a, w, alpha_t, bias, out_dtype, cublas=True), ref, f"cublas=True {case}")
         assert "cuBLASLt" in str(smm.plan_scaled_mm(a, w))  # the plan's wording assumes no bias, a bf16 output
-    else:
-        with pytest.raises(ValueError, match="cublas=True"):
-            km.scaled_mm(a, w, alpha_t, bias, out_dtype, cublas=True)
+    elif km.cublas_unsupported(a, w, bias, out_dtype) is not None:
+        with pytest.raises(ValueError, match="route 'cublas'"):
+            km.scaled_mm(a, w, alpha_t, bias, out_dtype, "cublas")
 
 
 def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
     km = _km()
     w = _weight("fp8_block", (("block", (128, 128)),), 4096, 4096)
     x, a = _act("fp8_block", (), 256, 4096)
-    assert km.cublas_route(a, w, None, torch.bfloat16) is None
+    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "cublas"
     graph, out = _capture(lambda t: scaled_linear(t, w, "fp8_block"), x)
     for seed in (1, 2):
         x.copy_(_act("fp8_block", (), 256, 4096, seed=seed)[0])
@@ -615,7 +619,8 @@ def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
                                   dequant_backend="torch")
         _assert_close(out, ref, "cuBLAS route, graph replay")
     monkeypatch.setenv("LOWBIT_CUBLAS_FP8_BLOCK", "0")
-    assert "LOWBIT_CUBLAS_FP8_BLOCK=0" in km.cublas_route(a, w, None, torch.bfloat16)
+    assert "LOWBIT_CUBLAS_FP8_BLOCK=0" in km.cublas_unsupported(a, w, None, torch.bfloat16)
+    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "kernel"
     assert "cuBLASLt" not in str(smm.plan_scaled_mm(a, w))
 
 
@@ -626,7 +631,7 @@ FOLD_PAIRS = ["mxfp4", "mxfp4-swizzled", "w4a8-rowwise-mxfp4", "w4a8-block-mxfp4
 
 def _km():
     _need_kernel()
-    return smm._kernel_module(smm.KERNEL_MODULE)
+    return policy._kernel_module(smm.KERNEL_MODULE)
 
 
 @pytest.mark.parametrize("m", [300, 1000, 1024, 4096])
@@ -638,20 +643,21 @@ def test_fold_route_matches_reference_and_decoding_kernel(name, m):
     n, k = [(7168, 2048), (2112, 7168), (384, 1600), (4096, 4096)][i]
     w = _weight(wf, wo, n, k)
     _, a = _act(af, ao, m, k, seed=3)
-    routed = m >= km.FOLD_MIN_M
-    assert (km.fold_route(a, w) is None) == routed
+    routed = m >= policy.FOLD_MIN_M
+    assert (policy.scaled_route(a, w, None, torch.bfloat16, km) == "fold") == routed
     assert ("E4M3" in str(smm.plan_scaled_mm(a, w))) == routed
     alpha = torch.tensor([0.75], device="cuda") if i % 2 else None
     bias = _bias(n) if i != 1 else None
     ref = scaled_mm_reference(a, w, alpha, bias, torch.float32, dequant_backend="torch")
     _assert_close(lowbit.scaled_mm(a, w, alpha, bias, torch.bfloat16), ref, f"default {name} M={m}")
     for out_dtype in (torch.bfloat16, torch.float32):
-        _assert_close(km.scaled_mm(a, w, alpha, bias, out_dtype, fold=True), ref, f"fold {out_dtype} {name} M={m}")
-        _assert_close(km.scaled_mm(a, w, alpha, bias, out_dtype, fold=True, cublas=False), ref,
+        _assert_close(km.scaled_mm(a, w, alpha, bias, out_dtype, "fold"), ref, f"fold {out_dtype} {name} M={m}")
+        _assert_close(km.scaled_mm(a, w, alpha, bias, out_dtype, "fold", cublas=False), ref,
                       f"fold on the TMA kernel {out_dtype} {name} M={m}")
     if routed and m % 4 == 0:  # the GEMM behind the re-encoding is cuBLASLt's
-        _assert_close(km.scaled_mm(a, w, alpha, bias, torch.bfloat16, cublas=True), ref, f"fold cuBLAS {name} M={m}")
-    _assert_close(km.scaled_mm(a, w, alpha, bias, torch.float32, fold=False), ref, f"decoding {name} M={m}")
+        _assert_close(km.scaled_mm(a, w, alpha, bias, torch.bfloat16, "fold", cublas=True), ref,
+                      f"fold cuBLAS {name} M={m}")
+    _assert_close(km.scaled_mm(a, w, alpha, bias, torch.float32, "kernel"), ref, f"decoding {name} M={m}")
 
 
 @pytest.mark.parametrize("m", [1030, 1032])  # 1030: the TMA kernel behind the re-encoding, 1032: cuBLASLt
@@ -679,8 +685,8 @@ def test_fold_route_exact_fallback(case, m):
     a = lowbit.quantize(x.to(torch.bfloat16), "mxfp4")
     odd, block = (wq, (128, 128)) if case.startswith("weight") else (a, (1, 128))
     assert not bool(kb.mxfp4_as_fp8_block(odd, block)[1])
-    assert km.fold_route(a, wq) is None
-    assert (km.cb.route(m, n, k, a.data.device, True, None, torch.float32) is None) == (m % 4 == 0)
+    assert policy.scaled_route(a, wq, None, torch.float32, km) == "fold"
+    assert (km.cb.unsupported(m, n, k, a.data.device, True, None, torch.float32) is None) == (m % 4 == 0)
     out = lowbit.scaled_mm(a, wq, None, None, torch.float32)
     ref = scaled_mm_reference(a, wq, None, None, torch.float32, dequant_backend="torch")
     if case.endswith("nan"):
@@ -702,7 +708,7 @@ def test_fold_route_in_a_cuda_graph():
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
     a = lowbit.quantize(x, "mxfp4")
     static = lowbit.QTensor(a.data.clone(), a.scale.clone(), "mxfp4", a.shape, a.dtype)
-    assert km.fold_route(static, wq) is None
+    assert policy.scaled_route(static, wq, None, torch.float32, km) == "fold"
     graph, out = _capture(lambda q: lowbit.scaled_mm(q, wq, None, None, torch.float32), static)
     for scale_row in (None, 4):
         y = torch.randn(m, k, device="cuda", generator=g)

@@ -30,8 +30,6 @@ import torch
 
 ENV = "LOWBIT_CUBLAS_FP8_BLOCK"
 """Set to ``0`` to keep fp8_block GEMMs on lowbit's Triton kernels."""
-MIN_M = 65
-"""Below this M (decode) lowbit's split-K kernel runs instead."""
 
 
 @functools.cache
@@ -54,13 +52,12 @@ def aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
 
 
-def route(m: int, n: int, k: int, device: torch.device, operands_aligned: bool, bias: torch.Tensor | None,
-          out_dtype: torch.dtype) -> str | None:
-    """None when :func:`mm` can run this GEMM (and should: M >= :data:`MIN_M`), else why not."""
+def unsupported(m: int, n: int, k: int, device: torch.device, operands_aligned: bool, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> str | None:
+    """None when :func:`mm` can run this GEMM, else why not (whether it should is ``lowbit.ops.policy``'s
+    ``CUBLAS_FP8_BLOCK_MIN_M``)."""
     if os.environ.get(ENV, "1") == "0":
         return f"${ENV}=0"
-    if m < MIN_M:
-        return f"M = {m} < {MIN_M}: decode runs lowbit's split-K kernel"
     if m % 4:
         return f"M = {m} is not a multiple of 4 (cuBLAS)"
     if n % 16 or k % 16:

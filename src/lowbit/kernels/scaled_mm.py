@@ -46,7 +46,7 @@ WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num
 ONE_PARTITION_CONFIG = {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
                         "persistent": True, "per_sm": 2}
 # From M = 65 (M % 4 == 0, aligned, bias rules) fp8_block pairs run cuBLASLt's block-scaled GEMM instead
-# (cublas_route); these configs serve the rest and scaled_mm(..., cublas=False).
+# (lowbit.ops.policy: the "cublas" route); these configs serve the rest (route "kernel").
 FP8_CONFIGS: list[tuple[int, dict]] = [
     (16, {"BM": 16, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "split_k": 16,
           "min_k_tiles": 2}),
@@ -56,14 +56,11 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
     (1 << 62, WS_CONFIG),
 ]
 
-# The FP8 re-encoded mxfp4 pairs (fold_route) run the TMA kernel on 128x128-block weights; M starts at
-# FOLD_MIN_M. The fp8_block TMA configs, checked in an H200 sweep with per-row weight scales
+# The FP8 re-encoded mxfp4 pairs (the "fold" route) run the TMA kernel on 128x128-block weights; M starts at
+# lowbit.ops.policy.FOLD_MIN_M. The fp8_block TMA configs, checked in an H200 sweep with per-row weight scales
 # (2026-11-21_h200_bench_scaled_mm_fold_sweep_14fa172.json): persistent 64x128, 4 warps, 3 stages, two programs
 # per SM was best at M = 4096 on all three shapes; at M = 1024 it and the non-persistent 4-stage config each won
 # some shapes.
-# FOLD_MIN_M = 1024: at M = 1024 the route beat or matched the decoding kernel on 5 of the 6 DeepSeek/8192
-# shapes for mxfp4 x mxfp4 and W4A8 (..._bench_scaled_mm_fold_ffca2db.json; not on 7168x2048, where the
-# per-call launches outweigh a 48 us GEMM); at M = 256 it lost on most.
 # The ws kernel would help here on the GPU (H100 graph replays, ..._h100_ab_fp8_ws_126f400.json: 135 vs 167 us on
 # 4096x7168x2048), but eagerly the route's several launches become host-bound with the Gluon launch (473 vs
 # 370 us): it stays on the one-partition kernel until that launch is cheaper.
@@ -248,27 +245,25 @@ def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> No
     )
 
 
-GEMV_MAX_M = 16
-"""Up to this M, an nvfp4 / mxfp4 weight with an nvfp4, mxfp4 or fp8_rowwise activation runs the W4A16 GEMV."""
 _GEMV_ACTIVATIONS = ("nvfp4", "mxfp4", "fp8_rowwise")
 
 
-def gemv_route(a: QTensor, b: QTensor) -> str | None:
-    """None when :func:`scaled_mm` runs this pair through ``lowbit.kernels.gemv_w4`` (decode), else why not.
+def gemv_unsupported(a: QTensor, b: QTensor) -> str | None:
+    """None when this pair can run through ``lowbit.kernels.gemv_w4`` (the ``"gemv"`` route), else why not.
 
     At small M the GEMM streams the 4-bit weight and the GEMV streams it faster. The activation is decoded
     to bf16 first, exactly: an E2M1 value times its E4M3 or E8M0 block scale, or an E4M3 value, is a bf16
     value. What its scales leave over (nvfp4's global scale, fp8_rowwise's per-token scale, alpha) is one
     fp32 factor per row in the GEMV's epilogue, so the result is the block-scaled product up to fp32
     accumulation order, as in the GEMM."""
-    if a.shape[0] > GEMV_MAX_M:
-        return f"M = {a.shape[0]} > {GEMV_MAX_M}"
+    from . import gemv_w4
+
+    if a.shape[0] > gemv_w4.MAX_M:
+        return f"M = {a.shape[0]} > {gemv_w4.MAX_M} (the GEMV's rows)"
     if b.fmt not in ("nvfp4", "mxfp4") or a.fmt not in _GEMV_ACTIVATIONS:
         return f"the GEMV takes nvfp4/mxfp4 weights with {'/'.join(_GEMV_ACTIVATIONS)} activations"
     if _interpreting():
         return "the GEMV route is for the GPU"
-    from . import gemv_w4
-
     return gemv_w4.supports(b)
 
 
@@ -300,30 +295,25 @@ def _scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor
     return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, divide_by=divisor, out_dtype=out_dtype)
 
 
-FOLD_MIN_M = 1024
-"""From this M, mxfp4 weights with mxfp4, fp8_rowwise or fp8_block activations run on the FP8 tensor cores
-through an exact E4M3 re-encoding (:func:`fold_route`)."""
 _FOLD_ACTIVATIONS = ("mxfp4", "fp8_rowwise", "fp8_block")
 
 
-def fold_route(a: QTensor, b: QTensor) -> str | None:
-    """None when :func:`scaled_mm` runs this pair on the FP8 tensor cores through ``mxfp4_as_fp8_block``, else
-    why not.
+def fold_unsupported(a: QTensor, b: QTensor) -> str | None:
+    """None when this pair can run on the FP8 tensor cores through ``mxfp4_as_fp8_block`` (the ``"fold"``
+    route), else why not.
 
     An E2M1 value times a power of two is exact in E4M3 while the exponent stays in range, so MXFP4 data
     becomes E4M3 values with one fp32 scale per 128x128 block (the weight) or per row and 128 columns (an
     mxfp4 activation) and the same fp32 value per element (``lowbit.formats.blockscaled.mxfp4_as_fp8_block``).
     The operands are re-encoded on every call by a memory-bound kernel (the weight is read at 4 bits and
     written at 8: the FP8 copy is a per-call scratch, never kept), and the product is the fp8_block GEMM of
-    DeepSeek-V3 weights (cuBLASLt's where :mod:`lowbit.kernels.cublas_fp8_block` takes it, else the TMA kernel). A block the re-encoding cannot hold (a NaN scale, or a nonzero MX block more than
+    DeepSeek-V3 weights (cuBLASLt's where :mod:`lowbit.kernels.cublas_fp8_block` takes it, else the TMA kernel).
+    A block the re-encoding cannot hold (a NaN scale, or a nonzero MX block more than
     ``lowbit.formats.blockscaled.FOLD_WINDOW`` (11) binades below the largest of its 128x128 or 1x128 block)
     sets a device flag, and the decoding kernel, launched behind the GEMM with that flag as its guard,
     recomputes the whole output: the result is the block-scaled product up to fp32 accumulation order either
     way, without a host synchronization."""
-    reason = _fold_pair(a, b)
-    if reason is None and a.shape[0] < FOLD_MIN_M:
-        reason = f"M = {a.shape[0]} < {FOLD_MIN_M}"
-    return reason
+    return _fold_pair(a, b)
 
 
 def _fold_pair(a: QTensor, b: QTensor) -> str | None:
@@ -341,7 +331,7 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: 
     n = b.shape[0]
     device = a.data.device
     # an mxfp4 activation is re-encoded into a fresh, aligned tensor
-    why = cb.route(m, n, k_dim, device, a.fmt == "mxfp4" or cb.aligned(a.data), bias, out_dtype)
+    why = cb.unsupported(m, n, k_dim, device, a.fmt == "mxfp4" or cb.aligned(a.data), bias, out_dtype)
     if cublas and why is not None:
         raise ValueError(f"cublas=True: {why}")
     use_cublas = why is None and cublas is not False
@@ -370,40 +360,51 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: 
     return out
 
 
-def cublas_route(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
-    """None when :func:`scaled_mm` runs this fp8_block pair on cuBLASLt's block-scaled FP8 GEMM
-    (:mod:`lowbit.kernels.cublas_fp8_block`: faster than lowbit's kernels from M = 65 on the H100), else why not."""
+def cublas_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
+    """None when this fp8_block pair can run on cuBLASLt's block-scaled FP8 GEMM (the ``"cublas"`` route;
+    :mod:`lowbit.kernels.cublas_fp8_block`), else why not."""
     if a.fmt != "fp8_block" or b.fmt != "fp8_block" or tuple(b.params.get("block", ())) != (128, 128):
         return "cuBLAS takes fp8_block activations with 128x128-block fp8_block weights"
     if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
         return "cuBLAS takes E4M3 data"
     m, k_dim = a.shape
-    return cb.route(m, b.shape[0], k_dim, a.data.device, cb.aligned(a.data) and cb.aligned(b.data), bias,
-                    out_dtype)
+    return cb.unsupported(m, b.shape[0], k_dim, a.data.device, cb.aligned(a.data) and cb.aligned(b.data), bias,
+                          out_dtype)
 
 
-def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, config: dict | None = None,
-              fold: bool | None = None, cublas: bool | None = None) -> torch.Tensor:
-    """``config``: a tile config to use instead of the table's (of the TMA kernel when ``fold``, else of the
-    decoding kernel); ``fold``: force (True) or refuse (False) the FP8 re-encoding of :func:`fold_route`
-    (None: as the route says). Either one turns off the GEMV route; ``config`` alone also the re-encoding.
-    ``cublas``: force (True: ValueError where it cannot run) or refuse (False) cuBLASLt's block-scaled FP8 GEMM
-    for fp8_block pairs and the re-encoded ones (None: as :func:`cublas_route` says; a ``config`` refuses it)."""
+ROUTES = ("gemv", "fold", "cublas", "kernel")
+
+
+def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kernel", config: dict | None = None,
+              cublas: bool | None = None) -> torch.Tensor:
+    """The product on ``route`` (:data:`ROUTES`; ``lowbit.ops.policy.scaled_route`` decides it for
+    ``lowbit.scaled_mm``; the capability checks above say where each can run):
+
+    - ``"gemv"``: the activation decoded to bf16, then the W4A16 GEMV;
+    - ``"fold"``: the exact E4M3 re-encoding, then cuBLASLt's FP8 GEMM where it can run (``cublas=False``:
+      never; True: ValueError where it cannot), else the TMA kernel (with ``config``, that config and no cuBLAS);
+    - ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (ValueError where it cannot run);
+    - ``"kernel"``: lowbit's block-scaled GEMM kernels (``config``: a tile config instead of the table's)."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     m, k_dim = a.shape
     n = b.shape[0]
-    if config is None and fold is None and not cublas and gemv_route(a, b) is None:
+    if route == "gemv":
+        why = gemv_unsupported(a, b)
+        if why is not None:
+            raise ValueError(f"route 'gemv': {why}")
         return _scaled_gemv(a, b, alpha, bias, out_dtype)
-    if fold or (fold is None and config is None and fold_route(a, b) is None):
-        if fold and _fold_pair(a, b) is not None:
-            raise ValueError(f"fold=True: {_fold_pair(a, b)}")
+    if route == "fold":
+        why = _fold_pair(a, b)
+        if why is not None:
+            raise ValueError(f"route 'fold': {why}")
         cfg = dict(config) if config is not None else _config(m, True, fold=True)
         return _fold_mm(a, b, alpha, bias, out_dtype, cfg, cublas if config is None else False)
-    if cublas is not False and config is None:
-        why = cublas_route(a, b, bias, out_dtype)
-        if why is None:
-            return cb.mm(a.data, a.scale, b.data, b.scale, alpha, bias, out_dtype)
-        if cublas:
-            raise ValueError(f"cublas=True: {why}")
+    if route == "cublas":
+        why = cublas_unsupported(a, b, bias, out_dtype)
+        if why is not None:
+            raise ValueError(f"route 'cublas': {why}")
+        return cb.mm(a.data, a.scale, b.data, b.scale, alpha, bias, out_dtype)
     a_args, ac = _operand(a)
     b_args, bc = _operand(b)
     raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1

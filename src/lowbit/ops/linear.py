@@ -4,16 +4,17 @@ Public entry points (re-exported as ``lowbit.linear``, ``lowbit.explain``):
 
 - :func:`linear` computes the layer; :func:`linear_reference` is THE reference every test and benchmark
   compares against (dequantize to fp32, fp32 matmul, fp32 bias and activation, one cast at the end).
-- :func:`plan_linear` / :func:`explain` are the one place that decides which path runs, and say why.
-  Every threshold lives in the module constants below (:data:`GEMV_MAX_M`).
+- :func:`plan_linear` / :func:`explain` say which path runs and why. The rules and every threshold live in
+  :mod:`lowbit.ops.policy` (``linear_decide``, ``GEMV_MAX_M``, ``DEQUANT_GEMM_MIN_M``).
 
-Dispatch (:func:`plan_linear`), with ``M = x.numel() // K`` rows:
+Dispatch, with ``M = x.numel() // K`` rows:
 
 1. ``backend="torch"`` (or ``$LOWBIT_BACKEND=torch``): the reference, on any device.
 2. x not on CUDA: the reference with ``backend="auto"``; ``backend="triton"`` is a ValueError.
 3. CUDA (``"auto"`` and ``"triton"`` alike; there is no silent fallback on CUDA):
    ``M >= DEQUANT_GEMM_MIN_M`` (2048; None turns it off): :func:`linear_dequant_gemm` (chunks of at most
-   64 MB and half the weight's rows dequantized by the Triton kernels, then cuBLAS); ``M <= GEMV_MAX_M``: ``lowbit.kernels.gemv_w4`` (split-K GEMV) if the module exists and its
+   64 MB and half the weight's rows dequantized by the Triton kernels, then cuBLAS); ``M <= GEMV_MAX_M``:
+   ``lowbit.kernels.gemv_w4`` (split-K GEMV) if the module exists and its
    ``supports(w)`` returns None, else ``lowbit.kernels.gemm_w4`` likewise; ``M > GEMV_MAX_M``:
    ``gemm_w4``. Where no kernel can run, :func:`linear` raises RuntimeError naming each reason (pass
    ``backend="torch"`` for the reference). ``M == 0`` launches nothing and returns an empty result.
@@ -51,37 +52,15 @@ from .. import kernels as _kernels
 from ..api import dequantize, resolve_backend
 from ..formats.qtensor import QTensor
 from ..formats.rows import nf4_slices_keep_double_quant, nf4_without_double_quant, slice_rows
-from ..formats.rows import slice_rows_reason as _slice_rows_reason
-from . import _plumbing
-from ._plumbing import kernel_module as _kernel_module  # looked up here on every call: tests replace it
+from . import _plumbing, policy
+from .policy import GEMV_MAX_M  # noqa: F401 - re-exported (lowbit.ops.GEMV_MAX_M)
 
-GEMV_MAX_M = 16
-"""Largest M (rows of x) for which the split-K GEMV kernel is chosen; above it the tensor-core GEMM runs."""
 SUPPORTED_FORMATS = ("nvfp4", "mxfp4", "nf4", "int4_awq", "fp4_b32")
 """Weight formats :func:`linear` accepts."""
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 """``"gelu"`` is the exact (erf) GELU, ``"gelu_tanh"`` its tanh approximation."""
 X_DTYPES = (torch.bfloat16, torch.float16)
 """Activation dtypes; the output has x's dtype."""
-DEQUANT_GEMM_MIN_M: int | None = 2048
-"""On CUDA, the M at and above which :func:`linear` runs :func:`linear_dequant_gemm` (the weight dequantized
-a bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS) instead of ``gemm_w4``;
-None: never. H200, ``benchmarks/bench_w4a16_gemm.py --chunked`` (git 02d3b15,
-``benchmarks/results/2026-11-21_h200_w4a16_gemm_chunked_02d3b15.json``), ratio to cuBLAS bf16 on the six
-issue shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton GEMM's
-0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. At M=2048 (git ca38379,
-``..._chunked_m2048_m4096_ca38379.json``) chunked won for nvfp4, mxfp4, fp4_b32 and int4_awq on all six shapes
-(0.60-0.90x vs 0.44-0.56x). nf4 joined them once its chunks stopped decoding the absmax on the host side
-(git 15f4e07, ``..._profile_prefill_m2048_15f4e07.json`` and ``..._w4a16_gemm_nf4_m2048_15f4e07.json``: at
-M=2048 chunked 0.78-0.86x as CUDA-graph replays, 0.50-0.83x eager, against the GEMM's 0.32-0.35x)."""
-DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {}
-"""Per-format overrides of :data:`DEQUANT_GEMM_MIN_M` (when that is not None); none at present."""
-
-
-def _dequant_gemm_min_m(fmt: str) -> int:
-    return max(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_BY_FORMAT.get(fmt, 0))
-
-
 DEQUANT_CHUNK_BYTES = 64 << 20
 """Largest dequantized chunk :func:`linear_dequant_gemm` materializes (bytes of x's dtype)."""
 KERNEL_MODULES = ("gemv_w4", "gemm_w4")
@@ -217,62 +196,12 @@ class LinearPlan:
         return _plumbing.plan_str("linear", self.fmt, self)
 
 
-def _decide(m: int, device: torch.device, w: QTensor, backend: str) -> tuple[str, Any, tuple]:
-    """THE dispatch rules (module docstring), cheap enough for every call.
-
-    Returns ``(path, target, facts)``: ``target`` is the kernel function for ``gemv_w4``/``gemm_w4``, the
-    exception class for ``unavailable``, else None; ``facts`` feed :func:`_reason` (only formatted when
-    asked for, so the hot path builds no strings).
-    """
-    common = _plumbing.decide_common(backend, device, m == 0)
-    if common is not None:
-        return common
-    if DEQUANT_GEMM_MIN_M is not None and m >= _dequant_gemm_min_m(w.fmt) and _slice_rows_reason(w) is None:
-        return "dequant_gemm", _dequant_gemm_kernel, ()
-    gemv_why = None
-    if m <= GEMV_MAX_M:
-        module, gemv_why = _plumbing.kernel_choice(_kernel_module, "gemv_w4", w)
-        if module is not None:
-            return "gemv_w4", module.gemv_w4, ()
-    module, gemm_why = _plumbing.kernel_choice(_kernel_module, "gemm_w4", w)
-    if module is not None:
-        return "gemm_w4", module.gemm_w4, (gemv_why,)
-    return "unavailable", RuntimeError, ("no_kernel", gemv_why, gemm_why)
-
-
 def _reason(path: str, facts: tuple, m: int, device: torch.device, w: QTensor) -> str:
-    """The sentence :func:`explain` and the errors give for a :func:`_decide` result."""
-    regime = f"M={m} <= GEMV_MAX_M={GEMV_MAX_M}" if m <= GEMV_MAX_M else f"M={m} > GEMV_MAX_M={GEMV_MAX_M}"
-    if path == "reference":
-        if facts[0] == "torch":
-            return "backend='torch': dequantize to fp32, fp32 matmul (linear_reference)"
-        return f"x is on {device.type}, no kernels there: linear_reference"
-    if path == "empty":
-        return "M == 0: nothing to compute, no launch"
-    if path == "gemv_w4":
-        return f"{regime}: split-K {_kernel_module('gemv_w4').describe(w, m)}"
-    if path == "dequant_gemm":
-        rows = _chunk_rows(w, 2, None)
-        return (f"M={m} >= DEQUANT_GEMM_MIN_M={_dequant_gemm_min_m(w.fmt)}: dequantize chunks of {rows} rows "
-                "(Triton), then cuBLAS")
-    if path == "gemm_w4":
-        if m <= GEMV_MAX_M:
-            return f"{regime} but no GEMV (gemv_w4: {facts[0]}): tensor-core GEMM"
-        return f"{regime}: tensor-core GEMM"
-    if facts[0] == "triton_off_cuda":
-        return f"backend='triton' needs CUDA tensors, x is on {device}"
-    if facts[0] == "no_triton":
-        return f"{facts[1]}; pass backend='torch' for the reference"
-    _, gemv_why, gemm_why = facts
-    reasons = ([f"gemv_w4: {gemv_why}"] if gemv_why is not None else []) + [f"gemm_w4: {gemm_why}"]
-    return (
-        f"no triton kernel runs lowbit.linear for {w.fmt} with {regime} on CUDA ({'; '.join(reasons)}); "
-        "pass backend='torch' for the reference"
-    )
+    return policy.linear_reason(path, facts, m, device, w, _chunk_rows(w, 2, None) if path == "dequant_gemm" else 0)
 
 
 def _plan(m: int, n: int, k: int, device: torch.device, w: QTensor, backend: str) -> LinearPlan:
-    path, target, facts = _decide(m, device, w, backend)
+    path, target, facts = policy.linear_decide(m, device, w, backend)
     error = target if path == "unavailable" else None
     return LinearPlan(path, _reason(path, facts, m, device, w), backend, str(device), m, n, k, w.fmt, error)
 
@@ -322,10 +251,6 @@ def linear_dequant_gemm(
     return out
 
 
-def _dequant_gemm_kernel(x2, w, bias, activation):
-    return linear_dequant_gemm(x2, w, bias, activation)
-
-
 def _rows(x_shape_or_tensor: torch.Tensor | Sequence[int], w: QTensor) -> tuple[int, int, int, torch.device]:
     n, k = _check_weight(w)
     if isinstance(x_shape_or_tensor, torch.Tensor):
@@ -373,9 +298,11 @@ def _run(
 ) -> torch.Tensor:
     """The implementation behind :func:`linear` and the custom op: ``x2`` is ``[M, K]`` contiguous."""
     m = x2.shape[0]
-    path, target, facts = _decide(m, x2.device, w, backend)
+    path, target, facts = policy.linear_decide(m, x2.device, w, backend)
     if target is not None and path != "unavailable":
         return target(x2, w, bias, activation)
+    if path == "dequant_gemm":
+        return linear_dequant_gemm(x2, w, bias, activation)
     if path == "reference":
         return linear_reference(x2, w, bias, activation, dequant_backend=backend)
     if path == "empty":

@@ -28,7 +28,9 @@ import torch
 
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
-from .linear import ACTIVATIONS, GEMV_MAX_M, _act, _check_weight, linear
+from . import policy
+from .linear import ACTIVATIONS, _act, _check_weight, linear
+from .policy import GEMV_MAX_M
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
 _SCALED_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -83,7 +85,7 @@ class PreparedWeight:
         self._scaled_ready = False   # activation-quantized schemes: the quick call below applies
         self._quantizers: dict = {}  # x dtype -> (activation quantize function, its kwargs)
         self._pairs_checked: set = set()
-        ready = layouts and self.device.type == "cuda" and backend != "torch" and _kernels.triton_available() is None
+        ready = layouts and policy.kernels_ready(self.device, backend)
         if weight_only:
             _check_weight(w)
             if ready:
@@ -102,10 +104,9 @@ class PreparedWeight:
             return
         register_gemv_op()
         from ..formats.rows import slice_rows_reason
-        from . import linear as _linear
 
-        if _linear.DEQUANT_GEMM_MIN_M is not None and slice_rows_reason(self.w) is None:
-            self._dequant_min_m = _linear._dequant_gemm_min_m(self.w.fmt)
+        if policy.DEQUANT_GEMM_MIN_M is not None and slice_rows_reason(self.w) is None:
+            self._dequant_min_m = policy.dequant_gemm_min_m(self.w.fmt)
         p = gemv_w4.prepare_w4(self.w)
         self.facts = gemv_w4.facts(p)   # builds the tensor-core layout too
         lay = gemv_w4.mma_layout(p)

@@ -41,14 +41,13 @@ Dispatch (:func:`plan_scaled_mm`), as for ``lowbit.linear``:
    nothing (the result is ``alpha * 0 + bias``, computed like the reference); otherwise
    ``lowbit.kernels.scaled_mm`` if the module exists and its ``supports(a, b)`` returns None; else
    :func:`scaled_mm` raises RuntimeError naming the reason (pass ``backend="torch"`` for the reference).
-   Inside that module, M <= 16 with an nvfp4/mxfp4 weight and an nvfp4, mxfp4 or fp8_rowwise activation
-   runs the W4A16 GEMV on the exactly decoded bf16 activation (``gemv_route``; the plan's reason says so).
-   From M = 1024 an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation is re-encoded exactly as
-   E4M3 and runs on the FP8 tensor cores (``fold_route``). fp8_block GEMMs (direct or re-encoded) run cuBLASLt's
-   block-scaled FP8 GEMM where ``cublas_route`` / ``lowbit.kernels.cublas_fp8_block.route`` allow it.
+   :func:`lowbit.ops.policy.scaled_route` picks the module's route: the W4A16 GEMV on the exactly decoded
+   activation (decode), the exact E4M3 re-encoding of mxfp4 onto the FP8 tensor cores (large M), cuBLASLt's
+   block-scaled FP8 GEMM (fp8_block), or lowbit's block-scaled GEMM kernels; the plan's reason names it.
 
 Kernel contract (``lowbit.kernels.scaled_mm``): ``supports(a, b) -> str | None`` (called on every call, keep it
-cheap) and ``scaled_mm(a, b, alpha, bias, out_dtype) -> Tensor [M, N]`` in ``out_dtype``, where ``a``/``b``
+cheap), the capability checks :mod:`lowbit.ops.policy` routes with, and ``scaled_mm(a, b, alpha, bias,
+out_dtype, route) -> Tensor [M, N]`` in ``out_dtype``, where ``a``/``b``
 passed every check below (shapes, dtypes, layouts, devices), ``alpha`` is None or a float32 CUDA tensor of
 shape ``[1]`` (a Python number is turned into one; 1.0 into None), ``bias`` is None or a contiguous ``[N]``
 tensor of bfloat16, float16 or float32, and ``out_dtype`` is bfloat16, float16 or float32. Under
@@ -75,8 +74,7 @@ from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import FORMATS
 from .. import kernels as _kernels
-from . import _plumbing
-from ._plumbing import kernel_module as _kernel_module  # looked up here on every call: tests replace it
+from . import _plumbing, policy
 
 MXFP8 = ("mxfp8_e4m3", "mxfp8_e5m2")
 MXFP6 = ("mxfp6_e2m3", "mxfp6_e3m2")
@@ -95,7 +93,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Result dtypes (and the dtypes a bias may have)."""
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Activation dtypes :func:`scaled_linear` quantizes."""
-KERNEL_MODULE = "scaled_mm"
+KERNEL_MODULE = policy.SCALED_MM_MODULE
 """Launcher module under ``lowbit.kernels``: ``supports(a, b) -> str | None`` and ``scaled_mm(a, b, alpha,
 bias, out_dtype) -> [M, N]``."""
 
@@ -405,65 +403,13 @@ class ScaledMMPlan:
         return _plumbing.plan_str("scaled_mm", self.pair, self)
 
 
-def _decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: QTensor, backend: str):
-    """THE dispatch rules (module docstring). Returns ``(path, target, facts)`` as ``lowbit.linear`` does."""
-    common = _plumbing.decide_common(backend, device, m == 0 or n == 0 or k == 0)
-    if common is not None:
-        return common
-    module, why = _plumbing.kernel_choice(_kernel_module, KERNEL_MODULE, a, b)
-    if module is None:
-        return "unavailable", RuntimeError, ("no_kernel", why)
-    return "scaled_mm", module.scaled_mm, (module,)
-
-
-def _reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: QTensor) -> str:
-    if path == "reference":
-        if facts[0] == "torch":
-            return "backend='torch': dequantize both operands to fp32, fp32 matmul (scaled_mm_reference)"
-        return f"operands are on {device.type}, no kernels there: scaled_mm_reference"
-    if path == "empty":
-        return "M, N or K is 0: nothing to multiply, no launch"
-    if path == "scaled_mm":
-        # the kernel module picks its GEMV route itself on every call; asked here only for the explanation
-        route = getattr(facts[0], "gemv_route", None)
-        if route is not None and route(a, b) is None:
-            return (
-                "decode: the activation decoded exactly to bf16, then the W4A16 GEMV on the 4-bit weight "
-                "(lowbit.kernels.scaled_mm.gemv_route)"
-            )
-        fold = getattr(facts[0], "fold_route", None)
-        if fold is not None and fold(a, b) is None:
-            return (
-                "mxfp4 re-encoded exactly as E4M3 with one fp32 scale per 128 columns, then the FP8 GEMM "
-                "(cuBLASLt's block-scaled one where lowbit.kernels.cublas_fp8_block.route allows, else the TMA "
-                "kernel); an exact decoding fallback runs if a block does not fit "
-                "(lowbit.kernels.scaled_mm.fold_route)"
-            )
-        cublas = getattr(facts[0], "cublas_route", None)
-        if cublas is not None and cublas(a, b, None, torch.bfloat16) is None:
-            return (
-                "cuBLASLt's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm, BlockWise1x128 x "
-                "BlockWise128x128) for a bf16/fp16 output with no bias or one of the output's dtype, else the "
-                "Triton kernel (lowbit.kernels.scaled_mm.cublas_route)"
-            )
-        return "Triton block-scaled GEMM (lowbit.kernels.scaled_mm)"
-    if facts[0] == "triton_off_cuda":
-        return f"backend='triton' needs CUDA tensors, the operands are on {device}"
-    if facts[0] == "no_triton":
-        return f"{facts[1]}; pass backend='torch' for the reference"
-    return (
-        f"no triton kernel runs lowbit.scaled_mm for {a.fmt} x {b.fmt} on CUDA ({KERNEL_MODULE}: {facts[1]}); "
-        "pass backend='torch' for the reference"
-    )
-
-
 def _plan(kind: str, m: int, n: int, k: int, a: QTensor, b: QTensor, backend: str) -> ScaledMMPlan:
     device = a.data.device
-    path, target, facts = _decide(m, n, k, device, a, b, backend)
+    path, target, facts = policy.scaled_decide(m, n, k, device, a, b, backend)
     error = target if path == "unavailable" else None
     return ScaledMMPlan(
         path,
-        _reason(path, facts, device, a, b),
+        policy.scaled_reason(path, facts, device, a, b),
         backend,
         str(device),
         m,
@@ -509,15 +455,16 @@ def _run(
     m, k = a.shape
     n = b.shape[0]
     device = a.data.device
-    path, target, facts = _decide(m, n, k, device, a, b, backend)
+    path, target, facts = policy.scaled_decide(m, n, k, device, a, b, backend)
     if path == "scaled_mm":
-        return target(a, b, alpha, bias if bias is None else bias.contiguous(), out_dtype)
+        bias = bias if bias is None else bias.contiguous()
+        return target(a, b, alpha, bias, out_dtype, policy.scaled_route(a, b, bias, out_dtype, facts[0]))
     if path == "reference":
         return scaled_mm_reference(a, b, alpha, bias, out_dtype, dequant_backend=backend)
     if path == "empty":
         acc = torch.zeros((m, n), dtype=torch.float32, device=device)
         return _epilogue(acc, alpha, bias, out_dtype)
-    raise target(f"lowbit.scaled_mm: {_reason(path, facts, device, a, b)}")
+    raise target(f"lowbit.scaled_mm: {policy.scaled_reason(path, facts, device, a, b)}")
 
 
 def scaled_mm(

@@ -1,0 +1,207 @@
+"""Every regime decision of lowbit's operators, in one module.
+
+Kernel modules say what they *can* run (``supports`` and the ``*_unsupported`` capability checks, reasons as
+strings) and launch what they are told; this module says what *should* run, for which rows ``M``, formats and
+device, with the measurement behind each number. :func:`lowbit.explain` and
+:func:`lowbit.ops.explain_scaled_mm` print these decisions, and a prepared layer
+(:mod:`lowbit.ops.prepared`) makes them once per row count.
+
+W4A16 (``lowbit.linear``), on CUDA:
+
+- ``M <= GEMV_MAX_M``: the split-K GEMV (``lowbit.kernels.gemv_w4``) when it covers the weight, else the GEMM;
+- ``GEMV_MAX_M < M < DEQUANT_GEMM_MIN_M``: the tensor-core GEMM (``lowbit.kernels.gemm_w4``);
+- ``M >= DEQUANT_GEMM_MIN_M``: dequantize a bounded chunk of rows at a time, then cuBLAS.
+
+Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.scaled_mm`` (:func:`scaled_route`):
+
+- ``"gemv"``: ``M <= SCALED_GEMV_MAX_M``, an nvfp4/mxfp4 weight with an nvfp4, mxfp4 or fp8_rowwise activation:
+  the activation decoded exactly to bf16, then the W4A16 GEMV;
+- ``"fold"``: ``M >= FOLD_MIN_M``, an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation: the
+  exact E4M3 re-encoding, then the FP8 GEMM (cuBLASLt's block-scaled one where it can run, else the TMA kernel);
+- ``"cublas"``: ``M >= CUBLAS_FP8_BLOCK_MIN_M``, fp8_block with 128x128 weight blocks: cuBLASLt's block-scaled
+  FP8 GEMM where it can run;
+- ``"kernel"``: lowbit's block-scaled GEMM kernels (tile configs by M in ``lowbit.kernels.scaled_mm``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import kernels as _kernels
+from ..formats.qtensor import QTensor
+from ..formats.rows import slice_rows_reason
+from . import _plumbing
+
+GEMV_MAX_M = 16
+"""Largest M (rows of x) for which the W4A16 split-K GEMV is chosen; above it the tensor-core GEMM runs. Also
+the largest M the GEMV kernel takes (``lowbit.kernels.gemv_w4.MAX_M``)."""
+DEQUANT_GEMM_MIN_M: int | None = 2048
+"""On CUDA, the M at and above which ``lowbit.linear`` runs ``linear_dequant_gemm`` (the weight dequantized a
+bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS) instead of ``gemm_w4``; None:
+never. H200, ``benchmarks/bench_w4a16_gemm.py --chunked`` (git 02d3b15,
+``benchmarks/results/2026-11-21_h200_w4a16_gemm_chunked_02d3b15.json``), ratio to cuBLAS bf16 on the six
+issue shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton GEMM's
+0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. At M=2048 (git ca38379,
+``..._chunked_m2048_m4096_ca38379.json``) chunked won for nvfp4, mxfp4, fp4_b32 and int4_awq on all six shapes
+(0.60-0.90x vs 0.44-0.56x). nf4 joined them once its chunks stopped decoding the absmax on the host side
+(git 15f4e07, ``..._profile_prefill_m2048_15f4e07.json`` and ``..._w4a16_gemm_nf4_m2048_15f4e07.json``: at
+M=2048 chunked 0.78-0.86x as CUDA-graph replays, 0.50-0.83x eager, against the GEMM's 0.32-0.35x)."""
+DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {}
+"""Per-format overrides of :data:`DEQUANT_GEMM_MIN_M` (when that is not None); none at present."""
+SCALED_GEMV_MAX_M = GEMV_MAX_M
+"""Up to this M, an nvfp4 / mxfp4 weight with an nvfp4, mxfp4 or fp8_rowwise activation runs the W4A16 GEMV."""
+FOLD_MIN_M = 1024
+"""From this M, mxfp4 weights with mxfp4, fp8_rowwise or fp8_block activations run on the FP8 tensor cores
+through the exact E4M3 re-encoding. At M = 1024 the route beat or matched the decoding kernel on 5 of the 6
+DeepSeek/8192 shapes for mxfp4 x mxfp4 and W4A8 (H200, ``..._bench_scaled_mm_fold_ffca2db.json``; not on
+7168x2048, where the per-call launches outweigh a 48 us GEMM); at M = 256 it lost on most."""
+CUBLAS_FP8_BLOCK_MIN_M = 65
+"""From this M, fp8_block pairs run cuBLASLt's block-scaled FP8 GEMM (faster than lowbit's kernels at every
+M >= 256 of the H100 probe, ``..._h100_probe_cublas_blockwise_ac69f09.json``); below it (decode) lowbit's
+split-K kernel streams the weight faster."""
+
+
+def dequant_gemm_min_m(fmt: str) -> int:
+    return max(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_BY_FORMAT.get(fmt, 0))
+
+
+# looked up here on every call: tests replace it with stand-in kernel modules
+_kernel_module = _plumbing.kernel_module
+
+
+# ---------------------------------------------------------------------------------------------- W4A16
+
+
+def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tuple[str, Any, tuple]:
+    """THE W4A16 dispatch rules (module docstring), cheap enough for every call.
+
+    Returns ``(path, target, facts)``: ``target`` is the kernel function for ``gemv_w4``/``gemm_w4``, the
+    exception class for ``unavailable``, None for ``dequant_gemm`` (the op runs it) and the other paths;
+    ``facts`` feed :func:`linear_reason` (only formatted when asked for, so the hot path builds no strings).
+    """
+    common = _plumbing.decide_common(backend, device, m == 0)
+    if common is not None:
+        return common
+    if DEQUANT_GEMM_MIN_M is not None and m >= dequant_gemm_min_m(w.fmt) and slice_rows_reason(w) is None:
+        return "dequant_gemm", None, ()
+    gemv_why = None
+    if m <= GEMV_MAX_M:
+        module, gemv_why = _plumbing.kernel_choice(_kernel_module, "gemv_w4", w)
+        if module is not None:
+            return "gemv_w4", module.gemv_w4, ()
+    module, gemm_why = _plumbing.kernel_choice(_kernel_module, "gemm_w4", w)
+    if module is not None:
+        return "gemm_w4", module.gemm_w4, (gemv_why,)
+    return "unavailable", RuntimeError, ("no_kernel", gemv_why, gemm_why)
+
+
+def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTensor, chunk_rows: int) -> str:
+    """The sentence ``lowbit.explain`` and the errors give for a :func:`linear_decide` result."""
+    regime = f"M={m} <= GEMV_MAX_M={GEMV_MAX_M}" if m <= GEMV_MAX_M else f"M={m} > GEMV_MAX_M={GEMV_MAX_M}"
+    if path == "reference":
+        if facts[0] == "torch":
+            return "backend='torch': dequantize to fp32, fp32 matmul (linear_reference)"
+        return f"x is on {device.type}, no kernels there: linear_reference"
+    if path == "empty":
+        return "M == 0: nothing to compute, no launch"
+    if path == "gemv_w4":
+        return f"{regime}: split-K {_kernel_module('gemv_w4').describe(w, m)}"
+    if path == "dequant_gemm":
+        return (f"M={m} >= DEQUANT_GEMM_MIN_M={dequant_gemm_min_m(w.fmt)}: dequantize chunks of {chunk_rows} rows "
+                "(Triton), then cuBLAS")
+    if path == "gemm_w4":
+        if m <= GEMV_MAX_M:
+            return f"{regime} but no GEMV (gemv_w4: {facts[0]}): tensor-core GEMM"
+        return f"{regime}: tensor-core GEMM"
+    if facts[0] == "triton_off_cuda":
+        return f"backend='triton' needs CUDA tensors, x is on {device}"
+    if facts[0] == "no_triton":
+        return f"{facts[1]}; pass backend='torch' for the reference"
+    _, gemv_why, gemm_why = facts
+    reasons = ([f"gemv_w4: {gemv_why}"] if gemv_why is not None else []) + [f"gemm_w4: {gemm_why}"]
+    return (
+        f"no triton kernel runs lowbit.linear for {w.fmt} with {regime} on CUDA ({'; '.join(reasons)}); "
+        "pass backend='torch' for the reference"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- scaled_mm
+
+SCALED_MM_MODULE = "scaled_mm"
+"""The kernel module behind ``lowbit.scaled_mm`` on CUDA."""
+
+
+def scaled_decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: QTensor, backend: str):
+    """THE ``lowbit.scaled_mm`` dispatch rules: ``(path, target, facts)`` as :func:`linear_decide` returns;
+    for ``"scaled_mm"`` the target is the kernel module's ``scaled_mm`` and facts ``(module,)``."""
+    common = _plumbing.decide_common(backend, device, m == 0 or n == 0 or k == 0)
+    if common is not None:
+        return common
+    module, why = _plumbing.kernel_choice(_kernel_module, SCALED_MM_MODULE, a, b)
+    if module is None:
+        return "unavailable", RuntimeError, ("no_kernel", why)
+    return "scaled_mm", module.scaled_mm, (module,)
+
+
+def scaled_route(a: QTensor, b: QTensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                 module: Any = None) -> str:
+    """Which route of ``lowbit.kernels.scaled_mm`` runs this pair (module docstring): ``"gemv"``, ``"fold"``,
+    ``"cublas"`` or ``"kernel"``. ``module``: the kernel module (default: the one the lookup finds)."""
+    km = module if module is not None else _kernel_module(SCALED_MM_MODULE)
+    m = a.shape[0]
+    if m <= SCALED_GEMV_MAX_M and km.gemv_unsupported(a, b) is None:
+        return "gemv"
+    if m >= FOLD_MIN_M and km.fold_unsupported(a, b) is None:
+        return "fold"
+    if m >= CUBLAS_FP8_BLOCK_MIN_M and km.cublas_unsupported(a, b, bias, out_dtype) is None:
+        return "cublas"
+    return "kernel"
+
+
+_ROUTE_REASONS = {
+    "gemv": "decode: the activation decoded exactly to bf16, then the W4A16 GEMV on the 4-bit weight "
+            "(M <= SCALED_GEMV_MAX_M={gemv})",
+    "fold": "mxfp4 re-encoded exactly as E4M3 with one fp32 scale per 128 columns, then the FP8 GEMM "
+            "(cuBLASLt's block-scaled one where it can run, else the TMA kernel); an exact decoding fallback "
+            "runs if a block does not fit (M >= FOLD_MIN_M={fold})",
+    "cublas": "cuBLASLt's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm, BlockWise1x128 x "
+              "BlockWise128x128; M >= CUBLAS_FP8_BLOCK_MIN_M={cublas})",
+    "kernel": "Triton block-scaled GEMM (lowbit.kernels.scaled_mm)",
+}
+
+
+def scaled_reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: QTensor) -> str:
+    """The sentence ``explain_scaled_mm`` and the errors give for a :func:`scaled_decide` result (for the
+    kernel module, the route of a bf16 output without bias)."""
+    if path == "reference":
+        if facts[0] == "torch":
+            return "backend='torch': dequantize both operands to fp32, fp32 matmul (scaled_mm_reference)"
+        return f"operands are on {device.type}, no kernels there: scaled_mm_reference"
+    if path == "empty":
+        return "M, N or K is 0: nothing to multiply, no launch"
+    if path == "scaled_mm":
+        route = scaled_route(a, b, None, torch.bfloat16, facts[0])
+        return _ROUTE_REASONS[route].format(gemv=SCALED_GEMV_MAX_M, fold=FOLD_MIN_M, cublas=CUBLAS_FP8_BLOCK_MIN_M)
+    if facts[0] == "triton_off_cuda":
+        return f"backend='triton' needs CUDA tensors, the operands are on {device}"
+    if facts[0] == "no_triton":
+        return f"{facts[1]}; pass backend='torch' for the reference"
+    return (
+        f"no triton kernel runs lowbit.scaled_mm for {a.fmt} x {b.fmt} on CUDA ({SCALED_MM_MODULE}: {facts[1]}); "
+        "pass backend='torch' for the reference"
+    )
+
+
+def kernels_ready(device: torch.device, backend: str | None) -> bool:
+    """Whether a layer on ``device`` with ``backend`` can prepare kernel launches (CUDA, triton importable,
+    not the torch backend)."""
+    return device.type == "cuda" and backend != "torch" and _kernels.triton_available() is None
+
+
+__all__ = [
+    "CUBLAS_FP8_BLOCK_MIN_M", "DEQUANT_GEMM_MIN_M", "DEQUANT_GEMM_MIN_M_BY_FORMAT", "FOLD_MIN_M", "GEMV_MAX_M",
+    "SCALED_GEMV_MAX_M", "dequant_gemm_min_m", "linear_decide", "linear_reason", "scaled_decide", "scaled_reason",
+    "scaled_route",
+]
