@@ -337,7 +337,7 @@ def generate_tok_s(s: DecoderShape, config: str, new_tokens: int, device) -> flo
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
         one, full = timed(1), timed(new_tokens + 1)
-    del model
+    model = None  # frees the weights before the next model is built
     # decode steps alone: the one-token call (prefill and setup) subtracted, when the difference is measurable
     return new_tokens / (full - one) if full > 1.5 * one else (new_tokens + 1) / full
 
@@ -377,7 +377,7 @@ def run_config(config: str, s: DecoderShape, args: argparse.Namespace, device) -
     attempt("compile-ro", lambda: decode_compiled(model, args.steps, start, "reduce-overhead",
                                                   args.compile_layers, device))
     attempt("prefill", lambda: prefill_ms(model, args.prefill, device))
-    del model
+    model = None  # frees the weights before the next model is built
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -50,7 +50,7 @@ class Launch:
         """Launch on the current stream of CUDA device ``device_index`` (the current device)."""
         ck = self.compiled
         if ck is not None and DIRECT_LAUNCH:
-            hooks = _hooks()
+            hooks = _RUNTIME[0] if _RUNTIME else _hooks()
             if not hooks.launch_enter_hook.calls and not hooks.launch_exit_hook.calls:
                 g = self.grid
                 ck.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device_index), ck.function,
@@ -91,10 +91,15 @@ class KernelCall:
         if self.launch is not None:
             i = self.out_index
             args = self.args[:i] + (out.view(self.view),) + self.args[i + 1:]
+            lc = self.launch
             if self.dev_index is None:  # the interpreter
-                self.launch.fn[self.launch.grid](*args, **self.launch.consts, **self.launch.options)
+                lc.fn[lc.grid](*args, **lc.consts, **lc.options)
+            elif lc.compiled is None:
+                # first call: through the shared cache (a one-off call finds the kernel an earlier call of the
+                # same kind compiled); a kept call then holds that launch and runs it directly
+                self.launch = launch(lc.fn, lc.grid, args, **lc.consts, **lc.options) or lc
             else:
-                self.launch.run(self.dev_index, *args)
+                lc.run(self.dev_index, *args)
         return out.reshape(self.result_shape)
 
 
@@ -124,13 +129,14 @@ def _arg_key(args: tuple):
     return tuple(key)
 
 
-def launch(fn, grid: tuple, args: tuple, **kwargs) -> None:
+def launch(fn, grid: tuple, args: tuple, **kwargs) -> Launch | None:
     """``fn[grid](*args, **kwargs)`` (constexprs and compile options as keywords, every other argument
     positional), through a cached compiled kernel when an earlier launch had the same kernel, device, grid,
-    keywords and argument key (:func:`_arg_key`): then no argument binding, a few microseconds of host time."""
+    keywords and argument key (:func:`_arg_key`): then no argument binding, a few microseconds of host time.
+    Returns the :class:`Launch` it ran (None where it went through Triton alone)."""
     if not DIRECT_LAUNCH or type(fn).__name__ != "JITFunction":
         fn[grid](*args, **kwargs)
-        return
+        return None
     dev = torch._C._cuda_getDevice()
     akey = _arg_key(args)
     try:
@@ -147,12 +153,17 @@ def launch(fn, grid: tuple, args: tuple, **kwargs) -> None:
                 _CACHE.clear()
             _CACHE[key] = hit
     hit.run(dev, *args)
+    return hit
+
+
+_RUNTIME: list = []
 
 
 def _hooks():
     import triton
 
-    return triton.knobs.runtime
+    _RUNTIME.append(triton.knobs.runtime)
+    return _RUNTIME[0]
 
 
 __all__ = ["DIRECT_LAUNCH", "KernelCall", "Launch", "launch"]

@@ -26,7 +26,6 @@ import math
 import weakref
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import int4_awq as ref_awq
@@ -39,6 +38,10 @@ from . import _gemm_w4 as k
 from . import interpreting as _interpreting
 from ._launch import launch
 from . import tensor_version
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
 _FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp4_b32": 2, "nf4": 3, "int4_awq": 4}
@@ -123,11 +126,11 @@ def choose_config(m: int, n: int, k_dim: int, fmt: str, group: int = 0, device: 
 
 
 def _split_k(m: int, n: int, k_dim: int, cfg: dict, device) -> int:
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(n, cfg["BLOCK_N"])
     sms = _sm_count(device if device is not None else torch.device("cuda"))
     if 2 * tiles > sms:
         return 1
-    k_tiles = triton.cdiv(k_dim, cfg["BLOCK_K"])
+    k_tiles = _cdiv(k_dim, cfg["BLOCK_K"])
     return _nonempty_split(k_tiles, min(SPLIT_K_MAX, sms // tiles, k_tiles // SPLIT_K_MIN_TILES))
 
 
@@ -135,7 +138,7 @@ def _nonempty_split(k_tiles: int, split: int) -> int:
     """The largest split <= ``split`` whose every slice of ceil(k_tiles / split) K tiles is non-empty (the
     kernel computes the first tile of its slice unconditionally)."""
     split = max(1, min(split, k_tiles))
-    while split > 1 and (split - 1) * triton.cdiv(k_tiles, split) >= k_tiles:
+    while split > 1 and (split - 1) * _cdiv(k_tiles, split) >= k_tiles:
         split -= 1
     return split
 
@@ -397,13 +400,13 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     if w.fmt == "nf4":
         consts["NF4_MODE"] = _nf4_mode(k_dim, consts["GROUP"], cfg["BLOCK_K"])
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    split = _nonempty_split(triton.cdiv(k_dim, bk), cfg["SPLIT_K"])
+    split = _nonempty_split(_cdiv(k_dim, bk), cfg["SPLIT_K"])
     has_bias = bias is not None
     b = bias.contiguous() if has_bias else out
     act = ACTIVATIONS[activation]
     on_gpu = not _interpreting()
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
     x_tma = cfg.get("X_TMA", X_TMA) and _tma_ok(x)
     x_desc = TensorDescriptor.from_tensor(x, block_shape=[bm, bk]) if x_tma else x
     launch(k._gemm_w4_kernel, grid, (
@@ -415,7 +418,7 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     )
     if split > 1:
         rm, rn = 32, 128
-        launch(k._split_k_reduce_kernel, (triton.cdiv(m, rm), triton.cdiv(n, rn)), (
+        launch(k._split_k_reduce_kernel, (_cdiv(m, rm), _cdiv(n, rn)), (
                 target, args[7], b, out, m, n, out.stride(0),
             ),
             SPLIT_K=split, BLOCK_M=rm, BLOCK_N=rn, GSCALE_MODE=consts["GSCALE_MODE"], HAS_BIAS=has_bias,

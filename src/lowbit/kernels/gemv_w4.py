@@ -45,7 +45,6 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import triton
 from triton.runtime.jit import JITFunction
 
 from ..formats import int4_awq as ref_awq

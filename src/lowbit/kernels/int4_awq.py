@@ -9,13 +9,16 @@ element each way); loads and stores are 16-byte vectors.
 from __future__ import annotations
 
 import torch
-import triton
 
 from ..formats import int4_awq as ref
 from ..formats.qtensor import QTensor
 from . import _int4_awq as k
 from . import interpreting as _interpreting
 from ._launch import KernelCall, Launch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
 # elements per program, widest column tile (powers of two) and warps: best of benchmarks/sweep_dequant_tile.py
 # on an H200 (bf16 out, 8192^2 / 28672x8192: 3.20 / 3.52 TB/s against 3.14 / 3.34 for 8192 elements;
@@ -57,7 +60,7 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
     if out_features * in_features:
         ti, tc = _tiles(group_size, out_kind)
         outw = out_features // 8
-        nc = triton.cdiv(outw, tc)
+        nc = _cdiv(outw, tc)
         qweight, qzeros, scales = (_rows_unit_stride(t) for t in (q.data, q.zeros, q.scale))
         call = Launch(k._dequantize_int4_awq_kernel, (nc * (in_features // ti),),
                         dict(GROUP=group_size, TI=ti, TC=tc, OUT_KIND=out_kind, ON_GPU=not _interpreting()),

@@ -14,14 +14,17 @@ import dataclasses
 import functools
 
 import torch
-import triton
 
 from ..formats.qtensor import QTensor
 from . import _scaled_mm as k
 from . import cublas_fp8_block as cb
 from ._scratch import split_k_scratch
 from . import interpreting as _interpreting
-from ._launch import launch
+from ._launch import Launch, launch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
 # (largest M, config); the last entry covers every larger M
 CONFIGS: list[tuple[int, dict]] = [
@@ -149,8 +152,8 @@ def _split_k(tiles: int, k_tiles: int, bk: int, cfg: dict, device: torch.device)
         return 1, k_tiles * bk
     sms = _num_sms(device.index) if device.type == "cuda" else 4
     ways = min(want, max(1, (cfg.get("ctas_per_sm", 2) * sms) // tiles), max(1, k_tiles // cfg.get("min_k_tiles", 4)))
-    per = triton.cdiv(k_tiles, ways)
-    return triton.cdiv(k_tiles, per), per * bk
+    per = _cdiv(k_tiles, ways)
+    return _cdiv(k_tiles, per), per * bk
 
 
 def _tma_ready(t: torch.Tensor, elem_bytes: int = 1) -> bool:
@@ -179,7 +182,7 @@ def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> Non
     b_layout = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
     a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [64, 128], a_layout)
     b_desc = TensorDescriptor(b_data, [n, k_dim], [b_data.stride(0), 1], [bn, 128], b_layout)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = _cdiv(m, bm) * _cdiv(n, bn)
     programs = min(tiles, _num_sms(out.device.index))
     tma_store = cfg.get("tma_store", True) and _tma_ready(out, out.element_size())
     c_desc = a_desc
@@ -231,7 +234,7 @@ def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> No
     a_data, b_data = a_args[0], b_args[0]
     a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [bm, bk])
     b_desc = TensorDescriptor(b_data, [n, k_dim], [b_data.stride(0), 1], [bn, bk])
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    tiles = _cdiv(m, bm) * _cdiv(n, bn)
     persistent = bool(cfg.get("persistent"))
     programs = min(tiles, _num_sms(out.device.index) * cfg.get("per_sm", 1)) if persistent else tiles
     launch(k._fp8_block_mm_tma_kernel, (programs,), (
@@ -424,12 +427,65 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
     return out
 
 
+class KernelRoute:
+    """The ``"kernel"`` route (lowbit's decoding GEMM) of one weight ``b`` for one activation layout (format,
+    options, M), alpha and bias presence and output dtype, decided once: the tile config, split-K, constexprs
+    and the weight's arguments. A call takes a fresh activation of that layout and launches the cached compiled
+    kernel (``lowbit.kernels._launch.Launch``). :meth:`covers` says whether a pair takes this launch (the TMA
+    kernel of raw FP8 pairs does not)."""
+
+    def __init__(self, a: QTensor, b: QTensor, has_alpha: bool, has_bias: bool, out_dtype: torch.dtype) -> None:
+        a_args, ac = _operand(a)
+        b_args, bc = _operand(b)
+        m, k_dim = a.shape
+        n = b.shape[0]
+        raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1
+        cfg = _config(m, raw_fp8)
+        self.ok = not (raw_fp8 and cfg.get("tma") and cfg["BK"] == 128) and not _interpreting()
+        bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+        self.tiles = _cdiv(m, bm) * _cdiv(n, bn)
+        device = a.data.device
+        self.split, self.k_per = _split_k(self.tiles, _cdiv(k_dim, bk), bk, cfg, device)
+        consts = _kernel_consts(ac, bc, cfg, has_alpha, has_bias, k_dim, self.split, guard=False)
+        self.launch = Launch(k._scaled_mm_kernel, (self.tiles, self.split), consts, cfg["num_warps"],
+                             cfg["num_stages"])
+        self.b3, self.b_strides = tuple(b_args[:3]), tuple(b_args[3:7])
+        self.m, self.n, self.k_dim, self.dtype, self.device = m, n, k_dim, out_dtype, device
+        self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, a: QTensor, alpha: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """``a``: an activation of the layout this route was made for; ``bias`` contiguous and 16-byte aligned."""
+        m, n = self.m, self.n
+        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        if self.split > 1:
+            ws, cnt = split_k_scratch(self.device, self.dev_index, self.split * m * n, self.tiles)
+        else:
+            ws = cnt = out
+        a_args, _ = _operand(a)
+        self.launch.run(self.dev_index, a_args[0], a_args[1], a_args[2], *self.b3, out if alpha is None else alpha,
+                        out if bias is None else bias, out, ws, cnt, cnt, m, n, self.k_dim, self.k_per,
+                        a_args[3], a_args[4], a_args[5], a_args[6], *self.b_strides, out.stride(0))
+        return out
+
+
+def _kernel_consts(ac: dict, bc: dict, cfg: dict, has_alpha: bool, has_bias: bool, k_dim: int, split: int,
+                   guard: bool) -> dict:
+    return dict(
+        A_KIND=ac["KIND"], A_SMODE=ac["SMODE"], A_SWIZZLED=ac["SWIZZLED"], A_GMODE=ac["GMODE"],
+        A_EBITS=ac["EBITS"], A_MBITS=ac["MBITS"], A_BIAS=ac["BIAS"], B_KIND=bc["KIND"], B_SMODE=bc["SMODE"],
+        B_SWIZZLED=bc["SWIZZLED"], B_GMODE=bc["GMODE"], B_EBITS=bc["EBITS"], B_MBITS=bc["MBITS"],
+        B_BIAS=bc["BIAS"], B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1), HAS_ALPHA=has_alpha, HAS_BIAS=has_bias,
+        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], EVEN_K=k_dim % cfg["BK"] == 0,
+        SPLIT=split, ON_GPU=not _interpreting(), GUARD=guard,
+    )
+
+
 def _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, guard=None) -> None:
     """The decoding kernel (``_scaled_mm_kernel``) into ``out``; with ``guard`` (int32 [1]) every program
     returns at once unless it is nonzero."""
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split, k_per = _split_k(tiles, triton.cdiv(k_dim, bk), bk, cfg, out.device)
+    tiles = _cdiv(m, bm) * _cdiv(n, bn)
+    split, k_per = _split_k(tiles, _cdiv(k_dim, bk), bk, cfg, out.device)
     if split > 1:
         ws, cnt = split_k_scratch(out.device, out.device.index, split * m * n, tiles)
     else:
@@ -441,13 +497,8 @@ def _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, guard=No
             guard if guard is not None else cnt, m, n, k_dim, k_per, a_args[3], a_args[4], a_args[5], a_args[6],
             b_args[3], b_args[4], b_args[5], b_args[6], out.stride(0),
         ),
-        A_KIND=ac["KIND"], A_SMODE=ac["SMODE"], A_SWIZZLED=ac["SWIZZLED"], A_GMODE=ac["GMODE"],
-        A_EBITS=ac["EBITS"], A_MBITS=ac["MBITS"], A_BIAS=ac["BIAS"], B_KIND=bc["KIND"], B_SMODE=bc["SMODE"],
-        B_SWIZZLED=bc["SWIZZLED"], B_GMODE=bc["GMODE"], B_EBITS=bc["EBITS"], B_MBITS=bc["MBITS"],
-        B_BIAS=bc["BIAS"], B_ROWS_PER_SCALE=bc.get("ROWS_PER_SCALE", 1), HAS_ALPHA=alpha is not None,
-        HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=k_dim % bk == 0,
-        SPLIT=split, ON_GPU=not _interpreting(), GUARD=guard is not None, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        **_kernel_consts(ac, bc, cfg, alpha is not None, bias is not None, k_dim, split, guard is not None),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 

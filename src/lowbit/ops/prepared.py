@@ -75,6 +75,8 @@ class PreparedWeight:
         self.act_options = dict(act_options or {})
         self.backend = backend
         self.device = w.data.device
+        self._dev = w.data.get_device()  # an int, cheaper to compare per call than a torch.device
+        self._bias_ok = None
         self.versions = _trackable(w) if layouts else ()
         self.gemv = None          # lowbit.kernels.gemv_w4.PreparedW4 when the GEMV regime has runners
         self.facts = None         # its GemvFacts
@@ -85,6 +87,7 @@ class PreparedWeight:
         self._scaled_ready = False   # activation-quantized schemes: the quick call below applies
         self._quantizers: dict = {}  # x dtype -> (activation quantize function, its kwargs)
         self._pairs_checked: set = set()
+        self._routes: dict = {}      # (M, x dtype, bias dtype) -> (route, target) of the scaled GEMM
         ready = layouts and policy.kernels_ready(self.device, backend)
         if weight_only:
             _check_weight(w)
@@ -132,10 +135,19 @@ class PreparedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
                  act_global_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``act(x @ dequant(w).T + bias)`` in x's dtype; ``bias`` None or ``[N]`` in x's dtype."""
-        if self.gemv is not None and x.dtype in _X_DTYPES and x.shape[-1] == self.k and x.device == self.device:
-            out = self._gemv_call(x, bias)
-            if out is not None:
-                return out
+        if self.gemv is not None:
+            # the decode fast path: a runner made by an earlier call, contiguous aligned x, the checked bias
+            shape = x.shape
+            if shape[-1] == self.k and (bias is None or bias is self._bias_ok) and x.get_device() == self._dev:
+                m = x.numel() // self.k
+                run = self.runners.get((m, x.dtype, bias is None))
+                if run is not None and x.is_contiguous() and not x.data_ptr() & 15:
+                    out = run(x.view(m, self.k), bias)
+                    return out if len(shape) == 2 else out.view(*shape[:-1], self.n)
+            if x.dtype in _X_DTYPES and x.shape[-1] == self.k and x.device == self.device:
+                out = self._gemv_call(x, bias)
+                if out is not None:
+                    return out
         elif self._scaled_ready:
             out = self._scaled_call(x, bias, act_global_scale)
             if out is not None:
@@ -172,9 +184,37 @@ class PreparedWeight:
         if x.dtype not in self._pairs_checked:
             _check_operands(a, self.w)
             self._pairs_checked.add(x.dtype)
-        out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
+        if bias is not None and (bias.data_ptr() % 16 or not bias.is_contiguous()):
+            bias = bias.contiguous() if not bias.is_contiguous() else bias.clone()
+        key = (x2.shape[0], x.dtype, None if bias is None else bias.dtype)
+        route = self._routes.get(key)
+        if route is None:
+            if torch.cuda.is_current_stream_capturing():  # decided (and its buffers made) outside captures only
+                out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
+                return _act(out if flat else out.reshape(*x.shape[:-1], self.n), self.activation)
+            route = self._routes[key] = self._route(a, bias, x.dtype)
+        name, target = route
+        if name == "kernel*":
+            out = target(a, None, bias)
+        elif name == "run":  # the kernel module declines the pair: the op's dispatch and its error
+            out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
+        else:
+            out = target(a, self.w, None, bias, x.dtype, name)
         out = out if flat else out.reshape(*x.shape[:-1], self.n)
         return _act(out, self.activation)
+
+    def _route(self, a, bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[str, Any]:
+        """(route, target) for activations like ``a``: ``lowbit.ops.policy.scaled_route``'s decision, and for
+        lowbit's decoding GEMM a ``KernelRoute`` that launches it with everything but the activation fixed."""
+        km = policy._kernel_module(policy.SCALED_MM_MODULE)
+        if km is None or km.supports(a, self.w) is not None:
+            return "run", None
+        name = policy.scaled_route(a, self.w, bias, out_dtype, km)
+        if name == "kernel":
+            route = km.KernelRoute(a, self.w, False, bias is not None, out_dtype)
+            if route.ok:
+                return "kernel*", route
+        return name, km.scaled_mm
 
     def _gemv_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         k = self.k
@@ -184,9 +224,11 @@ class PreparedWeight:
             if m >= self._dequant_min_m and (bias is None or bias.dtype == x.dtype):
                 return self._dequant_gemm_call(x, x2, bias)
             return None
-        if bias is not None and (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
-                                 or bias.device != self.device or bias.shape != (self.n,)):
-            return None
+        if bias is not None:
+            if (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
+                    or bias.device != self.device or bias.shape != (self.n,)):
+                return None
+            self._bias_ok = bias  # the fast path's check: this very tensor (a layer passes its own bias)
         key = (m, x.dtype, bias is None)
         run = self.runners.get(key)
         if run is None:
