@@ -156,7 +156,7 @@ class _MLP(nn.Module):
         return self.down(self.up(x)) + x
 
 
-@pytest.mark.parametrize("scheme", W4A16)
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-nf4", "w4a16-int4"])  # FP4, NF4 table, int4 layouts
 def test_compile_inductor_launches_the_gemv_kernels(scheme):
     from torch._inductor.utils import run_and_get_code
 
@@ -172,7 +172,7 @@ def test_compile_inductor_launches_the_gemv_kernels(scheme):
     assert "_gemv_mma_kernel" in src or "_gemv_w4_fma_kernel" in src or "_gemv_w4_dot_kernel" in src
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-nf4"])
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4"])
 def test_compile_matches_eager_across_regimes_without_recompiling_per_m(scheme):
     torch._dynamo.reset()
     model = _MLP(scheme)
@@ -186,7 +186,7 @@ def test_compile_matches_eager_across_regimes_without_recompiling_per_m(scheme):
     assert counter.frame_count <= 5, counter.frame_count
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-int4", "w8a8-fp8-block"])
+@pytest.mark.parametrize("scheme", ["w4a16-int4", "w8a8-fp8-block"])
 def test_compile_reduce_overhead(scheme):
     torch._dynamo.reset()
     model = _MLP(scheme)
