@@ -66,3 +66,21 @@ def test_stale_after_in_place_update():
         q(x)
         assert q._prepared.versions == () and not q._prepared.stale()
     assert q(x).shape == (2, 32)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_every_scheme_compiles_fullgraph_and_runs_under_inference_mode(scheme):
+    """torch.compile(fullgraph=True) of a QuantLinear equals its eager call for every scheme, and a layer made
+    or called inside torch.inference_mode gives the same bits (CPU; the CUDA paths in test_prepared_gpu.py)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 128).to(torch.bfloat16)
+    layer = lowbit.nn.QuantLinear.from_linear(lin, scheme)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    want = layer(x)
+    assert torch.equal(torch.compile(layer, fullgraph=True, backend="aot_eager")(x), want)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), want)
+        inside = lowbit.nn.QuantLinear.from_linear(lin, scheme)
+        assert torch.equal(inside(x), want)
+    assert torch.equal(inside(x), want)
