@@ -84,3 +84,19 @@ def test_every_scheme_compiles_fullgraph_and_runs_under_inference_mode(scheme):
         inside = lowbit.nn.QuantLinear.from_linear(lin, scheme)
         assert torch.equal(inside(x), want)
     assert torch.equal(inside(x), want)
+
+
+def test_pickle_and_deepcopy_drop_the_prepared_launches(tmp_path):
+    import copy
+
+    torch.manual_seed(0)
+    layer = lowbit.nn.QuantLinear.from_linear(torch.nn.Linear(128, 32).to(torch.bfloat16), "w4a16-nvfp4")
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    y = layer(x)
+    assert layer._prepared is not None
+    twin = copy.deepcopy(layer)
+    assert twin._prepared is None and torch.equal(twin(x), y)
+    torch.save(layer, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    assert loaded._prepared is None and torch.equal(loaded(x), y)
+    assert layer._prepared is not None  # the original keeps its own

@@ -281,6 +281,13 @@ class QuantLinear(nn.Module):
 
     # ------------------------------------------------------------------ nn.Module plumbing
 
+    def __getstate__(self):
+        # pickling and deepcopy leave the prepared launches out (compiled kernels, device handles): the copy
+        # prepares again on its first call
+        state = self.__dict__.copy()
+        state["_prepared"] = None
+        return state
+
     def _apply(self, fn, recurse: bool = True):
         # keep the bit patterns: quantized buffers follow device moves only, never dtype casts
         saved = {n: getattr(self, n) for n in (*BUFFER_NAMES, "input_global_scale")}
