@@ -100,3 +100,13 @@ def test_pickle_and_deepcopy_drop_the_prepared_launches(tmp_path):
     loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
     assert loaded._prepared is None and torch.equal(loaded(x), y)
     assert layer._prepared is not None  # the original keeps its own
+
+
+def test_attribute_edits_re_prepare():
+    torch.manual_seed(0)
+    layer = lowbit.nn.QuantLinear.from_linear(torch.nn.Linear(128, 32).to(torch.bfloat16), "w4a16-int4")
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), lowbit.linear(x, layer.weight_qtensor, layer.bias))
+    layer.activation = "silu"
+    assert torch.equal(layer(x), lowbit.linear(x, layer.weight_qtensor, layer.bias, "silu"))
+    assert layer._prepared.activation == "silu"

@@ -112,3 +112,11 @@ def quantize_kernel(fmt: str, options: dict) -> Callable[..., Any] | str:
 
 def dequantize_kernel(fmt: str, q: Any) -> Callable[..., Any] | str:
     return _lookup(_DEQUANTIZE, fmt, q, "dequantize")
+
+
+def dequantize_call(q: Any) -> Callable[..., Any] | None:
+    """``fn(q, dtype) -> KernelCall`` of the module whose kernel dequantizes ``q`` (a launch to keep and run
+    again), or None where no kernel covers it."""
+    if not callable(dequantize_kernel(q.fmt, q)):
+        return None
+    return _launcher(_DEQUANTIZE[q.fmt][0], "dequantize_call")

@@ -43,9 +43,6 @@ class Launch:
         self.compiled = None
         self._tail = _constexpr_tail(fn, self.consts)
 
-    def _options(self) -> dict:
-        return self.options
-
     def run(self, device_index: int, *args) -> None:
         """Launch on the current stream of CUDA device ``device_index`` (the current device)."""
         ck = self.compiled
@@ -56,7 +53,7 @@ class Launch:
                 ck.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device_index), ck.function,
                        ck.packed_metadata, None, None, None, *args, *self._tail)
                 return
-        ck = self.fn[self.grid](*args, **self.consts, **self._options())
+        ck = self.fn[self.grid](*args, **self.consts, **self.options)
         if hasattr(ck, "result"):
             ck = ck.result()
         if self.compiled is None and hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
@@ -66,7 +63,7 @@ class Launch:
         """The launch as ``torch.compile`` traces it (call inside a ``triton_op`` body)."""
         from torch.library import wrap_triton
 
-        wrap_triton(self.fn)[self.grid](*args, **self.consts, **self._options())
+        wrap_triton(self.fn)[self.grid](*args, **self.consts, **self.options)
 
 
 class KernelCall:

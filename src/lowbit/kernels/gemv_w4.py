@@ -411,10 +411,15 @@ class MmaLayout:
     plans: dict = field(default_factory=dict, repr=False)
 
     def table(self, x_dtype: torch.dtype) -> tuple:
-        """The kernel's T0..T7: NF4's level table for the mma operand type as signed int32 values, else 0s."""
-        if self.fmt_code != km.FMT_NF4.value:
-            return _NO_TABLE
-        return _NF4_TABLE_F16 if x_dtype == torch.float16 else _NF4_TABLE_BF16
+        return _mma_table(self.fmt_code, x_dtype)
+
+
+def _mma_table(fmt_code: int, x_dtype: torch.dtype) -> tuple:
+    """The tensor-core kernel's T0..T7: NF4's level table for the mma operand type as signed int32 values,
+    else 0s."""
+    if fmt_code != km.FMT_NF4.value:
+        return _NO_TABLE
+    return _NF4_TABLE_F16 if x_dtype == torch.float16 else _NF4_TABLE_BF16
 
 
 def _signed_words(lo: tuple, hi: tuple) -> tuple:
@@ -924,9 +929,8 @@ def traced_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, nest
     rs = torch.empty(16, dtype=torch.float32, device=dev)
     b = torch.empty(16, dtype=x.dtype, device=dev) if bias is None else bias
     if mma:
-        table = _NF4_TABLE_F16 if x.dtype == torch.float16 else _NF4_TABLE_BF16
-        table = table if f.mma_fmt == km.FMT_NF4.value else _NO_TABLE
-        plan.launch.traced(x, mma_words, mma_scales, gs, rs, b, out, ws, cnt, *plan.ints, *table)
+        plan.launch.traced(x, mma_words, mma_scales, gs, rs, b, out, ws, cnt, *plan.ints,
+                           *_mma_table(f.mma_fmt, x.dtype))
     else:
         plan.launch.traced(x, words, scales, nested, tab, gs, rs, b, out, ws, cnt, *plan.ints)
     return out

@@ -275,8 +275,8 @@ class QuantLinear(nn.Module):
             if prep is None:  # not prepared: the opaque custom ops, nothing derived inside the graph
                 prep = prepare(self.weight_qtensor, self.scheme, self.activation, self.backend, layouts=False)
             return prep.traced_call(x, bias, self.input_global_scale)
-        if prep is None or prep.stale():
-            prep = self._prepare()
+        if prep is None or prep.activation != self.activation or prep.backend != self.backend or prep.stale():
+            prep = self._prepare()  # first call, edited attributes, or weight buffers changed in place
         return prep(x, bias, self.input_global_scale)
 
     # ------------------------------------------------------------------ nn.Module plumbing

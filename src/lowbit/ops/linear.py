@@ -229,17 +229,33 @@ def linear_dequant_gemm(
     never exists), each chunk multiplied by the BLAS of x's device (cuBLAS on CUDA) with the bias, then the
     activation. Dequantization is exact in bf16 for the FP4 formats' element x scale products; nvfp4's global
     scale, nf4 and int4 values round once to x's dtype (relative error <= 2^-9), inside the stated tolerance."""
-    m, n = x2.shape[0], w.shape[0]
-    rows = _chunk_rows(w, x2.element_size(), chunk_bytes)
+    chunks = [(n0, n1, lambda q=q: dequantize(q, x2.dtype, backend=dequant_backend))
+              for n0, n1, q in weight_chunks(w, x2.element_size(), chunk_bytes)]
+    return chunked_gemm(x2, chunks, w.shape[0], bias, activation)
+
+
+def weight_chunks(w: QTensor, element_size: int, chunk_bytes: int | None = None) -> list[tuple[int, int, QTensor]]:
+    """``[(n0, n1, rows n0:n1 of w)]``: the chunks :func:`linear_dequant_gemm` decodes (the whole weight when
+    one chunk holds it; nf4 double quantization decoded once when the chunks would split nested blocks)."""
+    n = w.shape[0]
+    rows = _chunk_rows(w, element_size, chunk_bytes)
     if rows >= n:
-        return _act(F.linear(x2, dequantize(w, x2.dtype, backend=dequant_backend), bias), activation)
+        return [(0, n, w)]
     wq = w
     if w.fmt == "nf4" and not nf4_slices_keep_double_quant(w, rows):
         wq = nf4_without_double_quant(w)  # decode the absmax once, not per chunk
-    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
-        wc = dequantize(slice_rows(wq, n0, n1), x2.dtype, backend=dequant_backend)
+    return [(n0, min(n, n0 + rows), slice_rows(wq, n0, min(n, n0 + rows))) for n0 in range(0, n, rows)]
+
+
+def chunked_gemm(x2: torch.Tensor, chunks: Sequence[tuple[int, int, Any]], n: int, bias: torch.Tensor | None,
+                 activation: str | None) -> torch.Tensor:
+    """``act(x2 @ W.T + bias)`` from ``chunks`` ``[(n0, n1, decode)]``, ``decode()`` giving rows n0:n1 of W in
+    x2's dtype: one chunk is one ``F.linear``; several are BLAS calls writing their column blocks of the output."""
+    if len(chunks) == 1:
+        return _act(F.linear(x2, chunks[0][2](), bias), activation)
+    out = torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
+    for n0, n1, decode in chunks:
+        wc = decode()
         # the column block of ``out`` is a row-major matrix with leading dimension N, which the BLAS writes
         # directly (no temporary chunk output and copy)
         dst = out[:, n0:n1]

@@ -29,12 +29,11 @@ import torch
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
 from . import policy
-from .linear import ACTIVATIONS, _act, _check_weight, linear
+from .linear import ACTIVATIONS, _act, _check_weight, chunked_gemm, linear, weight_chunks
 from .policy import GEMV_MAX_M
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
 _SCALED_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_ACT_CODE = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 _MAX_RUNNERS = 256
 """Runners kept per layer (one per M up to GEMV_MAX_M, x dtype and bias presence); cleared when full."""
 
@@ -70,7 +69,7 @@ class PreparedWeight:
         self.n, self.k = w.shape
         self.weight_only = weight_only
         self.activation = activation
-        self.act_code = _ACT_CODE[activation]
+        self.act_code = 0  # the GEMV kernels' code of ``activation`` (set with the layouts)
         self.act_format = act_format
         self.act_options = dict(act_options or {})
         self.backend = backend
@@ -106,6 +105,7 @@ class PreparedWeight:
         if gemv_w4.supports(self.w) is not None:
             return
         register_gemv_op()
+        self.act_code = gemv_w4.ACTIVATIONS[self.activation]
         from ..formats.rows import slice_rows_reason
 
         if policy.DEQUANT_GEMM_MIN_M is not None and slice_rows_reason(self.w) is None:
@@ -256,42 +256,17 @@ class PreparedWeight:
             return None
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        act = self.activation
-        if len(chunks) == 1:
-            out = _act(torch.nn.functional.linear(x2, chunks[0][2](), bias), act)
-        else:
-            out = torch.empty((x2.shape[0], self.n), dtype=x.dtype, device=x.device)
-            for n0, n1, call in chunks:
-                wc = call()
-                dst = out[:, n0:n1]
-                if bias is None:
-                    torch.mm(x2, wc.t(), out=dst)
-                else:
-                    torch.addmm(bias[n0:n1], x2, wc.t(), out=dst)
-                _act(dst, act, inplace=True)
+        out = chunked_gemm(x2, chunks, self.n, bias, self.activation)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
 
     def _build_chunks(self, dtype: torch.dtype) -> list:
-        """[(n0, n1, KernelCall decoding rows n0:n1 to ``dtype``)] as linear_dequant_gemm slices the weight, or
-        [] where no Triton dequantize kernel covers it (the general path then runs)."""
-        from .. import kernels
-        from ..formats.rows import nf4_slices_keep_double_quant, nf4_without_double_quant, slice_rows
-        from .linear import _chunk_rows
-
-        w = self.w
-        if not callable(kernels.dequantize_kernel(w.fmt, w)):
+        """[(n0, n1, KernelCall decoding those rows to ``dtype``)] for the chunks of ``linear_dequant_gemm``,
+        or [] where no Triton dequantize kernel covers the weight (the general path then runs)."""
+        call = _kernels.dequantize_call(self.w)
+        if call is None:
             return []
-        module = {"nvfp4": "blockscaled", "mxfp4": "blockscaled", "fp4_b32": "blockscaled", "nf4": "nf4",
-                  "int4_awq": "int4_awq"}[w.fmt]
-        call = getattr(__import__(f"lowbit.kernels.{module}", fromlist=["dequantize_call"]), "dequantize_call")
-        rows = _chunk_rows(w, torch.empty((), dtype=dtype).element_size(), None)
-        if rows >= self.n:
-            return [(0, self.n, call(w, dtype))]
-        wq = w
-        if w.fmt == "nf4" and not nf4_slices_keep_double_quant(w, rows):
-            wq = nf4_without_double_quant(w)
-        return [(n0, min(self.n, n0 + rows), call(slice_rows(wq, n0, min(self.n, n0 + rows)), dtype))
-                for n0 in range(0, self.n, rows)]
+        size = torch.empty((), dtype=dtype).element_size()
+        return [(n0, n1, call(q, dtype)) for n0, n1, q in weight_chunks(self.w, size)]
 
     def call_general(self, x: torch.Tensor, bias: torch.Tensor | None,
                      act_global_scale: torch.Tensor | None = None) -> torch.Tensor:
