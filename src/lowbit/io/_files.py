@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -237,23 +238,43 @@ def dedupe_shared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Ten
     return kept, dropped
 
 
-def parse_size(size: int | str) -> int:
-    """``5GB`` / ``500MB`` / an int of bytes -> bytes."""
+def parse_size(size: int | str, name: str = "max_shard_size") -> int:
+    """``5GB`` / ``500MB`` / ``1.5GiB`` / an int of bytes -> a positive number of bytes.
+
+    ValueError / TypeError naming ``name`` for anything else: a shard limit of zero or less would put every
+    tensor in a shard of its own (or loop), so it is refused rather than silently accepted.
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"{name} must be an int of bytes or a string like '5GB', got {type(size).__name__}")
     if isinstance(size, int):
-        return size
-    s = str(size).strip().upper()
-    for unit, mult in (
-        ("GIB", 2**30),
-        ("MIB", 2**20),
-        ("KIB", 2**10),
-        ("GB", 10**9),
-        ("MB", 10**6),
-        ("KB", 10**3),
-    ):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    s = s.removesuffix("B")
-    return int(s)
+        n = size
+    else:
+        s = size.strip().upper()
+        mult = 1
+        for unit, m in (
+            ("GIB", 2**30),
+            ("MIB", 2**20),
+            ("KIB", 2**10),
+            ("GB", 10**9),
+            ("MB", 10**6),
+            ("KB", 10**3),
+            ("B", 1),
+        ):
+            if s.endswith(unit):
+                s, mult = s[: -len(unit)].strip(), m
+                break
+        try:
+            value = float(s)
+        except ValueError:
+            raise ValueError(
+                f"{name} must be a number of bytes or a size like '5GB', '500MB', '2GiB', got {size!r}"
+            ) from None
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite size, got {size!r}")
+        n = int(value * mult)
+    if n <= 0:
+        raise ValueError(f"{name} must be a positive size, got {size!r}")
+    return n
 
 
 def write_sharded(
@@ -309,6 +330,23 @@ def copy_extra_files(src_dir: Path, out_dir: Path) -> list[str]:
         shutil.copy2(p, dest)
         copied.append(str(rel))
     return copied
+
+
+def overlaps(a: Path, b: Path) -> bool:
+    """True if ``a`` and ``b`` are the same directory or one lies inside the other (symlinks resolved)."""
+    ra, rb = Path(a).resolve(), Path(b).resolve()
+    return ra == rb or ra.is_relative_to(rb) or rb.is_relative_to(ra)
+
+
+def check_out_dir(out_dir: Path, src_dir: Path) -> None:
+    """ValueError unless ``out_dir`` and the source directory are disjoint: an output inside the source writes
+    into it (and later outputs would copy earlier ones along), and replacing an output that contains the
+    source would delete it."""
+    if overlaps(out_dir, src_dir):
+        raise ValueError(
+            f"{out_dir}: the output must lie outside the source directory {src_dir} and must not contain it "
+            "(sources are never modified)"
+        )
 
 
 def temp_dir_for(out_dir: Path, tag: str | None = None) -> Path:

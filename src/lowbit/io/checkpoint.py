@@ -16,7 +16,7 @@ import contextlib
 import importlib
 import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,10 @@ from ._files import (
     CONFIG_NAME,
     TensorSource,
     atomic_dir,
+    check_out_dir,
     copy_extra_files,
     dedupe_shared,
+    parse_size,
     read_json,
     write_json,
     write_sharded,
@@ -133,8 +135,9 @@ def save_quantized(
             go to ``"lowbit"``), ``"compressed-tensors"``, ``"bitsandbytes"``, ``"awq"``, ``"gptq"``, ``"fp8"``
             (DeepSeek/HF), ``"modelopt"`` or ``"lowbit"`` (native).
         source_dir: a model directory whose non-weight files (tokenizer, generation config, sentence-transformers
-            modules, README) are copied alongside.
-        max_shard_size: shard the safetensors above this size (``"5GB"``, bytes as int).
+            modules, README) are copied alongside; ``out_dir`` must lie outside it and must not contain it.
+        max_shard_size: shard the safetensors above this size (``"5GB"``, ``"500MB"``, ``"2GiB"`` or a positive
+            int of bytes; anything else is a ValueError).
         overwrite: replace an existing ``out_dir`` (atomically: the old one is removed after the new one is in place).
 
     Returns:
@@ -152,6 +155,7 @@ def save_quantized(
             "save_quantized: the model has no QuantLinear layer (run lowbit.quantize_model first)"
         )
     layout = choose_layout(mods, format)
+    parse_size(max_shard_size)  # a bad size fails here, before anything is written
     tensors, ignore = quantized_state_dict(model, layout)
     tensors, _tied = dedupe_shared(tensors)
     dtype = _model_dtype(model)
@@ -160,6 +164,8 @@ def save_quantized(
     if dtype is not None and config:
         config["dtype"] = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     out_dir = Path(out_dir)
+    if source_dir is not None:
+        check_out_dir(out_dir, Path(source_dir))
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         write_sharded(tensors, tmp, max_shard_size)
         write_json(tmp / CONFIG_NAME, config)
@@ -192,11 +198,14 @@ def empty_weights() -> Iterator[None]:
 
 
 def build_skeleton(
-    model_dir: str | Path, model_class: Any = None, trust_remote_code: bool = False
+    model_dir: str | Path, model_class: Any = None, trust_remote_code: bool = False, *, meta: bool = False
 ) -> nn.Module:
     """The transformers model of ``model_dir/config.json`` with its parameters on the meta device.
 
     The class is ``model_class`` if given, else ``config.architectures[0]`` from transformers, else ``AutoModel``.
+    ``meta=True`` builds every tensor, buffers included, on the meta device: nothing is allocated whatever
+    dimensions config.json claims (``empty_weights`` alone still runs each parameter's ``torch.empty`` on the
+    CPU before moving it, 65 GB for one 128000-wide Linear). Such a model only says names and shapes.
     """
     transformers = require_transformers()
     model_dir = Path(model_dir)
@@ -214,7 +223,8 @@ def build_skeleton(
             cls = getattr(transformers, arch, None)
             if cls is not None:
                 break
-    with empty_weights(), warnings.catch_warnings():
+    device_ctx = torch.device("meta") if meta else contextlib.nullcontext()
+    with device_ctx, empty_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if cls is None:
             model = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
@@ -223,6 +233,44 @@ def build_skeleton(
         else:
             model = cls(config)
     return model
+
+
+def check_skeleton_shapes(
+    model: nn.Module, source: TensorSource, keymap: Mapping[str, str], skip: Callable[[str], bool] | None = None
+) -> None:
+    """ValueError naming the file and tensor whose safetensors header shape differs from the config's model.
+
+    Meant for a ``build_skeleton(meta=True)`` model, so a config.json whose dimensions do not match the
+    checkpoint fails from the headers alone, before anything real is allocated. ``skip(model key)`` leaves
+    out tensors stored in another shape (quantized Linear weights).
+    """
+    state = model.state_dict(keep_vars=True)
+    for ck, mk in keymap.items():
+        if mk not in state or (skip is not None and skip(mk)):
+            continue
+        want, shape = list(state[mk].shape), source.shape(ck)
+        if want != shape:
+            raise ValueError(
+                f"{source.files[ck]}: tensor {ck!r} has shape {shape} but config.json's model expects {want} "
+                "(checkpoint and config.json do not match)"
+            )
+
+
+_MAX_PARAMS_PER_CHECKPOINT_BYTE = 16
+"""A quantized checkpoint holds at least 4 bits per weight, so config.json's model in fp32 is at most 8 times
+its size; beyond twice that the config cannot describe this checkpoint."""
+
+
+def _check_model_size(model: nn.Module, source: TensorSource, where: Path) -> None:
+    """ValueError when the config's model (meta) is far larger than the checkpoint's tensors could fill, before
+    ``build_skeleton(meta=False)`` asks the allocator for it."""
+    want = sum(p.numel() * p.element_size() for p in model.parameters())
+    have = sum(f.stat().st_size for f in set(source.files.values()))
+    if want > _MAX_PARAMS_PER_CHECKPOINT_BYTE * have + 2**30:
+        raise ValueError(
+            f"{where / CONFIG_NAME}: its model has {want / 1e9:.1f} GB of parameters but the checkpoint's "
+            f"safetensors hold {have / 1e6:.1f} MB (checkpoint and config.json do not match)"
+        )
 
 
 def _quant_config(model_dir: Path, cfg: dict) -> dict:
@@ -249,8 +297,20 @@ def _checkpoint_dtype(cfg: dict) -> torch.dtype | None:
     return NAME_DTYPES.get(str(name).removeprefix("torch.")) if name is not None else None
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """``torch.device(device)`` with a ValueError naming the argument (torch raises a bare RuntimeError)."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device must name a torch device such as 'cpu' or 'cuda:0', got {device!r} ({e})") from None
+
+
 def _device_str(device: str | torch.device) -> str:
-    d = torch.device(device)
+    d = parse_device(device)
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
     return str(d)
@@ -295,7 +355,8 @@ def load_quantized(
         dtype: cast the non-quantized floating tensors (embeddings, norms, biases) to this dtype; None keeps
             the checkpoint's dtypes.
         model: load into this module instead of building one from the config (its Linear layers are replaced;
-            parameters may be on the meta device).
+            parameters may be on the meta device). Required for a checkpoint that ``save_quantized`` wrote from a
+            plain ``nn.Module`` (its config.json has no ``model_type``): pass a fresh instance of that module.
         model_class: the transformers class to build (default: ``config.architectures[0]``, else AutoModel).
         trust_remote_code: passed to transformers for custom architectures.
 
@@ -305,7 +366,9 @@ def load_quantized(
     Raises:
         FileNotFoundError: the directory, config.json or a weight file is missing.
         ValueError: corrupt/truncated safetensors, malformed or unsupported quantization_config, tensors whose
-            shapes do not match the config, missing tensors, or pickle-only weights.
+            shapes do not match the config (checked from the headers on a meta-device model before the model
+            is built), missing tensors, pickle-only weights, no ``model_type`` and no ``model``, or an
+            unknown ``device``.
     """
     path = Path(path)
     if not path.is_dir():
@@ -314,11 +377,29 @@ def load_quantized(
     qc = _quant_config(path, cfg)
     where = str(path / CONFIG_NAME)
     layout = layout_for_config(qc, where)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if model is None and model_class is None and "model_type" not in cfg:
+        # save_quantized of a plain nn.Module writes no model description (only quantization_config):
+        # nothing here says which module to build, so the caller has to give one
+        raise ValueError(
+            f"{path / CONFIG_NAME}: no model_type, so the checkpoint was saved from a module that is not a "
+            "transformers model; pass model=<a fresh instance of that module> (its parameters may be on the "
+            "meta device) to load into it"
+        )
     source = TensorSource(path, device=_device_str(device))
     if model is None:
+        skeleton = build_skeleton(path, model_class, trust_remote_code, meta=True)
+        linear_names = set(linear_layers(skeleton))
+        check_skeleton_shapes(
+            skeleton,
+            source,
+            _align_prefix(source.keys(), skeleton),
+            skip=lambda mk: mk.rpartition(".")[0] in linear_names,
+        )
+        _check_model_size(skeleton, source, path)
+        del skeleton
         model = build_skeleton(path, model_class, trust_remote_code)
-    elif not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     qdtype = dtype or _checkpoint_dtype(cfg) or torch.bfloat16
 
     keymap = _align_prefix(source.keys(), model)

@@ -32,6 +32,7 @@ from ._files import (
     INDEX_FILE,
     SINGLE_FILE,
     TensorSource,
+    check_out_dir,
     copy_extra_files,
     publish,
     read_json,
@@ -42,7 +43,7 @@ from ._files import (
     write_json,
 )
 from ._layouts import DTYPE_NAMES, NAME_DTYPES, _params_from_json, _params_to_json
-from .checkpoint import _align_prefix, build_skeleton, choose_layout
+from .checkpoint import _align_prefix, build_skeleton, check_skeleton_shapes, choose_layout, parse_device
 
 MANIFEST = "progress.json"
 _LINEAR_FALLBACK_SKIP = ("*embed*", "*norm*", "*wte*", "*wpe*", "*lm_head*", "*ln_*", "*layernorm*")
@@ -66,12 +67,50 @@ def _fingerprint(source: TensorSource) -> dict[str, list[int]]:
     return out
 
 
+def check_unquantized_config(cfg: dict, where: Path) -> None:
+    """ValueError unless ``cfg`` (a parsed config.json) describes an unquantized model: a source that is
+    already quantized cannot be quantized again, and a quantization_config of another type is not a config."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return
+    if not isinstance(qc, dict):
+        raise ValueError(  # noqa: TRY004 (a malformed file, reported as bad input)
+            f"{where}: quantization_config must be a JSON object, got {type(qc).__name__} {qc!r:.60}; "
+            "a model with any quantization_config is already quantized: convert an unquantized model"
+        )
+    raise ValueError(
+        f"{where}: the source is already quantized (quant_method {qc.get('quant_method')!r}); "
+        "convert an unquantized model"
+    )
+
+
+def check_source(src_dir: str | Path, model_class: Any = None, trust_remote_code: bool = False) -> None:
+    """Check an unquantized safetensors model directory: config.json against its safetensors headers.
+
+    The config's model is built on the meta device (nothing allocated, whatever its dimensions) and every
+    checkpoint tensor it has is compared by shape with the safetensors header; a mismatch, a quantized source
+    or a malformed config is a ValueError naming the file. Without transformers only config.json is checked.
+    """
+    src_dir = Path(src_dir)
+    check_unquantized_config(read_json(src_dir / CONFIG_NAME, "model config"), src_dir / CONFIG_NAME)
+    try:
+        skeleton = build_skeleton(src_dir, model_class, trust_remote_code, meta=True)
+    except ImportError:
+        return
+    source = TensorSource(src_dir)
+    try:
+        check_skeleton_shapes(skeleton, source, _align_prefix(source.keys(), skeleton))
+    finally:
+        source.close()
+
+
 def _linear_weights(
     src_dir: Path, source: TensorSource, model_class, trust_remote_code
 ) -> dict[str, tuple[str, int, int]]:
     """``{module name: (checkpoint key of its weight, out_features, in_features)}`` for every nn.Linear."""
     try:
-        skeleton = build_skeleton(src_dir, model_class, trust_remote_code)
+        # meta: only names and shapes are read, and a config with huge dimensions allocates nothing
+        skeleton = build_skeleton(src_dir, model_class, trust_remote_code, meta=True)
     except ImportError:
         skeleton = None
     if skeleton is None:
@@ -87,6 +126,7 @@ def _linear_weights(
                 out[key[: -len(".weight")]] = (key, shape[0], shape[1])
         return out
     keymap = _align_prefix(source.keys(), skeleton)
+    check_skeleton_shapes(skeleton, source, keymap)
     by_model = {v: k for k, v in keymap.items()}
     out = {}
     for name, lin in linear_layers(skeleton).items():
@@ -174,9 +214,11 @@ def convert_checkpoint(
     Args:
         src_dir: a transformers-style model directory (``config.json`` and ``model.safetensors`` or
             ``model.safetensors.index.json`` + shards). It is only read.
-        out_dir: the checkpoint to create (same layout rules as :func:`lowbit.save_quantized`).
+        out_dir: the checkpoint to create (same layout rules as :func:`lowbit.save_quantized`); it must lie
+            outside ``src_dir`` and must not contain it.
         scheme: a name from ``lowbit.SCHEMES``.
-        device: where each tensor is quantized (None: CUDA if available, else CPU).
+        device: where each tensor is quantized (None: CUDA if available, else CPU); ValueError if torch does
+            not know it.
         skip: fnmatch patterns of module names kept in full precision (default ``lm_head``).
         progress: show a tqdm bar (or a line per shard on stderr without tqdm).
         format: checkpoint layout, as ``save_quantized(format=...)``.
@@ -192,25 +234,18 @@ def convert_checkpoint(
     memory and saved hold the same bytes.
     """
     scheme = get_scheme(scheme)
-    src_dir, out_dir = Path(src_dir), Path(out_dir)
-    if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
-        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
-    if out_dir.resolve() == src_dir.resolve():
-        raise ValueError(
-            f"{out_dir}: the output must not be the source directory (sources are never modified)"
-        )
-    cfg = read_json(src_dir / CONFIG_NAME, "model config")
-    if cfg.get("quantization_config") is not None:
-        raise ValueError(
-            f"{src_dir / CONFIG_NAME}: the source is already quantized "
-            f"(quant_method {cfg['quantization_config'].get('quant_method')!r}); convert an unquantized model"
-        )
-    source = TensorSource(src_dir)
     dev = (
-        torch.device(device)
+        parse_device(device)
         if device is not None
         else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    check_out_dir(out_dir, src_dir)
+    if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
+        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+    cfg = read_json(src_dir / CONFIG_NAME, "model config")
+    check_unquantized_config(cfg, src_dir / CONFIG_NAME)
+    source = TensorSource(src_dir)
     patterns = _patterns(skip)
 
     linears = _linear_weights(src_dir, source, model_class, trust_remote_code)
@@ -348,4 +383,4 @@ def _shard_ok(path: Path, keys: list[str]) -> bool:
         return False
 
 
-__all__ = ["convert_checkpoint"]
+__all__ = ["check_source", "check_unquantized_config", "convert_checkpoint"]
