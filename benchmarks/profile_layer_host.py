@@ -1,6 +1,7 @@
 """Where the host time of one ``QuantLinear`` call goes, per scheme: CPU microseconds per call (back-to-back
 calls, no synchronization) at M = 1 and M = 2048 against ``F.linear``, GPU time of the same call (CUDA-graph
-replays), and the top functions of a cProfile of M = 1 calls. JSON to ``$OUT/profile_layer_host.json``.
+replays), the top functions of a cProfile of M = 1 calls and, at larger M, the GPU kernels of one call
+(torch.profiler). JSON to ``$OUT/profile_layer_host.json``.
 
     PYTHONPATH=src python benchmarks/profile_layer_host.py [--schemes w4a16-nvfp4,w8a8-fp8-block] [--k 4096]
 """
@@ -57,6 +58,22 @@ def _profile(fn, calls: int = 200, top: int = 18) -> str:
     return buf.getvalue()
 
 
+def _gpu_kernels(fn, top: int = 8) -> list:
+    """[(kernel name, microseconds per call)] of ``fn``'s CUDA kernels, the most expensive first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key[:90], e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schemes", default=",".join(SCHEMES))
@@ -74,6 +91,8 @@ def main() -> None:
             x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
             base = {"host_us": host_us_per_call(lambda: F.linear(x, lin.weight), "cuda", 300),
                     "gpu_us": _graph_us(lambda: F.linear(x, lin.weight))}
+            if m > 1:
+                base["gpu_kernels"] = _gpu_kernels(lambda: F.linear(x, lin.weight))
             print(f"M={m} F.linear host {base['host_us']:.1f} us, GPU {base['gpu_us']:.1f} us", flush=True)
             for scheme in args.schemes.split(","):
                 row = {"scheme": scheme, "m": m, "f_linear": base}
@@ -85,6 +104,8 @@ def main() -> None:
                                       "scaled_linear")
                     if m == 1:
                         row["profile"] = _profile(lambda: layer(x))
+                    else:
+                        row["gpu_kernels"] = _gpu_kernels(lambda: layer(x))
                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
                     row["error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
@@ -93,6 +114,8 @@ def main() -> None:
                       f"GPU {row.get('gpu_us', float('nan')):.1f} us {row.get('error', '')}", flush=True)
                 if "profile" in row:
                     print(row["profile"][:2500], flush=True)
+                for name, us in row.get("gpu_kernels", []):
+                    print(f"    {us:9.1f} us  {name}", flush=True)
     with open(os.path.join(out_dir, "profile_layer_host.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "n": args.n, "k": args.k, "rows": rows}, f, indent=1)
 

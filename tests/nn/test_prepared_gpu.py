@@ -133,11 +133,19 @@ def _copy(model):
 
 
 @pytest.mark.parametrize("scheme", SCALED)
-def test_scaled_schemes_unchanged(scheme):
-    layer = _layer(scheme, n=256, k=512)
-    for m in (1, 16, 100):
-        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
-        assert torch.equal(layer(x), _want(layer, x)), (scheme, m)
+@pytest.mark.parametrize("bias, activation", [(True, None), (False, "silu")])
+def test_scaled_schemes_unchanged(scheme, bias, activation):
+    """Every call, first or repeated (the decode runners of fp8_block activations take the repeats), 2-D or
+    3-D x, gives the bits of lowbit.ops.scaled_linear."""
+    layer = _layer(scheme, n=256, k=512, bias=bias, activation=activation)
+    for m in (1, 2, 16, 100):
+        for rep in range(3):
+            x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(layer(x), _want(layer, x)), (scheme, m, rep)
+        x3 = torch.randn(1, m, 512, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(layer(x3), _want(layer, x3.reshape(m, 512)).reshape(1, m, 256)), (scheme, m)
+    if layer.scheme.act_format == "fp8_block":
+        assert (1, torch.bfloat16, not bias) in layer._prepared.scaled_runners, "the decode runner was not made"
 
 
 # ------------------------------------------------------------------------------------------- torch.compile

@@ -31,7 +31,7 @@ def _constexpr_tail(fn, consts: dict) -> tuple:
 class Launch:
     """``fn[grid](*args, **consts, num_warps=..., num_stages=...)`` with everything but ``args`` fixed."""
 
-    __slots__ = ("fn", "grid", "consts", "options", "compiled", "_tail")
+    __slots__ = ("fn", "grid", "consts", "options", "compiled", "_tail", "_c_launch", "_c_head")
 
     def __init__(self, fn, grid: tuple, consts: dict, num_warps: int, num_stages: int | None = None,
                  **options) -> None:
@@ -42,22 +42,45 @@ class Launch:
                         **options}
         self.compiled = None
         self._tail = _constexpr_tail(fn, self.consts)
+        self._c_launch = None  # the launcher's C entry point, where the kernel needs no scratch of Triton's
+        self._c_head = ()
 
     def run(self, device_index: int, *args) -> None:
         """Launch on the current stream of CUDA device ``device_index`` (the current device)."""
+        self.run_on(torch._C._cuda_getCurrentRawStream(device_index), *args)
+
+    def run_on(self, stream: int, *args) -> None:
+        """Launch on the raw CUDA stream ``stream`` of the current device."""
         ck = self.compiled
         if ck is not None and DIRECT_LAUNCH:
             hooks = _RUNTIME[0] if _RUNTIME else _hooks()
             if not hooks.launch_enter_hook.calls and not hooks.launch_exit_hook.calls:
                 g = self.grid
-                ck.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device_index), ck.function,
-                       ck.packed_metadata, None, None, None, *args, *self._tail)
+                c = self._c_launch
+                if c is not None:
+                    c(g[0], g[1], g[2], stream, *self._c_head, *args, *self._tail)
+                else:
+                    ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args,
+                           *self._tail)
                 return
         ck = self.fn[self.grid](*args, **self.consts, **self.options)
         if hasattr(ck, "result"):
             ck = ck.result()
         if self.compiled is None and hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
             self.compiled = ck
+            self._bind_c_launch(ck)
+
+    def _bind_c_launch(self, ck) -> None:
+        """Call the compiled launcher's C ``launch`` directly where its Python ``__call__`` would only pass
+        arguments through (no global or profile scratch to allocate): one Python frame less per launch."""
+        r = ck.run
+        c = getattr(r, "launch", None)
+        if (c is None or getattr(r, "global_scratch_size", 1) or getattr(r, "profile_scratch_size", 1)
+                or not hasattr(r, "launch_cooperative_grid") or not hasattr(r, "launch_pdl")):
+            return
+        self._c_launch = c
+        self._c_head = (ck.function, r.launch_cooperative_grid, r.launch_pdl, None, None, ck.packed_metadata,
+                        None, None, None)
 
     def traced(self, *args) -> None:
         """The launch as ``torch.compile`` traces it (call inside a ``triton_op`` body)."""

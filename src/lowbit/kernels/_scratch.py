@@ -61,4 +61,42 @@ def split_k_scratch(device: torch.device, dev_index: int | None, ws_numel: int, 
         if cnt is None or cnt.numel() < n_cnt:
             cnt = torch.zeros(max(n_cnt, 4096), dtype=torch.int32, device=device)
         _SCRATCH[key] = (ws, cnt)
+        GENERATION[0] += 1
     return ws, cnt
+
+
+GENERATION = [0]
+"""Bumped whenever a (device, stream) pair of :func:`split_k_scratch` is replaced: a caller that keeps the pair
+it got (with the stream and this number) may reuse it while both are unchanged."""
+
+
+_TRACED: dict = {}
+
+
+def traced_scratch(device: torch.device, dev_index: int, ws_numel: int, n_cnt: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 workspace, zeroed int32 counters), at least that large, that compiled graphs take as inputs.
+
+    A layer prepared for ``torch.compile`` holds this pair and passes it to its triton_op, so the compiled
+    code allocates no workspace and launches no memset per GEMV. One pair per device, shared by the layers
+    (launches on a stream run one after another and reset their counters); a larger request replaces it, and
+    the layers prepared earlier keep the smaller pair they hold. The tensors are marked as static addresses:
+    CUDA-graph trees neither copy them per replay nor record again for them.
+    """
+    ws, cnt = _TRACED.get(dev_index, (None, None))
+    if ws is None or ws.numel() < ws_numel or cnt.numel() < n_cnt:
+        ws = torch.empty(max(ws_numel, 1 << 16, 0 if ws is None else ws.numel()), dtype=torch.float32,
+                         device=device)
+        cnt = torch.zeros(max(n_cnt, 4096, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=device)
+        mark_static(ws, cnt)
+        _TRACED[dev_index] = (ws, cnt)
+    return ws, cnt
+
+
+def mark_static(*tensors: torch.Tensor) -> None:
+    """``torch._dynamo.mark_static_address`` on each tensor (buffers that live as long as a layer: compiled
+    graphs treat them as fixed addresses, like parameters)."""
+    import torch._dynamo
+
+    for t in tensors:
+        torch._dynamo.mark_static_address(t)

@@ -58,7 +58,10 @@ from . import _gemv_mma as km
 from . import interpreting as _interpreting
 from . import scratch_per_call, tensor_version
 from ._launch import Launch
+from ._scratch import GENERATION as _scratch_generation
 from ._scratch import split_k_scratch
+
+_capturing = torch._C._cuda_isCurrentStreamCapturing
 
 FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
@@ -879,7 +882,7 @@ class GemvRunner:
     dtype, contiguous and aligned (the caller checks; nothing is checked here)."""
 
     __slots__ = ("launch", "w_args", "tail", "rs", "no_bias", "ws", "cnt", "split", "ws_numel", "n_cnt",
-                 "m", "n", "dtype", "device", "dev_index")
+                 "m", "n", "dtype", "device", "dev_index", "_kept")
 
     def __init__(self, p: PreparedW4, m: int, x_dtype: torch.dtype, has_bias: bool, act: int) -> None:
         dev = p.device
@@ -899,41 +902,58 @@ class GemvRunner:
         self.ws = torch.empty(16, dtype=torch.float32, device=dev)
         self.cnt = torch.empty(16, dtype=torch.int32, device=dev)
         self.m, self.n, self.dtype, self.device = m, p.n, x_dtype, dev
+        self._kept = (None, -1, self.ws, self.cnt)  # (stream, scratch generation, workspace, counters)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
+        stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
         if self.split > 1:
-            ws, cnt = split_k_scratch(self.device, self.dev_index, self.ws_numel, self.n_cnt)
+            kept = self._kept
+            if (kept[0] == stream and kept[1] == _scratch_generation[0] and not _capturing()
+                    and not scratch_per_call()):
+                ws, cnt = kept[2], kept[3]
+            else:  # another stream, a grown pool, a capture (its own counters) or a custom op's call
+                gen = _scratch_generation[0]
+                ws, cnt = split_k_scratch(self.device, self.dev_index, self.ws_numel, self.n_cnt)
+                if not _capturing() and not scratch_per_call() and gen == _scratch_generation[0]:
+                    self._kept = (stream, gen, ws, cnt)
         else:
             ws, cnt = self.ws, self.cnt
-        self.launch.run(self.dev_index, x, *self.w_args, self.rs, self.no_bias if bias is None else bias, out,
-                        ws, cnt, *self.tail)
+        self.launch.run_on(stream, x, *self.w_args, self.rs, self.no_bias if bias is None else bias, out,
+                           ws, cnt, *self.tail)
         return out
 
 
 def traced_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, nested: torch.Tensor,
                 tab: torch.Tensor, gs: torch.Tensor, mma_words: torch.Tensor, mma_scales: torch.Tensor,
+                ws: torch.Tensor, cnt: torch.Tensor, rs: torch.Tensor, no_bias: torch.Tensor,
                 bias: torch.Tensor | None, f: GemvFacts, act: int) -> torch.Tensor:
     """The GEMV as ``torch.compile`` traces it (inside a ``triton_op`` body): the plan of :func:`gemv_w4`'s
-    default configuration, built from ``f`` and x's shape alone; the split-K scratch and the output are
-    allocated by the traced graph (per call, so CUDA-graph trees own them)."""
+    default configuration, built from ``f`` and x's shape alone. ``ws`` / ``cnt``: the layer's split-K
+    workspace and zeroed counters (``lowbit.kernels._scratch.traced_scratch``; a plan needing more than they
+    hold gets its own, allocated by the graph); ``rs``: an fp32 placeholder for the unused row scale;
+    ``no_bias``: a placeholder of x's dtype for the bias pointer when ``bias`` is None."""
     m, dev = x.shape[0], x.device
     mma, plan = _default_plan(f, m, x.dtype, bias is not None, act, dev.index)
     out = torch.empty((m, f.n), dtype=x.dtype, device=dev)
-    if plan.split > 1:
+    if plan.split > 1 and (ws.numel() < plan.split * plan.mp * f.n or cnt.numel() < plan.n_tiles):
         ws = torch.empty(plan.split * plan.mp * f.n, dtype=torch.float32, device=dev)
         cnt = torch.zeros(plan.n_tiles, dtype=torch.int32, device=dev)
-    else:
-        ws = torch.empty(16, dtype=torch.float32, device=dev)
-        cnt = torch.empty(16, dtype=torch.int32, device=dev)
-    rs = torch.empty(16, dtype=torch.float32, device=dev)
-    b = torch.empty(16, dtype=x.dtype, device=dev) if bias is None else bias
+    b = no_bias if bias is None else bias
     if mma:
         plan.launch.traced(x, mma_words, mma_scales, gs, rs, b, out, ws, cnt, *plan.ints,
                            *_mma_table(f.mma_fmt, x.dtype))
     else:
         plan.launch.traced(x, words, scales, nested, tab, gs, rs, b, out, ws, cnt, *plan.ints)
     return out
+
+
+def traced_scratch_size(n: int, k: int) -> tuple[int, int]:
+    """(workspace floats, counters) that cover every GEMV plan of an [N, K] weight: :func:`_split_k` keeps
+    split * MP * N fp32 partials under ``ws_ratio`` of the weight's bytes (at least one split of MP <= 16
+    rows), and a plan has at most one counter per 8 output rows per tile row."""
+    ratio = max(TILE.get("ws_ratio", 0.25), MMA.get("ws_ratio", 0.25))
+    return n * max(16, int(ratio * k / 16) + 16), n + 64
 
 
 # ------------------------------------------------------------------------------------------- compile test

@@ -455,16 +455,22 @@ class KernelRoute:
 
     def __call__(self, a: QTensor, alpha: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         """``a``: an activation of the layout this route was made for; ``bias`` contiguous and 16-byte aligned."""
+        a_args, _ = _operand(a)
+        return self.run(a_args[0], a_args[1], a_args[2], tuple(a_args[3:7]), alpha, bias)
+
+    def run(self, data: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor, a_strides: tuple,
+            alpha: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """The launch on an activation's operand arguments (``_operand``: data, scale, global scale and
+        (data row stride, scale strides, padded scale columns)), for callers that keep them."""
         m, n = self.m, self.n
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
         if self.split > 1:
             ws, cnt = split_k_scratch(self.device, self.dev_index, self.split * m * n, self.tiles)
         else:
             ws = cnt = out
-        a_args, _ = _operand(a)
-        self.launch.run(self.dev_index, a_args[0], a_args[1], a_args[2], *self.b3, out if alpha is None else alpha,
+        self.launch.run(self.dev_index, data, scale, gscale, *self.b3, out if alpha is None else alpha,
                         out if bias is None else bias, out, ws, cnt, cnt, m, n, self.k_dim, self.k_per,
-                        a_args[3], a_args[4], a_args[5], a_args[6], *self.b_strides, out.stride(0))
+                        *a_strides, *self.b_strides, n)
         return out
 
 

@@ -266,7 +266,13 @@ class QuantLinear(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
+        # buffers read from _buffers directly: Module.__getattr__ is a Python call per attribute, and this is the
+        # per-token path of every layer
+        buffers = self._buffers
+        try:
+            bias, igs = buffers["bias"], buffers["input_global_scale"]
+        except KeyError:  # re-registered as a parameter or plain attribute
+            bias, igs = self.bias, self.input_global_scale
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         prep = self._prepared
@@ -274,10 +280,11 @@ class QuantLinear(nn.Module):
             # prepared in eager mode (at load / .to(), or by an eager call): the traced path reads its layouts
             if prep is None:  # not prepared: the opaque custom ops, nothing derived inside the graph
                 prep = prepare(self.weight_qtensor, self.scheme, self.activation, self.backend, layouts=False)
-            return prep.traced_call(x, bias, self.input_global_scale)
-        if prep is None or prep.activation != self.activation or prep.backend != self.backend or prep.stale():
+            return prep.traced_call(x, bias, igs)
+        if prep is None or prep.activation != self.activation or prep.backend != self.backend or (
+                prep.versions and prep.stale()):
             prep = self._prepare()  # first call, edited attributes, or weight buffers changed in place
-        return prep(x, bias, self.input_global_scale)
+        return prep(x, bias, igs)
 
     # ------------------------------------------------------------------ nn.Module plumbing
 

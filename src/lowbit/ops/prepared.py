@@ -87,6 +87,7 @@ class PreparedWeight:
         self._quantizers: dict = {}  # x dtype -> (activation quantize function, its kwargs)
         self._pairs_checked: set = set()
         self._routes: dict = {}      # (M, x dtype, bias dtype) -> (route, target) of the scaled GEMM
+        self.scaled_runners: dict = {}  # (M, x dtype, bias is None) -> _Fp8BlockDecode
         ready = layouts and policy.kernels_ready(self.device, backend)
         if weight_only:
             _check_weight(w)
@@ -117,6 +118,17 @@ class PreparedWeight:
         self.gemv = p
         self.gemv_tensors = (p.words, p.scales, p.nested, p.tab, p.gs,
                              lay.words if lay is not None else dummy, lay.scales if lay is not None else dummy)
+        # what the compiled path passes besides the layouts: the split-K scratch and placeholders, made here so
+        # that the compiled code allocates none of them per call
+        from ..kernels._scratch import mark_static, traced_scratch
+
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        ws, cnt = traced_scratch(self.device, idx, *gemv_w4.traced_scratch_size(self.n, self.k))
+        self.traced_extra = (ws, cnt, gemv_w4._dummy(self.device, torch.float32))
+        self.no_bias = {dt: gemv_w4._dummy(self.device, dt) for dt in _X_DTYPES}
+        # fixed addresses for torch.compile: CUDA-graph trees would otherwise copy every layout into graph-owned
+        # memory on each replay (they are not module parameters); guarded, so a re-prepared layer recompiles
+        mark_static(*{id(t): t for t in (*self.gemv_tensors, *self.traced_extra, *self.no_bias.values())}.values())
 
     # ------------------------------------------------------------------ state
 
@@ -149,6 +161,16 @@ class PreparedWeight:
                 if out is not None:
                     return out
         elif self._scaled_ready:
+            if self.scaled_runners and act_global_scale is None:
+                # the decode fast path of activation-quantized schemes (see _Fp8BlockDecode)
+                shape = x.shape
+                if (shape[-1] == self.k and (bias is None or bias is self._bias_ok)
+                        and x.get_device() == self._dev):
+                    m = x.numel() // self.k
+                    run = self.scaled_runners.get((m, x.dtype, bias is None))
+                    if run is not None and x.is_contiguous() and not x.data_ptr() & 15:
+                        out = _act(run(x.view(m, self.k), bias), self.activation)
+                        return out if len(shape) == 2 else out.view(*shape[:-1], self.n)
             out = self._scaled_call(x, bias, act_global_scale)
             if out is not None:
                 return out
@@ -196,12 +218,37 @@ class PreparedWeight:
         name, target = route
         if name == "kernel*":
             out = target(a, None, bias)
+            if act_global_scale is None and x2 is x and not x.data_ptr() & 15:
+                self._add_scaled_runner(x, a, fn, kwargs, target, bias)
         elif name == "run":  # the kernel module declines the pair: the op's dispatch and its error
             out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
         else:
             out = target(a, self.w, None, bias, x.dtype, name)
         out = out if flat else out.reshape(*x.shape[:-1], self.n)
         return _act(out, self.activation)
+
+    def _add_scaled_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict, route: Any,
+                           bias: torch.Tensor | None) -> None:
+        """Keep an :class:`_Fp8BlockDecode` for calls like this one when the activation is quantized by the
+        fp8_block kernel (block 1x128, linear scales) and the GEMM is lowbit's decoding kernel."""
+        from ..kernels import fp8_block
+        from ..kernels.scaled_mm import _operand
+
+        if fn is not fp8_block.quantize_fp8_block or set(kwargs) - {"block", "scale_fmt", "scale_layout"}:
+            return
+        if bias is not None and (bias.dtype != x.dtype or bias.data_ptr() & 15 or not bias.is_contiguous()):
+            return
+        plan = fp8_block._quant_plan_cached(x, kwargs.get("block", (1, 128)), kwargs.get("scale_fmt"),
+                                            kwargs.get("scale_layout", "linear"))
+        if plan.block != (1, 128) or plan.scale_storage is not None or plan.launch is None or plan.batched:
+            return
+        if len(self.scaled_runners) >= _MAX_RUNNERS:
+            self.scaled_runners.clear()
+        if bias is not None:
+            self._bias_ok = bias
+        a_args, _ = _operand(a)
+        self.scaled_runners[(x.shape[0], x.dtype, bias is None)] = _Fp8BlockDecode(plan, route, tuple(a_args[3:7]),
+                                                                                   self.device)
 
     def _route(self, a, bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[str, Any]:
         """(route, target) for activations like ``a``: ``lowbit.ops.policy.scaled_route``'s decision, and for
@@ -296,10 +343,33 @@ class PreparedWeight:
             x2 = x.reshape(-1, self.k)
             if 0 < x2.shape[0] <= GEMV_MAX_M:
                 out = torch.ops.lowbit.w4a16_gemv(
-                    x2.contiguous(), *self.gemv_tensors, bias, f.fmt, f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post,
-                    f.gs_kind, f.mma_fmt, f.cpg, self.act_code)
+                    x2.contiguous(), *self.gemv_tensors, *self.traced_extra, self.no_bias[x.dtype], bias, f.fmt,
+                    f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code)
                 return out.reshape(*x.shape[:-1], self.n)
         return self.call_general(x, bias, act_global_scale)
+
+
+class _Fp8BlockDecode:
+    """``run(x, bias) -> out``: the decode call of a layer whose activations are quantized to fp8_block
+    (block 1x128) and whose GEMM is lowbit's decoding kernel (``lowbit.kernels.scaled_mm.KernelRoute``), at one
+    M, x dtype and bias presence. It makes the launches :func:`lowbit.ops.scaled_linear` makes (the
+    activation's quantize kernel, then the GEMM) with everything but x, the outputs and the scratch fixed, so
+    it gives the same bits; ``x`` is ``[M, K]`` contiguous and 16-byte aligned (the caller checks)."""
+
+    __slots__ = ("qlaunch", "data_shape", "scale_shape", "m", "k", "n_mblocks", "route", "a_strides", "device")
+
+    def __init__(self, plan: Any, route: Any, a_strides: tuple, device: torch.device) -> None:
+        self.qlaunch = plan.launch
+        self.data_shape, self.scale_shape = tuple(plan.data_shape), tuple(plan.scale_shape)
+        self.m, self.k, self.n_mblocks = plan.m, plan.kdim, plan.n_mblocks
+        self.route, self.a_strides, self.device = route, a_strides, device
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        data = torch.empty(self.data_shape, dtype=torch.float8_e4m3fn, device=self.device)
+        scale = torch.empty(self.scale_shape, dtype=torch.float32, device=self.device)
+        k = self.k
+        self.qlaunch(True, x, data, scale, self.m, k, 0, k, self.n_mblocks)
+        return self.route.run(data, scale, scale, self.a_strides, None, bias)
 
 
 # ---------------------------------------------------------------------------------------------- triton op
@@ -314,6 +384,10 @@ def _gemv_body(
     gs: torch.Tensor,
     mma_words: torch.Tensor,
     mma_scales: torch.Tensor,
+    ws: torch.Tensor,
+    cnt: torch.Tensor,
+    rs: torch.Tensor,
+    no_bias: torch.Tensor,
     bias: torch.Tensor | None,
     fmt: str,
     fmt_code: int,
@@ -329,11 +403,13 @@ def _gemv_body(
 ) -> torch.Tensor:
     """``act(x @ W.T + bias)`` for x ``[M, K]`` (M <= 16, contiguous) on a prepared weight's GEMV layouts
     (``lowbit.kernels.gemv_w4``: words, scales, nested absmax, NF4 table, global scale, tensor-core words and
-    scales) and its static facts; the plan is :func:`lowbit.kernels.gemv_w4.gemv_w4`'s default one."""
+    scales), its split-K scratch and placeholders (:func:`lowbit.kernels.gemv_w4.traced_gemv`) and its static
+    facts; the plan is :func:`lowbit.kernels.gemv_w4.gemv_w4`'s default one."""
     from ..kernels import gemv_w4
 
     f = gemv_w4.GemvFacts(fmt, fmt_code, n, k, sk, wpb, post, gs_kind, mma_fmt, cpg)
-    return gemv_w4.traced_gemv(x, words, scales, nested, tab, gs, mma_words, mma_scales, bias, f, act)
+    return gemv_w4.traced_gemv(x, words, scales, nested, tab, gs, mma_words, mma_scales, ws, cnt, rs, no_bias,
+                               bias, f, act)
 
 
 _GEMV_OP = []
@@ -343,6 +419,9 @@ def register_gemv_op():
     """Define the ``lowbit::w4a16_gemv`` triton_op (once; defining it imports triton, so it happens when a
     weight is first prepared for the CUDA kernels, never at import)."""
     if not _GEMV_OP:
+        # declared without mutated arguments: the op's only writes besides its output are to the layer's split-K
+        # scratch (its counters are reset before the kernels exit); under torch.compile the body is traced and
+        # the wrapped kernels' own analysis records those writes
         _GEMV_OP.append(torch.library.triton_op("lowbit::w4a16_gemv", _gemv_body, mutates_args=()))
     return _GEMV_OP[0]
 
