@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -69,11 +70,31 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Tensor infos of one safetensors file, checked against the file size (a truncated file fails here)."""
-    path = Path(path)
+def _regular_file(path: Path, what: str = "file") -> int:
+    """The size of ``path``; CheckpointError unless it is a regular file. Checked with ``os.stat`` before any
+    ``open``: opening a FIFO for reading blocks until a writer comes, and devices never end."""
     try:
-        size = path.stat().st_size
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (FIFO, socket or device?)"
+        raise CheckpointError(f"{path}: {what} is {kind}")
+    return st.st_size
+
+
+def _bits(dtype: str) -> int:
+    return round(DTYPE_BYTES[dtype] * 8)
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Tensor infos of one safetensors file, validated as the safetensors library validates them when
+    ``load_quantized`` opens the file: a JSON object header of at most 100 MB, known dtypes, non-negative
+    integer shapes, byte ranges that tile the data buffer exactly (no overlap, no gap, nothing after the last
+    tensor) and hold ``numel * dtype size`` bytes each. Anything else raises :class:`CheckpointError`."""
+    path = Path(path)
+    size = _regular_file(path, "safetensors file")
+    try:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -91,24 +112,55 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         assert isinstance(header, dict)
     except (UnicodeDecodeError, ValueError, AssertionError):
         raise CheckpointError(f"{path}: the safetensors header is not valid JSON (corrupt file?)") from None
+    meta = header.get("__metadata__")
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
+        raise CheckpointError(f"{path}: __metadata__ must be an object of strings")
     data_start = 8 + n
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (start, end) = (
-                info["dtype"],
-                tuple(int(s) for s in info["shape"]),
-                info["data_offsets"],
-            )
-        except (KeyError, TypeError, ValueError):
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError):
             raise CheckpointError(f"{path}: malformed header entry for {name!r}") from None
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has unknown dtype {dtype!r} (safetensors dtypes: "
+                f"{', '.join(DTYPE_BYTES)})"
+            )
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {shape!r}: not a list of integers >= 0")
+        if not (
+            isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
+        ) or offsets[0] > offsets[1]:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has data_offsets {offsets!r}: not [begin, end] with 0 <= begin <= end"
+            )
+        start, end = offsets
         if data_start + end > size:
             raise CheckpointError(
                 f"{path}: truncated: tensor {name!r} ends at byte {data_start + end}, the file has {size}"
             )
-        out[name] = TensorInfo(path, dtype, shape, int(start), int(end), data_start)
+        bits = math.prod(shape) * _bits(dtype)
+        if bits % 8 or bits // 8 != end - start:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} of shape {shape} and dtype {dtype} needs {bits / 8:g} bytes but its "
+                f"data_offsets give {end - start}"
+            )
+        out[name] = TensorInfo(path, dtype, tuple(shape), start, end, data_start)
+    pos = 0
+    for name, t in sorted(out.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if t.start != pos:
+            what = "overlaps the previous tensor" if t.start < pos else f"leaves a gap at byte {pos}"
+            raise CheckpointError(f"{path}: tensor {name!r} (bytes {t.start}-{t.end} of the data) {what}")
+        pos = t.end
+    if data_start + pos != size:
+        raise CheckpointError(
+            f"{path}: the tensors end at byte {data_start + pos} but the file has {size} bytes (corrupt file?)"
+        )
     return out
 
 
@@ -256,15 +308,68 @@ _PRODUCER_DETAIL = {
 }
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_json_object(path: Path, what: str) -> dict:
+    _regular_file(path, what)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"{path}: not valid JSON") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _from_index(root: Path) -> list[Path]:
+    """The shards ``model.safetensors.index.json`` lists, all present (CheckpointError naming the missing)."""
+    index_path = root / INDEX_FILE
+    wmap = _read_json_object(index_path, "safetensors index").get("weight_map")
+    if not isinstance(wmap, dict) or not wmap:
+        raise CheckpointError(f"{index_path}: 'weight_map' must be a non-empty object of tensor name -> shard")
+    shards = set()
+    for name, shard in wmap.items():
+        if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard.startswith("."):
+            raise CheckpointError(f"{index_path}: shard of {name!r} must be a plain file name, got {shard!r}")
+        shards.add(shard)
+    missing = sorted(s for s in shards if not (root / s).exists())
+    if missing:
+        raise CheckpointError(
+            f"{index_path}: {len(missing)} of {len(shards)} shards listed are missing: {', '.join(missing[:5])}"
+            + (", ..." if len(missing) > 5 else "")
+        )
+    return [root / s for s in sorted(shards)]
+
+
+def _checkpoint_subdirs(path: Path) -> list[Path]:
+    """Sub-folders holding a checkpoint (``lowbit quantize --scheme all`` writes one per scheme)."""
+    out = []
+    for d in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if (d / "config.json").is_file() and any(d.glob("*.safetensors")):
+            out.append(d)
+    return out
+
+
 def _files(path: Path) -> tuple[list[Path], Path | None]:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
-    if path.is_file():
+    if not path.is_dir():
+        _regular_file(path, "checkpoint path")
         if path.suffix != ".safetensors":
             raise CheckpointError(f"{path}: not a .safetensors file (lowbit never unpickles .bin/.pt files)")
         return [path], path.parent
+    if (path / INDEX_FILE).exists():
+        return _from_index(path), path
     files = sorted(path.glob("*.safetensors"))
     if not files:
+        subdirs = _checkpoint_subdirs(path)
+        if subdirs:
+            names = ", ".join(d.name for d in subdirs)
+            raise CheckpointError(
+                f"{path} is not a checkpoint but holds {len(subdirs)} (one per scheme?): {names}; "
+                f"inspect one of them, e.g. lowbit inspect {subdirs[0]}"
+            )
         raise CheckpointError(f"{path} has no *.safetensors file")
     return files, path
 
@@ -282,20 +387,30 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     tensors: dict[str, TensorInfo] = {}
     for f in files:
         tensors.update(read_header(f))
+    if root is not None and (root / INDEX_FILE).exists() and path.is_dir():
+        wmap = _read_json_object(root / INDEX_FILE, "safetensors index")["weight_map"]
+        absent = sorted(k for k in wmap if k not in tensors)
+        if absent:
+            raise CheckpointError(
+                f"{root / INDEX_FILE}: {len(absent)} tensor(s) listed are in none of the shards: {absent[:5]}"
+            )
     config = {}
-    if root is not None and (root / "config.json").is_file():
-        try:
-            config = json.loads((root / "config.json").read_text())
-        except ValueError:
-            raise CheckpointError(f"{root / 'config.json'}: not valid JSON") from None
+    if root is not None and (root / "config.json").exists():
+        config = _read_json_object(root / "config.json", "config.json")
     qcfg = config.get("quantization_config") or config.get("compression_config")
-    if qcfg is None and root is not None and (root / "hf_quant_config.json").is_file():
+    if qcfg is None and root is not None and (root / "hf_quant_config.json").exists():
         try:
-            qcfg = json.loads((root / "hf_quant_config.json").read_text())
-            qcfg = {"quant_method": "modelopt", **qcfg}
-        except ValueError:
-            qcfg = None
+            qcfg = {"quant_method": "modelopt", **_read_json_object(root / "hf_quant_config.json", "it")}
+        except CheckpointError:
+            qcfg = None  # an unreadable ModelOpt side file only loses the producer name
+    if qcfg is not None and not isinstance(qcfg, dict):
+        raise CheckpointError(
+            f"{root / 'config.json'}: quantization_config must be a JSON object, got {type(qcfg).__name__} "
+            f"{qcfg!r:.60}"
+        )
     quant_method = (qcfg or {}).get("quant_method")
+    if quant_method is not None and not isinstance(quant_method, str):
+        raise CheckpointError(f"{root / 'config.json'}: quant_method must be a string, got {quant_method!r}")
 
     modules: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
     for key, info in tensors.items():
@@ -347,7 +462,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         "producer": producer,
         "quant_method": quant_method,
         "quantization_config": qcfg,
-        "architecture": (config.get("architectures") or [None])[0],
+        "architecture": (
+            config["architectures"][0]
+            if isinstance(config.get("architectures"), list) and config["architectures"]
+            else None
+        ),
         "tensors": len(tensors),
         "total_bytes": total_bytes,
         "params": params,
