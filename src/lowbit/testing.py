@@ -44,3 +44,31 @@ def linear_oracle(x: torch.Tensor, w, bias: torch.Tensor | None = None, activati
     if bias is not None:
         y = y + bias.double()
     return _act(y.float(), activation)
+
+
+def nvfp4_order_ties() -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x [R, 16]`` and a global scale ``S`` where NVFP4's two multiplier orders give different codes.
+
+    vLLM computes the element multiplier as ``1/(sf * (1/S))``, LightX2V as ``S * (1/sf)``; for ``S = 3`` and
+    block scales ``sf = 3.75 * 2^k`` the two differ in the last bit. Each row is one block whose absmax
+    ``7.5 * 2^k`` makes ``S * (absmax * fp32(1/6)) = sf`` exactly (no E4M3 rounding: the Triton interpreter,
+    whose fp8 casts are not trusted, can check these blocks too); its other 15 elements sit on and one ulp
+    either side of ``t / m`` for every E2M1 tie ``t`` and both multipliers ``m``, with alternating signs.
+    """
+    s = torch.tensor(3.0)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    rows = []
+    for k in range(-6, 3):
+        sf = torch.tensor(3.75 * 2.0**k)
+        cands = []
+        for m in (1.0 / (sf * (1.0 / s)), s * (1.0 / sf)):
+            base = ties / m
+            cands += [base, torch.nextafter(base, torch.full_like(base, float("inf"))),
+                      torch.nextafter(base, torch.zeros_like(base))]
+        c = torch.cat(cands)
+        c = c * torch.tensor([1.0, -1.0]).repeat(c.numel() // 2 + 1)[: c.numel()]
+        c = torch.cat([c, c[: -c.numel() % 15]]) if c.numel() % 15 else c
+        blocks = c.reshape(-1, 15)
+        amax = torch.full((blocks.shape[0], 1), 7.5 * 2.0**k)
+        rows.append(torch.cat([amax, blocks], 1))
+    return torch.cat(rows), s

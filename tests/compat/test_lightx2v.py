@@ -199,7 +199,7 @@ def test_quant_matches_lowbit_formats():
     x = _x((40, 128), seed=3)
     gs = torch.tensor(100.0)
     data, scale = L.scaled_nvfp4_quant(x, gs)
-    q = lowbit.quantize(x, "nvfp4", global_scale=gs)
+    q = lowbit.quantize(x, "nvfp4", global_scale=gs, convention="lightx2v")
     assert torch.equal(data, q.data)
     assert torch.equal(lowbit.unswizzle_scales(scale, 40, 8).view(torch.uint8), q.scale.view(torch.uint8))
     for fn, fmt in (
@@ -211,6 +211,22 @@ def test_quant_matches_lowbit_formats():
         q = lowbit.quantize(x, fmt)
         assert torch.equal(data, q.data.view(torch.uint8))
         assert torch.equal(lowbit.unswizzle_scales(scale, 40, 4).view(torch.uint8), q.scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nvfp4_quant_takes_lightx2v_multiplier_order_at_ties(dtype):
+    """Upstream scales elements by ``SFScaleVal * reciprocal(SFValue)``; vLLM's ``1/(sf * (1/S))`` gives other
+    codes for elements on E2M1 ties, and this data has such elements (random, with the global scale its
+    amax gives), so a quantizer with vLLM's order fails here."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 1024, generator=g).to(dtype)
+    gs = (torch.tensor(2688.0) / x.float().abs().max()).to(torch.float32)
+    data, scale = L.scaled_nvfp4_quant(x, gs)
+    want_data, want_scale = emulate_quant(x, "nvfp4", gs)
+    assert torch.equal(scale.view(torch.uint8), want_scale)
+    assert torch.equal(data, want_data)
+    vllm = lowbit.quantize(x, "nvfp4", global_scale=gs, convention="vllm")
+    assert not torch.equal(vllm.data, data)
 
 
 def test_quant_global_scale_forms_and_input_untouched():

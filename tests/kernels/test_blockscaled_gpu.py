@@ -4,12 +4,14 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.testing import assert_bitexact
+from lowbit.testing import assert_bitexact, nvfp4_order_ties
 
 pytestmark = pytest.mark.gpu
 
 MX = ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2"]
-CASES = [("nvfp4", {}), ("nvfp4", {"global_scale": "none"}), ("fp4_b32", {})] + [
+CASES = [
+    ("nvfp4", {}), ("nvfp4", {"global_scale": "none"}), ("fp4_b32", {}), ("nvfp4", {"convention": "lightx2v"})
+] + [
     (f, {"scale_rounding": r}) for f in MX for r in ("rceil", "floor")
 ]
 
@@ -58,7 +60,7 @@ def test_quantize_bit_exact(fmt, opts, rows, dtype, layout):
         assert_bitexact(got, want, f"dequantize to {out}")
 
 
-@pytest.mark.parametrize("fmt, opts", CASES[:4] + CASES[-2:])
+@pytest.mark.parametrize("fmt, opts", CASES[:5] + CASES[-2:])
 def test_batch_dims_noncontiguous_and_default_scale(fmt, opts):
     x = torch.randn(4, 3, 96, 256).transpose(1, 2)  # leading dims, not contiguous
     r = lowbit.quantize(x, fmt, backend="torch", **opts)
@@ -99,6 +101,29 @@ def test_cuda_global_scale_matches_cpu_scale():
     r = lowbit.quantize(x, "nvfp4", global_scale=g, backend="torch")
     q = lowbit.quantize(x.cuda(), "nvfp4", global_scale=g.cuda(), backend="triton")
     _check(q, r)
+
+
+@pytest.mark.parametrize("convention", ["vllm", "lightx2v"])
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_nvfp4_convention_multiplier_order_at_ties(convention, layout):
+    """vLLM's element multiplier 1/(sf*(1/S)) and LightX2V's S*(1/sf) differ in the last bit for some (sf, S);
+    elements on E2M1 ties then get different codes. Each convention's kernel must give its own reference's
+    bytes: on constructed ties (fp32 and the same values' bf16 images), and on random bf16 data with a given
+    and with the default global scale (237 of its 1M bytes differ between the conventions)."""
+    t, ts = nvfp4_order_ties()
+    other = {"vllm": "lightx2v", "lightx2v": "vllm"}[convention]
+    g = torch.Generator().manual_seed(11)
+    rnd = torch.randn(512, 4096, generator=g).to(torch.bfloat16)
+    cases = [(t, ts), (t.to(torch.bfloat16), ts), (rnd, 2688.0 / rnd.float().abs().max()), (rnd, None)]
+    for x, s in cases:
+        opts = dict(global_scale=s, convention=convention, scale_layout=layout)
+        r = lowbit.quantize(x, "nvfp4", backend="torch", **opts)
+        q = lowbit.quantize(x.cuda(), "nvfp4", backend="triton", **opts)
+        _check(q, r)
+        assert q.params["convention"] == convention
+        # every case separates the conventions, so a kernel with the other order fails on it
+        o = lowbit.quantize(x, "nvfp4", backend="torch", **dict(opts, convention=other))
+        assert not torch.equal(o.data, r.data)
 
 
 @pytest.mark.parametrize("block", [(1, 128), (128, 128)])

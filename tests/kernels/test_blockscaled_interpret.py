@@ -2,7 +2,7 @@
 
 The interpreter is trusted for indexing, masking, packing and fp32/integer arithmetic, not for fp8 casts,
 so FP4/FP6 formats (MX scales, fp4_b32) are compared bit for bit and NVFP4 only where every fp8 cast is
-exact (power-of-two scales). The same comparisons run on the GPU for every format in test_blockscaled_gpu.py.
+exact (power-of-two scales, or the exact scales of ``lowbit.testing.nvfp4_order_ties``). The same comparisons run on the GPU for every format in test_blockscaled_gpu.py.
 """
 
 import os
@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent(
     from lowbit.formats.spec import E2M1, E2M3, E3M2
     from lowbit.kernels import blockscaled as kb
     from lowbit.kernels._blockscaled import _decode_minifloat, _encode_minifloat
+    from lowbit.testing import nvfp4_order_ties
 
     def same(a, b):
         return (torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
@@ -51,6 +52,17 @@ SCRIPT = textwrap.dedent(
         r, k = ref.quantize_nvfp4(y, "none", "vllm", layout), kb.quantize_nvfp4(y, "none", "vllm", layout)
         if not same(r, k) or not same_bits(ref.dequantize_nvfp4(r), kb.dequantize_nvfp4(k)):
             bad.append(("nvfp4", layout))
+    # nvfp4 with a global scale, on blocks whose E4M3 scales are exact and whose elements sit on E2M1 ties
+    # where vLLM's multiplier 1/(sf*(1/S)) and LightX2V's S*(1/sf) round them differently: each convention's
+    # kernel must give its own codes (the two references differ on this data)
+    t, ts = nvfp4_order_ties()
+    if torch.equal(ref.quantize_nvfp4(t, ts, "vllm").data, ref.quantize_nvfp4(t, ts, "lightx2v").data):
+        bad.append("nvfp4 tie data does not separate the conventions")
+    for conv in ("vllm", "lightx2v"):
+        for layout in ("linear", "swizzled"):
+            r, k = ref.quantize_nvfp4(t, ts, conv, layout), kb.quantize_nvfp4(t, ts, conv, layout)
+            if not same(r, k) or r.params != k.params:
+                bad.append(("nvfp4 ties", conv, layout))
     for n in (1, 4097, 70001):
         z = torch.randn(n) * 3
         z[0] = float("inf") if n > 1 else z[0]

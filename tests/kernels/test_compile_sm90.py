@@ -157,3 +157,21 @@ def test_fp8_block_warp_specialized_kernel_ptx():
         assert "wgmma.wait_group.sync.aligned 0" in ptx and "wgmma.wait_group.sync.aligned 1" not in ptx, consts
         assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx, consts
         assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == consts["TMA_STORE"], consts
+
+
+def test_nvfp4_quantize_ships_both_multiplier_orders():
+    """The nvfp4 quantize kernel has a variant per convention (vLLM ``1/(sf * (1/S))``, LightX2V ``S * (1/sf)``),
+    with a given and with the default global scale; both compile to exact divisions, the vLLM order with one
+    more (its ``1/S``), so neither variant silently computes the other's multiplier."""
+    from lowbit.kernels import _blockscaled as k
+    from lowbit.kernels import blockscaled
+
+    divs = {}
+    for fn, sig, consts in blockscaled.quantize_variants():
+        if consts["SCALE_KIND"] != k.SCALE_E4M3 or consts["SWIZZLED"]:
+            continue
+        key = (consts["E4M3_ORDER"], consts["HAS_GSCALE"], consts.get("GSCALE_FROM_AMAX", False))
+        divs[key] = compile_for_hopper(fn, sig, consts).asm["ptx"].count("div.rn.f32")
+    for gs in ((True, False), (False, True)):
+        vllm, lightx2v = divs[(k.ORDER_VLLM, *gs)], divs[(k.ORDER_LIGHTX2V, *gs)]
+        assert lightx2v > 0 and vllm == lightx2v + 1, (gs, vllm, lightx2v)

@@ -21,7 +21,9 @@ sa, sb, alpha, bias=None)``       accumulation, raw block scales (no global scal
 ================================  ==========================================================================
 
 ``x`` is ``[m, n]`` float16/bfloat16 with ``n % 16 == 0`` (NVFP4) or ``n % 32 == 0`` (MX). MX scales are RCEIL
-(``cvt ... cudaRoundPosInf`` of ``amax / max_elem``), elements round to nearest even with saturation.
+(``cvt ... cudaRoundPosInf`` of ``amax / max_elem``), elements round to nearest even with saturation. NVFP4
+elements are scaled by upstream's ``S * (1/sf)`` (lowbit's ``convention="lightx2v"``; vLLM's
+``1/(sf * (1/S))`` rounds some elements at E2M1 ties the other way).
 Where lowbit differs from the upstream kernels by design: reciprocals are exact (upstream uses
 ``rcp.approx.ftz``, which no reference can reproduce bit for bit; see docs/formats.md), and MXFP8 scale padding
 is zero (upstream leaves it uninitialised).
@@ -94,7 +96,7 @@ def scaled_nvfp4_quant(
             f"scaled_nvfp4_quant: input_global_scale must be a scalar tensor, got shape {tuple(input_global_scale.shape)}"
         )
     q = api.quantize(
-        input, "nvfp4", global_scale=input_global_scale, convention="vllm", scale_layout="swizzled"
+        input, "nvfp4", global_scale=input_global_scale, convention="lightx2v", scale_layout="swizzled"
     )
     return q.data, q.scale
 
@@ -205,7 +207,7 @@ def _check_devices(fn: str, **tensors: torch.Tensor | None) -> None:
 
 def _operand(data: torch.Tensor, scale: torch.Tensor, fmt: str, rows: int, k: int) -> QTensor:
     """A single-level QTensor around raw LightX2V tensors (no global scale: upstream's alpha carries it)."""
-    params = {"convention": "vllm"} if fmt == "nvfp4" else {"scale_rounding": "rceil"}
+    params = {"convention": "lightx2v"} if fmt == "nvfp4" else {"scale_rounding": "rceil"}
     if fmt.startswith("mxfp8"):
         data = data.view(torch.float8_e4m3fn)
     return QTensor(

@@ -99,7 +99,7 @@ def finite_amax(x: torch.Tensor) -> torch.Tensor:
 def nvfp4_default_global_scale(x: torch.Tensor, convention: NVFP4Convention | str = "vllm") -> torch.Tensor:
     """The per-tensor multiplier ``448*6/amax(x)`` each convention computes when none is given.
 
-    vllm: fp32 ``2688 / amax``; amax == 0 gives 1.0 (as TransformerEngine) and the result is capped at
+    vllm and lightx2v: fp32 ``2688 / amax``; amax == 0 gives 1.0 (as TransformerEngine) and the result is capped at
     FLT_MAX. compressed-tensors: ``2688 / amax`` evaluated in x's dtype (bf16 gives 13120 where fp32 gives
     13107.2), amax clamped to the dtype's tiny, non-finite results replaced by 1.0 (``generate_gparam``).
     torchao: ``1 / (amax/2688)`` of its divisor ``per_tensor_amax_to_scale`` (amax == 0 gives 1.0, where
@@ -107,7 +107,7 @@ def nvfp4_default_global_scale(x: torch.Tensor, convention: NVFP4Convention | st
 
     Args:
         x: the tensor to be quantized (float32/bfloat16/float16).
-        convention: ``"vllm"``, ``"torchao"`` or ``"compressed-tensors"``.
+        convention: ``"vllm"``, ``"lightx2v"``, ``"torchao"`` or ``"compressed-tensors"``.
 
     Returns:
         0-dim fp32 multiplier.
@@ -160,12 +160,15 @@ def quantize_nvfp4(
         global_scale: the per-tensor multiplier ``S`` (dequant = value * block_scale / S). None computes
             the convention's default from ``amax(x)`` (see :func:`nvfp4_default_global_scale`); ``"none"``
             quantizes single-level (no global scale, ``S = 1``).
-        convention: ``"vllm"`` (default; vLLM/LightX2V kernels), ``"torchao"`` or ``"compressed-tensors"``.
+        convention: ``"vllm"`` (default; vLLM, FlashInfer), ``"lightx2v"``, ``"torchao"`` or
+            ``"compressed-tensors"``.
         scale_layout: ``"linear"`` (``[..., K/16]``) or ``"swizzled"`` (128x4 tiles, 2-D).
 
     Per block with absmax ``a`` (fp32 unless said otherwise), block scale ``sf`` and value multiplier ``m``:
-      - vllm: ``sf = e4m3(S * (a * fp32(1/6)))``; ``m = S * (1/fp32(sf))``, or 0 when ``sf == 0``
+      - vllm: ``sf = e4m3(S * (a * fp32(1/6)))``; ``m = 1/(fp32(sf) * (1/S))``, or 0 when ``sf == 0``
         (so a zero block gets scale byte 0x00 and codes 0); codes ``e2m1(x * m)``.
+      - lightx2v: as vllm but ``m = S * (1/fp32(sf))``. The two multipliers can differ in the last bit, and
+        an element that lands on an E2M1 tie with one of them gets another code with the other.
       - torchao (divisor ``p = 1/S``, or its own ``amax/2688`` by default): ``sf = e4m3(clamp((a/6)/p,
         2^-6, 448))``; ``m = (1/p)/fp32(sf)``; single-level: ``sf = e4m3(clamp(a/6, 2^-6, 448))``,
         ``m = 1/fp32(sf)``.
@@ -227,7 +230,7 @@ def quantize_nvfp4(
         # exactly -0.0 gets code 0x0, while a negative value that rounds to zero gets 0x8
         scaled = torch.where(scaled == 0, torch.zeros_like(scaled), scaled)
     else:
-        codes, sf = quantize_blockscaled(x, E2M1, 16, "e4m3", global_scale=s)
+        codes, sf = quantize_blockscaled(x, E2M1, 16, "e4m3", global_scale=s, convention=convention)
         scaled = None
 
     if scaled is not None:
@@ -277,12 +280,14 @@ def quantize_blockscaled(
     *,
     global_scale: torch.Tensor | None = None,
     scale_rounding: ScaleRounding | str = "rceil",
+    convention: NVFP4Convention | str = "vllm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The generic block-scaled quantizer: element type x block size x scale type x optional global scale.
 
     Blocks of ``block_size`` run along the last dim of ``x`` (``K % block_size == 0``). With block absmax
     ``a`` (fp32), element max ``E`` and global multiplier ``S`` (1 if None):
-      - ``"e4m3"``: ``sf = e4m3(S * (a * fp32(1/E)))``, multiplier ``m = S * (1/fp32(sf))`` (0 if sf == 0).
+      - ``"e4m3"``: ``sf = e4m3(S * (a * fp32(1/E)))``, multiplier ``m = 1/(fp32(sf) * (1/S))`` (``convention``
+        ``"vllm"``) or ``m = S * (1/fp32(sf))`` (``"lightx2v"``), 0 if sf == 0.
       - ``"e8m0"``: ``sf = 2^e`` by ``scale_rounding`` (RCEIL of ``a * fp32(1/E)``, or FLOOR
         ``floor(log2 a) - emax``), ``m = 2^-e`` exactly; NaN/Inf blocks get 0xFF.
       - ``"fp32"``: ``sf = a / E``; elements are ``x / sf`` (IEEE division), 0 where sf == 0.
@@ -295,6 +300,7 @@ def quantize_blockscaled(
         scale_type: ``"e4m3"``, ``"e8m0"`` or ``"fp32"``.
         global_scale: e4m3 only: 0-dim fp32 multiplier ``S``.
         scale_rounding: e8m0 only: ``"rceil"`` or ``"floor"``.
+        convention: e4m3 only: ``"vllm"`` or ``"lightx2v"``, the producer whose multiplier order to follow.
 
     Returns:
         (codes, scales): uint8 element codes shaped like x, and scales ``[rows, K/block_size]`` as
@@ -308,7 +314,17 @@ def quantize_blockscaled(
         # fp32(1/E) times amax: LightX2V's `vecMax * 0.16666666666666666f`, vLLM's `amax * (1/6)`
         sf = encode_minifloat(s * (amax_b * rcp_max), E4M3).view(torch.float8_e4m3fn)
         sf32 = sf.float()
-        mult = torch.where(sf32 == 0, torch.zeros_like(sf32), s * (1.0 / sf32))
+        convention = NVFP4Convention(convention)
+        if convention is NVFP4Convention.VLLM:
+            # vLLM's `get_reciprocal(scale * get_reciprocal(global_scale))` (its CUDA kernel: the same with
+            # rcp.approx); sf * (1/S) can underflow to 0 for a huge S, then m is Inf as in vLLM
+            m = 1.0 / (sf32 * (1.0 / s))
+        elif convention is NVFP4Convention.LIGHTX2V:
+            # LightX2V's `SFScaleVal * reciprocal(SFValue)`
+            m = s * (1.0 / sf32)
+        else:
+            raise ValueError(f"convention: the e4m3 scale follows 'vllm' or 'lightx2v', got {convention.value!r}")
+        mult = torch.where(sf32 == 0, torch.zeros_like(sf32), m)
         scaled = xb * mult.unsqueeze(-1)
     elif scale_type == "e8m0":
         if global_scale is not None:

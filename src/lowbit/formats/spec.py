@@ -129,7 +129,11 @@ class NVFP4Convention(_Choice):
     """Whose NVFP4 arithmetic to reproduce where the producers differ (formats.md section 1.3)."""
 
     VLLM = "vllm"
-    """vLLM / LightX2V kernels: multiplier global scale, zero block -> scale 0x00, subnormal scales allowed."""
+    """vLLM (``scaled_fp4_quant``, ``ref_nvfp4_quant``; FlashInfer, TRT-LLM): multiplier global scale, element
+    multiplier ``1/(sf * (1/S))``, zero block -> scale 0x00, subnormal scales allowed."""
+    LIGHTX2V = "lightx2v"
+    """LightX2V ``scaled_nvfp4_quant``: as ``vllm`` but the element multiplier is ``S * (1/sf)`` (another
+    rounding order: some elements at E2M1 ties get another code)."""
     TORCHAO = "torchao"
     """torchao ``nvfp4_quantize``: divisor per-tensor scale, block scales clamped to >= 2^-6."""
     COMPRESSED_TENSORS = "compressed-tensors"

@@ -18,7 +18,8 @@ from ..formats.spec import NVFP4Convention
 # format -> (module, launcher, predicate on the options / QTensor params saying the kernel covers them)
 _QUANTIZE: dict[str, tuple[str, str, Callable[[dict], bool]]] = {
     "nvfp4": ("blockscaled", "quantize_nvfp4",
-              lambda o: NVFP4Convention(o.get("convention", "vllm")) is NVFP4Convention.VLLM),
+              lambda o: NVFP4Convention(o.get("convention", "vllm"))
+              in (NVFP4Convention.VLLM, NVFP4Convention.LIGHTX2V)),
     **{f: ("blockscaled", "quantize_mx", lambda o: True)
        for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")},
     "fp4_b32": ("blockscaled", "quantize_fp4_b32", lambda o: True),

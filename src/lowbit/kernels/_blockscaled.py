@@ -12,6 +12,9 @@ SCALE_E4M3 = 0
 SCALE_E8M0_RCEIL = 1
 SCALE_E8M0_FLOOR = 2
 SCALE_FP32 = 3
+# E4M3_ORDER: how the E4M3 (nvfp4) element multiplier is evaluated from the block scale sf and global scale S
+ORDER_VLLM = 0  # 1 / (sf * (1/S))
+ORDER_LIGHTX2V = 1  # S * (1/sf)
 # ELEM_KIND
 ELEM_MINIFLOAT = 0
 ELEM_E4M3 = 1
@@ -90,7 +93,7 @@ def _e8m0_value(code):
 
 @triton.jit
 def _group_scales(x, SCALE_KIND: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr, EMAX: tl.constexpr,
-                  s):
+                  s, E4M3_ORDER: tl.constexpr):
     """Per-group (row of x) scale bits to store and the scaled values to encode, as in the reference."""
     # max of |x| as integer bits: orders like the floats, and any NaN (bits above Inf) wins, as the
     # reference's amax propagates NaN where tl.max on floats would drop it
@@ -99,7 +102,13 @@ def _group_scales(x, SCALE_KIND: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.co
         sf_val = s * (amax * RCP_MAX)
         sf_bits = _encode_fp8(sf_val, 1, 448.0)
         sf32 = sf_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        mult = tl.where(sf32 == 0, 0.0, s * tl.div_rn(1.0, sf32))
+        # both orders in IEEE arithmetic, as the reference: they differ in the last bit for some (sf, S), which
+        # moves elements that sit on an E2M1 tie to another code
+        if E4M3_ORDER == 0:
+            m = tl.div_rn(1.0, sf32 * tl.div_rn(1.0, s))
+        else:
+            m = s * tl.div_rn(1.0, sf32)
+        mult = tl.where(sf32 == 0, 0.0, m)
         scaled = x * mult[:, None]
         scale_out = sf_bits
     elif SCALE_KIND == 1 or SCALE_KIND == 2:
@@ -141,13 +150,14 @@ def _quantize_blockscaled_kernel(
     SCALE_KIND: tl.constexpr, ELEM_KIND: tl.constexpr,
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr,
     EMAX: tl.constexpr, PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr,
-    NAN_FIXUP: tl.constexpr, GSCALE_FROM_AMAX: tl.constexpr = False,
+    NAN_FIXUP: tl.constexpr, E4M3_ORDER: tl.constexpr, GSCALE_FROM_AMAX: tl.constexpr = False,
 ):
     """x is contiguous, so it is a flat sequence of groups: each program quantizes BLOCK_G of them.
 
     GSCALE_FROM_AMAX: the global scale is the default ``2688 * (1/amax)`` (1 for amax 0, capped at FLT_MAX) of
     the finite absmax in ``amax_ptr`` (fp32 bits), computed here as the reference does; program 0 writes it
-    to ``gscale_ptr``.
+    to ``gscale_ptr``. E4M3_ORDER (SCALE_E4M3 only): ORDER_VLLM or ORDER_LIGHTX2V, the producer whose
+    multiplier order the element codes follow.
     """
     pid = tl.program_id(0).to(tl.int64)
     g = pid * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)
@@ -164,7 +174,7 @@ def _quantize_blockscaled_kernel(
         s = tl.load(gscale_ptr)
     else:
         s = 1.0
-    scaled, scale_out = _group_scales(x, SCALE_KIND, MAX, RCP_MAX, EMAX, s)
+    scaled, scale_out = _group_scales(x, SCALE_KIND, MAX, RCP_MAX, EMAX, s, E4M3_ORDER)
 
     if ELEM_KIND == 0:
         codes = _encode_minifloat(scaled, EBITS, MBITS, BIAS, MAX, NAN_FIXUP)

@@ -51,11 +51,18 @@ def quantize_variants():
             for swizzled in ((False,) if kind == k.SCALE_FP32 else (False, True)):
                 consts = dict(BLOCK_G=_block_g(group), GROUP=group, SCALE_KIND=kind, MAX=elem.max_normal,
                               RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax, HAS_GSCALE=has_g,
-                              SWIZZLED=swizzled, NAN_FIXUP=False, **_elem_args(elem))
+                              SWIZZLED=swizzled, NAN_FIXUP=False, E4M3_ORDER=k.ORDER_VLLM, **_elem_args(elem))
                 yield k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)), consts
                 if fmt == "nvfp4" and not has_g:
                     yield (k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)),
                            dict(consts, GSCALE_FROM_AMAX=True))
+                if fmt == "nvfp4":
+                    # the LightX2V multiplier order, with a given global scale and with the default one
+                    lx = dict(consts, E4M3_ORDER=k.ORDER_LIGHTX2V)
+                    yield k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)), lx
+                    if not has_g:
+                        yield (k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)),
+                               dict(lx, GSCALE_FROM_AMAX=True))
 
 
 def dequantize_variants():
@@ -111,7 +118,7 @@ def _scale_buffer(m: int, cols: int, swizzled: bool, dtype: torch.dtype, device)
     return torch.empty(m, cols, dtype=dtype, device=device)
 
 
-def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, amax=None):
+def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, amax=None, e4m3_order=0):
     # the kernel sees a contiguous tensor as a flat sequence of groups; other layouts are copied first
     x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).contiguous()
     m, kdim = x2.shape
@@ -129,7 +136,8 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, 
             RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax, HAS_GSCALE=gscale is not None and amax is None,
             SWIZZLED=swizzled,
             NAN_FIXUP=_interpreting(),  # the interpreter's min() keeps NaN: test for it (see _encode_minifloat)
-            GSCALE_FROM_AMAX=amax is not None, num_warps=TILE["warps"], **_elem_args(elem),
+            GSCALE_FROM_AMAX=amax is not None, E4M3_ORDER=e4m3_order, num_warps=TILE["warps"],
+            **_elem_args(elem),
         )
     lead = x.shape[:-1]
     data = data.reshape(*lead, data.shape[-1])
@@ -173,6 +181,10 @@ def _device_global_scale(g: torch.Tensor) -> torch.Tensor:
     return g.detach().reshape(())
 
 
+_KERNEL_ORDER = {NVFP4Convention.VLLM: k.ORDER_VLLM, NVFP4Convention.LIGHTX2V: k.ORDER_LIGHTX2V}
+"""The nvfp4 conventions the quantize kernel implements, and its multiplier order for each."""
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     global_scale: torch.Tensor | float | str | None = None,
@@ -181,8 +193,10 @@ def quantize_nvfp4(
 ) -> QTensor:
     ref.check_input(x, 16, "nvfp4")
     convention = NVFP4Convention(convention)
-    if convention is not NVFP4Convention.VLLM:
-        raise ValueError(f"the triton nvfp4 kernel implements convention='vllm' only, got {convention.value!r}")
+    if convention not in _KERNEL_ORDER:
+        raise ValueError(
+            f"convention: the triton nvfp4 kernel implements 'vllm' and 'lightx2v', got {convention.value!r}"
+        )
     ref._check_layout(scale_layout)
     if isinstance(global_scale, str):
         if global_scale != "none":
@@ -202,7 +216,7 @@ def quantize_nvfp4(
         s = torch.empty((), dtype=torch.float32, device=x.device)
     data, scale = _launch_quantize(
         x, E2M1, 16, k.SCALE_E4M3, None if s is None else s.reshape(1), scale_layout == "swizzled", torch.uint8,
-        amax=amax,
+        amax=amax, e4m3_order=_KERNEL_ORDER[convention],
     )
     if amax is not None and data.numel() == 0:
         s.fill_(1.0)
