@@ -27,6 +27,7 @@ _IMPLS: dict[str, tuple[str, str, str]] = {
     "fp8_block": ("fp8_block", "quantize_fp8_block", "dequantize_fp8_block"),
     "fp8_rowwise": ("fp8_rowwise", "quantize_fp8_rowwise", "dequantize_fp8_rowwise"),
     "nf4": ("nf4", "quantize_nf4", "dequantize_nf4"),
+    "bnb_fp4": ("bnb_fp4", "quantize_bnb_fp4", "dequantize_bnb_fp4"),
     "int4_awq": ("int4_awq", "quantize_int4_awq", "dequantize_int4_awq"),
 }
 _DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,14 +96,14 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, *, backend: str | None = No
     """Quantize ``x`` to ``fmt``.
 
     Args:
-        x: float32/bfloat16/float16 tensor; blocks run along the last dim (nf4: over the flattened
+        x: float32/bfloat16/float16 tensor; blocks run along the last dim (nf4, bnb_fp4: over the flattened
             tensor; int4_awq: ``x`` is a weight ``[out, in]`` grouped along ``in``).
         fmt: a name from ``lowbit.formats.FORMATS`` (``nvfp4``, ``mxfp4``, ``mxfp6_e2m3``, ``mxfp6_e3m2``,
             ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``fp4_b32``, ``fp8_block``, ``fp8_rowwise``, ``nf4``,
-            ``int4_awq``) or a ``FormatSpec`` (its options are the defaults).
+            ``bnb_fp4``, ``int4_awq``) or a ``FormatSpec`` (its options are the defaults).
         **options: per format: nvfp4 ``global_scale``, ``convention``, ``scale_layout``; MX
-            ``scale_rounding``, ``scale_layout``; fp8_block ``block``, ``scale_fmt``; nf4 ``blocksize``,
-            ``double_quant``; int4_awq ``group_size``.
+            ``scale_rounding``, ``scale_layout``; fp8_block ``block``, ``scale_fmt``; nf4 and bnb_fp4
+            ``blocksize``, ``double_quant``; int4_awq ``group_size``.
         backend: ``"auto"`` (default, or ``$LOWBIT_BACKEND``): triton kernels for CUDA tensors where one
             covers the format, the torch reference otherwise; ``"triton"`` (error where no kernel can
             run); ``"torch"`` (the reference, on any device).

@@ -9,7 +9,8 @@ import torch
 import lowbit
 from lowbit.formats import nf4
 from lowbit.formats.codecs import codebook_table
-from lowbit.formats.spec import NF4
+from lowbit.formats import bnb_fp4
+from lowbit.formats.spec import BNB_FP4, NF4
 from lowbit.io.bnb import from_bnb_state_dict, to_bnb_state_dict
 
 QS = "quant_state.bitsandbytes__nf4"
@@ -165,7 +166,15 @@ def _without(sd, key):
                 ("weight.quant_state.bitsandbytes__fp4" if k.endswith(QS) else k): v for k, v in _sd().items()
             },
             ValueError,
-            "only quant_type nf4 is supported, got 'fp4'",
+            # the fp4 key with nf4's JSON: key and JSON must name the same type
+            "quant_type must be 'fp4' \\(the key's\\), got 'nf4'",
+        ),
+        (
+            lambda: {
+                ("weight.quant_state.bitsandbytes__int4" if k.endswith(QS) else k): v for k, v in _sd().items()
+            },
+            ValueError,
+            r"quant_type must be one of \['fp4', 'nf4'\].*got 'int4'",
         ),
         (lambda: {**_sd(), "weight.code": torch.zeros(1)}, ValueError, r"unexpected \['weight.code'\]"),
         (
@@ -180,6 +189,7 @@ def _without(sd, key):
         ),
         (lambda: {**_sd(), f"weight.{QS}": torch.zeros(2, 2, dtype=torch.uint8)}, ValueError, "1-D uint8"),
         (lambda: _with_json(_sd(), quant_type="fp4"), ValueError, "quant_type must be 'nf4'"),
+        (lambda: {**_sd(), "weight.quant_map": codebook_table(BNB_FP4)}, ValueError, "not the standard NF4 table"),
         (lambda: _with_json(_sd(), blocksize=48), ValueError, "blocksize must be one of"),
         (lambda: _with_json(_sd(), dtype="float64"), ValueError, "dtype must be one of"),
         (lambda: _with_json(_sd(), shape=[2, -130]), ValueError, "shape must be a list of non-negative ints"),
@@ -231,7 +241,7 @@ def test_prefix_and_qtensor_errors():
         to_bnb_state_dict(q, prefix=3)
     with pytest.raises(TypeError, match="q must be a QTensor"):
         to_bnb_state_dict(to_bnb_state_dict(q))
-    with pytest.raises(ValueError, match="nf4 QTensor"):
+    with pytest.raises(ValueError, match=r"one of \('nf4', 'bnb_fp4'\)"):
         to_bnb_state_dict(lowbit.quantize(torch.ones(1, 32), "mxfp4"))
 
 
@@ -243,8 +253,8 @@ def bnbf():
     return pytest.importorskip("bitsandbytes.functional")
 
 
-def _bnb_sd(F, x, blocksize=64, dq=True, prefix="weight", **kw):
-    packed, state = F.quantize_4bit(x, blocksize=blocksize, compress_statistics=dq, quant_type="nf4", **kw)
+def _bnb_sd(F, x, blocksize=64, dq=True, prefix="weight", quant_type="nf4", **kw):
+    packed, state = F.quantize_4bit(x, blocksize=blocksize, compress_statistics=dq, quant_type=quant_type, **kw)
     return (
         {prefix: packed, **{f"{prefix}.{k}": v for k, v in state.as_dict(packed=True).items()}},
         packed,
@@ -338,3 +348,78 @@ def test_non_uint8_quant_storage_is_read_as_bytes(bnbf):
     ref, packed, _ = _bnb_sd(bnbf, x, dq=True, quant_storage=torch.bfloat16)
     assert packed.dtype == torch.bfloat16 and packed.shape == (64, 1)
     _same_qtensor(from_bnb_state_dict(ref), nf4.quantize_nf4(x, 64, True))
+
+
+# ---------------------------------------------------------------- bnb_fp4 (quant_type "fp4")
+
+
+def test_fp4_layout_keys_and_json():
+    x = _x((4, 128))
+    q = bnb_fp4.quantize_bnb_fp4(x, 64, True)
+    sd = to_bnb_state_dict(q, prefix="m.weight")
+    assert list(sd) == ["m.weight", "m.weight.absmax", "m.weight.quant_map", "m.weight.nested_absmax",
+                        "m.weight.nested_quant_map", "m.weight.quant_state.bitsandbytes__fp4"]
+    assert torch.equal(sd["m.weight.quant_map"].view(torch.int32), codebook_table(BNB_FP4).view(torch.int32))
+    meta = json.loads(bytes(sd["m.weight.quant_state.bitsandbytes__fp4"].tolist()))
+    assert meta["quant_type"] == "fp4" and meta["blocksize"] == 64 and meta["shape"] == [4, 128]
+    back = from_bnb_state_dict(sd, prefix="m.weight")
+    assert back.fmt == "bnb_fp4"
+    _same_qtensor(back, q)
+    plain = bnb_fp4.quantize_bnb_fp4(x.float(), 128)
+    _same_qtensor(from_bnb_state_dict(to_bnb_state_dict(plain)), plain)
+
+
+def test_fp4_errors():
+    sd = to_bnb_state_dict(bnb_fp4.quantize_bnb_fp4(_x((2, 64)), 64))
+    bad = dict(sd, **{"weight.quant_map": codebook_table(NF4)})
+    with pytest.raises(ValueError, match="not the standard FP4 table"):
+        from_bnb_state_dict(bad)
+    # code 8 as -0.0 is another map (bitsandbytes' table holds +0.0 there)
+    neg = codebook_table(BNB_FP4).clone()
+    neg[8] = -0.0
+    with pytest.raises(ValueError, match="not the standard FP4 table"):
+        from_bnb_state_dict(dict(sd, **{"weight.quant_map": neg}))
+    # an nf4 checkpoint's JSON under the fp4 key, and the reverse
+    nf4_sd = to_bnb_state_dict(nf4.quantize_nf4(_x((2, 64)), 64))
+    swapped = dict(nf4_sd)
+    swapped["weight.quant_state.bitsandbytes__nf4"] = sd["weight.quant_state.bitsandbytes__fp4"]
+    with pytest.raises(ValueError, match="quant_type must be 'nf4' \\(the key's\\), got 'fp4'"):
+        from_bnb_state_dict(swapped)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("dq", [False, True])
+@pytest.mark.parametrize(
+    "shape, dtype, blocksize",
+    [((4, 128), torch.bfloat16, 64), ((3, 33), torch.float16, 128), ((1000,), torch.float32, 256),
+     ((2, 5, 300), torch.bfloat16, 32), ((), torch.float32, 64), ((0, 64), torch.bfloat16, 64)],
+)
+def test_fp4_state_dict_equals_bitsandbytes(bnbf, shape, dtype, blocksize, dq):
+    x = _x(shape, dtype, seed=blocksize + 1)
+    ref, _, _ = _bnb_sd(bnbf, x, blocksize, dq, quant_type="fp4")
+    q = bnb_fp4.quantize_bnb_fp4(x, blocksize, dq)
+    _assert_same_state_dict(to_bnb_state_dict(q), ref)
+    _same_qtensor(from_bnb_state_dict(ref), q)
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("dq", [False, True])
+def test_fp4_linear4bit_state_dict_round_trip(bnbf, bnb_dequantize_4bit, dq):
+    bnb = pytest.importorskip("bitsandbytes")
+    w = _x((8, 192), torch.bfloat16, seed=3)
+    lin = bnb.nn.Linear4bit(192, 8, bias=True, quant_type="fp4", compress_statistics=dq)
+    lin.weight = bnb.nn.Params4bit(w.clone(), requires_grad=False, quant_type="fp4", compress_statistics=dq)
+    lin = lin.to("cpu")
+    sd = lin.state_dict(prefix="model.proj.")
+    assert "model.proj.weight.quant_state.bitsandbytes__fp4" in sd
+    ours = to_bnb_state_dict(bnb_fp4.quantize_bnb_fp4(w, 64, dq), prefix="model.proj.weight")
+    _assert_same_state_dict(ours, {k: v for k, v in sd.items() if k != "model.proj.bias"})
+    back = from_bnb_state_dict(sd, prefix="model.proj.weight")
+    assert back.fmt == "bnb_fp4" and back.shape == (8, 192) and back.dtype == torch.bfloat16
+    # bitsandbytes reads ours (QuantState.from_dict, what its Params4bit.from_prequantized calls) and decodes it
+    # as our reference does
+    qs = {k[len("model.proj.weight."):]: v for k, v in ours.items() if k != "model.proj.weight"}
+    state = bnbf.QuantState.from_dict(qs, device=torch.device("cpu"))
+    assert state.quant_type == "fp4" and state.nested == dq
+    ref = bnb_dequantize_4bit(ours["model.proj.weight"], state)
+    assert torch.equal(_bits(ref), _bits(bnb_fp4.dequantize_bnb_fp4(back, torch.bfloat16)))

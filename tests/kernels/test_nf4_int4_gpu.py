@@ -1,4 +1,4 @@
-"""Triton NF4 and AutoAWQ INT4 dequantize kernels are bit-identical to the CPU reference.
+"""Triton NF4 (and bnb_fp4) and AutoAWQ INT4 dequantize kernels are bit-identical to the CPU reference.
 
 NaN bits: the kernels reproduce what the reference writes on an x86 host with vectorized ATen kernels
 (AVX2; see ``_host_has_x86_vector_nans``). Elsewhere NaN elements are compared by position only.
@@ -16,6 +16,8 @@ import torch
 import lowbit
 from lowbit.formats import int4_awq as ref_awq
 from lowbit.formats import nf4 as ref_nf4
+from lowbit.formats import bnb_fp4 as ref_fp4
+from lowbit.formats.packing import unpack_nibbles_high_first
 from lowbit.formats.qtensor import QTensor
 from lowbit.kernels import int4_awq as k_awq
 from lowbit.kernels import nf4 as k_nf4
@@ -222,6 +224,87 @@ def test_nf4_int64_indexing_beyond_2_31_elements():
                   params={"blocksize": bs, "double_quant": True},
                   nested_scale=nested[start // (256 * bs):].cpu(), nested_offset=off.cpu())
     assert_bitexact(got[start:], ref_nf4.dequantize_nf4(sub, torch.bfloat16), "tail beyond 2^31")
+
+
+# ------------------------------------------------------------------------------------------------ bnb_fp4
+# bitsandbytes' FP4 type: the NF4 kernel with the FP4 table (kernels.nf4.dequantize_bnb_fp4)
+
+
+def _check_fp4(q, what=""):
+    for dt in OUT_DTYPES:
+        want = ref_fp4.dequantize_bnb_fp4(q, dt)
+        got = k_nf4.dequantize_bnb_fp4(q.to("cuda"), dt)
+        _assert_matches(got, want, f"bnb_fp4 {what} -> {dt}")
+
+
+@pytest.mark.parametrize("blocksize", ref_nf4.BLOCKSIZES)
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("n", [1, 7, 4096, ELEMS * 3 + 1, 100_003])
+def test_bnb_fp4_random_and_adversarial(blocksize, double_quant, n):
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _nf4_input(n, seed=n + blocksize, adversarial=True).to(dtype)
+        q = ref_fp4.quantize_bnb_fp4(x, blocksize, double_quant)
+        _check_fp4(q, f"n={n} bs={blocksize} dq={double_quant}")
+
+
+@pytest.mark.parametrize("shape", [(4096, 4096), (3, 5, 7), (1, 2049)])
+def test_bnb_fp4_shapes_via_api(shape):
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    for dq in (False, True):
+        q = lowbit.quantize(x, "bnb_fp4", backend="torch", blocksize=64, double_quant=dq)
+        qc = q.to("cuda")
+        for dt in OUT_DTYPES:
+            want = lowbit.dequantize(q, dt, backend="torch")
+            _assert_matches(lowbit.dequantize(qc, dt, backend="triton"), want, f"triton {shape} dq={dq} {dt}")
+            _assert_matches(lowbit.dequantize(qc, dt), want, f"auto {shape} dq={dq} {dt}")
+
+
+def test_bnb_fp4_every_byte_value_and_nan_rules():
+    data = torch.arange(256, dtype=torch.uint8).repeat(64)
+    n = data.numel() * 2
+    scale = torch.linspace(-3, 3, n // 64)
+    scale[:4] = _f32(0x7F812345, 0x7F800000, 0xFF800000, 0x80000000)  # NaN payload, +-inf, -0
+    q = QTensor(data=data, scale=scale, fmt="bnb_fp4", shape=torch.Size([n]), dtype=torch.float32,
+                params={"blocksize": 64, "double_quant": False})
+    _check_fp4(q, "every byte")
+    q = ref_fp4.quantize_bnb_fp4(torch.randn(64 * 600), 64, double_quant=True)
+    for nested, off in ((_f32(0x7F800000, 0x3F000000, 0x3F800000), _f32(0x3C23D70A)),
+                        (_f32(0x3F800000, 0x7FC01234, 0x3F800000), _f32(0xFF800000))):
+        _check_fp4(replace(q, nested_scale=nested, nested_offset=off.reshape(())), "dq nan rules")
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("blocksize", [64, 128, 256])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("dtype", OUT_DTYPES)
+def test_bnb_fp4_matches_bitsandbytes_cuda_dequantize(blocksize, double_quant, dtype):
+    """bitsandbytes' CUDA ``dequantize_4bit(quant_type="fp4")`` against the reference and the kernel on codes
+    from bnb's CPU ``quantize_4bit``. Two places where bnb's CUDA decode departs from its own table, which the
+    reference follows: code 8 decodes to -0.0 there (a sign multiply; the table holds +0.0), and subnormal
+    fp32 products flush to +-0 (as for nf4). Everything else is bit for bit; NaN in the same places."""
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    g = torch.Generator().manual_seed(blocksize + double_quant)
+    cases = [torch.randn(64, 256, generator=g) * 3, torch.randn(5, 100, generator=g), torch.randn(4, 32, generator=g),
+             _nf4_input(4096 + 77, seed=blocksize, adversarial=True).reshape(1, -1),
+             torch.randn(2, 64, generator=g) * 1e-4 * torch.tensor([1e4] + [1.0] * 63)]  # code 8 and 0 zeros
+    for x in cases:
+        x = x.to(dtype)
+        packed, state = bnbf.quantize_4bit(x, blocksize=blocksize, compress_statistics=double_quant,
+                                           quant_type="fp4")
+        q = ref_fp4.quantize_bnb_fp4(x, blocksize, double_quant)
+        assert torch.equal(packed.reshape(-1), q.data)
+        state.to("cuda")
+        theirs = bnbf.dequantize_4bit(packed.cuda(), state, quant_type="fp4").cpu().reshape(-1)
+        want = ref_fp4.dequantize_bnb_fp4(q, dtype).reshape(-1)
+        got = k_nf4.dequantize_bnb_fp4(q.to("cuda"), dtype).cpu().reshape(-1)
+        what = f"{tuple(x.shape)} bs={blocksize} dq={double_quant} {dtype}"
+        assert_bitexact(got, want, "kernel vs reference " + what, any_nan=True)
+        y = ref_fp4.dequantize_bnb_fp4(q, torch.float32).reshape(-1)
+        code8 = unpack_nibbles_high_first(q.data, x.numel()) == 8
+        normal = (y.abs() >= torch.finfo(torch.float32).tiny) & ~code8
+        assert_bitexact(want[normal], theirs[normal], "reference vs bnb CUDA, normal products " + what, any_nan=True)
+        zero = ~normal & ~y.isnan()
+        assert (theirs[zero].float() == 0).all(), "bnb CUDA: code 8 and subnormal products are +-0 " + what
 
 
 # ---------------------------------------------------------------------------------------------- INT4 AWQ

@@ -1,4 +1,4 @@
-"""The NF4 and INT4-AWQ kernels under ``TRITON_INTERPRET=1`` on tiny CPU tensors, bit-exact against the reference.
+"""The NF4 (and bnb_fp4, the same kernel with bitsandbytes' FP4 table) and INT4-AWQ kernels under ``TRITON_INTERPRET=1`` on tiny CPU tensors, bit-exact against the reference.
 
 The interpreter runs the kernels' indexing, masking, tail programs, nibble orders, group/tile mapping,
 double-quant decode and NaN bookkeeping with numpy on this x86 host. It cannot run inline asm or
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from dataclasses import replace
-    from lowbit.formats import int4_awq as ref_awq, nf4 as ref_nf4
+    from lowbit.formats import bnb_fp4 as ref_fp4, int4_awq as ref_awq, nf4 as ref_nf4
     from lowbit.formats.qtensor import QTensor
     from lowbit.kernels import int4_awq as k_awq, nf4 as k_nf4
     from lowbit.testing import assert_bitexact
@@ -31,6 +31,10 @@ SCRIPT = textwrap.dedent(
     def nf4(q, what):
         for dt in OUTS:
             assert_bitexact(k_nf4.dequantize_nf4(q, dt), ref_nf4.dequantize_nf4(q, dt), f"nf4 {what} {dt}")
+
+    def fp4(q, what):
+        for dt in OUTS:
+            assert_bitexact(k_nf4.dequantize_bnb_fp4(q, dt), ref_fp4.dequantize_bnb_fp4(q, dt), f"bnb_fp4 {what} {dt}")
 
     # tiles of a few hundred elements: several programs, full and tail ones
     for n, bs in ((1, 32), (2, 64), (255, 32), (256, 64), (1000, 64), (1537, 128), (3000, 1024), (700, 4096),
@@ -45,6 +49,7 @@ SCRIPT = textwrap.dedent(
             x[500:532] = 1e-40
         for dq in (False, True):
             nf4(ref_nf4.quantize_nf4(x, bs, dq), f"n={n} bs={bs} dq={dq}")
+            fp4(ref_fp4.quantize_bnb_fp4(x, bs, dq), f"n={n} bs={bs} dq={dq}")
 
     # every byte value; NaN payloads, +-inf, -0, subnormal and negative absmax
     data = torch.arange(256, dtype=torch.uint8).repeat(4)
@@ -53,6 +58,13 @@ SCRIPT = textwrap.dedent(
                                                 -0x80000000, 1, 0x7F7FFFFF, 0x7FFFFFFF], dtype=torch.int32)
     nf4(QTensor(data=data, scale=scale, fmt="nf4", shape=torch.Size([2048]),
                 params={"blocksize": 64, "double_quant": False}), "every byte")
+    fp4(QTensor(data=data, scale=scale, fmt="bnb_fp4", shape=torch.Size([2048]),
+                params={"blocksize": 64, "double_quant": False}), "every byte")
+    # the table reaches the kernel: an fp4 QTensor never decodes with NF4's levels
+    assert not torch.equal(k_nf4.dequantize_bnb_fp4(QTensor(data=data, scale=scale.abs(), fmt="bnb_fp4",
+        shape=torch.Size([2048]), params={"blocksize": 64, "double_quant": False})), k_nf4.dequantize_nf4(QTensor(
+        data=data, scale=scale.abs(), fmt="nf4", shape=torch.Size([2048]), params={"blocksize": 64,
+        "double_quant": False})))
 
     # double quantization: every dynamic-map code, NaN / inf nested absmax and offset
     k_nf4.TILE.update(elems=1024)
@@ -63,6 +75,8 @@ SCRIPT = textwrap.dedent(
         for off in (0.01, float("inf"), -float("inf"), float("nan")):
             nf4(replace(q, scale=codes, nested_scale=torch.tensor(nested), nested_offset=torch.tensor(off)),
                 f"dq nested={nested} off={off}")
+            fp4(replace(q, fmt="bnb_fp4", scale=codes, nested_scale=torch.tensor(nested),
+                        nested_offset=torch.tensor(off)), f"dq nested={nested} off={off}")
 
     # NaN payloads of the reference's fp16 multiply are the vectorized ATen kernels' (AVX2/AVX-512: payload kept);
     # torch's scalar fallback (no AVX2, ATEN_CPU_CAPABILITY=default, aarch64) writes 0x7E00: positions only there

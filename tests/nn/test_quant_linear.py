@@ -19,6 +19,7 @@ from lowbit.nn import SCHEMES, QuantLinear, Scheme, fused_groups, get_scheme, qu
 # for W4A16, ~0.998 for 8-bit; set a little below the measurements so a broken quantizer fails)
 MIN_COSINE = {
     "w4a16-nvfp4": 0.98, "w4a16-mxfp4": 0.98, "w4a16-nf4": 0.98, "w4a16-int4": 0.985, "w4a16-fp4b32": 0.98,
+    "w4a16-bnb-fp4": 0.97,
     "w8a8-fp8-block": 0.996, "w4a4-nvfp4": 0.965, "w4a4-mxfp4": 0.965, "w4a8-mxfp4": 0.978, "w8a8-mxfp8": 0.996,
 }  # fmt: skip
 

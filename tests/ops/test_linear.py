@@ -636,3 +636,22 @@ def test_dequant_gemm_threshold_per_format(weights, kernels, monkeypatch):
     assert _path(weights["nf4"], policy.DEQUANT_GEMM_MIN_M).path == "gemm_w4"
     assert _path(weights["nf4"], 2 * policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
     assert _path(weights["mxfp4"], policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
+
+
+@pytest.mark.parametrize("dq", [False, True])
+def test_bnb_fp4_always_dequantizes_then_gemm_on_cuda(monkeypatch, dq):
+    # no W4A16 GEMV / GEMM kernel reads bnb_fp4's table: every M on CUDA dequantizes (Triton) then cuBLAS,
+    # even with DEQUANT_GEMM_MIN_M off; the CPU path is the reference
+    q = lowbit.quantize(torch.randn(256, 128), "bnb_fp4", double_quant=dq)
+    for min_m in (None, 2048):
+        monkeypatch.setattr(policy, "DEQUANT_GEMM_MIN_M", min_m)
+        for m in (1, 16, 100, 4096):
+            assert policy.linear_decide(m, torch.device("cuda"), q, "auto")[:2] == ("dequant_gemm", None)
+    assert policy.linear_decide(1, torch.device("cpu"), q, "auto")[0] == "reference"
+    # the reference and the chunked dequantize + GEMM path agree with dequantize(q) @ x
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    want = x.float() @ lowbit.dequantize(q).T
+    got = lowbit.ops.linear(x, q, backend="torch").float()
+    assert ((got - want).norm() / want.norm()) < 1e-2
+    chunked = lin.linear_dequant_gemm(x, q, None, None, dequant_backend="torch", chunk_bytes=64 * 128 * 2)
+    assert torch.allclose(chunked.float(), (x @ lowbit.dequantize(q, torch.bfloat16).T).float(), rtol=0, atol=0)

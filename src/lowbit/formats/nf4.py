@@ -25,7 +25,7 @@ import torch
 from .codecs import codebook_table, encode_codebook
 from .packing import pack_nibbles_high_first, unpack_nibbles_high_first
 from .qtensor import QTensor
-from .spec import NF4
+from .spec import BNB_FP4, NF4, CodebookSpec
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 """Block sizes bitsandbytes 0.50.2 ``quantize_4bit`` accepts."""
@@ -33,10 +33,14 @@ NESTED_BLOCKSIZE = 256
 """Block size bitsandbytes uses to quantize the absmax when ``compress_statistics=True``."""
 
 _SUPPORTED_INPUT = (torch.float32, torch.bfloat16, torch.float16)
-_ZERO_CODE = 7
 _NAN_CODE = 15  # torch.bucketize puts NaN after every boundary
 _ABSMAX_FLOOR = 1e-38
 _LUT_SIZE = 65536
+
+BNB_4BIT_FORMATS: dict[str, CodebookSpec] = {"nf4": NF4, "bnb_fp4": BNB_FP4}
+"""lowbit formats with bitsandbytes' 4-bit layout (``quantize_4bit``'s ``quant_type`` nf4 / fp4) -> their
+16-entry table. They differ only in the table and the encode rule; blocks, absmax, double quantization and
+packing are shared, and so is every kernel, which takes the table as data."""
 
 
 def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> torch.Tensor:
@@ -220,17 +224,17 @@ def dequantize_blockwise_8bit(
     return out.reshape(codes.shape)
 
 
-def _check_nf4_input(x: torch.Tensor, blocksize: int, double_quant: bool) -> None:
+def _check_nf4_input(x: torch.Tensor, blocksize: int, double_quant: bool, fmt: str = "nf4") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _SUPPORTED_INPUT:
-        raise TypeError(f"nf4: x must be float32, bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"{fmt}: x must be float32, bfloat16 or float16, got {x.dtype}")
     if not isinstance(blocksize, int) or isinstance(blocksize, bool):
-        raise TypeError(f"nf4: blocksize must be an int, got {type(blocksize).__name__}")
+        raise TypeError(f"{fmt}: blocksize must be an int, got {type(blocksize).__name__}")
     if blocksize not in BLOCKSIZES:
-        raise ValueError(f"nf4: blocksize must be one of {BLOCKSIZES} (bitsandbytes), got {blocksize}")
+        raise ValueError(f"{fmt}: blocksize must be one of {BLOCKSIZES} (bitsandbytes), got {blocksize}")
     if not isinstance(double_quant, bool):
-        raise TypeError(f"nf4: double_quant must be a bool, got {type(double_quant).__name__}")
+        raise TypeError(f"{fmt}: double_quant must be a bool, got {type(double_quant).__name__}")
 
 
 def _encode_nf4(scaled: torch.Tensor) -> torch.Tensor:
@@ -262,7 +266,15 @@ def quantize_nf4(x: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
         ``[ceil(n/blocksize)]`` or, with double_quant, its uint8 codes, ``nested_scale`` fp32
         ``[ceil(nblocks/256)]`` and ``nested_offset`` an fp32 scalar tensor; ``shape``/``dtype`` of ``x``.
     """
-    _check_nf4_input(x, blocksize, double_quant)
+    return quantize_bnb_4bit(x, blocksize, double_quant, "nf4", _encode_nf4)
+
+
+def quantize_bnb_4bit(x: torch.Tensor, blocksize: int, double_quant: bool, fmt: str, encode) -> QTensor:
+    """bitsandbytes' ``quantize_4bit`` (default backend) with the code choice left to ``encode``: the part
+    nf4 and bnb_fp4 share. ``encode(scaled fp32 [m]) -> int codes [m]`` maps values already scaled into
+    [-1, 1] (or NaN); bitsandbytes pads an odd count with one 0.0 before encoding, so the pad nibble is
+    ``encode(0.0)``."""
+    _check_nf4_input(x, blocksize, double_quant, fmt)
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     full = n - n % blocksize
@@ -274,22 +286,19 @@ def quantize_nf4(x: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
         tail_absmax = tail.abs().max().clamp(min=_ABSMAX_FLOOR)
         absmax = torch.cat([absmax, tail_absmax.unsqueeze(0)])
         scaled = torch.cat([scaled, (tail / tail_absmax).clamp(-1, 1)])
-    codes = _encode_nf4(scaled)
     if n % 2:
-        # bitsandbytes pads the scaled values with 0.0 before encoding, so the pad nibble is code 7
-        codes = torch.cat([codes, codes.new_full((1,), _ZERO_CODE)])
-    data = pack_nibbles_high_first(codes)
+        scaled = torch.cat([scaled, scaled.new_zeros(1)])
+    data = pack_nibbles_high_first(encode(scaled))
     params = {"blocksize": blocksize, "double_quant": double_quant}
     if not double_quant:
-        return QTensor(data=data, scale=absmax, fmt="nf4", shape=x.shape, dtype=x.dtype, params=params)
+        return QTensor(data=data, scale=absmax, fmt=fmt, shape=x.shape, dtype=x.dtype, params=params)
     offset = absmax.mean()
-    qabsmax, nested = quantize_blockwise_8bit(
-        absmax - offset, _default_dynamic_map().to(x.device), NESTED_BLOCKSIZE
-    )
+    # the default map (code=None) is read on the host, so a meta absmax (shape-only quantize) works too
+    qabsmax, nested = quantize_blockwise_8bit(absmax - offset, None, NESTED_BLOCKSIZE)
     return QTensor(
         data=data,
         scale=qabsmax,
-        fmt="nf4",
+        fmt=fmt,
         shape=x.shape,
         dtype=x.dtype,
         params=params,
@@ -304,6 +313,16 @@ def check_nf4_qtensor(q: QTensor) -> tuple[int, int, bool]:
         raise TypeError(f"q must be a QTensor, got {type(q).__name__}")
     if q.fmt != "nf4":
         raise ValueError(f"q must be an nf4 QTensor, got fmt={q.fmt!r}")
+    return check_bnb4_qtensor(q)
+
+
+def check_bnb4_qtensor(q: QTensor) -> tuple[int, int, bool]:
+    """Validate the layout of a QTensor of any :data:`BNB_4BIT_FORMATS` format (nf4, bnb_fp4); returns
+    ``(numel, blocksize, double_quant)``. The table to decode with is ``BNB_4BIT_FORMATS[q.fmt]``."""
+    if not isinstance(q, QTensor):
+        raise TypeError(f"q must be a QTensor, got {type(q).__name__}")
+    if q.fmt not in BNB_4BIT_FORMATS:
+        raise ValueError(f"q must be a QTensor of one of {tuple(BNB_4BIT_FORMATS)}, got fmt={q.fmt!r}")
     blocksize = q.params.get("blocksize")
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"q.params['blocksize'] must be one of {BLOCKSIZES}, got {blocksize!r}")
@@ -338,9 +357,9 @@ def check_nf4_qtensor(q: QTensor) -> tuple[int, int, bool]:
 
 
 def nf4_absmax(q: QTensor) -> torch.Tensor:
-    """fp32 per-block absmax ``[nblocks]`` of an nf4 QTensor, decoding double quantization as bitsandbytes
-    ``dequantize_4bit`` does: ``dequantize_blockwise_8bit(scale, nested_scale) + nested_offset``."""
-    check_nf4_qtensor(q)
+    """fp32 per-block absmax ``[nblocks]`` of an nf4 (or bnb_fp4) QTensor, decoding double quantization as
+    bitsandbytes ``dequantize_4bit`` does: ``dequantize_blockwise_8bit(scale, nested_scale) + nested_offset``."""
+    check_bnb4_qtensor(q)
     if q.nested_scale is None:
         return q.scale
     absmax = dequantize_blockwise_8bit(
@@ -365,12 +384,19 @@ def dequantize_nf4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     Returns:
         ``dtype`` tensor of shape ``q.shape``.
     """
-    n, blocksize, _ = check_nf4_qtensor(q)
+    check_nf4_qtensor(q)
+    return dequantize_bnb_4bit(q, dtype)
+
+
+def dequantize_bnb_4bit(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """bitsandbytes' ``dequantize_4bit`` of a QTensor of any :data:`BNB_4BIT_FORMATS` format, with its
+    format's table: see :func:`dequantize_nf4`."""
+    n, blocksize, _ = check_bnb4_qtensor(q)
     if dtype not in _SUPPORTED_INPUT:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     absmax = nf4_absmax(q)
     codes = unpack_nibbles_high_first(q.data, n)
-    vals = codebook_table(NF4).to(q.device)[codes.to(torch.int64)]
+    vals = codebook_table(BNB_4BIT_FORMATS[q.fmt]).to(q.device)[codes.to(torch.int64)]
     nblocks = absmax.numel()
     vals = torch.cat([vals, vals.new_zeros(nblocks * blocksize - n)]).view(nblocks, blocksize)
     out = (vals * absmax.reshape(-1, 1)).reshape(-1)[:n]
@@ -392,13 +418,17 @@ def _to_bf16_bnb(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "BLOCKSIZES",
+    "BNB_4BIT_FORMATS",
     "NESTED_BLOCKSIZE",
+    "check_bnb4_qtensor",
     "check_nf4_qtensor",
     "create_dynamic_map",
     "dequantize_blockwise_8bit",
+    "dequantize_bnb_4bit",
     "dequantize_nf4",
     "dynamic_map",
     "nf4_absmax",
     "quantize_blockwise_8bit",
+    "quantize_bnb_4bit",
     "quantize_nf4",
 ]

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .nf4 import NESTED_BLOCKSIZE, check_nf4_qtensor, nf4_absmax
+from .nf4 import BNB_4BIT_FORMATS, NESTED_BLOCKSIZE, check_bnb4_qtensor, nf4_absmax
 from .qtensor import QTensor
 
-ROW_ALIGN = {"nvfp4": 128, "mxfp4": 128, "fp4_b32": 1, "nf4": 1, "int4_awq": 8}
+ROW_ALIGN = {"nvfp4": 128, "mxfp4": 128, "fp4_b32": 1, "nf4": 1, "bnb_fp4": 1, "int4_awq": 8}
 """Row starts :func:`slice_rows` accepts per format must be multiples of this (128: the swizzled scale tile,
 which it also requires for linear scales so that chunking does not depend on the layout; 8: the AutoAWQ
 column packing)."""
@@ -23,16 +23,16 @@ def slice_rows_reason(q: QTensor) -> str | None:
         return f"no row slicing for format {q.fmt!r}"
     if len(q.shape) != 2:
         return f"row slicing needs a 2-D weight, got shape {tuple(q.shape)}"
-    if q.fmt == "nf4":
+    if q.fmt in BNB_4BIT_FORMATS:
         blocksize = q.params.get("blocksize")
         if not blocksize or q.shape[1] % blocksize:
-            return f"nf4: K = {q.shape[1]} is not a multiple of the blocksize {blocksize}"
+            return f"{q.fmt}: K = {q.shape[1]} is not a multiple of the blocksize {blocksize}"
     return None
 
 
 def nf4_without_double_quant(q: QTensor) -> QTensor:
-    """The same nf4 weight with its absmax decoded to fp32 (dequantizes identically)."""
-    check_nf4_qtensor(q)
+    """The same nf4 (or bnb_fp4) weight with its absmax decoded to fp32 (dequantizes identically)."""
+    check_bnb4_qtensor(q)
     if q.nested_scale is None:
         return q
     params = dict(q.params, double_quant=False)
@@ -70,7 +70,7 @@ def slice_rows(q: QTensor, n0: int, n1: int) -> QTensor:
         else:
             scale = q.scale[n0:n1]
         return replace(q, data=data, scale=scale, shape=shape)
-    if q.fmt == "nf4":
+    if q.fmt in BNB_4BIT_FORMATS:
         blocksize = q.params["blocksize"]
         b0, b1 = n0 * k // blocksize, n1 * k // blocksize
         data = q.data.reshape(-1)[n0 * k // 2 : n1 * k // 2]

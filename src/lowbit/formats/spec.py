@@ -99,10 +99,12 @@ NF4 = CodebookSpec(
         0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
     ),
 )
-# bitsandbytes `get_4bit_type("fp4")`: not E2M1 (code 0b011 is the max, exponent field "reversed")
+# bitsandbytes `get_4bit_type("fp4")`: not E2M1 (code 0b011 is the max, exponent field "reversed"). Code 8 is
+# +0.0, not -0.0: bitsandbytes writes it as the Python int `-0`, so its table (the `quant_map` it saves, and
+# what its PyTorch kernel decodes) holds +0.0 there (its CUDA and scalar C++ decoders give -0.0)
 BNB_FP4 = CodebookSpec(
     "bnb_fp4",
-    tuple(v / 12.0 for v in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)),
+    tuple(v / 12.0 for v in (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, 0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)),
 )
 
 
@@ -170,12 +172,14 @@ FP8_BLOCK_FORMAT = FormatSpec("fp8_block", "fp8_block", E4M3, (1, 128), "fp32", 
 # one scale per row: the block is 1 x (the whole last dim), written (1, -1)
 FP8_ROWWISE_FORMAT = FormatSpec("fp8_rowwise", "fp8_rowwise", E4M3, (1, -1), "fp32", {})
 NF4_FORMAT = FormatSpec("nf4", "codebook", NF4, 64, "fp32", {"blocksize": 64, "double_quant": False})
+BNB_FP4_FORMAT = FormatSpec("bnb_fp4", "codebook", BNB_FP4, 64, "fp32", {"blocksize": 64, "double_quant": False})
 INT4_AWQ_FORMAT = FormatSpec("int4_awq", "int_group", UINT4, 128, "fp16", {"group_size": 128})
 
 FORMATS: dict[str, FormatSpec] = {
     f.name: f
     for f in (
         NVFP4_FORMAT, MXFP4_FORMAT, MXFP6_E2M3_FORMAT, MXFP6_E3M2_FORMAT, MXFP8_E4M3_FORMAT,
-        MXFP8_E5M2_FORMAT, FP4_B32_FORMAT, FP8_BLOCK_FORMAT, FP8_ROWWISE_FORMAT, NF4_FORMAT, INT4_AWQ_FORMAT,
+        MXFP8_E5M2_FORMAT, FP4_B32_FORMAT, FP8_BLOCK_FORMAT, FP8_ROWWISE_FORMAT, NF4_FORMAT, BNB_FP4_FORMAT,
+        INT4_AWQ_FORMAT,
     )
 }

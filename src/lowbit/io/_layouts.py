@@ -269,7 +269,7 @@ class CompressedTensorsLayout(Layout):
 
 
 class BitsAndBytesLayout(Layout):
-    """bitsandbytes NF4 as transformers saves ``Linear4bit`` (``weight``, ``weight.absmax``, ...)."""
+    """bitsandbytes NF4 / FP4 (bnb_fp4) as transformers saves ``Linear4bit`` (``weight``, ``weight.absmax``, ...)."""
 
     name = "bitsandbytes"
     quant_method = "bitsandbytes"
@@ -277,8 +277,8 @@ class BitsAndBytesLayout(Layout):
     def unsupported(self, m: QuantLinear) -> str | None:
         return (
             None
-            if m.scheme.weight_format == "nf4"
-            else f"bitsandbytes stores nf4 here, not {m.scheme.weight_format}"
+            if m.scheme.weight_format in ("nf4", "bnb_fp4")
+            else f"bitsandbytes stores nf4 or bnb_fp4 here, not {m.scheme.weight_format}"
         )
 
     def export(self, m: QuantLinear) -> dict[str, torch.Tensor]:
@@ -286,13 +286,17 @@ class BitsAndBytesLayout(Layout):
 
     def config(self, mods, ignore, dtype) -> dict:
         double = any(m._meta.get("params", {}).get("double_quant", False) for m in mods.values())
+        fmts = {m.scheme.weight_format for m in mods.values()}
+        if len(fmts) > 1:
+            # transformers' BitsAndBytesConfig has one bnb_4bit_quant_type for the whole model
+            raise ValueError(f"a bitsandbytes checkpoint holds one 4-bit type; the modules mix {sorted(fmts)}")
         compute = DTYPE_NAMES.get(dtype, "float32") if dtype is not None else "float32"
         return {
             "_load_in_4bit": True,
             "_load_in_8bit": False,
             "bnb_4bit_compute_dtype": compute,
             "bnb_4bit_quant_storage": "uint8",
-            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_quant_type": "fp4" if fmts == {"bnb_fp4"} else "nf4",
             "bnb_4bit_use_double_quant": double,
             "llm_int8_enable_fp32_cpu_offload": False,
             "llm_int8_has_fp16_weight": False,
@@ -310,7 +314,7 @@ class BitsAndBytesLayout(Layout):
         q = from_bnb_state_dict({k: get(k) for k in local}, "weight")
         if len(q.shape) != 2:
             raise ValueError(f"module {name!r}: bitsandbytes weight shape must be 2-D, got {list(q.shape)}")
-        return Loaded(find_scheme("nf4", None, f"module {name!r}"), q)
+        return Loaded(find_scheme(q.fmt, None, f"module {name!r}"), q)
 
 
 # ---------------------------------------------------------------------------------------------- AutoAWQ / GPTQ

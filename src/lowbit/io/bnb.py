@@ -1,17 +1,18 @@
-"""bitsandbytes NF4 checkpoint layout (``Linear4bit`` state dict / ``QuantState.as_dict(packed=True)``).
+"""bitsandbytes 4-bit checkpoint layout (``Linear4bit`` state dict / ``QuantState.as_dict(packed=True)``).
 
-Pure layout transforms between an nf4 :class:`~lowbit.formats.qtensor.QTensor` and the tensors
-bitsandbytes 0.50.2 writes under a weight's key (formats.md section 4):
+Pure layout transforms between an nf4 or bnb_fp4 :class:`~lowbit.formats.qtensor.QTensor` and the tensors
+bitsandbytes 0.50.2 writes under a weight's key (formats.md section 4); ``<type>`` is bitsandbytes'
+``quant_type``, ``nf4`` for lowbit's nf4 and ``fp4`` for bnb_fp4:
 
 =====================================  ===================================================================
 key                                    tensor
 =====================================  ===================================================================
 ``{prefix}``                           uint8 ``[ceil(n/2), 1]`` packed codes (element 2i in the high nibble)
 ``{prefix}.absmax``                    fp32 ``[nblocks]``, or uint8 ``[nblocks]`` with double quantization
-``{prefix}.quant_map``                 fp32 ``[16]`` NF4 levels
+``{prefix}.quant_map``                 fp32 ``[16]`` NF4 / FP4 levels (``get_4bit_type(<type>)``)
 ``{prefix}.nested_absmax``             fp32 ``[ceil(nblocks/256)]`` (double quantization only)
 ``{prefix}.nested_quant_map``          fp32 ``[256]`` dynamic map (double quantization only)
-``{prefix}.quant_state.bitsandbytes__nf4``  uint8 bytes of the UTF-8 JSON of the non-tensor fields
+``{prefix}.quant_state.bitsandbytes__<type>``  uint8 bytes of the UTF-8 JSON of the non-tensor fields
 =====================================  ===================================================================
 
 The JSON is ``json.dumps`` (default separators) of ``{"quant_type", "blocksize", "dtype", "shape"}`` and, with
@@ -27,15 +28,17 @@ from collections.abc import Mapping
 import torch
 
 from ..formats.codecs import codebook_table
-from ..formats.nf4 import BLOCKSIZES, NESTED_BLOCKSIZE, check_nf4_qtensor, dynamic_map
+from ..formats.nf4 import BLOCKSIZES, BNB_4BIT_FORMATS, NESTED_BLOCKSIZE, check_bnb4_qtensor, dynamic_map
 from ..formats.qtensor import QTensor
-from ..formats.spec import NF4
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NAME_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 _QS_PREFIX = "quant_state.bitsandbytes__"
 _BASE_FIELDS = ("quant_type", "blocksize", "dtype", "shape")
 _NESTED_FIELDS = ("nested_blocksize", "nested_dtype", "nested_offset")
+# lowbit format <-> bitsandbytes quant_type
+_QUANT_TYPES = {"nf4": "nf4", "bnb_fp4": "fp4"}
+_FORMATS_BY_TYPE = {v: k for k, v in _QUANT_TYPES.items()}
 
 
 def _check_prefix(prefix: str) -> None:
@@ -46,30 +49,32 @@ def _check_prefix(prefix: str) -> None:
 
 
 def to_bnb_state_dict(q: QTensor, prefix: str = "weight") -> dict[str, torch.Tensor]:
-    """The tensors bitsandbytes saves for an NF4 ``Linear4bit`` weight, byte for byte.
+    """The tensors bitsandbytes saves for an NF4 or FP4 ``Linear4bit`` weight, byte for byte.
 
     Args:
-        q: nf4 QTensor (from ``lowbit.quantize(x, "nf4", ...)``), ``n`` elements, ``nblocks`` blocks.
+        q: nf4 or bnb_fp4 QTensor (from ``lowbit.quantize(x, "nf4" / "bnb_fp4", ...)``), ``n`` elements,
+            ``nblocks`` blocks.
         prefix: the weight's key, e.g. ``"model.layers.0.mlp.down_proj.weight"``.
 
     Returns:
         Ordered dict (bitsandbytes' key order): ``{prefix}`` uint8 ``[ceil(n/2), 1]``, ``{prefix}.absmax``,
         ``{prefix}.quant_map`` fp32 ``[16]``, with double quantization ``{prefix}.nested_absmax`` fp32
         ``[ceil(nblocks/256)]`` and ``{prefix}.nested_quant_map`` fp32 ``[256]``, then
-        ``{prefix}.quant_state.bitsandbytes__nf4`` uint8 JSON bytes. Tensors are copies.
+        ``{prefix}.quant_state.bitsandbytes__nf4`` (bnb_fp4: ``__fp4``) uint8 JSON bytes. Tensors are copies.
     """
     _check_prefix(prefix)
-    _, blocksize, nested = check_nf4_qtensor(q)
+    _, blocksize, nested = check_bnb4_qtensor(q)
+    quant_type = _QUANT_TYPES[q.fmt]
     if q.dtype not in _DTYPE_NAMES:
         raise ValueError(f"q.dtype must be float32, bfloat16 or float16, got {q.dtype}")
     dev = q.device
     out = {
         prefix: q.data.reshape(-1, 1).clone(),
         f"{prefix}.absmax": q.scale.reshape(-1).clone(),
-        f"{prefix}.quant_map": codebook_table(NF4).to(dev).clone(),
+        f"{prefix}.quant_map": codebook_table(BNB_4BIT_FORMATS[q.fmt]).to(dev).clone(),
     }
     meta: dict[str, object] = {
-        "quant_type": "nf4",
+        "quant_type": quant_type,
         "blocksize": blocksize,
         "dtype": _DTYPE_NAMES[q.dtype],
         "shape": list(q.shape),
@@ -83,7 +88,7 @@ def to_bnb_state_dict(q: QTensor, prefix: str = "weight") -> dict[str, torch.Ten
             nested_offset=q.nested_offset.reshape(()).item(),
         )
     raw = json.dumps(meta).encode("utf-8")
-    out[f"{prefix}.{_QS_PREFIX}nf4"] = torch.tensor(list(raw), dtype=torch.uint8, device=dev)
+    out[f"{prefix}.{_QS_PREFIX}{quant_type}"] = torch.tensor(list(raw), dtype=torch.uint8, device=dev)
     return out
 
 
@@ -112,7 +117,9 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_meta(meta: dict, nested: bool, key: str) -> tuple[int, torch.dtype, torch.Size, float | None]:
+def _check_meta(
+    meta: dict, nested: bool, key: str, quant_type: str
+) -> tuple[int, torch.dtype, torch.Size, float | None]:
     fields = _BASE_FIELDS + (_NESTED_FIELDS if nested else ())
     missing = [f for f in fields if f not in meta]
     extra = sorted(set(meta) - set(fields))
@@ -122,8 +129,9 @@ def _check_meta(meta: dict, nested: bool, key: str) -> tuple[int, torch.dtype, t
             f"{key}: JSON must have exactly the fields {list(fields)} ({why}); "
             f"missing {missing}, unexpected {extra}"
         )
-    if meta["quant_type"] != "nf4":
-        raise ValueError(f"{key}: quant_type must be 'nf4', got {meta['quant_type']!r}")
+    if meta["quant_type"] != quant_type:
+        # the key names the type too; they must agree
+        raise ValueError(f"{key}: quant_type must be {quant_type!r} (the key's), got {meta['quant_type']!r}")
     blocksize = meta["blocksize"]
     if not _is_int(blocksize) or blocksize not in BLOCKSIZES:
         raise ValueError(f"{key}: blocksize must be one of {BLOCKSIZES}, got {blocksize!r}")
@@ -154,7 +162,7 @@ def _expect(tensors: Mapping[str, torch.Tensor], key: str, dtype: torch.dtype, n
 
 
 def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weight") -> QTensor:
-    """Read the bitsandbytes NF4 tensors of one weight back into an nf4 QTensor.
+    """Read the bitsandbytes NF4 or FP4 tensors of one weight back into an nf4 or bnb_fp4 QTensor.
 
     The logical shape comes from the JSON, so it is right even where bitsandbytes' own
     ``dequantize_4bit`` returns another shape (``[1, n]`` for a 1-D weight, the transpose when the packed
@@ -166,11 +174,13 @@ def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weig
         prefix: the weight's key.
 
     Returns:
-        nf4 QTensor equal to the one :func:`to_bnb_state_dict` was given (copies of the tensors).
+        nf4 (``bitsandbytes__nf4``) or bnb_fp4 (``bitsandbytes__fp4``) QTensor equal to the one
+        :func:`to_bnb_state_dict` was given (copies of the tensors).
 
     Raises:
         ValueError: a key is missing or unexpected, a tensor has the wrong dtype/shape, the JSON is malformed,
-            the checkpoint is bnb-FP4, or the quant maps are not the standard NF4 / dynamic maps.
+            the quant type is neither nf4 nor fp4, or the quant maps are not bitsandbytes' standard NF4 / FP4
+            table and dynamic map.
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a Mapping[str, Tensor], got {type(tensors).__name__}")
@@ -184,8 +194,12 @@ def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weig
             f"expected exactly one '{prefix}.{_QS_PREFIX}<type>' key, found {[sub[s] for s in qs_keys]}"
         )
     qs_key = sub[qs_keys[0]]
-    if qs_keys[0] != _QS_PREFIX + "nf4":
-        raise ValueError(f"{qs_key}: only quant_type nf4 is supported, got {qs_keys[0][len(_QS_PREFIX) :]!r}")
+    quant_type = qs_keys[0][len(_QS_PREFIX) :]
+    if quant_type not in _FORMATS_BY_TYPE:
+        raise ValueError(
+            f"{qs_key}: quant_type must be one of {sorted(_FORMATS_BY_TYPE)} (bitsandbytes 4-bit), got {quant_type!r}"
+        )
+    fmt = _FORMATS_BY_TYPE[quant_type]
     nested = "nested_absmax" in sub
     allowed = {"absmax", "quant_map", qs_keys[0]} | (
         {"nested_absmax", "nested_quant_map"} if nested else set()
@@ -198,7 +212,7 @@ def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weig
             f"unexpected {[sub[u] for u in unexpected]}"
         )
 
-    blocksize, dtype, shape, offset = _check_meta(_parse_meta(tensors[qs_key], qs_key), nested, qs_key)
+    blocksize, dtype, shape, offset = _check_meta(_parse_meta(tensors[qs_key], qs_key), nested, qs_key, quant_type)
     n = shape.numel()
     nbytes = -(-n // 2)
     nblocks = -(-n // blocksize)
@@ -214,9 +228,11 @@ def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weig
         )
 
     quant_map = _expect(tensors, f"{prefix}.quant_map", torch.float32, 16)
-    if not torch.equal(quant_map.detach().cpu(), codebook_table(NF4)):
+    # bitwise: FP4's code 8 is +0.0 in bitsandbytes' table, and a -0.0 there would be another map
+    table = codebook_table(BNB_4BIT_FORMATS[fmt])
+    if not torch.equal(quant_map.detach().cpu().view(torch.int32), table.view(torch.int32)):
         raise ValueError(
-            f"{prefix}.quant_map is not the standard NF4 table; lowbit cannot represent a custom map"
+            f"{prefix}.quant_map is not the standard {quant_type.upper()} table; lowbit cannot represent a custom map"
         )
     scale = _expect(tensors, f"{prefix}.absmax", torch.uint8 if nested else torch.float32, nblocks)
     params = {"blocksize": blocksize, "double_quant": nested}
@@ -224,7 +240,7 @@ def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weig
         return QTensor(
             data=data.clone(),
             scale=scale.detach().clone(),
-            fmt="nf4",
+            fmt=fmt,
             shape=shape,
             dtype=dtype,
             params=params,
@@ -241,7 +257,7 @@ def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weig
     return QTensor(
         data=data.clone(),
         scale=scale.detach().clone(),
-        fmt="nf4",
+        fmt=fmt,
         shape=shape,
         dtype=dtype,
         params=params,

@@ -33,6 +33,7 @@ _DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "fp4_b32": ("blockscaled", "dequantize_fp4_b32", lambda q: True),
     "fp8_block": ("fp8_block", "dequantize_fp8_block", lambda q: True),
     "nf4": ("nf4", "dequantize_nf4", lambda q: True),
+    "bnb_fp4": ("nf4", "dequantize_bnb_fp4", lambda q: True),
     "int4_awq": ("int4_awq", "dequantize_int4_awq", lambda q: True),
 }
 # launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)

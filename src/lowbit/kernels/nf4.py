@@ -1,4 +1,6 @@
-"""Triton launcher for NF4 dequantization, with the signature of ``lowbit.formats.nf4.dequantize_nf4``.
+"""Triton launcher for NF4 dequantization, with the signature of ``lowbit.formats.nf4.dequantize_nf4``; bnb_fp4
+(bitsandbytes' other 4-bit type, the same layout) runs the same kernel with its own table
+(:func:`dequantize_bnb_fp4`).
 
 Bytes moved per element: n/2 packed + 4n/blocksize absmax (or n/blocksize codes + 4n/(256 blocksize)
 nested absmax with double quantization) read, 4 (fp32) or 2 (bf16/fp16) written. One pass, no host sync.
@@ -17,7 +19,6 @@ import torch
 from ..formats import nf4 as ref
 from ..formats.codecs import codebook_table
 from ..formats.qtensor import QTensor
-from ..formats.spec import NF4
 from . import _nf4 as k
 from . import interpreting as _interpreting
 from ._launch import KernelCall, Launch
@@ -35,9 +36,10 @@ _OUT = {torch.float32: (0, torch.int32, 4), torch.bfloat16: (1, torch.int16, 8),
 
 
 @functools.lru_cache(maxsize=16)
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(NF4 levels fp32 [16], bitsandbytes dynamic map fp32 [256]) on ``device``, the reference's values."""
-    return codebook_table(NF4).to(device), ref.dynamic_map(device)
+def _tables(device: torch.device, fmt: str = "nf4") -> tuple[torch.Tensor, torch.Tensor]:
+    """(the format's 16 levels fp32 [16] (NF4 or bnb FP4), bitsandbytes dynamic map fp32 [256]) on ``device``,
+    the reference's values."""
+    return codebook_table(ref.BNB_4BIT_FORMATS[fmt]).to(device), ref.dynamic_map(device)
 
 
 def _aligned_bytes(data: torch.Tensor) -> torch.Tensor:
@@ -60,16 +62,25 @@ def dequantize_nf4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return dequantize_call(q, dtype)()
 
 
+def dequantize_bnb_fp4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode a bnb_fp4 QTensor on its device, bit-identical to ``lowbit.formats.bnb_fp4.dequantize_bnb_fp4``:
+    the kernel of :func:`dequantize_nf4` reading bitsandbytes' FP4 table instead of NF4's."""
+    if not isinstance(q, QTensor) or q.fmt != "bnb_fp4":
+        raise ValueError(f"q must be a bnb_fp4 QTensor, got {getattr(q, 'fmt', type(q).__name__)!r}")
+    return dequantize_call(q, dtype)()
+
+
 def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
-    """The kernel call behind :func:`dequantize_nf4`, to launch again without argument binding."""
-    n, blocksize, double_quant = ref.check_nf4_qtensor(q)
+    """The kernel call behind :func:`dequantize_nf4` / :func:`dequantize_bnb_fp4` (the table by ``q.fmt``), to
+    launch again without argument binding."""
+    n, blocksize, double_quant = ref.check_bnb4_qtensor(q)
     if dtype not in _OUT:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     device = q.data.device
     out_kind, int_view, vec = _OUT[dtype]
     call, args = None, (None,)
     if n:
-        lut, dmap = _tables(device)
+        lut, dmap = _tables(device, q.fmt)
         data = _aligned_bytes(q.data)
         scale = q.scale.reshape(-1).contiguous()
         if double_quant:

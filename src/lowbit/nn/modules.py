@@ -173,7 +173,7 @@ class QuantLinear(nn.Module):
         what the tensors themselves say (nf4 double quantization, int4 group size, layout)."""
         params = dict(self.scheme.weight_options)
         fmt = self.scheme.weight_format
-        if fmt == "nf4":
+        if fmt in ("nf4", "bnb_fp4"):
             params["double_quant"] = self.weight_nested_scale is not None
             params["blocksize"] = params.get("blocksize", 64)
         elif fmt == "int4_awq" and self.weight_scale is not None:
@@ -182,7 +182,7 @@ class QuantLinear(nn.Module):
             params = {"block": tuple(params.get("block", (128, 128))), "scale_fmt": params.get("scale_fmt")}
         linear_scale = self.weight_scale is not None and self.weight_scale.shape[0] == self.out_features
         layout = (
-            "linear" if fmt in ("nf4", "int4_awq", "fp8_block", "fp4_b32") or linear_scale else "swizzled"
+            "linear" if fmt in ("nf4", "bnb_fp4", "int4_awq", "fp8_block", "fp4_b32") or linear_scale else "swizzled"
         )
         return {"dtype": torch.bfloat16, "scale_layout": layout, "params": params}
 
@@ -332,7 +332,7 @@ class QuantLinear(nn.Module):
         params = self._meta.get("params", {})
         if fmt == "int4_awq":
             return params.get("group_size")
-        if fmt == "nf4":
+        if fmt in ("nf4", "bnb_fp4"):
             return params.get("blocksize", 64)
         if fmt == "fp8_block":
             block = params.get("block", (128, 128))

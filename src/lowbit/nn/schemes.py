@@ -9,6 +9,7 @@ scheme             weight       weight options                              acti
 w4a16-nvfp4        nvfp4        convention vllm, shared fused global scale  bf16/fp16          K % 16
 w4a16-mxfp4        mxfp4        RCEIL scales                                bf16/fp16          K % 32
 w4a16-nf4          nf4          blocksize 64, no double quant               bf16/fp16          any
+w4a16-bnb-fp4      bnb_fp4      blocksize 64, no double quant               bf16/fp16          any
 w4a16-int4         int4_awq     group 128, else 64 or 32 (largest dividing  bf16/fp16          K % 32, N % 8
                                 K), AutoAWQ zero-point
 w4a16-fp4b32       fp4_b32      fp32 amax/6 scale per 32                    bf16/fp16          K % 32
@@ -151,6 +152,14 @@ _ALL = (
         {"blocksize": 64, "double_quant": False},
         checkpoint="bitsandbytes",
         description="bitsandbytes NF4 weights (64-blocks over the flattened weight), 16-bit activations",
+    ),
+    Scheme(
+        "w4a16-bnb-fp4",
+        "bnb_fp4",
+        {"blocksize": 64, "double_quant": False},
+        checkpoint="bitsandbytes",
+        description="bitsandbytes FP4 weights (quant_type fp4, not E2M1; 64-blocks over the flattened weight), "
+        "16-bit activations",
     ),
     Scheme(
         "w4a16-int4",

@@ -55,7 +55,7 @@ from ..formats.rows import nf4_slices_keep_double_quant, nf4_without_double_quan
 from . import _plumbing, policy
 from .policy import GEMV_MAX_M  # noqa: F401 - re-exported (lowbit.ops.GEMV_MAX_M)
 
-SUPPORTED_FORMATS = ("nvfp4", "mxfp4", "nf4", "int4_awq", "fp4_b32")
+SUPPORTED_FORMATS = ("nvfp4", "mxfp4", "nf4", "int4_awq", "fp4_b32", "bnb_fp4")
 """Weight formats :func:`linear` accepts."""
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 """``"gelu"`` is the exact (erf) GELU, ``"gelu_tanh"`` its tanh approximation."""
@@ -242,7 +242,7 @@ def weight_chunks(w: QTensor, element_size: int, chunk_bytes: int | None = None)
     if rows >= n:
         return [(0, n, w)]
     wq = w
-    if w.fmt == "nf4" and not nf4_slices_keep_double_quant(w, rows):
+    if w.fmt in ("nf4", "bnb_fp4") and not nf4_slices_keep_double_quant(w, rows):
         wq = nf4_without_double_quant(w)  # decode the absmax once, not per chunk
     return [(n0, min(n, n0 + rows), slice_rows(wq, n0, min(n, n0 + rows))) for n0 in range(0, n, rows)]
 
@@ -340,7 +340,8 @@ def linear(
         x: ``[..., K]`` bfloat16 or float16 activations, any leading dims and strides.
         w: QTensor weight ``[N, K]`` (PyTorch's ``[out, in]``; for int4_awq too) in one of
             :data:`SUPPORTED_FORMATS`: ``nvfp4`` (global scale folded in), ``mxfp4``, ``nf4`` (plain or
-            double-quantized absmax), ``int4_awq`` (any group size dividing K), ``fp4_b32``.
+            double-quantized absmax), ``int4_awq`` (any group size dividing K), ``fp4_b32``, ``bnb_fp4`` (on CUDA
+            always the Triton dequantize kernel + cuBLAS: ``policy.DEQUANT_ONLY_FORMATS``).
         bias: None or ``[N]`` in x's dtype, on x's device.
         activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``, applied after the bias.
         backend: ``"auto"`` (default, or ``$LOWBIT_BACKEND``): Triton kernels on CUDA, the reference on

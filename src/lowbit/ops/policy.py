@@ -63,7 +63,16 @@ M >= 256 of the H100 probe, ``..._h100_probe_cublas_blockwise_ac69f09.json``); b
 split-K kernel streams the weight faster."""
 
 
+DEQUANT_ONLY_FORMATS = ("bnb_fp4",)
+"""Weight formats no W4A16 GEMV / GEMM kernel reads: on CUDA ``lowbit.linear`` always runs ``linear_dequant_gemm``
+for them (the Triton dequantize kernel, then cuBLAS), at every M. bnb_fp4 has nf4's layout and the kernels take
+the 16-entry table as data, but the GEMV's prepared layouts and traced plans key the table on the format code;
+until they carry bitsandbytes' FP4 table the format stays out of them rather than decode with NF4's levels."""
+
+
 def dequant_gemm_min_m(fmt: str) -> int:
+    if fmt in DEQUANT_ONLY_FORMATS:
+        return 0
     return max(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_BY_FORMAT.get(fmt, 0))
 
 
@@ -84,7 +93,8 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     common = _plumbing.decide_common(backend, device, m == 0)
     if common is not None:
         return common
-    if DEQUANT_GEMM_MIN_M is not None and m >= dequant_gemm_min_m(w.fmt) and slice_rows_reason(w) is None:
+    if ((DEQUANT_GEMM_MIN_M is not None or w.fmt in DEQUANT_ONLY_FORMATS) and m >= dequant_gemm_min_m(w.fmt)
+            and slice_rows_reason(w) is None):
         return "dequant_gemm", None, ()
     gemv_why = None
     if m <= GEMV_MAX_M:
