@@ -340,14 +340,18 @@ def test_ct_symmetric_and_scale_dtypes():
     back = from_ct_pack_quantized(sym)
     assert unpack_awq(back.zeros).unique().tolist() == [8]
     assert torch.equal(back.data, q.data)
-    bf16 = dict(ct, weight_scale=torch.full((32, 4), 0.0078125, dtype=torch.bfloat16))
-    converted = from_ct_pack_quantized(bf16)
-    assert converted.dtype == torch.bfloat16 and converted.scale.dtype == torch.float16
-    assert converted.scale.unique().tolist() == [0.0078125]
-    with pytest.raises(ValueError, match="cannot represent exactly"):
-        from_ct_pack_quantized(dict(ct, weight_scale=torch.full((32, 4), 1e-30, dtype=torch.bfloat16)))
-    with pytest.raises(ValueError, match="cannot represent exactly"):
-        from_ct_pack_quantized(dict(ct, weight_scale=torch.full((32, 4), 1 / 3, dtype=torch.float32)))
+    # compressed-tensors keeps the model's dtype for the scales: they are read as written, float16 ones as a
+    # plain AutoAWQ tensor (same decode), others under the compressed-tensors convention
+    assert "convention" not in back.params and back.scale.dtype == torch.float16
+    for dtype, value in ((torch.bfloat16, 0.0078125), (torch.bfloat16, 1e-30), (torch.float32, 1 / 3)):
+        scale = torch.full((32, 4), value, dtype=dtype)
+        converted = from_ct_pack_quantized(dict(ct, weight_scale=scale))
+        assert converted.dtype == dtype and converted.scale.dtype == dtype
+        assert converted.params["convention"] == "compressed-tensors"
+        assert torch.equal(converted.scale, scale.t())
+        assert torch.equal(to_ct_pack_quantized(converted)["weight_scale"], scale)
+    with pytest.raises(TypeError, match="weight_scale must be float16, bfloat16 or float32"):
+        from_ct_pack_quantized(dict(ct, weight_scale=torch.full((32, 4), 0.5, dtype=torch.float64)))
 
 
 def test_ct_odd_in_features_pad():
@@ -465,3 +469,68 @@ def test_ct_compressor_agrees(group_size):
     pu = _awq_packing_utils()
     theirs = pu.dequantize_gemm(q.data, q.zeros, q.scale, 4, group_size)
     assert torch.equal(_bits16(theirs.t()), _bits16(ours))
+
+
+def _ct_checkpoint(dtype: torch.dtype, symmetric: bool, group_size: int, seed: int):
+    """One module's pack-quantized tensors as llm-compressor writes them for a ``dtype`` model: scales and zero
+    points from compressed-tensors' ``calculate_qparams`` (scale in the weight's dtype), packed by its
+    ``PackedQuantizationCompressor``; with the scheme, to decompress them with compressed-tensors."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    g = torch.Generator().manual_seed(seed)
+    # rows from 1e-6 to 1: the small ones decode to fp16 subnormals, where an fp16 decode loses bits
+    w = (torch.randn(64, 256, generator=g) * torch.logspace(-6, 0, 64)[:, None]).to(dtype)
+    groups = w.reshape(64, 256 // group_size, group_size)
+    scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    state = {"weight": w, "weight_scale": scale, **({} if symmetric else {"weight_zero_point": zp})}
+    return dict(PackedQuantizationCompressor.compress(state, scheme)), scheme
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_ct_checkpoint_of_any_model_dtype_decodes_as_compressed_tensors(dtype, symmetric):
+    """llm-compressor W4A16 / W4A16_ASYM checkpoints of fp32, bf16 and fp16 models load with the scale dtype
+    they were written in and decode bit for bit as compressed-tensors' own decompression: one multiply in the
+    scale's dtype (a bf16 scale is not decoded in fp16 and cast, which rounds twice)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    ct, scheme = _ct_checkpoint(dtype, symmetric, 32, seed=21)
+    assert ct["weight_scale"].dtype == dtype and ("weight_zero_point" in ct) != symmetric
+    q = from_ct_pack_quantized(ct)
+    assert q.dtype == dtype and q.scale.dtype == dtype
+    theirs = PackedQuantizationCompressor.decompress(dict(ct), scheme)["weight"]
+    assert theirs.dtype == dtype
+    ours = dequantize_int4_awq(q, dtype)
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    # a wider request is the producer's values exactly; the packed tensors round-trip unchanged
+    assert torch.equal(dequantize_int4_awq(q, torch.float32), theirs.float())
+    back = to_ct_pack_quantized(q)
+    for k in ("weight_packed", "weight_scale", "weight_shape"):
+        assert torch.equal(back[k], ct[k]), k
+    if dtype != torch.float16:
+        # the AutoAWQ rule (fp16 scales, fp16 multiply, then a cast) gives other bits on this data
+        s16 = QTensor(q.data, q.scale.to(torch.float16), q.fmt, q.shape, q.dtype, zeros=q.zeros,
+                      params={"group_size": 32})
+        assert not torch.equal(dequantize_int4_awq(s16, dtype), theirs)
+
+
+def test_ct_convention_weights_stay_out_of_fp16_only_consumers():
+    """AutoAWQ and GPTQ store float16 scales and decode in float16: a compressed-tensors weight with bf16 or
+    fp32 scales is refused there (ValueError naming the rule), and an unknown convention is refused."""
+    q = quantize_int4_awq(_weight(19), 32)
+    ct = to_ct_pack_quantized(q)
+    bf = from_ct_pack_quantized(dict(ct, weight_scale=ct["weight_scale"].to(torch.bfloat16)))
+    for fn in (to_autoawq, to_gptq):
+        with pytest.raises(ValueError, match="decodes .* in float16"):
+            fn(bf)
+    with pytest.raises(TypeError, match="scale must be torch.float16 .convention 'autoawq'"):
+        dequantize_int4_awq(QTensor(q.data, q.scale.float(), q.fmt, q.shape, zeros=q.zeros,
+                                    params={"group_size": 32}))
+    with pytest.raises(ValueError, match="convention"):
+        dequantize_int4_awq(QTensor(q.data, q.scale, q.fmt, q.shape, zeros=q.zeros,
+                                    params={"group_size": 32, "convention": "gptq"}))

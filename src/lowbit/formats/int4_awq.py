@@ -25,6 +25,15 @@ Storage (``awq/modules/linear/gemm.py::WQLinear_GEMM``):
   column ``8c + AWQ_ORDER[i]`` with ``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``.
 - ``zeros`` = ``qzeros`` int32 ``[in/g, out/8]``: the raw zero points (no ``-1``), same interleave.
 - ``scale`` = ``scales`` float16 ``[in/g, out]``.
+
+Decoding conventions (``params["convention"]``, absent means ``"autoawq"``):
+
+- ``"autoawq"``: float16 scales; ``(q - z) * s`` is one float16 multiply, then cast to the requested dtype
+  (AutoAWQ ``dequantize_gemm`` and its Triton kernel).
+- ``"compressed-tensors"``: the scales keep the dtype the producer wrote (llm-compressor writes the model's
+  dtype: float16, bfloat16 or float32) and ``(q - z) * s`` is one multiply in that dtype, then cast
+  (compressed-tensors ``_dequantize``). With float16 scales both conventions give the same bits; with
+  bfloat16 scales decoding in fp16 and casting would round twice and differ.
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 """Inverse of :data:`AWQ_ORDER`: column ``8c + j`` sits in nibble ``AWQ_REVERSE_ORDER[j]``."""
 
 FMT = "int4_awq"
+CONVENTIONS = ("autoawq", "compressed-tensors")
+"""``params["convention"]`` values: whose decode arithmetic (and scale dtypes) an int4_awq QTensor follows."""
+_CT_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_INT = 15
 _SUPPORTED_INPUT = (torch.float32, torch.bfloat16, torch.float16)
 _SHIFTS = tuple(4 * i for i in range(8))
@@ -271,19 +283,47 @@ def check_int4_awq(q: QTensor) -> tuple[int, int, int]:
             "and out % 8 == 0"
         )
     n_groups = in_features // group_size
+    convention = int4_awq_convention(q)
     expected = {
-        "data": (q.data, torch.int32, (in_features, out_features // 8)),
-        "zeros": (q.zeros, torch.int32, (n_groups, out_features // 8)),
-        "scale": (q.scale, torch.float16, (n_groups, out_features)),
+        "data": (q.data, (torch.int32,), (in_features, out_features // 8)),
+        "zeros": (q.zeros, (torch.int32,), (n_groups, out_features // 8)),
+        "scale": (q.scale, _CT_SCALE_DTYPES if convention == "compressed-tensors" else (torch.float16,),
+                  (n_groups, out_features)),
     }
-    for name, (t, dtype, shape) in expected.items():
+    for name, (t, dtypes, shape) in expected.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"int4_awq: q.{name} must be a tensor, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise TypeError(f"int4_awq: q.{name} must be {dtype}, got {t.dtype}")
+        if t.dtype not in dtypes:
+            allowed = " or ".join(str(d) for d in dtypes)
+            rule = f" (convention {convention!r})" if name == "scale" else ""
+            raise TypeError(f"int4_awq: q.{name} must be {allowed}{rule}, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ValueError(f"int4_awq: q.{name} must have shape {shape}, got {tuple(t.shape)}")
     return out_features, in_features, group_size
+
+
+def int4_awq_convention(q: QTensor) -> str:
+    """``q.params["convention"]`` (``"autoawq"`` when absent); ValueError for any other value."""
+    convention = q.params.get("convention", "autoawq")
+    if convention not in CONVENTIONS:
+        raise ValueError(f"int4_awq: params['convention'] must be one of {CONVENTIONS}, got {convention!r}")
+    return convention
+
+
+def decodes_in_fp16(q: QTensor) -> bool:
+    """True when ``q`` decodes as one float16 multiply (AutoAWQ's rule): float16 scales, either convention.
+    The Triton int4 kernels implement only this; other scale dtypes decode in the torch reference."""
+    return q.scale.dtype == torch.float16
+
+
+def require_fp16_decode(q: QTensor, what: str) -> None:
+    """ValueError unless ``q`` decodes as one float16 multiply, as ``what`` (an fp16-only consumer) would."""
+    if not decodes_in_fp16(q):
+        raise ValueError(
+            f"{what} stores float16 scales and decodes (q - z) * s in float16; this int4_awq weight has "
+            f"{q.scale.dtype} scales (convention {int4_awq_convention(q)!r}) and decodes in {q.scale.dtype}, "
+            "so writing it there would change its values"
+        )
 
 
 def int4_awq_codes(q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,12 +341,13 @@ def int4_awq_codes(q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int4_awq(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``(q - z) * s`` as AutoAWQ's ``packing_utils.dequantize_gemm`` computes it, returned as ``[out, in]``.
+    """``(q - z) * s`` as the producer computes it, returned as ``[out, in]``.
 
-    ``q - z`` is an exact small integer; the product with the fp16 scale is a float16 multiply (one
-    rounding to fp16, as in ``dequantize_gemm``, AutoAWQ's Triton ``awq_dequantize_kernel`` and
-    compressed-tensors' ``_dequantize`` with fp16 scales). That fp16 result is then cast to ``dtype``,
-    so a float32 request returns the fp16 values exactly.
+    ``q - z`` is an exact small integer. Convention ``"autoawq"``: the product with the fp16 scale is a
+    float16 multiply (one rounding to fp16, as in AutoAWQ's ``packing_utils.dequantize_gemm`` and its Triton
+    ``awq_dequantize_kernel``). Convention ``"compressed-tensors"``: one multiply in the scale's dtype (fp16,
+    bf16 or fp32), as compressed-tensors' ``_dequantize``. That result is then cast to ``dtype``, so
+    requesting the scale's dtype (or a wider one) returns the producer's values exactly.
 
     Args:
         q: int4_awq QTensor (logical shape ``[out, in]``).
@@ -321,5 +362,6 @@ def dequantize_int4_awq(q: QTensor, dtype: torch.dtype = torch.float32) -> torch
     intweight, zeros = int4_awq_codes(q)
     zeros_full = zeros.repeat_interleave(group_size, dim=0)
     scales_full = q.scale.repeat_interleave(group_size, dim=0)
-    w = (intweight - zeros_full).to(torch.float16) * scales_full
+    # autoawq scales are float16, so the scale's dtype is the arithmetic dtype of both conventions
+    w = (intweight - zeros_full).to(scales_full.dtype) * scales_full
     return w.t().contiguous().to(dtype)

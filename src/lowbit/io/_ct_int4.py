@@ -5,14 +5,18 @@ Per module (``compressors/pack_quantized``, formats.md section 5):
 - ``weight_packed`` int32 ``[out, ceil(in/8)]``: signed values ``-8..7`` stored ``+8`` and packed LSB-first
   (``pack_to_int32``): ``[-8, -7, 0, 1, 2, 3, 4, 7]`` -> ``0xfcba9810``. The signed value of an AWQ code ``q``
   is ``q - 8``, so the stored nibble is ``q`` itself.
-- ``weight_scale`` ``[out, n_groups]``: CT keeps the weight's dtype; AWQ scales are float16, so float16.
+- ``weight_scale`` ``[out, n_groups]``: CT keeps the weight's dtype (float16, bfloat16 or float32); read
+  as it is, into an int4_awq QTensor with ``params["convention"] = "compressed-tensors"``.
 - ``weight_zero_point`` int32 ``[out/8, n_groups]``: signed zero ``z - 8`` stored ``+8`` (again the raw
   ``z``), packed along dim 0 (``pack_to_int32(..., packed_dim=0)``). Absent for symmetric schemes
   (signed zero 0 = raw 8).
 - ``weight_shape`` int64 ``[2]`` = ``(out, in)``; optional ``weight_g_idx``.
 
-Dequantization ``(q_signed - zp_signed) * scale`` equals AWQ's ``(q - z) * s``; with fp16 scales both are one
-fp16 multiply of an exact integer. This matches CT's ``AutoAWQConverter`` (``entrypoints/convert``).
+Dequantization ``(q_signed - zp_signed) * scale`` equals AWQ's ``(q - z) * s`` as integers; compressed-tensors
+multiplies in the scale's dtype (``_dequantize``: ``x_q.to(scale.dtype)``), so a bfloat16 or float32 scale is
+kept (converting it to float16 would change the decode: a bf16 product rounded once, against an fp16 product
+cast to bf16). With fp16 scales the decode is AutoAWQ's fp16 multiply, which also matches CT's
+``AutoAWQConverter`` (``entrypoints/convert``).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ def to_ct_pack_quantized(q: QTensor) -> dict[str, torch.Tensor]:
         q: int4_awq QTensor of logical shape ``[out, in]``, group size ``g``.
 
     Returns:
-        ``{"weight_packed": int32 [out, ceil(in/8)], "weight_scale": float16 [out, in/g],
+        ``{"weight_packed": int32 [out, ceil(in/8)], "weight_scale": [out, in/g] in q.scale's dtype (float16
+        for AutoAWQ-convention tensors),
         "weight_zero_point": int32 [out/8, in/g], "weight_shape": int64 [2]}``.
     """
     out_features, in_features, _ = check_int4_awq(q)
@@ -64,20 +69,6 @@ def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
     return t
 
 
-def _fp16_scales(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype == torch.float16:
-        return scale
-    if scale.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"weight_scale must be float16, bfloat16 or float32, got {scale.dtype}")
-    s16 = scale.to(torch.float16)
-    if not torch.equal(s16.to(scale.dtype), scale):
-        raise ValueError(
-            f"weight_scale ({scale.dtype}) holds values float16 cannot represent exactly; the AWQ layout "
-            "stores float16 scales, so the conversion would not be lossless"
-        )
-    return s16
-
-
 def from_ct_pack_quantized(tensors: Mapping[str, torch.Tensor]) -> QTensor:
     """Convert one module's compressed-tensors ``pack-quantized`` 4-bit tensors to an int4_awq QTensor.
 
@@ -85,12 +76,13 @@ def from_ct_pack_quantized(tensors: Mapping[str, torch.Tensor]) -> QTensor:
         tensors: the module's tensors without the module prefix: ``weight_packed`` int32
             ``[out, ceil(in/8)]``, ``weight_scale`` ``[out, n_groups]``, ``weight_shape`` ``[2]``, and
             ``weight_zero_point`` int32 ``[out/8, n_groups]`` (absent for symmetric schemes: zero 0). An
-            optional ``weight_g_idx`` must be the trivial ``i // g``. Scales that are bfloat16/float32 are
-            accepted only when float16 holds them exactly.
+            optional ``weight_g_idx`` must be the trivial ``i // g``. ``weight_scale`` may be float16,
+            bfloat16 or float32 (the model's dtype, as llm-compressor writes it).
 
     Returns:
-        int4_awq QTensor of logical shape ``weight_shape``, ``dtype`` = the dtype ``weight_scale`` had
-        (CT stores scales in the weight's dtype).
+        int4_awq QTensor of logical shape ``weight_shape``: ``scale`` keeps ``weight_scale``'s dtype
+        (transposed to ``[n_groups, out]``) and ``dtype`` is that dtype, so it decodes as compressed-tensors
+        does; bfloat16/float32 scales carry ``params["convention"] = "compressed-tensors"``.
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a mapping of name -> tensor, got {type(tensors).__name__}")
@@ -104,6 +96,8 @@ def from_ct_pack_quantized(tensors: Mapping[str, torch.Tensor]) -> QTensor:
             f"weight_shape must hold the two ints (out, in), got {shape.dtype} {tuple(shape.shape)}"
         )
     out_features, in_features = (int(v) for v in shape.reshape(2).tolist())
+    if scale.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"weight_scale must be float16, bfloat16 or float32, got {scale.dtype}")
     if scale.dim() != 2 or scale.shape[0] != out_features:
         raise ValueError(
             f"weight_scale must be [out, n_groups] with out={out_features}, got {tuple(scale.shape)}"
@@ -143,10 +137,13 @@ def from_ct_pack_quantized(tensors: Mapping[str, torch.Tensor]) -> QTensor:
         zeros = unpack_int4_sequential(zp, out_features, dim=0)
     return QTensor(
         data=pack_awq(intweight.t()),
-        scale=_fp16_scales(scale).t().contiguous(),
+        scale=scale.t().contiguous(),
         fmt=FMT,
         shape=torch.Size((out_features, in_features)),
         dtype=scale.dtype,
         zeros=pack_awq(zeros.t()),
-        params={"group_size": group_size},
+        # float16 scales decode the same under both conventions: those stay plain AutoAWQ tensors (writable
+        # as AutoAWQ/GPTQ, run by the fp16 kernels)
+        params={"group_size": group_size,
+                **({} if scale.dtype == torch.float16 else {"convention": "compressed-tensors"})},
     )

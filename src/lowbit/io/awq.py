@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.int4_awq import FMT, check_int4_awq
+from ..formats.int4_awq import FMT, check_int4_awq, require_fp16_decode
 from ..formats._checks import check_2d
 from ..formats.qtensor import QTensor
 
@@ -25,6 +25,7 @@ def to_autoawq(q: QTensor) -> dict[str, torch.Tensor]:
         "scales": float16 [in/g, out]}``, fresh contiguous copies.
     """
     check_int4_awq(q)
+    require_fp16_decode(q, "AutoAWQ")
     return {
         "qweight": q.data.contiguous().clone(),
         "qzeros": q.zeros.contiguous().clone(),

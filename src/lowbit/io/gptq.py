@@ -34,6 +34,7 @@ from ..formats.int4_awq import (
     FMT,
     check_int4_awq,
     int4_awq_codes,
+    require_fp16_decode,
     pack_awq,
     pack_int4_sequential,
     unpack_int4_sequential,
@@ -65,6 +66,7 @@ def to_gptq(q: QTensor, *, strict: bool = False) -> dict[str, torch.Tensor]:
         "scales": float16 [in/g, out], "g_idx": int32 [in] (i // g)}``.
     """
     out_features, in_features, group_size = check_int4_awq(q)
+    require_fp16_decode(q, "GPTQ")
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     if in_features % 8:

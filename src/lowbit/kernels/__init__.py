@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..formats.int4_awq import decodes_in_fp16
 from ..formats.spec import NVFP4Convention
 
 # format -> (module, launcher, predicate on the options / QTensor params saying the kernel covers them)
@@ -34,7 +35,8 @@ _DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "fp8_block": ("fp8_block", "dequantize_fp8_block", lambda q: True),
     "nf4": ("nf4", "dequantize_nf4", lambda q: True),
     "bnb_fp4": ("nf4", "dequantize_bnb_fp4", lambda q: True),
-    "int4_awq": ("int4_awq", "dequantize_int4_awq", lambda q: True),
+    # the kernel decodes in float16 (AutoAWQ); bf16/fp32-scaled compressed-tensors weights use the reference
+    "int4_awq": ("int4_awq", "dequantize_int4_awq", decodes_in_fp16),
 }
 # launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)
 # covering every code path it can launch, which CI compiles for sm_90

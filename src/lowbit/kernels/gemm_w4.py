@@ -164,6 +164,9 @@ def supports(w) -> str | None:
             _, _, group = ref_awq.check_int4_awq(w)
         except (TypeError, ValueError) as e:
             return str(e)
+        if not ref_awq.decodes_in_fp16(w):
+            return (f"int4_awq: the kernel decodes (q - z) * s in float16; these {w.scale.dtype} scales "
+                    f"(convention {ref_awq.int4_awq_convention(w)!r}) decode in {w.scale.dtype}")
         if group % 16:
             return f"int4_awq: group_size {group} is not a multiple of 16"
     else:

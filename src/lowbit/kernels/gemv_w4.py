@@ -163,6 +163,9 @@ def _why_not(w: QTensor) -> str | None:
             _, _, g = ref_awq.check_int4_awq(w)
         except (TypeError, ValueError) as e:
             return str(e)
+        if not ref_awq.decodes_in_fp16(w):
+            return (f"int4_awq: the kernel decodes (q - z) * s in float16; these {w.scale.dtype} scales "
+                    f"(convention {ref_awq.int4_awq_convention(w)!r}) decode in {w.scale.dtype}")
         if g % 32:
             return f"int4_awq: group_size must be a multiple of 32 (a 32-weight chunk in one group), got {g}"
     return None

@@ -53,6 +53,8 @@ def dequantize_int4_awq(q: QTensor, dtype: torch.dtype = torch.float32) -> torch
 def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
     """The kernel call behind :func:`dequantize_int4_awq`, to launch again without argument binding."""
     out_features, in_features, group_size = ref.check_int4_awq(q)
+    # the kernel's arithmetic is AutoAWQ's fp16 multiply; other scale dtypes decode in the torch reference
+    ref.require_fp16_decode(q, "the triton int4_awq dequantize kernel")
     if dtype not in _OUT:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     out_kind, int_view = _OUT[dtype]
