@@ -145,7 +145,12 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
         x3 = torch.randn(1, m, 512, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(layer(x3), _want(layer, x3.reshape(m, 512)).reshape(1, m, 256)), (scheme, m)
     if layer.scheme.act_format == "fp8_block":
-        assert (1, torch.bfloat16, not bias) in layer._prepared.scaled_runners, "the decode runner was not made"
+        runners = layer._prepared.scaled_runners
+        assert (1, torch.bfloat16, not bias) in runners, "the decode runner was not made"
+        from lowbit.kernels import cublas_fp8_block
+
+        if scheme == "w8a8-fp8-block" and cublas_fp8_block._unavailable(0) is None:
+            assert type(runners.get((100, torch.bfloat16, not bias))).__name__ == "_Fp8BlockCublas"
 
 
 # ------------------------------------------------------------------------------------------- torch.compile

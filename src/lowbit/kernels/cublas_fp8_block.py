@@ -114,3 +114,43 @@ def mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scal
     sb = weight_scales(b_scale, b_scale_zero_padded)
     return F.scaled_mm(a_data, b_data.t(), sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
                        bias=bias, output_dtype=out_dtype)
+
+
+class PreparedMM:
+    """:func:`mm` for one weight and output dtype with everything of the weight decided once (its data as cuBLAS
+    reads it, its scales in cuBLAS's layout, the scaling recipes): ``call(a_data, a_scale, bias) -> out`` for
+    E4M3 ``a_data`` [M, K] (M a multiple of 4, aligned) and M-major ``a_scale`` [M, K/128] with strides (1, M),
+    ``bias`` as :func:`mm` takes it. The first call goes through ``torch.nn.functional.scaled_mm``; later calls
+    go to the op under it (``torch._scaled_mm_v2``) when it gave the same bits on that first call."""
+
+    __slots__ = ("b_t", "sb", "out_dtype", "_direct", "_recipes")
+
+    def __init__(self, b_data: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> None:
+        self.b_t = b_data.t()
+        self.sb = weight_scales(b_scale)
+        self.out_dtype = out_dtype
+        self._direct = None
+        self._recipes = None
+
+    def __call__(self, a_data: torch.Tensor, a_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        d = self._direct
+        if d is not None:
+            ra, rb = self._recipes
+            return d(a_data, self.b_t, [a_scale], ra, [], [self.sb], rb, [], bias, self.out_dtype, [], False)
+        import torch.nn.functional as F
+
+        out = F.scaled_mm(a_data, self.b_t, a_scale, F.ScalingType.BlockWise1x128, self.sb,
+                          F.ScalingType.BlockWise128x128, bias=bias, output_dtype=self.out_dtype)
+        v2 = getattr(torch, "_scaled_mm_v2", None)
+        if v2 is not None and self._recipes is None:
+            recipes = ([int(F.ScalingType.BlockWise1x128.value)], [int(F.ScalingType.BlockWise128x128.value)])
+            try:
+                same = torch.equal(v2(a_data, self.b_t, [a_scale], recipes[0], [], [self.sb], recipes[1], [], bias,
+                                      self.out_dtype, [], False), out)
+            except (RuntimeError, TypeError):  # another signature in this torch: keep the public call
+                same = False
+            self._recipes = recipes
+            if same:
+                self._direct = v2
+        return out
+

@@ -218,37 +218,49 @@ class PreparedWeight:
         name, target = route
         if name == "kernel*":
             out = target(a, None, bias)
-            if act_global_scale is None and x2 is x and not x.data_ptr() & 15:
-                self._add_scaled_runner(x, a, fn, kwargs, target, bias)
         elif name == "run":  # the kernel module declines the pair: the op's dispatch and its error
             out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
         else:
             out = target(a, self.w, None, bias, x.dtype, name)
+        if name in ("kernel*", "cublas") and act_global_scale is None and x2 is x and not x.data_ptr() & 15:
+            self._add_scaled_runner(x, a, fn, kwargs, name, target, bias)
         out = out if flat else out.reshape(*x.shape[:-1], self.n)
         return _act(out, self.activation)
 
-    def _add_scaled_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict, route: Any,
+    def _add_scaled_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict, name: str, route: Any,
                            bias: torch.Tensor | None) -> None:
-        """Keep an :class:`_Fp8BlockDecode` for calls like this one when the activation is quantized by the
-        fp8_block kernel (block 1x128, linear scales) and the GEMM is lowbit's decoding kernel."""
+        """Keep a runner for calls like this one when the activation is quantized by the fp8_block kernel (block
+        1x128): :class:`_Fp8BlockDecode` where the GEMM is lowbit's decoding kernel (``name`` "kernel*", the
+        ``KernelRoute`` ``route``), :class:`_Fp8BlockCublas` where it is cuBLASLt's block-scaled GEMM."""
         from ..kernels import fp8_block
         from ..kernels.scaled_mm import _operand
 
         if fn is not fp8_block.quantize_fp8_block or set(kwargs) - {"block", "scale_fmt", "scale_layout"}:
             return
+        if tuple(kwargs.get("block", (1, 128))) != (1, 128) or kwargs.get("scale_layout", "linear") != "linear":
+            return
         if bias is not None and (bias.dtype != x.dtype or bias.data_ptr() & 15 or not bias.is_contiguous()):
             return
-        plan = fp8_block._quant_plan_cached(x, kwargs.get("block", (1, 128)), kwargs.get("scale_fmt"),
-                                            kwargs.get("scale_layout", "linear"))
-        if plan.block != (1, 128) or plan.scale_storage is not None or plan.launch is None or plan.batched:
-            return
+        m = x.shape[0]
+        if name == "cublas":
+            # cuBLAS reads M-major activation scales: the quantize kernel writes them so (the same values)
+            plan = fp8_block._quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "column_major")
+            if plan.launch is None or plan.batched or plan.scale_strides != (1, m):
+                return
+            from ..kernels.cublas_fp8_block import PreparedMM
+
+            run = _Fp8BlockCublas(plan, PreparedMM(self.w.data, self.w.scale, x.dtype), self.device)
+        else:
+            plan = fp8_block._quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "linear")
+            if plan.scale_storage is not None or plan.launch is None or plan.batched:
+                return
+            a_args, _ = _operand(a)
+            run = _Fp8BlockDecode(plan, route, tuple(a_args[3:7]), self.device)
         if len(self.scaled_runners) >= _MAX_RUNNERS:
             self.scaled_runners.clear()
         if bias is not None:
             self._bias_ok = bias
-        a_args, _ = _operand(a)
-        self.scaled_runners[(x.shape[0], x.dtype, bias is None)] = _Fp8BlockDecode(plan, route, tuple(a_args[3:7]),
-                                                                                   self.device)
+        self.scaled_runners[(m, x.dtype, bias is None)] = run
 
     def _route(self, a, bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[str, Any]:
         """(route, target) for activations like ``a``: ``lowbit.ops.policy.scaled_route``'s decision, and for
@@ -370,6 +382,28 @@ class _Fp8BlockDecode:
         k = self.k
         self.qlaunch(True, x, data, scale, self.m, k, 0, k, self.n_mblocks)
         return self.route.run(data, scale, scale, self.a_strides, None, bias)
+
+
+class _Fp8BlockCublas:
+    """``run(x, bias) -> out``: the call of a layer whose activations are quantized to fp8_block (block 1x128)
+    and whose GEMM is cuBLASLt's block-scaled one (``lowbit.kernels.cublas_fp8_block``), at one M, x dtype and
+    bias presence: the quantize kernel writes the scales M-major (the values the general path computes and then
+    copies into that layout), then the prepared cuBLAS call, so the same bits with one launch less."""
+
+    __slots__ = ("qlaunch", "data_shape", "scale_shape", "m", "k", "n_mblocks", "mm", "device")
+
+    def __init__(self, plan: Any, mm: Any, device: torch.device) -> None:
+        self.qlaunch = plan.launch
+        self.data_shape, self.scale_shape = tuple(plan.data_shape), tuple(plan.scale_shape)
+        self.m, self.k, self.n_mblocks = plan.m, plan.kdim, plan.n_mblocks
+        self.mm, self.device = mm, device
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m, k = self.m, self.k
+        data = torch.empty(self.data_shape, dtype=torch.float8_e4m3fn, device=self.device)
+        scale = torch.empty_strided(self.scale_shape, (1, m), dtype=torch.float32, device=self.device)
+        self.qlaunch(True, x, data, scale, m, k, 0, k, self.n_mblocks)
+        return self.mm(data, scale, bias)
 
 
 # ---------------------------------------------------------------------------------------------- triton op
