@@ -24,17 +24,18 @@ def default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
-def ds_act_quant(x: torch.Tensor, scale_fmt=None):
-    """DeepSeek ``act_quant_kernel``: per 128 contiguous elements, ``amax = max(max|x|, 1e-4)``, ``s = amax/448``,
-    ``ue8m0``: ``s = exp2(ceil(log2(s)))`` in fp32, ``y = fp8(x / s)`` (Triton's cast saturates on Hopper)."""
+def ds_act_quant(x: torch.Tensor, scale_fmt=None, block_size=128):
+    """DeepSeek ``act_quant_kernel``: per ``block_size`` contiguous elements, ``amax = max(max|x|, 1e-4)``,
+    ``s = amax/448``, ``ue8m0``: ``s = exp2(ceil(log2(s)))`` in fp32, ``y = fp8(x / s)`` (Triton's cast
+    saturates on Hopper)."""
     k = x.shape[-1]
-    xb = x.float().reshape(-1, k // 128, 128)
+    xb = x.float().reshape(-1, k // block_size, block_size)
     amax = torch.maximum(xb.abs().amax(-1), torch.tensor(1e-4, dtype=torch.float32))
     s = amax / torch.tensor(448.0)
     if scale_fmt == "ue8m0":
         s = torch.exp2(torch.ceil(torch.log2(s)))
     y = (xb / s.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return y.reshape(x.shape), s.reshape(*x.shape[:-1], k // 128)
+    return y.reshape(x.shape), s.reshape(*x.shape[:-1], k // block_size)
 
 
 def ds_fp8_gemm64(a, a_s, b, b_s) -> torch.Tensor:
@@ -82,6 +83,31 @@ def test_act_quant_is_deepseeks(shape, dtype, scale_fmt):
     assert torch.equal(_bits(y), _bits(q.data)) and torch.equal(s, q.scale)
 
 
+@pytest.mark.parametrize("block_size", [1, 16, 32, 64, 256, 512, 1024])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_act_quant_other_block_sizes_are_deepseeks(block_size, scale_fmt, dtype):
+    """DeepSeek's kernel takes any power-of-two block_size dividing K (it asserts ``K % block_size == 0`` and
+    uses block_size as a tl.arange extent)."""
+    x = _x((6, 2048), dtype, seed=block_size)
+    x[2, : 4 * block_size] *= 1e-7  # blocks under the 1e-4 clamp next to ordinary ones
+    y, s = D.act_quant(x, block_size, scale_fmt)
+    assert y.dtype == torch.float8_e4m3fn and y.shape == x.shape
+    assert s.dtype == torch.float32 and s.shape == (6, 2048 // block_size)
+    wy, ws = ds_act_quant(x, scale_fmt, block_size)
+    if scale_fmt is None:
+        assert torch.equal(_bits(y), _bits(wy)) and torch.equal(_bits(s), _bits(ws))
+    else:
+        # the exponent-bit rounding (see the test below) can only pick a larger power of two
+        assert ((s == ws) | (s == 2 * ws)).all()
+        assert torch.equal(_bits(y)[s.repeat_interleave(block_size, -1) == ws.repeat_interleave(block_size, -1)],
+                           _bits(wy)[s.repeat_interleave(block_size, -1) == ws.repeat_interleave(block_size, -1)])
+    # a block of 128 is lowbit's fp8_block: the same bits through either path
+    if block_size == 128:
+        q = lowbit.quantize(x, "fp8_block", scale_fmt=scale_fmt)
+        assert torch.equal(_bits(y), _bits(q.data))
+
+
 def test_act_quant_ue8m0_uses_the_exact_exponent():
     """DeepSeek's float ``exp2(ceil(log2(s)))`` picks 2^-7 for ``s = nextafter(2^-7)`` (log2 rounds to -7.0);
     lowbit picks 2^-6, the smallest power of two >= s (DeepGEMM ``ceil_to_ue8m0``)."""
@@ -103,8 +129,17 @@ def test_act_quant_non_contiguous_input():
 def test_act_quant_errors():
     x = _x((4, 256))
     cases = [
-        (ValueError, r"block_size must be 128", lambda: D.act_quant(x, 64)),
+        (ValueError, r"block_size must be a power of two from 1 to 2\*\*20", lambda: D.act_quant(x, 96)),
+        (ValueError, r"block_size must be a power of two", lambda: D.act_quant(x, 0)),
+        (ValueError, r"block_size must be a power of two", lambda: D.act_quant(x, -128)),
+        (ValueError, r"block_size must be a power of two", lambda: D.act_quant(x, 1 << 21)),
+        (
+            ValueError,
+            r"Last dimension size must be divisible by block_size \(block_size=512\)",
+            lambda: D.act_quant(x, 512),
+        ),
         (TypeError, "block_size must be an int", lambda: D.act_quant(x, 128.0)),
+        (TypeError, "block_size must be an int", lambda: D.act_quant(x, True)),
         (
             ValueError,
             r"Last dimension size must be divisible by block_size \(block_size=128\)",

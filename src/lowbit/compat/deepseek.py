@@ -4,9 +4,10 @@ Same signatures, shapes, dtypes and meaning as DeepSeek's Triton functions (``de
 ``inference/kernel.py`` with the ``scale_fmt`` argument of Aug 2025), running lowbit's ``fp8_block`` reference
 on CPU and lowbit's kernels on CUDA:
 
-- ``act_quant(x, block_size=128, scale_fmt=None) -> (y, s)``: per 128 contiguous elements of the last dim,
+- ``act_quant(x, block_size=128, scale_fmt=None) -> (y, s)``: per ``block_size`` (default 128) contiguous
+  elements of the last dim,
   ``s = max(amax, 1e-4) / 448`` (``scale_fmt="ue8m0"``: rounded up to a power of two), ``y = e4m3(x / s)``;
-  ``y`` float8_e4m3fn shaped like ``x``, ``s`` float32 ``[..., K/128]``.
+  ``y`` float8_e4m3fn shaped like ``x``, ``s`` float32 ``[..., K/block_size]``.
 - ``weight_dequant(x, s, block_size=128) -> y``: ``x`` float8_e4m3fn ``[M, N]``, ``s`` float32
   ``[ceil(M/128), ceil(N/128)]`` (the checkpoint's ``weight_scale_inv``); ``y = fp32(x) * s`` per 128x128 block,
   in ``torch.get_default_dtype()`` (DeepSeek's ``model.py`` sets bfloat16).
@@ -22,7 +23,9 @@ of two (docs/formats.md), where DeepSeek's scale is one step too small and the t
 each 128-wide partial product; lowbit's reference scales the operands first: both are exact products of
 E4M3 values and scales, summed in fp32).
 
-Differences in what is accepted: ``block_size`` must be 128 (lowbit's fp8_block); inputs need not be
+Differences in what is accepted: ``act_quant`` takes the block sizes DeepSeek's kernel compiles (powers of two
+up to 2^20; 128 is lowbit's fp8_block and its kernel, the others run the torch reference);
+``weight_dequant`` and ``fp8_gemm`` keep 128 (lowbit's fp8_block); inputs need not be
 contiguous; DeepSeek's ``assert``\\ s become ValueError/TypeError naming the rule; ``scale_fmt`` other than None
 or ``"ue8m0"`` is a ValueError (DeepSeek silently treats it as None). A default dtype other than float32,
 bfloat16 or float16 gets the float32 result cast to it.
@@ -33,9 +36,14 @@ from __future__ import annotations
 import torch
 
 from .. import api
-from ..formats.fp8_block import BLOCK_SIZE, expected_scale_shape
+from ..formats.fp8_block import BLOCK_SIZE, act_quant_groups, expected_scale_shape
 from ..formats.qtensor import QTensor
 from ..ops.scaled_mm import OUT_DTYPES, scaled_mm
+
+
+_MAX_ACT_BLOCK = 1 << 20
+"""DeepSeek's ``act_quant_kernel`` takes ``block_size`` as the extent of a ``tl.arange``: a power of two, at
+most Triton's largest tensor (2^20 elements)."""
 
 
 def _check_block_size(block_size: int, fn: str) -> None:
@@ -43,6 +51,16 @@ def _check_block_size(block_size: int, fn: str) -> None:
         raise TypeError(f"{fn}: block_size must be an int, got {type(block_size).__name__}")
     if block_size != BLOCK_SIZE:
         raise ValueError(f"{fn}: block_size must be {BLOCK_SIZE} (lowbit's fp8_block), got {block_size}")
+
+
+def _check_act_block_size(block_size: int, fn: str) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"{fn}: block_size must be an int, got {type(block_size).__name__}")
+    if not 1 <= block_size <= _MAX_ACT_BLOCK or block_size & (block_size - 1):
+        raise ValueError(
+            f"{fn}: block_size must be a power of two from 1 to 2**20 (DeepSeek's kernel uses it as a "
+            f"tl.arange extent), got {block_size}"
+        )
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, fn: str) -> None:
@@ -65,14 +83,15 @@ def act_quant(
 
     Args:
         x: float32/bfloat16/float16 ``[..., K]``, ``K % block_size == 0``.
-        block_size: 128.
+        block_size: elements per scale, a power of two (DeepSeek's kernel allows those); 128 (the
+            ``fp8_block`` format) runs lowbit's kernel on CUDA, other sizes the torch reference on x's device.
         scale_fmt: None or ``"ue8m0"`` (power-of-two scales).
 
     Returns:
-        ``(y, s)``: float8_e4m3fn shaped like ``x`` and float32 ``[..., K/128]`` (dequant multipliers).
+        ``(y, s)``: float8_e4m3fn shaped like ``x`` and float32 ``[..., K/block_size]`` (dequant multipliers).
     """
     fn = "act_quant"
-    _check_block_size(block_size, fn)
+    _check_act_block_size(block_size, fn)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] % block_size:
@@ -80,6 +99,8 @@ def act_quant(
             f"{fn}: Last dimension size must be divisible by block_size (block_size={block_size}), got shape "
             f"{tuple(x.shape)}"
         )
+    if block_size != BLOCK_SIZE:
+        return act_quant_groups(x, block_size, scale_fmt)
     q = api.quantize(x, "fp8_block", block=(1, BLOCK_SIZE), scale_fmt=scale_fmt)
     return q.data, q.scale
 

@@ -107,15 +107,42 @@ def _check_input(x: torch.Tensor, block: tuple[int, int]) -> None:
         raise ValueError(f"fp8_block: x must be 2-D [N, K] for block (128, 128), got shape {tuple(x.shape)}")
 
 
-def _quantize_1x128(x: torch.Tensor, scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_1x128(
+    x: torch.Tensor, scale_fmt: str | None, group: int = BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
-    groups = _cdiv(k, BLOCK_SIZE)
+    groups = _cdiv(k, group)
     rows = x.shape[:-1].numel()
     xr = x.detach().float().reshape(rows, k)
-    xb = torch.nn.functional.pad(xr, (0, groups * BLOCK_SIZE - k)).view(rows, groups, BLOCK_SIZE)
+    xb = torch.nn.functional.pad(xr, (0, groups * group - k)).view(rows, groups, group)
     s = _block_scale(xb.abs().amax(dim=-1), scale_fmt)
-    codes = encode_minifloat(xb / s.unsqueeze(-1), E4M3).view(rows, groups * BLOCK_SIZE)[:, :k]
+    codes = encode_minifloat(xb / s.unsqueeze(-1), E4M3).view(rows, groups * group)[:, :k]
     return codes.reshape(x.shape), s.reshape(*x.shape[:-1], groups)
+
+
+def act_quant_groups(
+    x: torch.Tensor, group: int, scale_fmt: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek ``act_quant`` arithmetic with ``group`` contiguous elements of the last dim per scale: the
+    ``(1, 128)`` rule of :func:`quantize_fp8_block` (``s = max(amax, 1e-4) / 448``, ``y = e4m3(x / s)``) for
+    the other block sizes DeepSeek's kernel takes. ``fp8_block`` QTensors keep 128; this returns raw tensors.
+
+    Args:
+        x: float32/bfloat16/float16 ``[..., K]`` with ``K % group == 0``.
+        group: a positive int.
+        scale_fmt: None or ``"ue8m0"``.
+
+    Returns:
+        ``(y, s)``: float8_e4m3fn shaped like ``x``, float32 ``[..., K/group]`` (dequant multipliers).
+    """
+    scale_fmt = _check_scale_fmt(scale_fmt)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    _check_input(x, (1, BLOCK_SIZE))
+    if x.shape[-1] % group:
+        raise ValueError(f"the last dim of x ({x.shape[-1]}) must be a multiple of group={group}")
+    codes, scale = _quantize_1x128(x, scale_fmt, group)
+    return codes.view(torch.float8_e4m3fn), scale
 
 
 def _quantize_128x128(x: torch.Tensor, scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
