@@ -552,6 +552,8 @@ def _params_from_json(params: Mapping[str, Any]) -> dict:
     out = {}
     for k, v in params.items():
         if isinstance(v, dict) and set(v) == {"__fp32__"}:
+            if isinstance(v["__fp32__"], bool) or not isinstance(v["__fp32__"], (int, float)):
+                raise ValueError(f"params[{k!r}]: an fp32 value must be a JSON number, got {v['__fp32__']!r}")
             out[k] = torch.tensor(float(v["__fp32__"]), dtype=torch.float32)
         elif isinstance(v, list):
             out[k] = tuple(v)
@@ -624,6 +626,11 @@ class LowbitLayout(Layout):
         shape = meta.get("shape")
         if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) for d in shape)):
             raise ValueError(f"quantization_config.modules[{name!r}].shape must be [out, in], got {shape!r}")
+        if not isinstance(meta.get("params", {}), dict):
+            raise ValueError(
+                f"quantization_config.modules[{name!r}].params must be an object of format options, "
+                f"got {type(meta['params']).__name__}"
+            )
         q = QTensor(
             fmt=scheme.weight_format,
             shape=torch.Size(shape),

@@ -158,6 +158,13 @@ def save_quantized(
     parse_size(max_shard_size)  # a bad size fails here, before anything is written
     tensors, ignore = quantized_state_dict(model, layout)
     tensors, _tied = dedupe_shared(tensors)
+    meta = [k for k, t in tensors.items() if t.is_meta]
+    if meta:
+        # a model quantized on the meta device is a shape-only skeleton: refused before anything is written
+        raise ValueError(
+            f"model: {len(meta)} tensor(s) are on the meta device and hold no data to save (first: {meta[0]!r}); "
+            "load real weights into the model first (model.to_empty(...) then load_state_dict)"
+        )
     dtype = _model_dtype(model)
     config = _config_dict(model)
     config["quantization_config"] = layout.config(mods, ignore, dtype)
