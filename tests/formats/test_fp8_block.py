@@ -457,16 +457,21 @@ def test_dequantize_rejects_inconsistent_qtensors():
         dequantize_fp8_block(q.data)
     from dataclasses import replace
 
-    with pytest.raises(ValueError, match="fp8_block QTensor"):
-        dequantize_fp8_block(replace(q, fmt="nvfp4"))
+    # an inconsistent QTensor cannot be built (QTensor checks its layout), so the decoder never sees one
+    with pytest.raises(TypeError, match=r"QTensor\(nvfp4\): data must be uint8"):
+        replace(q, fmt="nvfp4")
     with pytest.raises(ValueError, match=r"q.scale must have shape \(2, 2\)"):
-        dequantize_fp8_block(replace(q, scale=q.scale[:, :1]))
+        replace(q, scale=q.scale[:, :1])
     with pytest.raises(TypeError, match="q.scale must be float32"):
-        dequantize_fp8_block(replace(q, scale=q.scale.half()))
+        replace(q, scale=q.scale.half())
     with pytest.raises(TypeError, match="q.data must be float8_e4m3fn"):
-        dequantize_fp8_block(replace(q, data=q.data.view(torch.uint8)))
+        replace(q, data=q.data.view(torch.uint8))
     with pytest.raises(ValueError, match="block must be"):
-        dequantize_fp8_block(replace(q, params={"block": (1, 32), "scale_fmt": None}))
+        replace(q, params={"block": (1, 32), "scale_fmt": None})
+    with pytest.raises(ValueError, match=r"params\['scale_fmt'\] must be None or 'ue8m0'"):
+        replace(q, params={"block": (1, 128), "scale_fmt": "e8m0"})
+    with pytest.raises(ValueError, match="scale_layout must be one of"):
+        replace(q, scale_layout="swizzled")
 
 
 # ---------------------------------------------------------------- packed UE8M0 and the MN-major layout

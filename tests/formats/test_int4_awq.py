@@ -414,16 +414,17 @@ def test_dequantize_rejects_malformed_qtensor():
     def make(data=q.data, scale=q.scale, fmt="int4_awq", zeros=q.zeros, params=q.params):
         return QTensor(data, scale, fmt, q.shape, zeros=zeros, params=params)
 
+    # rejected where the QTensor is built, so dequantize never meets one
     bad = [
-        (make(scale=q.scale.float()), TypeError, "float16"),
-        (make(zeros=None), TypeError, "zeros"),
-        (make(data=q.data[:32]), ValueError, "data"),
-        (make(params={}), TypeError, "group_size"),
-        (make(fmt="nf4"), ValueError, "int4_awq"),
+        ({"scale": q.scale.float()}, TypeError, "float16"),
+        ({"zeros": None}, TypeError, "zeros"),
+        ({"data": q.data[:32]}, ValueError, "data"),
+        ({"params": {}}, TypeError, "group_size"),
+        ({"fmt": "nf4"}, ValueError, "zeros must be None for nf4"),
     ]
-    for qt, err, match in bad:
+    for change, err, match in bad:
         with pytest.raises(err, match=match):
-            dequantize_int4_awq(qt)
+            make(**change)
     with pytest.raises(TypeError, match="dtype"):
         dequantize_int4_awq(q, torch.int32)
 

@@ -15,6 +15,8 @@ def positive_fp32_scalar(t: torch.Tensor | float, name: str) -> torch.Tensor:
         raise TypeError(f"{name} must be float32, got {t.dtype}")
     if t.numel() != 1:
         raise ValueError(f"{name} must hold one value, got shape {tuple(t.shape)}")
+    if t.is_meta:  # a shape-only quantize (meta device): there is no value to check
+        return t.detach().reshape(()).clone()
     v = t.detach().reshape(()).cpu()
     if not torch.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be finite and > 0, got {v.item()}")

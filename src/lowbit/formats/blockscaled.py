@@ -43,7 +43,8 @@ def check_input(x: torch.Tensor, block: int, fmt: str) -> None:
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """fp32 view ``[rows, K/block, block]`` of ``x`` (a copy: inputs are never modified)."""
     rows = x.shape[:-1].numel()
-    return x.float().reshape(rows, x.shape[-1] // block, block)
+    # detached: the fp32 scales of fp4_b32 are computed from these values and must not carry x's graph
+    return x.detach().float().reshape(rows, x.shape[-1] // block, block)
 
 
 def _pack(codes: torch.Tensor, elem: MinifloatSpec) -> torch.Tensor:
@@ -121,11 +122,11 @@ def nvfp4_default_global_scale(x: torch.Tensor, convention: NVFP4Convention | st
     amax = amax.float()
     if convention is NVFP4Convention.TORCHAO:
         return 1.0 / _torchao_default_pts(amax)
-    if amax == 0:
-        return torch.ones((), dtype=torch.float32, device=x.device)
     # `2688 / amax` on a tensor is torch's __rtruediv__, i.e. 2688 * reciprocal(amax): two roundings, as in
-    # every torch-side producer that writes this expression (vLLM's tests, LightX2V); kernels copy the order
-    return (F8E4M3_MAX * F4_MAX / amax).clamp(max=_FLT_MAX)
+    # every torch-side producer that writes this expression (vLLM's tests, LightX2V); kernels copy the order.
+    # amax == 0 is selected on the device, not branched on: no host read (a GPU sync; a meta x has no value)
+    g = (F8E4M3_MAX * F4_MAX / amax).clamp(max=_FLT_MAX)
+    return torch.where(amax == 0, torch.ones_like(g), g)
 
 
 def torchao_per_tensor_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,202 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from .packing import swizzled_scale_shape
 from .spec import FORMATS, FormatSpec
+
+_TENSOR_FIELDS = ("data", "scale", "global_scale", "zeros", "nested_scale", "nested_offset")
+_OPTIONAL = ("global_scale", "zeros", "nested_scale", "nested_offset")
+_SCALE_DTYPES = {"e4m3": torch.float8_e4m3fn, "e8m0": torch.float8_e8m0fnu, "fp32": torch.float32}
+# the optional tensors each format carries (the others must be None); formats not listed are not restricted
+_ALLOWED_OPTIONAL = {
+    "nvfp4": ("global_scale",), "int4_awq": ("zeros",), "nf4": ("nested_scale", "nested_offset"),
+    "bnb_fp4": ("nested_scale", "nested_offset"),
+    **{f: () for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "fp4_b32", "fp8_block",
+                       "fp8_rowwise")},
+}
+
+
+def _layouts(spec: FormatSpec) -> tuple[str, ...]:
+    """Scale layouts the decoders and kernels of a format read (anything else would be read as linear)."""
+    if spec.kind == "blockscaled" and spec.scale != "fp32":
+        return ("linear", "swizzled")
+    if spec.name == "fp8_block":
+        return ("linear", "column_major")
+    return ("linear",)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{_name(t.dtype)} {tuple(t.shape)}"
+
+
+@functools.lru_cache(maxsize=512)
+def _blockscaled_layout(
+    fmt: str, shape: torch.Size, scale_layout: str
+) -> tuple[torch.dtype, torch.Size, torch.dtype, torch.Size, str, str]:
+    """(data dtype, data shape, scale dtype, scale shape, data rule, scale rule) of a block-scaled format, or a
+    ValueError for a logical shape it cannot have. Cached: activations of one shape are quantized per call."""
+    spec = FORMATS[fmt]
+    block, elem = spec.block, spec.element
+    if len(shape) == 0:
+        raise ValueError(f"QTensor({fmt}): shape must have at least 1 dimension (blocks run along the last)")
+    k = shape[-1]
+    if k % block:
+        raise ValueError(
+            f"QTensor({fmt}): shape[-1] (K = {k}) must be a multiple of {block} (one scale per {block} elements)"
+        )
+    lead = tuple(shape[:-1])
+    if elem.torch_dtype is not None:
+        data = (elem.torch_dtype, torch.Size((*lead, k)), f"one {elem.name} code per element")
+    else:
+        data = (torch.uint8, torch.Size((*lead, k * elem.bits // 8)), f"{elem.bits}-bit codes packed into bytes")
+    cols = k // block
+    if scale_layout == "swizzled":
+        rows = 1
+        for d in lead:
+            rows *= d
+        scale = (torch.Size(swizzled_scale_shape(rows, cols)), f"swizzled: [round_up(rows, 128), round_up(K/{block}, 4)]")
+    else:
+        scale = (torch.Size((*lead, cols)), f"linear: [..., K/{block}]")
+    return data[0], data[1], _SCALE_DTYPES[spec.scale], scale[0], data[2], scale[1]
+
+
+def _check_blockscaled(q: QTensor) -> None:
+    """nvfp4 / MX / fp4_b32: the packed codes and block scales must match the logical shape exactly."""
+    try:
+        ddt, dshape, sdt, sshape, drule, srule = _blockscaled_layout(q.fmt, q.shape, q.scale_layout)
+    except TypeError:  # a symbolic size (torch.compile tracing) is not hashable: same rules, uncached
+        ddt, dshape, sdt, sshape, drule, srule = _blockscaled_layout.__wrapped__(q.fmt, q.shape, q.scale_layout)
+    for name, t, dtype, shape, rule in (("data", q.data, ddt, dshape, drule), ("scale", q.scale, sdt, sshape, srule)):
+        if t.dtype != dtype or t.shape != shape:
+            exc = TypeError if t.dtype != dtype else ValueError
+            raise exc(
+                f"QTensor({q.fmt}): {name} must be {_name(dtype)} {tuple(shape)} ({rule}) for shape "
+                f"{tuple(q.shape)}, got {_describe(t)}"
+            )
+    for name, t in (("global_scale", q.global_scale), ("params['per_tensor_scale']", q.params.get("per_tensor_scale"))):
+        if isinstance(t, torch.Tensor) and (t.dtype != torch.float32 or t.numel() != 1):
+            exc = TypeError if t.dtype != torch.float32 else ValueError
+            raise exc(f"QTensor({q.fmt}): {name} must be None or one float32 value, got {_describe(t)}")
+
+
+def _check_fp8_block(q: QTensor) -> None:
+    from .fp8_block import _check_qtensor  # imported on use: the format modules import this one
+
+    block = _check_qtensor(q)
+    if q.scale_layout == "column_major" and block != (1, 128):
+        raise ValueError(f"QTensor(fp8_block): scale_layout 'column_major' needs block (1, 128), got {block}")
+    scale_fmt = q.params.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"QTensor(fp8_block): params['scale_fmt'] must be None or 'ue8m0', got {scale_fmt!r}")
+
+
+def _check_fp8_rowwise(q: QTensor) -> None:
+    from .fp8_rowwise import _check_qtensor
+
+    _check_qtensor(q)
+
+
+def _check_nf4(q: QTensor) -> None:
+    from .nf4 import check_nf4_qtensor
+
+    check_nf4_qtensor(q)
+
+
+def _check_bnb_fp4(q: QTensor) -> None:
+    from .bnb_fp4 import check_bnb_fp4_qtensor
+
+    check_bnb_fp4_qtensor(q)
+
+
+def _check_int4_awq(q: QTensor) -> None:
+    from .int4_awq import check_int4_awq
+
+    check_int4_awq(q)
+
+
+_FORMAT_CHECKS = {"fp8_block": _check_fp8_block, "fp8_rowwise": _check_fp8_rowwise, "nf4": _check_nf4,
+                  "bnb_fp4": _check_bnb_fp4, "int4_awq": _check_int4_awq}
+
+
+# formats whose rules read no params (nvfp4 with a tensor params['per_tensor_scale'] excepted): a layout that
+# passed once passes again, so the structure of a valid QTensor is remembered and a kernel quantizing
+# activations of one shape per call pays one lookup, not the full check
+_STRUCTURE_CACHED = frozenset(
+    ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "fp4_b32", "fp8_rowwise")
+)
+_VALID_STRUCTURES: set[tuple] = set()
+_MAX_STRUCTURES = 4096
+
+
+def validate(q: QTensor) -> None:
+    """Raise TypeError/ValueError unless ``q``'s tensors fit its format, logical shape and scale layout.
+
+    Reads only types, dtypes and shapes (never tensor data: no device sync, and meta tensors are fine).
+    Every QTensor is checked when it is built, so decoders and kernels may rely on a consistent layout.
+    """
+    key = None
+    params = q.params
+    if q.fmt in _STRUCTURE_CACHED and type(params) is dict and "per_tensor_scale" not in params:
+        d, s, g = q.data, q.scale, q.global_scale
+        # plain tensors only: subclasses (fake tensors under tracing) and wrong types take the full check
+        if type(d) is torch.Tensor and type(s) is torch.Tensor and (g is None or type(g) is torch.Tensor):
+            key = (q.fmt, q.shape, q.scale_layout, q.dtype, d.dtype, d.shape, s.dtype, s.shape,
+                   None if g is None else (g.dtype, g.shape),
+                   q.zeros is None and q.nested_scale is None and q.nested_offset is None)
+            try:
+                if key in _VALID_STRUCTURES:
+                    return
+            except TypeError:  # unhashable (a symbolic size)
+                key = None
+    _validate(q)
+    if key is not None:
+        if len(_VALID_STRUCTURES) >= _MAX_STRUCTURES:
+            _VALID_STRUCTURES.clear()
+        _VALID_STRUCTURES.add(key)
+
+
+def _validate(q: QTensor) -> None:
+    fmt = q.fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"QTensor: fmt must be a format name (str), got {type(fmt).__name__}")
+    spec = FORMATS.get(fmt)
+    if spec is None:
+        raise ValueError(f"QTensor: unknown fmt {fmt!r}; known formats: {sorted(FORMATS)}")
+    for name in _TENSOR_FIELDS:
+        t = getattr(q, name)
+        if not isinstance(t, torch.Tensor) and (t is not None or name in ("data", "scale")):
+            need = "a torch.Tensor" if name in ("data", "scale") else "None or a torch.Tensor"
+            raise TypeError(f"QTensor({fmt}): {name} must be {need}, got {type(t).__name__}")
+    allowed = _ALLOWED_OPTIONAL.get(fmt)
+    if allowed is not None:
+        for name in _OPTIONAL:
+            if name not in allowed and getattr(q, name) is not None:
+                raise ValueError(f"QTensor({fmt}): {name} must be None for {fmt} (it carries only {list(allowed)})")
+    if not isinstance(q.dtype, torch.dtype) or not q.dtype.is_floating_point:
+        raise TypeError(f"QTensor({fmt}): dtype must be the floating dtype that was quantized, got {q.dtype!r}")
+    if not isinstance(q.params, dict):
+        raise TypeError(f"QTensor({fmt}): params must be a dict, got {type(q.params).__name__}")
+    if any(d < 0 for d in q.shape):
+        raise ValueError(f"QTensor({fmt}): shape must not have negative sizes, got {tuple(q.shape)}")
+    layouts = _layouts(spec)
+    if q.scale_layout not in layouts:
+        raise ValueError(f"QTensor({fmt}): scale_layout must be one of {layouts}, got {q.scale_layout!r}")
+    if spec.kind == "blockscaled":
+        _check_blockscaled(q)
+    else:
+        check = _FORMAT_CHECKS.get(fmt)
+        if check is not None:
+            check(q)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +234,14 @@ class QTensor:
     nested_offset: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", torch.Size(self.shape))
+        try:
+            shape = torch.Size(self.shape)
+        except (TypeError, ValueError):
+            raise TypeError(f"QTensor: shape must be a sequence of ints, got {self.shape!r}") from None
+        object.__setattr__(self, "shape", shape)
+        # checked here, where every QTensor is built (hand-made ones included), so that a decoder or kernel
+        # never meets inconsistent sizes as a bare reshape error; shapes and dtypes only, no data reads
+        validate(self)
 
     @property
     def spec(self) -> FormatSpec:
@@ -67,7 +264,10 @@ class QTensor:
         return replace(self, **{n: t.to(device) for n, t in self.tensors().items()})
 
     def __repr__(self) -> str:
-        extra = f", global_scale={self.global_scale.item():.6g}" if self.global_scale is not None else ""
+        g = self.global_scale
+        # a meta tensor has no value to show (and reading one from a GPU would sync)
+        extra = "" if g is None else ", global_scale=" + (
+            "<meta>" if g.is_meta else f"{g.detach().float().reshape(-1)[0].item():.6g}")
         opts = ", ".join(f"{k}={v}" for k, v in self.params.items())
         return (
             f"QTensor(fmt={self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype}, "

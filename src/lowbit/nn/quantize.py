@@ -26,6 +26,10 @@ def _patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:
         return ()
     if isinstance(skip, str):
         return (skip,)
+    if not isinstance(skip, Iterable):
+        raise TypeError(
+            f"skip must be None, a module-name pattern (str) or an iterable of patterns, got {type(skip).__name__}"
+        )
     out = tuple(skip)
     bad = [p for p in out if not isinstance(p, str)]
     if bad:
@@ -65,6 +69,17 @@ def fused_groups(names: Iterable[str]) -> list[tuple[str, ...]]:
     return groups
 
 
+def _check_calibration(calibration: Any) -> None:
+    # a str is iterable, but its characters are not model inputs: refused here, not deep inside the model
+    if calibration is None or isinstance(calibration, (torch.Tensor, Mapping)):
+        return
+    if isinstance(calibration, (str, bytes)) or not isinstance(calibration, Iterable):
+        raise TypeError(
+            "calibration must be None, a tensor, a dict or an iterable of batches (dicts, tuples or tensors), "
+            f"got {type(calibration).__name__}"
+        )
+
+
 def _batches(calibration: Iterable[Any]):
     if isinstance(calibration, (torch.Tensor, Mapping)):
         yield calibration
@@ -97,6 +112,7 @@ def run_calibration(model: nn.Module, calibration: Iterable[Any]) -> int:
     A batch that is a dict runs ``model(**batch)``, a tuple/list ``model(*batch)``, anything else ``model(batch)``;
     tensors are moved to the model's device.
     """
+    _check_calibration(calibration)
     device = _model_device(model)
     was_training = model.training
     model.eval()
@@ -179,13 +195,21 @@ def quantize_model(
 
     Layers whose shape the scheme cannot take are left as they are, with one warning listing them.
 
+    A model on the meta device is quantized shape-only: its ``QuantLinear`` buffers are meta tensors of the
+    shapes and dtypes real weights would have (a skeleton to ``to_empty`` and ``load_state_dict`` into).
+    Calibration needs real weights and is refused for it.
+
     Raises:
-        ValueError: unknown scheme, or no layer could be quantized.
+        ValueError: unknown scheme, no layer could be quantized, or calibration of a meta model.
+        TypeError: ``skip``, ``calibration`` or ``awq`` of the wrong type (a str is not calibration data).
     """
     scheme = get_scheme(scheme)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     patterns = _patterns(skip)
+    _check_calibration(calibration)
+    if awq is not None and not isinstance(awq, bool):
+        raise TypeError(f"awq must be None, True or False, got {type(awq).__name__}")
     layers = linear_layers(model)
     targets: dict[str, nn.Linear] = {}
     unsupported: list[str] = []
@@ -210,6 +234,12 @@ def quantize_model(
             stacklevel=2,
         )
 
+    if calibration is not None and any(lin.weight.is_meta for lin in targets.values()):
+        # a meta model has no weights to run: it can be quantized shape-only, but not calibrated
+        raise ValueError(
+            "calibration needs a model with real weights; this model is on the meta device (quantize it "
+            "without calibration to build a shape-only skeleton, then load quantized weights)"
+        )
     if awq and (calibration is None or scheme.weight_format != "int4_awq"):
         raise ValueError("awq=True needs scheme w4a16-int4 (int4_awq weights) and calibration data")
     if calibration is not None and scheme.weight_format == "int4_awq" and awq is not False:
@@ -225,7 +255,10 @@ def quantize_model(
     global_scales: dict[str, torch.Tensor] = {}
     if scheme.shared_global_scale:
         for group in fused_groups(targets):
-            amax = torch.stack([finite_amax(targets[n].weight.detach()).float().cpu() for n in group])
+            weights = [targets[n].weight.detach() for n in group]
+            # gathered on the CPU, or on meta for a shape-only (meta) model, which has no values to read
+            where = "meta" if any(w.is_meta for w in weights) else "cpu"
+            amax = torch.stack([finite_amax(w).float().to(where) for w in weights])
             g = nvfp4_default_global_scale(amax)
             for n in group:
                 global_scales[n] = g.to(targets[n].weight.device)
