@@ -68,7 +68,8 @@ def _check_nibble_values(values: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
     if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {values.dtype}")
-    if values.numel() and (values.min() < 0 or values.max() > _MAX_INT):
+    # a meta tensor (a shape-only quantize) has no values to check
+    if values.numel() and not values.is_meta and (values.min() < 0 or values.max() > _MAX_INT):
         raise ValueError(
             f"{name} must hold 4-bit values in [0, 15], "
             f"got range [{values.min().item()}, {values.max().item()}]"
@@ -225,7 +226,9 @@ def quantize_int4_awq(x: torch.Tensor, group_size: int = 128) -> QTensor:
     out_features, in_features = x.shape
     n_groups = in_features // group_size
     w = x.detach().to(torch.float16)
-    if not torch.isfinite(w).all():
+    # a meta x (a shape-only quantize) has no values: the value checks below are skipped for it
+    checkable = not w.is_meta
+    if checkable and not torch.isfinite(w).all():
         raise ValueError(
             "int4_awq: x must be finite after the cast to float16 (AutoAWQ quantizes the fp16 weight and "
             "asserts on NaN); |x| must stay below 65520"
@@ -237,14 +240,14 @@ def quantize_int4_awq(x: torch.Tensor, group_size: int = 128) -> QTensor:
     scales = true_div((max_val - min_val).clamp(min=1e-5), _MAX_INT)
     zeros = (-torch.round(min_val / scales)).clamp(0, _MAX_INT)
     w_fq = (torch.clamp(torch.round(wg / scales) + zeros, 0, _MAX_INT) - zeros) * scales
-    if not (torch.isfinite(scales).all() and torch.isfinite(w_fq).all()):
+    if checkable and not (torch.isfinite(scales).all() and torch.isfinite(w_fq).all()):
         raise ValueError(
             "int4_awq: a group of x spans a range too wide for float16 scales (max - min or 15 * scale "
             "overflows); AutoAWQ produces NaN/Inf for such a weight"
         )
     # from_linear recomputes the integers from the fake-quantized weight, adding the fp16-rounded z*s
     q = torch.round((w_fq + zeros * scales) / scales)
-    if q.numel() and (q.min() < 0 or q.max() > _MAX_INT):
+    if checkable and q.numel() and (q.min() < 0 or q.max() > _MAX_INT):
         raise ValueError("int4_awq: x leaves AutoAWQ's integer recomputation outside [0, 15]")
 
     intweight = q.to(torch.int32).reshape(out_features, in_features).t()
