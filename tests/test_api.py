@@ -10,7 +10,7 @@ from lowbit.formats.spec import MXFP4_FORMAT, FormatSpec
 def test_every_format_is_listed():
     assert set(lowbit.FORMATS) == {
         "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2",
-        "fp4_b32", "fp8_block", "fp8_rowwise", "nf4", "int4_awq",
+        "fp4_b32", "fp8_block", "fp8_rowwise", "nf4", "bnb_fp4", "int4_awq",
     }
 
 

@@ -47,6 +47,8 @@ HAND_BYTES = {
     # nf4, blocksize 64, double quant: codes n/2, uint8 absmax codes n/64 = 262_144, fp32 nested scale per
     # 256 absmax = 1024 * 4, fp32 offset 4
     "dequantize.nf4.dq": ((4096, 4096), 8_388_608 + 262_144 + 1024 * 4 + 4 + BF16_4096),
+    # bnb_fp4: nf4's layout with bitsandbytes' FP4 table
+    "dequantize.bnb_fp4.dq": ((4096, 4096), 8_388_608 + 262_144 + 1024 * 4 + 4 + BF16_4096),
     # AWQ g128: qweight int32 [in, out/8], qzeros int32 [in/128, out/8], scales fp16 [in/128, out]
     "dequantize.int4_awq": ((4096, 4096), 4096 * 512 * 4 + 32 * 512 * 4 + 32 * 4096 * 2 + BF16_4096),
 }
@@ -114,7 +116,8 @@ def test_unavailable_follows_the_kernel_table():
         if kind == "quantize":
             found = kernels.quantize_kernel(fmt, {})
         else:
-            found = kernels.dequantize_kernel(fmt, types.SimpleNamespace(params={"convention": "vllm"}))
+            found = kernels.dequantize_kernel(fmt, types.SimpleNamespace(
+                params={"convention": "vllm"}, scale=torch.empty(0, dtype=torch.float16)))
         assert op.unavailable(ctx) == (found if isinstance(found, str) else None), op.name
         assert op.unavailable(Context(device="cpu", backend="torch")) is None
 
@@ -149,7 +152,7 @@ def test_select_and_match():
     names = [op.name for op in bench.select(["nvfp4"])]
     assert names == ["quantize.nvfp4", "quantize.nvfp4.gs", "quantize.nvfp4.swizzled", "dequantize.nvfp4"]
     assert [op.name for op in bench.select(["quantize.mx*"])] == [f"quantize.{f}" for f in quant.MX]
-    assert len(bench.select(["dequantize"])) == 11 and len(bench.select(None)) == len(bench.REGISTRY)
+    assert len(bench.select(["dequantize"])) == 12 and len(bench.select(None)) == len(bench.REGISTRY)
     with pytest.raises(ValueError, match="matches no registered op"):
         bench.select(["nope"])
 

@@ -207,20 +207,29 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+REPEATS = 3
+"""Timed windows per decode mode; the best is reported (the lent machines' host CPUs are shared and noisy)."""
+
+
 def decode_eager(model: Decoder, steps: int, start: int, device) -> float:
-    """Tokens/s of ``steps`` eager decode steps (greedy, no host synchronization between steps)."""
+    """Tokens/s of ``steps`` eager decode steps (greedy, no host synchronization between steps), the best of
+    :data:`REPEATS` windows."""
     tok = torch.zeros(1, 1, dtype=torch.long, device=device)
     pos = torch.tensor([start], device=device)
+    best = 0.0
     with torch.inference_mode():
         for _ in range(2):
             model(tok, pos)
         _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            tok = model(tok, pos).argmax(-1, keepdim=True)
-            pos += 1
-        _sync(device)
-    return steps / (time.perf_counter() - t0)
+        for _ in range(REPEATS):
+            pos.fill_(start)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = model(tok, pos).argmax(-1, keepdim=True)
+                pos += 1
+            _sync(device)
+            best = max(best, steps / (time.perf_counter() - t0))
+    return best
 
 
 def decode_graph(model: Decoder, steps: int, start: int) -> float:
@@ -269,14 +278,18 @@ def decode_compiled(model: Decoder, steps: int, start: int, mode: str | None, n_
             tok = fn(tok, pos).clone()
         _sync(device)
         compile_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            tok = fn(tok, pos).clone()
-            pos += 1
-        _sync(device)
-    return {"tok_s": steps / (time.perf_counter() - t0), "compile_s": compile_s, "layers": n_layers}
+        best = 0.0
+        for _ in range(REPEATS):
+            pos.fill_(start)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                if mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                tok = fn(tok, pos).clone()
+                pos += 1
+            _sync(device)
+            best = max(best, steps / (time.perf_counter() - t0))
+    return {"tok_s": best, "compile_s": compile_s, "layers": n_layers}
 
 
 def prefill_ms(model: Decoder, tokens: int, device, repeats: int = 3) -> float:

@@ -139,13 +139,16 @@ def kernel_table() -> dict[str, dict[str, str]]:
     """Format -> {"quantize": ..., "dequantize": ...}: ``"kernel"`` or the kernel table's reason for none."""
     import types
 
+    import torch
+
     from lowbit import kernels
     from lowbit.formats import FORMATS
 
     table = {}
     for fmt in FORMATS:
         q = kernels.quantize_kernel(fmt, {})
-        d = kernels.dequantize_kernel(fmt, types.SimpleNamespace(params={}))
+        # a QTensor of the format's defaults as far as the table's predicates look (no params, fp16 scales)
+        d = kernels.dequantize_kernel(fmt, types.SimpleNamespace(params={}, scale=torch.empty(0, dtype=torch.float16)))
         table[fmt] = {
             "quantize": q if isinstance(q, str) else "kernel",
             "dequantize": d if isinstance(d, str) else "kernel",

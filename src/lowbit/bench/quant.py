@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import lowbit
-from lowbit.formats import blockscaled, fp8_block, int4_awq, nf4
+from lowbit.formats import blockscaled, bnb_fp4, fp8_block, int4_awq, nf4
 from lowbit.formats.packing import swizzled_scale_shape
 from lowbit.formats.spec import FORMATS
 from lowbit.testing import assert_bitexact
@@ -39,6 +39,7 @@ _REFERENCE: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "fp4_b32": (blockscaled.quantize_fp4_b32, blockscaled.dequantize_fp4_b32),
     "fp8_block": (fp8_block.quantize_fp8_block, fp8_block.dequantize_fp8_block),
     "nf4": (nf4.quantize_nf4, nf4.dequantize_nf4),
+    "bnb_fp4": (bnb_fp4.quantize_bnb_fp4, bnb_fp4.dequantize_bnb_fp4),
     "int4_awq": (int4_awq.quantize_int4_awq, int4_awq.dequantize_int4_awq),
 }
 
@@ -69,7 +70,7 @@ def qtensor_nbytes(fmt: str, shape: Shape, **options: Any) -> int:
         if block == (1, 128):
             return n + rows * _cdiv(k, 128) * 4
         return n + _cdiv(shape[0], 128) * _cdiv(k, 128) * 4
-    if fmt == "nf4":
+    if fmt in ("nf4", "bnb_fp4"):  # one layout, two 16-entry tables
         nblocks = _cdiv(n, options.get("blocksize", 64))
         if options.get("double_quant", False):
             return _cdiv(n, 2) + nblocks + _cdiv(nblocks, nf4.NESTED_BLOCKSIZE) * 4 + 4
@@ -356,9 +357,10 @@ def _unavailable(kind: str, fmt: str, options: dict[str, Any]) -> Callable[[Cont
             return None
         if kind == "quantize":
             return _quantize_kernel_reason(fmt, {k: v for k, v in options.items() if v != CALIBRATED})
-        # dequantize predicates read only q.params; lowbit's default params for these options
+        # dequantize predicates read q.params and the scale dtype; lowbit's defaults for these options
         params = {"convention": "vllm"} if fmt == "nvfp4" else dict(options)
-        return _dequantize_kernel_reason(fmt, types.SimpleNamespace(params=params))
+        return _dequantize_kernel_reason(fmt, types.SimpleNamespace(params=params,
+                                                                    scale=torch.empty(0, dtype=torch.float16)))
 
     return check
 
@@ -418,6 +420,7 @@ QUANT_OPS: tuple[QuantOp, ...] = (
     QuantOp("dequantize", "fp8_block", "1x128", {"block": (1, 128)}),
     QuantOp("dequantize", "fp8_block", "128x128", {"block": (128, 128)}),
     QuantOp("dequantize", "nf4", "dq", {"blocksize": 64, "double_quant": True}),
+    QuantOp("dequantize", "bnb_fp4", "dq", {"blocksize": 64, "double_quant": True}),
     QuantOp("dequantize", "int4_awq", "", {"group_size": 128}),
 )
 

@@ -868,11 +868,17 @@ def facts(p: PreparedW4) -> GemvFacts:
                      -1 if lay is None else lay.fmt_code, 1 if lay is None else lay.cpg)
 
 
+def uses_mma(f: GemvFacts, m: int, x_dtype: torch.dtype) -> bool:
+    """Whether the default plan of ``m`` rows of ``x_dtype`` runs the tensor-core GEMV (else the FMA or dot
+    kernel on the row-major layout)."""
+    return (f.mma_fmt >= 0 and x_dtype in _mma_x_dtypes(f.fmt) and not _interpreting()
+            and _mma_regime(f.n, f.k, m, MMA, f.fmt))
+
+
 def _default_plan(f: GemvFacts, m: int, x_dtype: torch.dtype, has_bias: bool, act: int,
                   dev_index: int) -> tuple[bool, _Plan]:
     """(tensor-core?, plan) that :func:`gemv_w4` picks under the default :data:`TILE` and :data:`MMA`."""
-    if (f.mma_fmt >= 0 and x_dtype in _mma_x_dtypes(f.fmt) and not _interpreting()
-            and _mma_regime(f.n, f.k, m, MMA, f.fmt)):
+    if uses_mma(f, m, x_dtype):
         return True, _mma_plan(m, f.n, f.k, f.mma_fmt, f.cpg, f.gs_kind, f.post, has_bias, act, x_dtype,
                                dev_index, MMA)
     return False, _make_plan(f.fmt_code, f.wpb, f.post, f.gs_kind, f.n, f.k, f.sk, m, x_dtype == torch.float16,
@@ -927,12 +933,14 @@ class GemvRunner:
         return out
 
 
-def traced_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, nested: torch.Tensor,
-                tab: torch.Tensor, gs: torch.Tensor, mma_words: torch.Tensor, mma_scales: torch.Tensor,
+def traced_gemv(x: torch.Tensor, words: torch.Tensor | None, scales: torch.Tensor | None,
+                nested: torch.Tensor | None, tab: torch.Tensor | None, gs: torch.Tensor,
+                mma_words: torch.Tensor | None, mma_scales: torch.Tensor | None,
                 ws: torch.Tensor, cnt: torch.Tensor, rs: torch.Tensor, no_bias: torch.Tensor,
                 bias: torch.Tensor | None, f: GemvFacts, act: int) -> torch.Tensor:
     """The GEMV as ``torch.compile`` traces it (inside a ``triton_op`` body): the plan of :func:`gemv_w4`'s
-    default configuration, built from ``f`` and x's shape alone. ``ws`` / ``cnt``: the layer's split-K
+    default configuration, built from ``f`` and x's shape alone. The layouts of the kernel the plan does not
+    run may be None (:func:`uses_mma` says which one runs). ``ws`` / ``cnt``: the layer's split-K
     workspace and zeroed counters (``lowbit.kernels._scratch.traced_scratch``; a plan needing more than they
     hold gets its own, allocated by the graph); ``rs``: an fp32 placeholder for the unused row scale;
     ``no_bias``: a placeholder of x's dtype for the bias pointer when ``bias`` is None."""
@@ -943,6 +951,8 @@ def traced_gemv(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, nest
         ws = torch.empty(plan.split * plan.mp * f.n, dtype=torch.float32, device=dev)
         cnt = torch.zeros(plan.n_tiles, dtype=torch.int32, device=dev)
     b = no_bias if bias is None else bias
+    if (mma_words is None) if mma else (words is None):
+        raise ValueError("traced_gemv: the layouts of the kernel this plan runs were not passed")
     if mma:
         plan.launch.traced(x, mma_words, mma_scales, gs, rs, b, out, ws, cnt, *plan.ints,
                            *_mma_table(f.mma_fmt, x.dtype))

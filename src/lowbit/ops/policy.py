@@ -70,6 +70,13 @@ the 16-entry table as data, but the GEMV's prepared layouts and traced plans key
 until they carry bitsandbytes' FP4 table the format stays out of them rather than decode with NF4's levels."""
 
 
+STATIC_LAUNCH_COMPILED_KERNELS = True
+"""Whether preparing a layer for the compiled W4A16 GEMV turns on Inductor's static launcher for user-defined
+Triton kernels (``lowbit.ops.prepared``): on an H100 host, Triton's own launcher cost about 30-55 us per
+GEMV launched from a ``torch.compile``d decode step (cProfile of ``benchmarks/profile_compiled_step.py``)
+against about 15 us for Inductor's kernels through the static launcher."""
+
+
 def dequant_gemm_min_m(fmt: str) -> int:
     if fmt in DEQUANT_ONLY_FORMATS:
         return 0
