@@ -868,11 +868,19 @@ def facts(p: PreparedW4) -> GemvFacts:
                      -1 if lay is None else lay.fmt_code, 1 if lay is None else lay.cpg)
 
 
+def mma_rule(f: GemvFacts) -> tuple[tuple, int, int, bool]:
+    """(x dtypes, smallest M, largest M, whether M = 1 qualifies) of the tensor-core GEMV on a weight with facts
+    ``f`` under :data:`MMA`: plain values, so that traced code can apply the rule to a symbolic M."""
+    if f.mma_fmt < 0 or _interpreting():
+        return (), 1, 0, False
+    return _mma_x_dtypes(f.fmt), MMA["min_m"], MMA["max_m"], _mma_regime(f.n, f.k, 1, {**MMA, "min_m": 1}, f.fmt)
+
+
 def uses_mma(f: GemvFacts, m: int, x_dtype: torch.dtype) -> bool:
     """Whether the default plan of ``m`` rows of ``x_dtype`` runs the tensor-core GEMV (else the FMA or dot
     kernel on the row-major layout)."""
-    return (f.mma_fmt >= 0 and x_dtype in _mma_x_dtypes(f.fmt) and not _interpreting()
-            and _mma_regime(f.n, f.k, m, MMA, f.fmt))
+    dtypes, lo, hi, m1 = mma_rule(f)
+    return x_dtype in dtypes and lo <= m <= hi and (m > 1 or m1)
 
 
 def _default_plan(f: GemvFacts, m: int, x_dtype: torch.dtype, has_bias: bool, act: int,

@@ -126,8 +126,7 @@ class PreparedWeight:
         ws, cnt = traced_scratch(self.device, idx, *gemv_w4.traced_scratch_size(self.n, self.k))
         self.traced_extra = (ws, cnt, gemv_w4._dummy(self.device, torch.float32))
         self.no_bias = {dt: gemv_w4._dummy(self.device, dt) for dt in _X_DTYPES}
-        self.traced_mma = {(m, dt): gemv_w4.uses_mma(self.facts, m, dt)
-                           for m in range(1, GEMV_MAX_M + 1) for dt in _X_DTYPES}
+        self.mma_rule = gemv_w4.mma_rule(self.facts)
         # fixed addresses for torch.compile: CUDA-graph trees would otherwise copy every layout into graph-owned
         # memory on each replay (they are not module parameters); guarded, so a re-prepared layer recompiles
         mark_static(*{id(t): t for t in (*self.gemv_tensors, *self.traced_extra, *self.no_bias.values())}.values())
@@ -358,13 +357,14 @@ class PreparedWeight:
             m = x2.shape[0]
             if 0 < m <= GEMV_MAX_M:
                 t = self.gemv_tensors
-                if isinstance(m, int):
-                    # a static row count: only the layouts of the kernel that runs become graph inputs (each
-                    # input costs the compiled code a guard and a size check per call)
-                    if self.traced_mma[(m, x.dtype)]:
-                        t = (None, None, None, None, t[4], t[5], t[6])
-                    else:
-                        t = (*t[:5], None, None)
+                # only the layouts of the kernel that runs become graph inputs (each input costs the compiled
+                # code a guard and a size check per call); the rule is gemv_w4.uses_mma's, in comparisons that
+                # a symbolic M traces through (bucket guards, as the op's own plan adds)
+                dtypes, lo, hi, m1 = self.mma_rule
+                if x.dtype in dtypes and lo <= m <= hi and (m > 1 or m1):
+                    t = (None, None, None, None, t[4], t[5], t[6])
+                else:
+                    t = (*t[:5], None, None)
                 out = torch.ops.lowbit.w4a16_gemv(
                     x2.contiguous(), *t, *self.traced_extra, self.no_bias[x.dtype], bias, f.fmt,
                     f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code)
