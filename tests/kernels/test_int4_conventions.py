@@ -36,6 +36,21 @@ def _ct_weight(scale_dtype: torch.dtype, n: int = 256, k: int = 512, group: int 
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_dispatch_decodes_then_gemm_at_every_m(scale_dtype):
+    """On CUDA, lowbit.linear runs these weights through the exact chunked decode + cuBLAS at every M (the kernels'
+    fp16 decode would round twice); fp16 scales keep the kernels."""
+    from lowbit.ops import policy
+
+    q = _ct_weight(scale_dtype)
+    for m in (1, 16, 100, 4096):
+        path, _, facts = policy.linear_decide(m, torch.device("cuda"), q, "auto")
+        assert (path, facts) == ("dequant_gemm", ("dequant_only",)), m
+        assert "dequant_only" in policy.linear_reason(path, facts, m, torch.device("cuda"), q, 64)
+    assert not policy.dequant_only(_ct_weight(torch.float16))
+    assert policy.linear_decide(1, torch.device("cpu"), q, "auto")[0] == "reference"
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_kernels_refuse_non_fp16_decodes(scale_dtype):
     from lowbit.kernels import gemm_w4, gemv_w4
     from lowbit.kernels import int4_awq as k_awq
@@ -74,12 +89,20 @@ def test_gpu_dequantize_routes_to_the_reference(scale_dtype, out):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_gpu_linear_refuses_instead_of_decoding_in_fp16(scale_dtype, m):
+def test_gpu_linear_decodes_in_the_scale_dtype_then_cublas(scale_dtype, m):
+    """No int4 kernel decodes in bf16/fp32: lowbit.linear decodes exactly (the reference, in torch ops on the GPU)
+    and multiplies with cuBLAS at every M, never the kernels' fp16 decode."""
+    from lowbit.ops import linear as lin
+
     q = _ct_weight(scale_dtype).to("cuda")
     x = torch.randn(m, q.shape[1], device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="float16"):
-        lowbit.linear(x, q)
-    assert lowbit.linear(x, q, backend="torch").shape == (m, q.shape[0])
+    plan = lin.plan_linear(tuple(x.shape), q)
+    assert plan.path == "dequant_gemm" and "dequant_only" in plan.reason, str(plan)
+    got = lowbit.linear(x, q)
+    w = dequantize_int4_awq(q, torch.bfloat16)  # the compressed-tensors decode, one rounding
+    want = torch.nn.functional.linear(x.float(), w.float())
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert got.dtype == torch.bfloat16 and err < 1e-2, err
 
 
 @pytest.mark.gpu

@@ -77,6 +77,16 @@ GEMV launched from a ``torch.compile``d decode step (cProfile of ``benchmarks/pr
 against about 15 us for Inductor's kernels through the static launcher."""
 
 
+def dequant_only(w: QTensor) -> bool:
+    """Whether no W4A16 kernel reads ``w`` directly, by design of its format or convention, so that ``lowbit.linear``
+    decodes it exactly (in chunks: ``linear_dequant_gemm``) and multiplies with cuBLAS at every M:
+    :data:`DEQUANT_ONLY_FORMATS`, and int4 weights whose scales are not float16 (compressed-tensors' convention of
+    decoding in the scale's dtype, which the int4 kernels do not implement; their decode runs in torch ops)."""
+    if w.fmt in DEQUANT_ONLY_FORMATS:
+        return True
+    return w.fmt == "int4_awq" and w.scale is not None and w.scale.dtype != torch.float16
+
+
 def dequant_gemm_min_m(fmt: str) -> int:
     if fmt in DEQUANT_ONLY_FORMATS:
         return 0
@@ -100,8 +110,10 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     common = _plumbing.decide_common(backend, device, m == 0)
     if common is not None:
         return common
-    if ((DEQUANT_GEMM_MIN_M is not None or w.fmt in DEQUANT_ONLY_FORMATS) and m >= dequant_gemm_min_m(w.fmt)
-            and slice_rows_reason(w) is None):
+    if dequant_only(w):
+        if slice_rows_reason(w) is None:
+            return "dequant_gemm", None, ("dequant_only",)
+    elif DEQUANT_GEMM_MIN_M is not None and m >= dequant_gemm_min_m(w.fmt) and slice_rows_reason(w) is None:
         return "dequant_gemm", None, ()
     gemv_why = None
     if m <= GEMV_MAX_M:
@@ -126,6 +138,9 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
     if path == "gemv_w4":
         return f"{regime}: split-K {_kernel_module('gemv_w4').describe(w, m)}"
     if path == "dequant_gemm":
+        if facts[:1] == ("dequant_only",):
+            return (f"no W4A16 kernel reads this {w.fmt} weight directly (policy.dequant_only): dequantize chunks "
+                    f"of {chunk_rows} rows exactly, then cuBLAS, at every M")
         return (f"M={m} >= DEQUANT_GEMM_MIN_M={dequant_gemm_min_m(w.fmt)}: dequantize chunks of {chunk_rows} rows "
                 "(Triton), then cuBLAS")
     if path == "gemm_w4":
