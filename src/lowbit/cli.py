@@ -182,6 +182,17 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     except ImportError:
         pass  # no transformers: lbeval.run says what to install
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    if args.device is not None:
+        import torch
+
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError) as e:
+            return _fail("quantize", f"--device {args.device!r} is not a torch device ({e})")
+        if device.type == "meta":
+            # meta tensors hold shapes only: nothing could be evaluated or written
+            return _fail("quantize", "--device meta holds no values to quantize or evaluate; use cpu or cuda "
+                                     "(lowbit.quantize_model builds a shape-only skeleton on meta in Python)")
     try:
         report = lbeval.run(
             args.model_dir,

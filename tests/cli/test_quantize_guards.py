@@ -207,3 +207,12 @@ def test_closed_pipe_exits_quietly():
     rc = p.wait(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert rc == 141
+
+
+@pytest.mark.parametrize("device, words", [("meta", "--device meta holds no values"),
+                                           ("bogus", "is not a torch device")])
+def test_device_meta_or_bogus_is_refused_up_front(tiny_src, tmp_path, device, words):
+    out = tmp_path / "o"
+    err = _one_line(*_quantize(tiny_src, out, "--device", device)[::2])
+    assert words in err
+    assert not out.exists()
