@@ -176,7 +176,8 @@ def apply_config(model: nn.Module, config: str) -> nn.Module:
                     new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                             compute_dtype=child.weight.dtype, quant_type="nf4",
                                             compress_statistics=False)
-                    new.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4",
+                    # quantized where the weight already is (.to(dev) quantizes): no round trip through the host
+                    new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4",
                                                    compress_statistics=False)
                     setattr(parent, cname, new.to(dev))
         return model
