@@ -1,7 +1,7 @@
 """fp8_block x fp8_block (DeepSeek-V3 W8A8) kernel variants vs torch._scaled_mm per-tensor FP8 and seed 001's
 Triton kernel (autotuned over its own list), on the issue's M=4096 DeepSeek shapes and 8192^3; JSON to $OUT.
 
-    PYTHONPATH=src python benchmarks/sweep_fp8_block.py [--shapes 7168x2048,...] [--seed/--no-seed]
+    PYTHONPATH=src python benchmarks/experiments/sweep_fp8_block.py [--shapes 7168x2048,...] [--seed/--no-seed]
 
 Each variant's result is checked against ``scaled_mm_reference`` (relative Frobenius error in the JSON).
 """
@@ -23,7 +23,7 @@ from lowbit.ops import policy
 from lowbit.kernels import scaled_mm as ks
 from lowbit.ops import scaled_mm_reference
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
 import _peers  # noqa: E402
 import _seed001  # noqa: E402
 

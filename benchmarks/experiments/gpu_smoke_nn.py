@@ -1,7 +1,7 @@
 """quantize_model on CUDA for every scheme: a small bf16 MLP, the Triton path (backend auto) against the
 reference path (backend="torch") on the same quantized layers, and both against the unquantized model.
 
-    PYTHONPATH=src python benchmarks/gpu_smoke_nn.py
+    PYTHONPATH=src python benchmarks/experiments/gpu_smoke_nn.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sweep the tensor-core GEMV (``_gemv_mma``) configs against the FMA kernel on NVFP4/MXFP4 decode shapes.
 
-    python3 benchmarks/sweep_gemv_mma.py --shapes 28672x8192,8192x8192,4096x4096 --ms 1,4,16 --out $OUT
+    python3 benchmarks/experiments/sweep_gemv_mma.py --shapes 28672x8192,8192x8192,4096x4096 --ms 1,4,16 --out $OUT
 
 Each variant is checked against the fp32 reference first (relative Frobenius error), then timed as a CUDA
 graph of 20 calls over rotated weight copies (every call reads its weight from HBM); cuBLAS bf16 on the same
@@ -20,7 +20,7 @@ import torch
 import lowbit
 from lowbit.kernels import gemv_w4 as G
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
 from bench_w4a16 import _copies, _copy_roof, _git, _rotating, _time_graph
 
 

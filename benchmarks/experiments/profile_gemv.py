@@ -1,7 +1,7 @@
 """Run the W4A16 GEMV kernels (and cuBLAS bf16) a few times on decode shapes, for ``ncu`` to profile.
 
-    ncu --clock-control none -k regex:'gemv|gemm|Kernel' --section SpeedOfLight ... python3 benchmarks/profile_gemv.py
-    python3 benchmarks/profile_gemv.py --cases nvfp4:28672x8192:1,nvfp4:28672x8192:16
+    ncu --clock-control none -k regex:'gemv|gemm|Kernel' --section SpeedOfLight ... python3 benchmarks/experiments/profile_gemv.py
+    python3 benchmarks/experiments/profile_gemv.py --cases nvfp4:28672x8192:1,nvfp4:28672x8192:16
 """
 
 import argparse

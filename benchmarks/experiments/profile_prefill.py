@@ -1,6 +1,6 @@
 """Where the time of the chunked prefill path (``lowbit.ops.linear.linear_dequant_gemm``) goes, M = 4096.
 
-    PYTHONPATH=src python benchmarks/profile_prefill.py [--formats nvfp4 nf4] [--chunk-mb 16 32 64]
+    PYTHONPATH=src python benchmarks/experiments/profile_prefill.py [--formats nvfp4 nf4] [--chunk-mb 16 32 64]
 
 Per shape and format: cuBLAS bf16 ``x @ w.T``, the whole-weight dequantize alone, the chunked path at several
 chunk sizes, and the earlier chunked variant (``F.linear`` per chunk into a temporary, then a copy into the
@@ -23,7 +23,7 @@ import lowbit
 from lowbit.formats.rows import nf4_without_double_quant, slice_rows
 from lowbit.ops.linear import _chunk_rows, linear_dequant_gemm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
 from bench_w4a16 import capture  # noqa: E402
 from bench_w4a16_gemm import FORMATS, SHAPES, _problem, _quantize, bench, header  # noqa: E402
 

@@ -2,7 +2,7 @@
 CUDA >= 12.9) run DeepSeek-V3 fp8_block operands, how close is it to the reference, and how fast against
 torch._scaled_mm per-tensor FP8 and lowbit's own kernels? JSON to $OUT.
 
-    PYTHONPATH=src python benchmarks/probe_cublas_blockwise.py
+    PYTHONPATH=src python benchmarks/experiments/probe_cublas_blockwise.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where the time of scaled_mm's FP8 re-encoding route goes: each re-encoding launch and the whole call, timed
 eagerly (do_bench, L2 flushed) and as CUDA-graph replays (no host launch cost), against cuBLAS bf16.
 
-    PYTHONPATH=src python benchmarks/profile_fold.py [--shapes 7168x2048,8192x8192] [--ms 1024,4096]
+    PYTHONPATH=src python benchmarks/experiments/profile_fold.py [--shapes 7168x2048,8192x8192] [--ms 1024,4096]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from triton.testing import do_bench
 import lowbit
 from lowbit.kernels import blockscaled as kb
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
 from bench_w4a16 import _time_graph  # the benchmarks folder is not a package; CUDA graph of 20 calls
 
 

@@ -1,19 +1,21 @@
 """fp8_block decode (M <= 64) tile / split-K configs under CUDA-graph replay over weight copies out of L2;
-JSON to $OUT. ``PYTHONPATH=src:benchmarks python benchmarks/sweep_fp8_decode.py``"""
+JSON to $OUT. ``PYTHONPATH=src python benchmarks/experiments/sweep_fp8_decode.py``"""
 
 from __future__ import annotations
 
 import itertools
 import os
 import platform
+import sys
 import time
 
 import torch
 import triton
 
-import _peers
-import bench_w4a16 as W
-import lowbit
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import _peers  # noqa: E402
+import bench_w4a16 as W  # noqa: E402
+import lowbit  # noqa: E402
 from lowbit.kernels import scaled_mm as ks
 
 SHAPES = [(7168, 16384), (8192, 8192), (4096, 7168), (7168, 2048), (24576, 1536)]

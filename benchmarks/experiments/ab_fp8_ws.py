@@ -1,7 +1,7 @@
 """A/B of the warp-specialized fp8_block kernel against the one-partition TMA kernel, eager and as CUDA-graph
 replays (host launch cost out), for fp8_block x fp8_block and the FP8 re-encoded mxfp4 x mxfp4 route; JSON to $OUT.
 
-    PYTHONPATH=src python benchmarks/ab_fp8_ws.py [--shapes 4096x7168x2048,...]
+    PYTHONPATH=src python benchmarks/experiments/ab_fp8_ws.py [--shapes 4096x7168x2048,...]
 """
 
 import argparse

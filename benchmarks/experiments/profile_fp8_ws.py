@@ -2,7 +2,7 @@
 the one-partition TMA kernel or torch._scaled_mm per-tensor FP8), after one warm-up call.
 
     ncu --clock-control none -k regex:'fp8_block|gemm|xmma' --launch-skip 1 --launch-count 1 \\
-        python benchmarks/profile_fp8_ws.py ws 4096 7168 16384
+        python benchmarks/experiments/profile_fp8_ws.py ws 4096 7168 16384
 """
 
 import sys

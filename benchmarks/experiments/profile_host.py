@@ -2,7 +2,7 @@
 issued back to back (host-bound when it exceeds the GPU time), and where the host time goes (cProfile).
 JSON and profiles to $OUT.
 
-    PYTHONPATH=src python benchmarks/profile_host.py
+    PYTHONPATH=src python benchmarks/experiments/profile_host.py
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton
 
 import lowbit
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
 from bench_w4a16 import _time_graph  # noqa: E402 - the benchmarks folder is not a package
 
 CASES = [  # (name, a format, a options, b format, b options, M, N, K)

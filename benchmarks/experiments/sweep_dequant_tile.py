@@ -1,6 +1,6 @@
 """Tile sweep of the bf16 dequantize kernels (nvfp4/mxfp4, nf4, int4_awq) on prefill-sized weights.
 
-    PYTHONPATH=src python benchmarks/sweep_dequant_tile.py
+    PYTHONPATH=src python benchmarks/experiments/sweep_dequant_tile.py
 
 The chunked prefill path (``lowbit.ops.linear.linear_dequant_gemm``) pays one dequantize per call, so its
 bandwidth is part of every M = 4096 result. Each variant's output is checked bit for bit against the shipped
@@ -20,7 +20,7 @@ import torch
 import lowbit
 from lowbit.kernels import blockscaled, int4_awq, nf4
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
 from bench_w4a16_gemm import _quantize, bench, header  # noqa: E402
 
 MODULES = {"nvfp4": blockscaled, "mxfp4": blockscaled, "nf4": nf4, "int4_awq": int4_awq}
