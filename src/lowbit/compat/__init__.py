@@ -4,7 +4,8 @@
   CUTLASS GEMMs, which upstream only run on Blackwell SM120).
 - :mod:`lowbit.compat.deepseek`: DeepSeek-V3 ``inference/kernel.py`` (``act_quant``, ``weight_dequant``,
   ``fp8_gemm``).
-- :mod:`lowbit.compat.nvfp4_packed`: seed 002's ``NVFP4PackedLinear`` (import it by name; not loaded here).
+- :mod:`lowbit.compat.nvfp4_packed`: the ``nvfp4_packed`` GEMV plugin's ``NVFP4PackedLinear`` (import it by
+  name; not loaded here).
 
 Importing this package needs no GPU and no triton; kernels load on first CUDA use, as everywhere in lowbit.
 """

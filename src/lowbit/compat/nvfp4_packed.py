@@ -1,6 +1,6 @@
-"""Seed 002's ``nvfp4_packed`` Python API on lowbit: ``NVFP4PackedLinear`` and ``replace_mlp_with_nvfp4_packed``.
+"""The nvfp4_packed GEMV plugin's Python API on lowbit: ``NVFP4PackedLinear``, ``replace_mlp_with_nvfp4_packed``.
 
-The seed's "NVFP4 packed" layer is W4A16 with FP4 E2M1 weights packed two per byte (element 2i in the low
+The plugin's "NVFP4 packed" layer is W4A16 with FP4 E2M1 weights packed two per byte (element 2i in the low
 nibble), one fp32 scale ``amax / 6`` per 32 weights along K, and a GEMV fused with bias and activation
 (``activation_type`` 0 = none, 1 = GELU, 2 = SiLU). That is lowbit's ``fp4_b32`` format and the
 ``w4a16-fp4b32`` scheme, so :class:`NVFP4PackedLinear` is a :class:`~lowbit.nn.QuantLinear` of that scheme whose
@@ -8,7 +8,7 @@ forward runs :func:`lowbit.linear` with the fused activation (Triton GEMV/GEMM o
 
 :func:`replace_mlp_with_nvfp4_packed` swaps the Linear layers of a model's MLP blocks and, where it can tell which
 activation follows the MLP's up-projection, fuses that activation into the layer (the model's own activation
-becomes ``nn.Identity``), as the seed's plugin does. Detected MLP shapes:
+becomes ``nn.Identity``), as the plugin does. Detected MLP shapes:
 
 - ``fc1 -> activation_fn -> fc2`` (SigLIP, CLIP, ViT-style ``*MLP``): the activation goes into ``fc1``;
 - ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Llama, Gemma, PaliGemma's language model): into ``gate_proj``;
@@ -34,7 +34,7 @@ from ..nn.modules import QuantLinear
 SCHEME = "w4a16-fp4b32"
 BLOCK_SIZE = 32
 ACTIVATION_TYPES = {0: None, 1: "gelu", 2: "silu"}
-"""The seed plugin's ``activation_type`` parameter -> lowbit activation name."""
+"""The plugin's ``activation_type`` parameter -> lowbit activation name."""
 _NAMES = {None: None, "none": None, "gelu": "gelu", "gelu_tanh": "gelu_tanh", "silu": "silu"}
 
 
@@ -55,8 +55,9 @@ def _activation_name(activation) -> str | None:
 
 
 class NVFP4PackedLinear(QuantLinear):
-    """Seed 002's ``NVFP4PackedLinear``: FP4 weights ``uint8 [N, K/2]`` + fp32 scales ``[N, K/32]``, fused
-    ``act(x @ W.T + bias)`` with ``activation`` None/``"gelu"``/``"silu"`` (or ``activation_type`` 0/1/2).
+    """The nvfp4_packed plugin's ``NVFP4PackedLinear``: FP4 weights ``uint8 [N, K/2]`` + fp32 scales
+    ``[N, K/32]``, fused ``act(x @ W.T + bias)`` with ``activation`` None/``"gelu"``/``"silu"`` (or
+    ``activation_type`` 0/1/2).
 
     ``in_features`` must be a multiple of 32. Use :meth:`from_linear` to quantize an ``nn.Linear``.
     """

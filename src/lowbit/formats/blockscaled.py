@@ -423,7 +423,7 @@ def dequantize_mx(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tenso
 
 
 def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
-    """fp4_b32 (seed 002's packed GEMV format): E2M1, 32-element blocks, fp32 scale ``amax/6``.
+    """fp4_b32 (the ``nvfp4_packed`` GEMV plugin's format): E2M1, 32-element blocks, fp32 scale ``amax/6``.
 
     Codes are ``e2m1(x / s)`` with IEEE fp32 division; a zero block has ``s = 0`` and codes 0.
 

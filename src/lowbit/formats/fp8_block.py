@@ -2,9 +2,9 @@
 
 Two block shapes, each pinned to the producer that defines it (formats.md section 3):
 
-- ``(1, 128)`` (activations, any leading dims): DeepSeek-V3 ``inference/kernel.py::act_quant`` at
-  ``9b4e9788``. Per 128 elements of the last dim: ``amax = max(max|x|, fp32(1e-4))``, ``s = amax / 448``,
-  values ``e4m3(x / s)`` (IEEE fp32 division).
+- ``(1, 128)`` (activations, any leading dims): DeepSeek-V3 ``inference/kernel.py::act_quant`` (DeepSeek-V3
+  repository commit 9b4e9788). Per 128 elements of the last dim: ``amax = max(max|x|, fp32(1e-4))``,
+  ``s = amax / 448``, values ``e4m3(x / s)`` (IEEE fp32 division).
 - ``(128, 128)`` (2-D weights ``[N, K]``): DeepGEMM ``deep_gemm/utils/math.py::per_block_cast_to_fp8``.
   Per 128x128 block: the same ``s``, values ``e4m3(x * fp32(1/s))`` (multiply by the reciprocal).
 

@@ -11,7 +11,7 @@ Weight rows are the wgmma M dimension (64 per warpgroup), x rows its N dimension
 bytes and the scales are pipelined like x (scales are read as 4-byte elements for that: Triton leaves loads
 narrower than 4 bytes per thread in the loop, where their latency shows).
 
-What the sm_90 build looks like (checked in SASS, see the report of issue 4): HGMMA.64xBLOCK_Mx16 with the A
+What the sm_90 build looks like (checked in SASS): HGMMA.64xBLOCK_Mx16 with the A
 operand in registers, ``WARPGROUP.DEPBAR.LE gsb0, 0x3`` between them (not serialized), no spills in the main
 loop. FP4 and int4 tiles are decoded directly in the wgmma operand layout (LDS.U8 of the packed bytes); the
 nf4 tile goes through one shared-memory layout conversion after its table loads (inline asm ends Triton's

@@ -20,7 +20,7 @@ register is multiplied (``mul.rn.bf16x2``, exact: at most 6 significant bits, wi
 block scale times 2^63, so the A operand is ``W * 2^-63``; the epilogue multiplies by 2^63. A product
 ``W * x`` below 2^-126 (|x| < ~1e-16) is flushed by the tensor core; its absolute error is below 1e-19.
 
-Streaming (what the H200 sweeps chose, ``benchmarks/results/2026-11-21_h200_sweep_gemv_mma_*.json``): the
+Streaming (what the H200 sweeps chose): the
 warps split the chunks of an iteration, so each warp loads x once for its row groups; the words, scale pairs
 and x fragments of the next iteration are plain loads into registers issued while the current one is
 multiplied (no shared memory, no barrier in the loop). A cp.async pipeline of the words through shared

@@ -4,12 +4,12 @@ CUDA 12.9 put DeepSeek-V3's recipe into cuBLASLt for SM90: E4M3 operands, an fp3
 activation and per 128x128 block of the weight, and the partial product of every 128-wide K block promoted to
 fp32 with its two scales. PyTorch (2.9 on) exposes it as ``ScalingType.BlockWise1x128`` x ``BlockWise128x128``.
 It is the kernel a user of torch would pick instead of ours, so :mod:`lowbit.kernels.scaled_mm` runs it where
-it is faster. On the H100 (``benchmarks/results/2026-11-21_h100_probe_cublas_blockwise_ac69f09.json``) it ran at
+it is faster. On an H100 it ran at
 0.84-0.90x ``torch._scaled_mm`` per-tensor FP8 at M = 4096 on the DeepSeek-V3 shapes and 8192^3, where lowbit's
 warp-specialized Gluon kernel ran at 0.71-0.75x, and it was faster than lowbit's kernels at every M >= 256 of the
 probe. At M <= 64 lowbit's split-K kernel streams the weight faster, so decode stays there.
 
-What cuBLAS takes (the probe's edge cases, ``..._probe_cublas_blockwise_edges_ac69f09.json``):
+What cuBLAS takes (probed on an H100 case by case):
 
 - M a multiple of 4 (M = 4095: ``CUBLAS_STATUS_NOT_SUPPORTED``); K and N multiples of 16;
 - activation scales M-major: ``[M, K/128]`` with strides ``(1, M)``;

@@ -91,7 +91,7 @@ def _sm_count(device: torch.device) -> int:
 # Groups of >= 32 columns (one scale per row per tile or per half tile) with BLOCK_K = 64 gave wrong results
 # on the H100 (Triton 3.6; mxfp4, fp4_b32 and int4 g128, rel. error 5e-3..0.19 varying with num_stages: the
 # pipelined scale tile of <= 8 bytes per row is read before it lands), while BLOCK_K = 128 was exact in every
-# tile shape swept (benchmarks/results/*_w4a16_gemm_sweep_*.json); so these formats use BLOCK_K >= 128.
+# tile shape swept; so these formats use BLOCK_K >= 128.
 _MIN_BLOCK_K = {"mxfp4": 128, "fp4_b32": 128, "int4_awq": 128}
 # estimate (x tile + packed weight tile per stage) against which num_stages is cut: Triton's real use is
 # about 1.28x the estimate here (256x128x128: 3 stages estimated 216 KB asked 276 KB of the 227 KB)

@@ -370,13 +370,13 @@ MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": {"nf4": 1 << 25, "other": 1 <<
        "warps": 4, "ctas_per_sm": (8, 4)}
 """The tensor-core GEMV (``_gemv_mma``): used for min_m <= M <= max_m where the weight allows it (see
 :func:`mma_layout`), at M = 1 only for weights of at least m1_min_weights elements (an int, or per format with
-"other" for the rest: the FMA kernel's NF4 table loads make it slower, so NF4 switches on smaller weights; H100,
-``..._h100_w4a16_nf4_mma_172fa2c.json``: 8192x8192 27.8 against 33.5 us, 4096x14336 26.6 against 33.2,
+"other" for the rest: the FMA kernel's NF4 table loads make it slower, so NF4 switches on smaller
+weights; H100: 8192x8192 27.8 against 33.5 us, 4096x14336 26.6 against 33.2,
 6144x4096 and 4096x4096 within 0.2 us of the FMA kernel, which they keep); rg: 16-row groups per
 program, j: 64-column chunks per iteration (one per warp), ctas_per_sm: the split-K target for M <= 8 and for
-M > 8 (an int for both). ``min_m=17`` turns it off. H200 sweeps (NVFP4, CUDA graphs,
-``benchmarks/results/2026-11-21_h200_sweep_gemv_mma_c1d8111.json``): at M = 1 it beats the row-major FMA
-kernel on 28672x8192 and 8192x28672 (42.0 / 44.2 us against 47.5 / 50.0) but not on the smaller shapes
+M > 8 (an int for both). ``min_m=17`` turns it off. H200 sweeps (NVFP4, CUDA graphs): at M = 1 it beats the
+row-major FMA kernel on 28672x8192 and 8192x28672 (42.0 / 44.2 us against 47.5 / 50.0) but not on the smaller
+shapes
 (8192x8192: 18.5 against 16.9 us); from M = 2 on it wins everywhere (28672x8192, M = 16: 52 against 168 us)."""
 
 # bit positions (m, e0, e1, sign) of element (row g + 8 h, column 4 i + c) of a lane's word: three of the four

@@ -20,9 +20,9 @@ from ._launch import KernelCall, Launch
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
-# elements per program, widest column tile (powers of two) and warps: best of benchmarks/sweep_dequant_tile.py
-# on an H200 (bf16 out, 8192^2 / 28672x8192: 3.20 / 3.52 TB/s against 3.14 / 3.34 for 8192 elements;
-# benchmarks/results/2026-11-21_h200_sweep_dequant_tile_83aa965.json)
+# elements per program, widest column tile (powers of two) and warps: best of
+# benchmarks/experiments/sweep_dequant_tile.py on an H200 (bf16 out, 8192^2 / 28672x8192: 3.20 / 3.52 TB/s
+# against 3.14 / 3.34 for 8192 elements)
 TILE = {"elems": 16384, "cols": 128, "warps": 4}
 
 _OUT = {torch.float32: (0, torch.int32), torch.bfloat16: (1, torch.int16), torch.float16: (2, torch.int16)}

@@ -27,9 +27,8 @@ from ._launch import KernelCall, Launch
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
-# elements per program (power of two) and warps: best of benchmarks/sweep_dequant_tile.py on an H200
-# (bf16 out, 8192^2 / 28672x8192: 3.10 / 3.39 TB/s against 2.91 / 3.17 for 4096 elements;
-# benchmarks/results/2026-11-21_h200_sweep_dequant_tile_83aa965.json)
+# elements per program (power of two) and warps: best of benchmarks/experiments/sweep_dequant_tile.py on an
+# H200 (bf16 out, 8192^2 / 28672x8192: 3.10 / 3.39 TB/s against 2.91 / 3.17 for 4096 elements)
 TILE = {"elems": 8192, "warps": 4}
 
 _OUT = {torch.float32: (0, torch.int32, 4), torch.bfloat16: (1, torch.int16, 8), torch.float16: (2, torch.int16, 8)}

@@ -33,18 +33,18 @@ CONFIGS: list[tuple[int, dict]] = [
     (1 << 62, {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}),
 ]
 # FP8 x FP8 (fp8_block): both raw tiles go to shared memory through TMA descriptors ("tma"; the pointer kernel
-# when a base or row stride is not 16-byte aligned). H200 sweep at M=4096 (DeepSeek-V3 shapes, 8192^3,
-# benchmarks/results/2026-11-21_h200_sweep_fp8_block_tma.json): persistent 128x128, 8 warps, 3 stages reached
-# 0.57-0.67x torch._scaled_mm per-tensor FP8; the pointer kernel 0.39-0.48x, seed 001's autotuned kernel 0.43-0.55x.
-# A second sweep (..._tma_2.json) found persistent 64x128, 4 warps, 3 stages, two programs per SM best on all six
-# shapes: 0.60-0.72x (128x128 in the same run: 0.53-0.68x).
+# when a base or row stride is not 16-byte aligned). H200 sweep at M=4096 (DeepSeek-V3 shapes, 8192^3):
+# persistent 128x128, 8 warps, 3 stages reached 0.57-0.67x torch._scaled_mm per-tensor FP8; the pointer kernel
+# 0.39-0.48x, DeepSeek-V3's autotuned Triton fp8_gemm 0.43-0.55x. A second sweep found persistent 64x128,
+# 4 warps, 3 stages, two programs per SM best on all six shapes: 0.60-0.72x (128x128 in the same run:
+# 0.53-0.68x).
 # Decode (M <= 64) splits K over programs, about two per SM (sweep_fp8_decode, CUDA-graph replays over
-# weights out of L2, H200: benchmarks/results/2026-11-21_h200_sweep_fp8_decode.json).
+# weights out of L2, H200).
 # M > 1024: the warp-specialized Gluon kernel (_fp8_block_ws: a TMA producer warp, two consumer warpgroups, output
-# through TMA stores). H100, 2026-11-21 (..._h100_sweep_fp8_block_ws_f8a2144.json): 0.67-0.83x torch._scaled_mm on
+# through TMA stores). H100: 0.67-0.83x torch._scaled_mm on
 # five of the six M=4096 / 8192^3 shapes against 0.52-0.67x for the one-partition persistent 64x128 kernel (kept
 # as ONE_PARTITION_CONFIG for weights without 128x128 scale blocks). On 4096x7168x2048 it is 0.58 against 0.68
-# eagerly: its Gluon launch costs more host time (as graph replays 124 against 154 us, ..._ab_fp8_ws_126f400).
+# eagerly: its Gluon launch costs more host time (as graph replays 124 against 154 us).
 WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True, "ws": True}
 ONE_PARTITION_CONFIG = {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
                         "persistent": True, "per_sm": 2}
@@ -60,11 +60,11 @@ FP8_CONFIGS: list[tuple[int, dict]] = [
 ]
 
 # The FP8 re-encoded mxfp4 pairs (the "fold" route) run the TMA kernel on 128x128-block weights; M starts at
-# lowbit.ops.policy.FOLD_MIN_M. The fp8_block TMA configs, checked in an H200 sweep with per-row weight scales
-# (2026-11-21_h200_bench_scaled_mm_fold_sweep_14fa172.json): persistent 64x128, 4 warps, 3 stages, two programs
+# lowbit.ops.policy.FOLD_MIN_M. The fp8_block TMA configs, checked in an H200 sweep with per-row weight
+# scales: persistent 64x128, 4 warps, 3 stages, two programs
 # per SM was best at M = 4096 on all three shapes; at M = 1024 it and the non-persistent 4-stage config each won
 # some shapes.
-# The ws kernel would help here on the GPU (H100 graph replays, ..._h100_ab_fp8_ws_126f400.json: 135 vs 167 us on
+# The ws kernel would help here on the GPU (H100 graph replays: 135 vs 167 us on
 # 4096x7168x2048), but eagerly the route's several launches become host-bound with the Gluon launch (473 vs
 # 370 us): it stays on the one-partition kernel until that launch is cheaper.
 FOLD_CONFIGS: list[tuple[int, dict]] = [

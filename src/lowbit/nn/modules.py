@@ -44,7 +44,8 @@ class QuantLinear(nn.Module):
     Attributes:
         in_features, out_features: as ``nn.Linear``.
         scheme: the :class:`~lowbit.nn.Scheme`.
-        activation: None, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"`` applied after the bias (fusion, seed 002).
+        activation: None, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"`` applied after the bias (fused,
+            as the ``nvfp4_packed`` plugin does).
         backend: passed to the lowbit ops (None: ``$LOWBIT_BACKEND`` or ``"auto"``).
         input_global_scale: buffer, fp32 ``[1]`` static NVFP4 activation multiplier (``2688 / absmax``) or None.
     """

@@ -159,7 +159,8 @@ def calibrate_absmax(
 
 
 def activation_global_scale(absmax: torch.Tensor) -> torch.Tensor:
-    """Static NVFP4 activation multiplier ``2688 / absmax`` in fp32 (seed 000; 1.0 for absmax 0), shape ``[1]``."""
+    """Static NVFP4 activation multiplier ``2688 / absmax`` in fp32 (LightX2V's rule; 1.0 for absmax 0),
+    shape ``[1]``."""
     return nvfp4_default_global_scale(absmax.float().reshape(1)).reshape(1)
 
 
@@ -181,7 +182,7 @@ def quantize_model(
             ``lm_head``); None or ``()`` quantizes every Linear.
         calibration: optional iterable of model inputs (dicts -> ``model(**batch)``, tuples -> ``model(*batch)``,
             tensors -> ``model(t)``). For NVFP4 activations (``w4a4-nvfp4``) each layer's input absmax over
-            all batches gives a static activation global scale ``2688 / absmax`` (seed 000;
+            all batches gives a static activation global scale ``2688 / absmax`` (LightX2V's rule;
             ``alpha = 1 / (gs_in * gs_w)`` follows in the GEMM). Without calibration activations are scaled
             dynamically per tensor. For ``w4a16-int4`` the data drives the AWQ scale search (``awq``). Other
             schemes have no static activation scales and ignore it.

@@ -178,7 +178,8 @@ _ALL = (
         {},
         k_multiple=32,
         checkpoint="lowbit",
-        description="FP4 E2M1 weights with an fp32 amax/6 scale per 32 (seed 002), 16-bit activations",
+        description="FP4 E2M1 weights with an fp32 amax/6 scale per 32 (the nvfp4_packed plugin's format), "
+        "16-bit activations",
     ),
     Scheme(
         "w8a8-fp8-block",

@@ -40,14 +40,12 @@ the largest M the GEMV kernel takes (``lowbit.kernels.gemv_w4.MAX_M``)."""
 DEQUANT_GEMM_MIN_M: int | None = 2048
 """On CUDA, the M at and above which ``lowbit.linear`` runs ``linear_dequant_gemm`` (the weight dequantized a
 bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS) instead of ``gemm_w4``; None:
-never. H200, ``benchmarks/bench_w4a16_gemm.py --chunked`` (git 02d3b15,
-``benchmarks/results/2026-11-21_h200_w4a16_gemm_chunked_02d3b15.json``), ratio to cuBLAS bf16 on the six
-issue shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton GEMM's
-0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. At M=2048 (git ca38379,
-``..._chunked_m2048_m4096_ca38379.json``) chunked won for nvfp4, mxfp4, fp4_b32 and int4_awq on all six shapes
+never. On an H200 (``benchmarks/bench_w4a16_gemm.py --chunked``), ratio to cuBLAS bf16 on the six
+Llama-class shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton
+GEMM's 0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. At M=2048
+chunked won for nvfp4, mxfp4, fp4_b32 and int4_awq on all six shapes
 (0.60-0.90x vs 0.44-0.56x). nf4 joined them once its chunks stopped decoding the absmax on the host side
-(git 15f4e07, ``..._profile_prefill_m2048_15f4e07.json`` and ``..._w4a16_gemm_nf4_m2048_15f4e07.json``: at
-M=2048 chunked 0.78-0.86x as CUDA-graph replays, 0.50-0.83x eager, against the GEMM's 0.32-0.35x)."""
+(at M=2048 chunked 0.78-0.86x as CUDA-graph replays, 0.50-0.83x eager, against the GEMM's 0.32-0.35x)."""
 DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {}
 """Per-format overrides of :data:`DEQUANT_GEMM_MIN_M` (when that is not None); none at present."""
 SCALED_GEMV_MAX_M = GEMV_MAX_M
@@ -55,11 +53,11 @@ SCALED_GEMV_MAX_M = GEMV_MAX_M
 FOLD_MIN_M = 1024
 """From this M, mxfp4 weights with mxfp4, fp8_rowwise or fp8_block activations run on the FP8 tensor cores
 through the exact E4M3 re-encoding. At M = 1024 the route beat or matched the decoding kernel on 5 of the 6
-DeepSeek/8192 shapes for mxfp4 x mxfp4 and W4A8 (H200, ``..._bench_scaled_mm_fold_ffca2db.json``; not on
+DeepSeek/8192 shapes for mxfp4 x mxfp4 and W4A8 (H200; not on
 7168x2048, where the per-call launches outweigh a 48 us GEMM); at M = 256 it lost on most."""
 CUBLAS_FP8_BLOCK_MIN_M = 65
 """From this M, fp8_block pairs run cuBLASLt's block-scaled FP8 GEMM (faster than lowbit's kernels at every
-M >= 256 of the H100 probe, ``..._h100_probe_cublas_blockwise_ac69f09.json``); below it (decode) lowbit's
+M >= 256 of a probe on an H100); below it (decode) lowbit's
 split-K kernel streams the weight faster."""
 
 
