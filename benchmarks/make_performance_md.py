@@ -1,0 +1,286 @@
+"""Regenerate docs/performance.md from the curated H100 results in benchmarks/results/ (no GPU needed).
+
+    python benchmarks/make_performance_md.py            # writes docs/performance.md
+    python benchmarks/make_performance_md.py --check    # exit 1 if docs/performance.md is not what it would write
+
+Every number in the page comes from one of the JSON files below; each table names its file, GPU, date, git sha
+and versions as the file records them. To refresh a table, replace that file with a newer run of the same
+benchmark (same name) and rerun this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OUT = ROOT / "docs" / "performance.md"
+
+NA = "—"
+
+
+def _load(name: str) -> dict:
+    with open(RESULTS / name) as f:
+        return json.load(f)
+
+
+def _fmt(v, spec: str = ".2f", suffix: str = "") -> str:
+    return NA if v is None else f"{v:{spec}}{suffix}"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _method(name: str, *, gpu=None, date=None, sha=None, torch=None, triton=None, cuda=None, extra="") -> str:
+    parts = [f"`benchmarks/results/{name}`", gpu or "GPU not recorded", f"date {date or 'not recorded'}"]
+    if sha:
+        parts.append(f"git {sha}")
+    vers = ", ".join(f"{k} {v}" for k, v in (("torch", torch), ("triton", triton), ("CUDA", cuda)) if v)
+    if vers:
+        parts.append(vers)
+    return "Source: " + "; ".join(parts) + "." + (f" {extra}" if extra else "")
+
+
+def _hdr_method(name: str, h: dict, extra: str = "") -> str:
+    return _method(name, gpu=h.get("gpu"), date=h.get("date"), sha=h.get("git_sha"), torch=h.get("torch"),
+                   triton=h.get("triton"), cuda=h.get("cuda"), extra=extra)
+
+
+def _shape(n: int, k: int) -> str:
+    return f"{n}×{k}"
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+E2E_MODES = [("eager", "eager"), ("graph", "CUDA graph"), ("compile", "compile"),
+              ("compile-ro", "reduce-overhead"), ("prefill", "prefill"), ("generate", "`generate()`")]
+
+
+def _e2e_run(run: dict) -> list[str]:
+    modes = [(k, t) for k, t in E2E_MODES if k in run["settings"]["modes"]]
+    head = ["config", "weights GB", "host µs / linear call (× `F.linear`)"] + [t for _, t in modes]
+    rows = []
+    for r in run["rows"]:
+        host = r.get("host") or {}
+        ratio = r.get("ratio") or {}
+        cells = [f"`{r['config']}`", _fmt(r.get("weight_gb"), ".1f"),
+                 f"{_fmt(host.get('us'), '.1f')} ({_fmt(ratio.get('host_vs_f_linear'), '.2f', '×')})"]
+        for k, _ in modes:
+            v = r.get(k)
+            if isinstance(v, dict):
+                v = v.get("tok_s")
+            if v is None:
+                cells.append(NA)
+            elif k == "prefill":
+                cells.append(f"{v:.1f} ms ({_fmt(ratio.get(k), '.2f', '×')})")
+            else:
+                cells.append(f"{v:.0f} ({_fmt(ratio.get(k), '.2f', '×')})")
+        rows.append(cells)
+    s = run["settings"]
+    h = run["header"]
+    lines = [_hdr_method("h100_e2e.json", h), "",
+             f"Batch {s['batch']}, {s['steps']} decode steps, prefill {s['prefill']} tokens; compile modes on "
+             f"{s['compile_layers']} of the {run['shape']['layers']} layers. Run note: {run.get('note', NA)}", ""]
+    return lines + _table(head, rows)
+
+
+def e2e() -> list[str]:
+    d = _load("h100_e2e.json")
+    runs = d["runs"]
+    latest = runs[-1]
+    out = ["## End to end: a Llama-3-8B-shaped decoder (`lowbit e2e`)", "",
+           "Decode tokens/s (prefill: ms for the prompt) of a 32-layer Llama-3-8B-shaped decoder with random "
+           "weights, static KV cache, every linear but `lm_head` quantized; in parentheses the ratio to bf16 "
+           "in the same run (higher is better; prefill and host: lower time is better, the ratio is bf16's "
+           "time over ours for prefill and ours over `F.linear` for host). Compare ratios within a run only.",
+           "", "### Latest run", ""]
+    out += _e2e_run(latest)
+    full = next((r for r in reversed(runs[:-1]) if "prefill" in r["settings"]["modes"]), None)
+    if full is not None:
+        out += ["", "### Latest run with every configuration and prefill", ""]
+        out += _e2e_run(full)
+    return out
+
+
+def quant_kernels() -> list[str]:
+    name = "h100_quant_kernels.json"
+    d = _load(name)
+    big = {}
+    base = {}
+    for r in d["rows"]:
+        if r.get("status") != "ok":
+            continue
+        shape = tuple(r["shape"])
+        if shape == (16384, 16384):
+            big[r["op"]] = r
+        if shape == (8192, 8192) and r.get("baselines"):
+            base[r["op"]] = r["baselines"]
+    rows = []
+    for op, r in big.items():
+        bl = base.get(op, {})
+        best = ", ".join(f"{k} {v['speedup']:.2f}×" for k, v in bl.items() if v.get("speedup") is not None
+                         and not k.startswith("lowbit"))
+        rows.append([f"`{op}`", f"{r['pct_copy']:.0f} %", f"{r['GBps']:.0f}", best or NA])
+    ref = d.get("reference", {})
+    copy = ref.get("copy", {}).get("GBps")
+    out = ["## Quantize and dequantize kernels (`lowbit bench`)", "",
+           _hdr_method(name, d["header"], extra=f"Copy roof measured in the same run: {_fmt(copy, '.0f')} GB/s."),
+           "", "Bytes read and written by the kernel over its time, as a share of a device-to-device copy, at "
+           "16384×16384 (bf16 in or out); speedup of lowbit over each baseline at 8192×8192. Every case is "
+           "checked bit for bit against the CPU reference before it is timed.", ""]
+    return out + _table(["op", "% of copy (16384²)", "GB/s", "lowbit ÷ baseline (8192²)"], rows)
+
+
+GEMV_FORMATS = ["nvfp4", "mxfp4", "fp4_b32", "nf4", "nf4-dq", "int4_awq"]
+
+
+def w4a16_gemv() -> list[str]:
+    name = "h100_w4a16_gemv.json"
+    d = _load(name)
+    cases = {}
+    for run in d["runs"]:
+        for r in run["rows"]:
+            cases.setdefault((r["n"], r["k"], r["m"]), {})[r["format"]] = r["speedup"]["graph"]
+    rows = [[_shape(n, k), str(m)] + [_fmt(cases[(n, k, m)].get(f)) for f in GEMV_FORMATS]
+            for (n, k, m) in sorted(cases, key=lambda c: (c[2], c[0] * c[1], c[0]))]
+    r0 = d["runs"][0]
+    out = ["## W4A16 decode: `lowbit.linear` GEMV (`benchmarks/bench_w4a16.py --ms 1,16`)", "",
+           _method(name, gpu=r0.get("device"), date=d.get("date"), sha=r0.get("git"), torch=r0.get("torch"),
+                   triton=r0.get("triton"),
+                   extra=f"{d.get('note', '')} Copy roof {r0.get('copy_GBps', 0):.0f} GB/s."),
+           "", "Speedup over cuBLAS bf16 `x @ w.T` on the same shape (N×K), both as CUDA-graph replays of "
+           f"{r0.get('graph_calls')} calls with the weights rotated out of L2; nf4-dq is NF4 with double "
+           "quantization.", ""]
+    return out + _table(["N×K", "M"] + GEMV_FORMATS, rows)
+
+
+def prefill() -> list[str]:
+    name = "h100_profile_prefill.json"
+    d = _load(name)
+    fmts, shapes, cell = [], [], {}
+    for r in d["rows"]:
+        s = (r["N"], r["K"])
+        fmts += [r["format"]] if r["format"] not in fmts else []
+        shapes += [s] if s not in shapes else []
+        cell[(r["format"], s)] = (r.get("graph_ratio"), r.get("chunk64_ratio"))
+    rows = [[f] + [f"{_fmt(cell.get((f, s), (None, None))[0])} ({_fmt(cell.get((f, s), (None, None))[1])})"
+                   for s in shapes] for f in fmts]
+    m = d["rows"][0]["M"]
+    out = [f"## W4A16 prefill: chunked dequantize + cuBLAS at M = {m} "
+           "(`benchmarks/experiments/profile_prefill.py --graph --chunk-mb 64`)", "",
+           _hdr_method(name, d["header"]), "",
+           "Ratio to cuBLAS bf16 (higher is better): CUDA-graph replays, eager `do_bench` in parentheses "
+           "(the small shapes are host-bound eagerly).", ""]
+    return out + _table(["format"] + [_shape(*s) for s in shapes], rows)
+
+
+def scaled_mm_graph() -> list[str]:
+    name = "h100_scaled_mm_graph.json"
+    d = _load(name)
+    shapes, pairs, cell = [], [], {}
+    for r in d["rows"]:
+        s = (r["M"], r["N"], r["K"])
+        shapes += [s] if s not in shapes else []
+        pairs += [r["pair"]] if r["pair"] not in pairs else []
+        cell[(r["pair"], s)] = r
+    rows = []
+    for p in pairs:
+        cells = [f"`{p}`"]
+        for s in shapes:
+            r = cell.get((p, s))
+            cells.append(NA if r is None else
+                         f"{r['vs_cublas_bf16']:.2f} / {r['vs_scaled_mm_fp8']:.2f}")
+        rows.append(cells)
+    out = ["## Quantized × quantized GEMM at large M: `lowbit.scaled_mm` (`benchmarks/bench_scaled_mm.py --graph`)",
+           "", _method(name, gpu=d.get("device"), date=d.get("date"), sha=d.get("git"), torch=d.get("torch"),
+                       triton=d.get("triton")), "",
+           "Per pair and M×N×K: speedup over cuBLAS bf16 / over `torch._scaled_mm` per-tensor FP8, CUDA-graph "
+           "replays. `w4a8_mxfp4` is FP8 per-token activations × MXFP4 weights.", ""]
+    return out + _table(["pair"] + ["×".join(map(str, s)) for s in shapes], rows)
+
+
+def scaled_mm_decode() -> list[str]:
+    name = "h100_scaled_mm_decode.json"
+    d = _load(name)
+    shapes, keys, cell = [], [], {}
+    for r in d["rows"]:
+        s = (r["N"], r["K"])
+        k = (r["pair"], r["M"])
+        shapes += [s] if s not in shapes else []
+        keys += [k] if k not in keys else []
+        cell[(k, s)] = r
+    rows = []
+    for k in keys:
+        cells = [f"`{k[0]}`", str(k[1])]
+        for s in shapes:
+            r = cell.get((k, s))
+            cells.append(NA if r is None else f"{r['graph_vs_cublas_bf16']:.2f} ({r['pct_of_copy']:.0f} %)")
+        rows.append(cells)
+    out = ["## Quantized × quantized decode: `lowbit.scaled_mm` (`benchmarks/bench_scaled_mm.py --decode-graph`)",
+           "", _method(name, gpu=d.get("device"), date=d.get("date"), sha=d.get("git"), torch=d.get("torch"),
+                       triton=d.get("triton")), "",
+           "Speedup over cuBLAS bf16 as CUDA-graph replays over weight copies that do not fit in L2; in "
+           "parentheses the weight bytes streamed as a share of the copy bandwidth.", ""]
+    return out + _table(["pair", "M"] + [_shape(*s) for s in shapes], rows)
+
+
+def layer_host() -> list[str]:
+    name = "h100_profile_layer_host.json"
+    d = _load(name)
+    rows = [[f"`{r['scheme']}`", str(r["m"]), f"{r['host_us']:.1f}", f"{r['f_linear']['host_us']:.1f}",
+             f"{r['gpu_us']:.1f}", f"{r['f_linear']['gpu_us']:.1f}"] for r in d["rows"]]
+    out = [f"## Host and GPU time of one `QuantLinear` call, K = N = {d['k']} "
+           "(`benchmarks/profile_layer_host.py`)", "",
+           _method(name, gpu=d.get("device"), extra=f"Note: {d.get('note', NA)}"), "",
+           "Microseconds per call: host (Python and launch, calls issued back to back) and GPU (kernel time), "
+           "against `F.linear` with the bf16 weight measured in the same run.", ""]
+    return out + _table(["scheme", "M", "host µs", "`F.linear` host µs", "GPU µs", "`F.linear` GPU µs"], rows)
+
+
+SECTIONS = [e2e, w4a16_gemv, prefill, scaled_mm_graph, scaled_mm_decode, layer_host, quant_kernels]
+
+
+def render() -> str:
+    lines = ["# Performance (H100)", "",
+             "<!-- generated by `python benchmarks/make_performance_md.py` from benchmarks/results/h100_*.json;"
+             " do not edit by hand -->", "",
+             "One table per benchmark, each from the newest curated run of that benchmark on an H100 "
+             "(`benchmarks/results/h100_<benchmark>.json`). Each table states its source file, GPU, date, git "
+             "sha and versions. Runs on different days ran on different machines and code, so compare numbers "
+             "within a table only. The H200 runs are in `benchmarks/results/h200_*.json`; the history of how "
+             "each kernel got here is in [perf_notes.md](perf_notes.md) and [history.md](history.md).", "",
+             "Method: every benchmark checks its outputs against lowbit's CPU reference (bit for bit, or the "
+             "stated relative error) before timing; times are medians (`triton.testing.do_bench`) or CUDA-graph "
+             "replays as each table says. Reproduce on a GPU with `PYTHONPATH=src python "
+             "benchmarks/gpu_check.py` (GPU tests, `lowbit bench` and the operator benchmarks) and "
+             "`lowbit e2e`.", ""]
+    for section in SECTIONS:
+        lines += section() + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compare with docs/performance.md instead of writing")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
+        if current != text:
+            print(f"{args.out} is stale: run python benchmarks/make_performance_md.py", file=sys.stderr)
+            return 1
+        return 0
+    args.out.write_text(text, encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
