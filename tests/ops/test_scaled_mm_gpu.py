@@ -721,3 +721,25 @@ def test_fold_route_in_a_cuda_graph():
         torch.cuda.synchronize()
         ref = scaled_mm_reference(new, wq, None, None, torch.float32, dequant_backend="torch")
         _assert_close(out, ref, f"graph replay, wide row {scale_row}")
+
+
+# ----------------------------------------------------------- nvfp4 x nvfp4 decoded to bf16 (dequant route)
+
+
+@pytest.mark.parametrize("m", [policy.DEQUANT_MM_MIN_M, 1000, 2048])
+@pytest.mark.parametrize("convention", ["vllm", "torchao"])
+def test_dequant_route_matches_reference_and_decoding_kernel(m, convention):
+    km = _km()
+    n, k = 1536, 1024
+    g = torch.Generator(device="cuda").manual_seed(21)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    a = lowbit.quantize(x, "nvfp4", convention=convention)
+    b = lowbit.quantize(w, "nvfp4", convention=convention, scale_layout="swizzled")
+    assert policy.scaled_route(a, b, None, torch.bfloat16, km) == "dequant"
+    alpha = torch.tensor([0.5], device="cuda")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for args, out_dtype in (((None, None), torch.float32), ((alpha, bias), torch.bfloat16)):
+        ref = scaled_mm_reference(a, b, *args, torch.float32, dequant_backend="torch")
+        _assert_close(lowbit.scaled_mm(a, b, *args, out_dtype), ref, f"dequant route M={m} {convention}")
+        _assert_close(km.scaled_mm(a, b, *args, out_dtype, "kernel"), ref, f"decoding kernel M={m}")

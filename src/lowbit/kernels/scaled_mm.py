@@ -298,6 +298,91 @@ def _scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor
     return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, divide_by=divisor, out_dtype=out_dtype)
 
 
+def dequant_unsupported(a: QTensor, b: QTensor) -> str | None:
+    """None when this pair can run the ``"dequant"`` route (:func:`_dequant_mm`), else why not.
+
+    An nvfp4 value without its global scale, an E2M1 element times its E4M3 block scale, has at most 6
+    significant bits and an exponent inside bf16's range: both operands decode to bf16 exactly, and cuBLAS's
+    bf16 GEMM with fp32 accumulation then computes the block-scaled product up to accumulation order, as the
+    decoding kernel does. (E2M1 x E4M3 does not fit E4M3, so the FP8 tensor cores cannot take it exactly.)"""
+    if a.fmt != "nvfp4" or b.fmt != "nvfp4":
+        return "the dequant route takes nvfp4 x nvfp4 pairs"
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        return "the dequant route takes 2-D operands"
+    if _interpreting():
+        return "the dequant route is for the GPU"
+    return None
+
+
+def _without_global(q: QTensor) -> tuple[QTensor, torch.Tensor | None, bool]:
+    """(q without its per-tensor scale, that scale as fp32 [1] or None, whether it divides (a global
+    multiplier) rather than multiplies (torchao's per_tensor_scale))."""
+    pts = q.params.get("per_tensor_scale")
+    plain = dataclasses.replace(
+        q, global_scale=None, params={key: v for key, v in q.params.items() if key != "per_tensor_scale"})
+    if pts is not None:
+        return plain, torch.as_tensor(pts, dtype=torch.float32, device=q.data.device).reshape(1), False
+    if q.global_scale is not None:
+        return plain, q.global_scale.reshape(1).to(device=q.data.device, dtype=torch.float32), True
+    return plain, None, False
+
+
+DEQUANT_CHUNK_BYTES = 64 << 20
+"""Largest decoded weight chunk and fp32 partial product the ``"dequant"`` route holds at once."""
+
+
+def _mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` of bf16 operands as the fp32 accumulator cuBLAS computes (``mm`` with ``out_dtype``), or
+    rounded to bf16 first where this torch has no such ``mm`` (one more rounding, inside the GEMM tolerance)."""
+    kind = x.device.type
+    if _MM_DTYPE.get(kind, True):
+        try:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_DTYPE[kind] = False
+    return torch.mm(x, w.t()).float()
+
+
+_MM_DTYPE: dict = {}  # device type -> whether mm takes out_dtype there
+
+
+def _dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
+    """The ``"dequant"`` route: ``a`` decoded exactly to bf16, ``b`` a chunk of rows at a time (at most
+    :data:`DEQUANT_CHUNK_BYTES` of decoded weight or fp32 partial product), each chunk through cuBLAS's bf16
+    GEMM with fp32 accumulation, then the decoding kernel's epilogue in its order (1 / global multiplier or
+    per_tensor_scale of a, of b, alpha, bias) and one rounding to ``out_dtype``."""
+    from ..formats.rows import ROW_ALIGN, slice_rows, slice_rows_reason
+    from . import blockscaled
+
+    pa, ga, ga_div = _without_global(a)
+    pb, gb, gb_div = _without_global(b)
+    m, k_dim = a.shape
+    n = b.shape[0]
+    x = blockscaled.dequantize_nvfp4(pa, torch.bfloat16)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    align = ROW_ALIGN.get(b.fmt, 128)
+    rows = max(align, min(DEQUANT_CHUNK_BYTES // (2 * k_dim), DEQUANT_CHUNK_BYTES // (4 * max(m, 1))))
+    rows = rows // align * align
+    if rows >= n or slice_rows_reason(pb) is not None:
+        rows = n
+    inv_a = None if ga is None else (torch.div(1.0, ga) if ga_div else ga)
+    inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        wq = pb if (n0, n1) == (0, n) else slice_rows(pb, n0, n1)
+        acc = _mm_fp32(x, blockscaled.dequantize_nvfp4(wq, torch.bfloat16))
+        if inv_a is not None:
+            acc.mul_(inv_a)
+        if inv_b is not None:
+            acc.mul_(inv_b)
+        if alpha is not None:
+            acc.mul_(alpha.reshape(1).to(torch.float32))
+        if bias is not None:
+            acc.add_(bias[n0:n1].to(torch.float32))
+        out[:, n0:n1] = acc
+    return out
+
+
 _FOLD_ACTIVATIONS = ("mxfp4", "fp8_rowwise", "fp8_block")
 
 
@@ -375,7 +460,7 @@ def cublas_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
                           out_dtype)
 
 
-ROUTES = ("gemv", "fold", "cublas", "kernel")
+ROUTES = ("gemv", "fold", "cublas", "dequant", "kernel")
 
 
 def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kernel", config: dict | None = None,
@@ -387,6 +472,7 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
     - ``"fold"``: the exact E4M3 re-encoding, then cuBLASLt's FP8 GEMM where it can run (``cublas=False``:
       never; True: ValueError where it cannot), else the TMA kernel (with ``config``, that config and no cuBLAS);
     - ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (ValueError where it cannot run);
+    - ``"dequant"``: nvfp4 x nvfp4 decoded exactly to bf16, then cuBLAS's bf16 GEMM (:func:`dequant_unsupported`);
     - ``"kernel"``: lowbit's block-scaled GEMM kernels (``config``: a tile config instead of the table's)."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
@@ -408,6 +494,11 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
         if why is not None:
             raise ValueError(f"route 'cublas': {why}")
         return cb.mm(a.data, a.scale, b.data, b.scale, alpha, bias, out_dtype)
+    if route == "dequant":
+        why = dequant_unsupported(a, b)
+        if why is not None:
+            raise ValueError(f"route 'dequant': {why}")
+        return _dequant_mm(a, b, alpha, bias, out_dtype)
     a_args, ac = _operand(a)
     b_args, bc = _operand(b)
     raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1

@@ -16,6 +16,7 @@ Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.sca
 
 - ``"gemv"``: ``M <= SCALED_GEMV_MAX_M``, an nvfp4/mxfp4 weight with an nvfp4, mxfp4 or fp8_rowwise activation:
   the activation decoded exactly to bf16, then the W4A16 GEMV;
+- ``"dequant"``: ``M >= DEQUANT_MM_MIN_M``, nvfp4 x nvfp4: both decoded exactly to bf16, then cuBLAS;
 - ``"fold"``: ``M >= FOLD_MIN_M``, an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation: the
   exact E4M3 re-encoding, then the FP8 GEMM (cuBLASLt's block-scaled one where it can run, else the TMA kernel);
 - ``"cublas"``: ``M >= CUBLAS_FP8_BLOCK_MIN_M``, fp8_block with 128x128 weight blocks: cuBLASLt's block-scaled
@@ -68,6 +69,11 @@ the 16-entry table as data, but the GEMV's prepared layouts and traced plans key
 until they carry bitsandbytes' FP4 table the format stays out of them rather than decode with NF4's levels."""
 
 
+DEQUANT_MM_MIN_M = 512
+"""From this M, nvfp4 x nvfp4 pairs (``w4a4-nvfp4``) run the ``"dequant"`` route: both operands decoded exactly
+to bf16, then cuBLAS's bf16 GEMM. On an H100 at M = 2048 on a 4096 x 4096 layer, the decoding kernel took
+326 us where the passes of this route took about 21 (weight decode) + 96 (cuBLAS bf16) us in the W4A16 profile
+of the same run; the crossover M is estimated from those per-pass times, not yet measured."""
 STATIC_LAUNCH_COMPILED_KERNELS = True
 """Whether preparing a layer for the compiled W4A16 GEMV turns on Inductor's static launcher for user-defined
 Triton kernels (``lowbit.ops.prepared``): on an H100 host, Triton's own launcher cost about 30-55 us per
@@ -187,6 +193,8 @@ def scaled_route(a: QTensor, b: QTensor, bias: torch.Tensor | None, out_dtype: t
         return "fold"
     if m >= CUBLAS_FP8_BLOCK_MIN_M and km.cublas_unsupported(a, b, bias, out_dtype) is None:
         return "cublas"
+    if m >= DEQUANT_MM_MIN_M and getattr(km, "dequant_unsupported", None) and km.dequant_unsupported(a, b) is None:
+        return "dequant"
     return "kernel"
 
 
@@ -198,6 +206,8 @@ _ROUTE_REASONS = {
             "runs if a block does not fit (M >= FOLD_MIN_M={fold})",
     "cublas": "cuBLASLt's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm, BlockWise1x128 x "
               "BlockWise128x128; M >= CUBLAS_FP8_BLOCK_MIN_M={cublas})",
+    "dequant": "nvfp4 x nvfp4 decoded exactly to bf16 (the weight in chunks of rows), then cuBLAS's bf16 GEMM with "
+               "fp32 accumulation and the global scales in its epilogue (M >= DEQUANT_MM_MIN_M={dequant})",
     "kernel": "Triton block-scaled GEMM (lowbit.kernels.scaled_mm)",
 }
 
@@ -213,7 +223,8 @@ def scaled_reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: 
         return "M, N or K is 0: nothing to multiply, no launch"
     if path == "scaled_mm":
         route = scaled_route(a, b, None, torch.bfloat16, facts[0])
-        return _ROUTE_REASONS[route].format(gemv=SCALED_GEMV_MAX_M, fold=FOLD_MIN_M, cublas=CUBLAS_FP8_BLOCK_MIN_M)
+        return _ROUTE_REASONS[route].format(gemv=SCALED_GEMV_MAX_M, fold=FOLD_MIN_M, cublas=CUBLAS_FP8_BLOCK_MIN_M,
+                                            dequant=DEQUANT_MM_MIN_M)
     if facts[0] == "triton_off_cuda":
         return f"backend='triton' needs CUDA tensors, the operands are on {device}"
     if facts[0] == "no_triton":
