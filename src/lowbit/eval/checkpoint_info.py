@@ -249,6 +249,18 @@ def _classify(
                 fmt, shape = "mxfp6_e2m3", (rows, k)
             else:
                 fmt, shape = "mxfp4", (rows, cols * 2)
+    elif dt("weight") == "U8" and len(sh("weight")) == 2 and (
+        (quant_method == "lightx2v" and "weight_scale" in t)
+        or ("weight_global_scale" in t and dt("weight_scale") == "F8_E4M3")
+    ):
+        # LightX2V: packed uint8 ``weight`` + swizzled ``weight_scale`` (+ NVFP4 scalars); the MX kinds are told
+        # apart by quantization_config.quant_scheme (LightX2V's dit_quant_scheme)
+        rows, cols = sh("weight")
+        kind = (qcfg or {}).get("quant_scheme", "nvfp4" if dt("weight_scale") == "F8_E4M3" else None)
+        fmt, k = {"nvfp4": ("nvfp4", 2 * cols), "mxfp4": ("mxfp4", 2 * cols),
+                  "mxfp6-mxfp8": ("mxfp6_e3m2", 4 * cols // 3), "mxfp8": ("mxfp8_e4m3", cols)}.get(
+                      kind, ("quantized?", cols))  # fmt: skip
+        conv, shape = "LightX2V", (rows, k)
     elif "weight_scale_inv" in t and dt("weight") in ("F8_E4M3", "F8_E5M2"):
         fmt, conv, shape = "fp8_block", "DeepSeek/HF FP8", sh("weight")
     elif "weight_scale_2" in t and dt("weight") == "U8":
@@ -296,6 +308,7 @@ _PRODUCERS = {
     "gptq": "GPTQ",
     "fp8": "DeepSeek / HF FP8 (weight_scale_inv)",
     "lowbit": "lowbit (native layout)",
+    "lightx2v": "LightX2V",
 }
 # quant_method -> (quantization_config key, label) of the detail the summary names after the producer
 _PRODUCER_DETAIL = {
@@ -305,6 +318,7 @@ _PRODUCER_DETAIL = {
     "awq": ("version", "version "),
     "modelopt": ("quant_algo", ""),
     "lowbit": ("schemes", "schemes "),
+    "lightx2v": ("quant_scheme", ""),
 }
 
 

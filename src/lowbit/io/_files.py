@@ -168,6 +168,10 @@ class TensorSource:
     def shape(self, key: str) -> list[int]:
         return list(self._handle(self.files[key]).get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype name of ``key`` (``"BF16"``, ``"F32"``, ...), from the header."""
+        return str(self._handle(self.files[key]).get_slice(key).get_dtype())
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -323,6 +327,8 @@ def copy_extra_files(src_dir: Path, out_dir: Path) -> list[str]:
             continue
         if rel.parts[0] in ("onnx", "openvino") or str(rel) in WEIGHT_NAMES or p.suffix in WEIGHT_SUFFIXES:
             continue
+        if p.name.endswith((".safetensors.index.json", ".bin.index.json")):
+            continue  # another producer's index (diffusers') names the source shards, not the output's
         dest = out_dir / rel
         if dest.exists():
             continue

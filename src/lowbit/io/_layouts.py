@@ -22,6 +22,7 @@ from .bnb import from_bnb_state_dict, to_bnb_state_dict
 from .compressed_tensors import from_compressed_tensors, to_compressed_tensors
 from .deepseek import deepseek_quantization_config, from_deepseek_fp8, to_deepseek_fp8
 from .gptq import _V1_OFFSET, _word_add, from_gptq, to_gptq
+from . import lightx2v as _lx
 from .modelopt import from_modelopt_nvfp4, to_modelopt_nvfp4
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -642,11 +643,48 @@ class LowbitLayout(Layout):
         return Loaded(scheme, q, igs)
 
 
+# ---------------------------------------------------------------------------------------------- LightX2V
+
+
+class LightX2VLayout(Layout):
+    """LightX2V's keys (``weight`` packed, swizzled ``weight_scale``, NVFP4 ``weight_global_scale`` /
+    ``input_global_scale`` / ``alpha``; :mod:`lowbit.io.lightx2v`), one quantized type per checkpoint."""
+
+    name = "lightx2v"
+    quant_method = "lightx2v"
+
+    def unsupported(self, m: QuantLinear) -> str | None:
+        return _lx.unsupported(m.scheme, m._meta.get("params"))
+
+    def export(self, m: QuantLinear) -> dict[str, torch.Tensor]:
+        igs = m.input_global_scale if m.scheme.weight_format == "nvfp4" else None
+        return _lx.to_lightx2v(m.weight_qtensor, igs)
+
+    def config(self, mods, ignore, dtype) -> dict:
+        kinds = {_lx.quant_scheme_of(m.scheme) for m in mods.values()}
+        if len(kinds) != 1:
+            # LightX2V builds every quantized layer of a model from one dit_quant_scheme
+            raise ValueError(f"a LightX2V checkpoint holds one quantized type; the modules mix {sorted(kinds)}")
+        return _lx.lightx2v_config(kinds.pop(), ignore)
+
+    def is_quantized(self, local: set[str]) -> bool:
+        return "weight" in local and "weight_scale" in local
+
+    def read(self, name, local, get, qc, dtype) -> Loaded:
+        kind = qc.get("quant_scheme")
+        if kind not in _lx.LIGHTX2V_SCHEMES:
+            raise ValueError(
+                f"quantization_config.quant_scheme must be one of {_lx.QUANT_SCHEMES}, got {kind!r}"
+            )
+        q, igs = _lx.from_lightx2v({k: get(k) for k in local}, kind, dtype=dtype, where=f"module {name!r}")
+        return Loaded(_lx.LIGHTX2V_SCHEMES[kind], q, igs)
+
+
 LAYOUTS: dict[str, Layout] = {
     lay.name: lay
     for lay in (
         CompressedTensorsLayout(), BitsAndBytesLayout(), AWQLayout(), GPTQLayout(), FP8BlockLayout(), ModelOptLayout(),
-        LowbitLayout(),
+        LowbitLayout(), LightX2VLayout(),
     )
 }  # fmt: skip
 FORMAT_ALIASES = {"ct": "compressed-tensors", "llm-compressor": "compressed-tensors", "bnb": "bitsandbytes",

@@ -1,9 +1,16 @@
 """``convert_checkpoint``: quantize a safetensors model directory tensor by tensor, never loading the whole model.
 
-Memory: one source tensor at a time on ``device`` (the fused q/k/v or gate/up siblings are read one by one for
-their shared NVFP4 global scale), plus the output of the shard being written (about a quarter of a source
-shard for 4-bit schemes) on the CPU. Output shards mirror the source shards, so a checkpoint larger than RAM
-converts as long as its largest shard fits.
+Sources: a transformers model directory (``config.json`` with ``model_type``: the config's model, built on the
+meta device, says which tensors are Linear weights), or a diffusers model folder (``config.json`` with
+``_class_name`` and no ``model_type``) or a bare folder of ``*.safetensors`` files (no config.json), where the
+name and shape rules of :mod:`lowbit.io.rules` decide from the safetensors headers.
+
+Memory bound: one source tensor at a time on ``device`` (the fused q/k/v or gate/up siblings are read one by
+one for their shared NVFP4 global scale), its quantized output, plus the output tensors buffered for the file
+being written, which is flushed before it exceeds ``max_shard_size`` (a single tensor larger than that goes
+alone). So peak memory is about ``max_shard_size`` + twice the largest source tensor, whatever the size of the
+checkpoint or of its shards. Output files follow the source shards (one per shard, split into numbered parts
+where a shard's output exceeds ``max_shard_size``).
 
 Resumable: work happens in ``.<out_name>.lowbit-convert.tmp`` next to ``out_dir``; each finished output shard
 is recorded in ``progress.json`` there (after the shard file is fsynced and renamed into place). A rerun with
@@ -27,6 +34,7 @@ from ..formats.blockscaled import finite_amax, nvfp4_default_global_scale
 from ..nn.modules import QuantLinear
 from ..nn.quantize import DEFAULT_SKIP, _patterns, fused_groups, is_skipped, linear_layers
 from ..nn.schemes import Scheme, get_scheme
+from . import lightx2v as _lx
 from ._files import (
     CONFIG_NAME,
     INDEX_FILE,
@@ -34,6 +42,7 @@ from ._files import (
     TensorSource,
     check_out_dir,
     copy_extra_files,
+    parse_size,
     publish,
     read_json,
     safetensors_keys,
@@ -44,6 +53,7 @@ from ._files import (
 )
 from ._layouts import DTYPE_NAMES, NAME_DTYPES, _params_from_json, _params_to_json
 from .checkpoint import _align_prefix, build_skeleton, check_skeleton_shapes, choose_layout, parse_device
+from .rules import check_patterns, matches, select_linear_weights
 
 MANIFEST = "progress.json"
 _LINEAR_FALLBACK_SKIP = ("*embed*", "*norm*", "*wte*", "*wpe*", "*lm_head*", "*ln_*", "*layernorm*")
@@ -143,10 +153,11 @@ def _linear_weights(
     return out
 
 
-def _stub(name: str, info: dict) -> QuantLinear:
+def _stub(name: str, info: dict, scheme: Scheme) -> QuantLinear:
     """A QuantLinear without tensors carrying what ``layout.config`` reads (scheme, shape, format options)."""
     out_f, in_f = info["shape"]
-    m = QuantLinear(in_f, out_f, False, scheme=info["scheme"])
+    # the conversion's own scheme object: it may be one that is not registered by name (LightX2V's W6A8)
+    m = QuantLinear(in_f, out_f, False, scheme=scheme if info["scheme"] == scheme.name else info["scheme"])
     m._meta = {
         "dtype": NAME_DTYPES.get(info["dtype"], torch.bfloat16),
         "scale_layout": info.get("scale_layout", "linear"),
@@ -164,36 +175,77 @@ def _convert_shard(
     device: torch.device,
     global_scale,
     bar,
-) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """Quantize the Linear weights among ``keys`` and copy the rest; returns (output tensors, module infos)."""
-    out: dict[str, torch.Tensor] = {}
-    infos: dict[str, dict] = {}
+):
+    """Per source key: ``(output tensors, (module name, info) or None)``; Linear weights among ``keys`` are
+    quantized, the rest passed through. One source tensor is held at a time (a generator, so the caller
+    decides when outputs are written and dropped)."""
     for key in keys:
         t = source.get(key)
         if key in targets:
             name, prefix = targets[key]
             w = t.to(device)
-            opts = scheme.weight_quantize_options(w.shape[1])
-            g = global_scale(name)
-            if g is not None:
-                opts["global_scale"] = g.to(device)
-            q = quantize(w, scheme.weight_format, **opts)
+            if layout.name == "lightx2v":
+                # LightX2V's own converter rule (bf16 cast, per-tensor 2688/amax in bf16), bit for bit
+                q = _lx.quantize_weight(w, _lx.quant_scheme_of(scheme))
+            else:
+                opts = scheme.weight_quantize_options(w.shape[1])
+                g = global_scale(name)
+                if g is not None:
+                    opts["global_scale"] = g.to(device)
+                q = quantize(w, scheme.weight_format, **opts)
             m = QuantLinear(w.shape[1], w.shape[0], False, scheme=scheme, weight=q)
-            for k, v in layout.export(m).items():
-                out[f"{prefix}{k}"] = v.detach().to("cpu")
-            infos[name] = {
+            out = {f"{prefix}{k}": v.detach().to("cpu") for k, v in layout.export(m).items()}
+            info = {
                 "scheme": scheme.name,
                 "shape": [w.shape[0], w.shape[1]],
                 "dtype": DTYPE_NAMES.get(t.dtype, "float32"),
                 "scale_layout": q.scale_layout,
                 "params": _params_to_json(q.params),
             }
-            del w, q, m
+            del t, w, q, m
+            yield out, (name, info)
         else:
-            out[key] = t
+            yield {key: t}, None
+            del t
         if bar is not None:
             bar.update(1)
-    return out, infos
+
+
+def _write_shard(
+    src_file: Path, out_name: str, outputs, tmp: Path, limit: int
+) -> dict[str, dict]:
+    """Write one source shard's outputs as ``out_name`` or, past ``limit`` bytes, as numbered parts; the buffer
+    is flushed before a tensor would take it over ``limit``. Returns the manifest entries of the files."""
+    stem = out_name.removesuffix(".safetensors")
+    parts: list[tuple[Path, dict]] = []
+    buf: dict[str, torch.Tensor] = {}
+    infos: dict[str, dict] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal buf, infos, size
+        path = tmp / f".{stem}.part{len(parts):05d}.safetensors"
+        save_safetensors(buf, path)
+        parts.append((path, {"source": src_file.name, "keys": list(buf), "bytes": size, "modules": infos}))
+        buf, infos, size = {}, {}, 0
+
+    for tensors, info in outputs:
+        n = sum(tensor_nbytes(v) for v in tensors.values())
+        if buf and size + n > limit:
+            flush()
+        buf.update(tensors)
+        size += n
+        if info is not None:
+            infos[info[0]] = info[1]
+        del tensors
+    if buf or not parts:
+        flush()
+    out: dict[str, dict] = {}
+    for i, (path, entry) in enumerate(parts):
+        name = out_name if len(parts) == 1 else f"{stem}-part{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        path.replace(tmp / name)
+        out[name] = entry
+    return out
 
 
 def convert_checkpoint(
@@ -203,35 +255,50 @@ def convert_checkpoint(
     *,
     device: str | torch.device | None = None,
     skip: str | Iterable[str] | None = DEFAULT_SKIP,
+    include: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
     progress: bool = True,
     format: str = "auto",
     overwrite: bool = False,
+    max_shard_size: int | str = "5GB",
     model_class: Any = None,
     trust_remote_code: bool = False,
 ) -> Path:
     """Quantize the Linear weights of a safetensors model directory into a new checkpoint directory.
 
     Args:
-        src_dir: a transformers-style model directory (``config.json`` and ``model.safetensors`` or
-            ``model.safetensors.index.json`` + shards). It is only read.
+        src_dir: a transformers model directory (``config.json`` with ``model_type`` and ``model.safetensors``
+            or ``model.safetensors.index.json`` + shards), a diffusers model folder (``config.json`` with
+            ``_class_name``) or a folder of ``*.safetensors`` files without config.json. It is only read.
         out_dir: the checkpoint to create (same layout rules as :func:`lowbit.save_quantized`); it must lie
             outside ``src_dir`` and must not contain it.
-        scheme: a name from ``lowbit.SCHEMES``.
+        scheme: a name from ``lowbit.SCHEMES`` (or a :class:`Scheme`, e.g. one of
+            ``lowbit.io.lightx2v.LIGHTX2V_SCHEMES``).
         device: where each tensor is quantized (None: CUDA if available, else CPU); ValueError if torch does
             not know it.
         skip: fnmatch patterns of module names kept in full precision (default ``lm_head``).
+        include: module-name patterns (globs, or regular expressions after ``re:``; :mod:`lowbit.io.rules`):
+            only matching Linear weights are quantized. Without a transformers model it also replaces the
+            default name rules (embeddings, norms, modulation, final projection).
+        exclude: module-name patterns never quantized (in addition to ``skip``).
         progress: show a tqdm bar (or a line per shard on stderr without tqdm).
-        format: checkpoint layout, as ``save_quantized(format=...)``.
+        format: checkpoint layout, as ``save_quantized(format=...)``; ``"lightx2v"`` writes LightX2V's keys
+            and quantizes the weights exactly as LightX2V's converter does.
         overwrite: replace an existing ``out_dir``.
+        max_shard_size: bound on the output buffered in memory per file (``"5GB"``, ``"500MB"`` or bytes): a
+            source shard whose output is larger is written in numbered parts.
         model_class, trust_remote_code: for building the model skeleton (meta device) that says which tensors
-            are Linear weights; without transformers, 2-D ``*.weight`` tensors outside embeddings/norms/lm_head.
+            are Linear weights; without transformers, or for diffusers/bare folders, the rules of
+            :mod:`lowbit.io.rules` decide.
 
     Returns:
         ``Path(out_dir)``.
 
     Activation scales are dynamic (no calibration data here); fused q/k/v and gate/up NVFP4 weights share one
     global scale as in :func:`lowbit.quantize_model`, so a checkpoint converted here and a model quantized in
-    memory and saved hold the same bytes.
+    memory and saved hold the same bytes. The output of a diffusers or bare folder has a config.json holding
+    the source's config (if any) and the ``quantization_config``; load it with
+    ``lowbit.load_quantized(out_dir, model=<the module>)``.
     """
     scheme = get_scheme(scheme)
     dev = (
@@ -239,20 +306,34 @@ def convert_checkpoint(
         if device is not None
         else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     )
+    include_p = check_patterns(include, "include")
+    exclude_p = check_patterns(exclude, "exclude")
+    limit = parse_size(max_shard_size)
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     check_out_dir(out_dir, src_dir)
     if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
         raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
-    cfg = read_json(src_dir / CONFIG_NAME, "model config")
-    check_unquantized_config(cfg, src_dir / CONFIG_NAME)
+    if not src_dir.is_dir():
+        raise FileNotFoundError(f"{src_dir}: source directory not found")
+    cfg_path = src_dir / CONFIG_NAME
+    cfg = read_json(cfg_path, "model config") if (cfg_path.exists() or cfg_path.is_symlink()) else None
+    if cfg is not None:
+        check_unquantized_config(cfg, cfg_path)
+    # only a transformers config (model_type) can be built into a model; diffusers' (_class_name) and none
+    # at all go by the tensor-name rules
+    by_model = cfg is not None and ("model_type" in cfg or model_class is not None)
     source = TensorSource(src_dir)
     patterns = _patterns(skip)
 
-    linears = _linear_weights(src_dir, source, model_class, trust_remote_code)
+    if by_model:
+        linears = _linear_weights(src_dir, source, model_class, trust_remote_code)
+    else:
+        shapes = {k: (source.shape(k), source.dtype(k)) for k in source.keys()}
+        linears, _ = select_linear_weights(shapes, lambda o, i: None, include_p, exclude_p)
     targets: dict[str, tuple[str, str]] = {}
     unsupported, ignore = [], []
     for name, (key, out_f, in_f) in linears.items():
-        if is_skipped(name, patterns):
+        if is_skipped(name, patterns) or (include_p and not matches(name, include_p)) or matches(name, exclude_p):
             ignore.append(name)
             continue
         why = scheme.unsupported(out_f, in_f)
@@ -263,9 +344,11 @@ def convert_checkpoint(
         targets[key] = (name, key[: -len("weight")])
     if not targets:
         detail = f"; unsupported shapes: {'; '.join(unsupported)}" if unsupported else ""
+        what = "Linear layers" if by_model else "2-D '.weight' tensors passing the name rules of lowbit.io.rules"
         raise ValueError(
             f"convert_checkpoint: no Linear weight in {src_dir} can take scheme {scheme.name} "
-            f"({len(linears)} Linear layers, skip={list(patterns)}){detail}"
+            f"({len(linears)} {what}, skip={list(patterns)}, include={list(include_p)}, "
+            f"exclude={list(exclude_p)}){detail}"
         )
     if unsupported:
         warnings.warn(
@@ -278,7 +361,8 @@ def convert_checkpoint(
 
     # fused siblings share one NVFP4 global scale: computed from each member's absmax, one tensor at a time
     name_to_key = {name: key for key, (name, _) in targets.items()}
-    group_of = {n: g for g in (fused_groups(name_to_key) if scheme.shared_global_scale else []) for n in g}
+    shared = scheme.shared_global_scale and layout.name != "lightx2v"  # LightX2V: one scale per weight
+    group_of = {n: g for g in (fused_groups(name_to_key) if shared else []) for n in g}
     cache: dict[tuple[str, ...], torch.Tensor] = {}
 
     def global_scale(name: str) -> torch.Tensor | None:
@@ -298,6 +382,9 @@ def convert_checkpoint(
         "scheme": scheme.name,
         "format": layout.name,
         "skip": list(patterns),
+        "include": list(include_p),
+        "exclude": list(exclude_p),
+        "max_shard_size": limit,
     }
     manifest: dict[str, Any] = {**ident, "shards": {}}
     if tmp.exists():
@@ -306,11 +393,11 @@ def convert_checkpoint(
         except (FileNotFoundError, ValueError):
             old = None
         if old is not None and all(old.get(k) == v for k, v in ident.items()):
-            manifest["shards"] = {
-                f: info
-                for f, info in old.get("shards", {}).items()
-                if _shard_ok(tmp / f, info.get("keys", []))
-            }
+            kept = {f: info for f, info in old.get("shards", {}).items() if _shard_ok(tmp / f, info.get("keys", []))}
+            # a source shard counts as done only with all its output parts intact
+            sources = {info.get("source") for info in old.get("shards", {}).values()}
+            broken = {info.get("source") for f, info in old.get("shards", {}).items() if f not in kept}
+            manifest["shards"] = {f: info for f, info in kept.items() if info.get("source") in sources - broken}
         else:
             warnings.warn(
                 f"lowbit.convert_checkpoint: {tmp} is from another conversion; starting over", stacklevel=2
@@ -323,45 +410,48 @@ def convert_checkpoint(
         shard_keys.setdefault(f, []).append(key)
     single = source.index is None and len(shard_keys) == 1
     total = sum(len(v) for v in shard_keys.values())
-    done_count = sum(
-        len(shard_keys.get(src_dir / info["source"], [])) for info in manifest["shards"].values()
-    )
+    done_sources = {info["source"] for info in manifest["shards"].values()}
+    done_count = sum(len(shard_keys.get(src_dir / name, [])) for name in done_sources)
     bar = _progress(total, progress)
     if bar is not None:
         bar.update(done_count)
     try:
         for i, (src_file, keys) in enumerate(sorted(shard_keys.items())):
-            out_name = SINGLE_FILE if single else src_file.name
-            if out_name in manifest["shards"]:
+            if src_file.name in done_sources:
                 continue
-            tensors, infos = _convert_shard(keys, source, targets, scheme, layout, dev, global_scale, bar)
-            save_safetensors(tensors, tmp / out_name)
-            manifest["shards"][out_name] = {
-                "source": src_file.name,
-                "keys": list(tensors),
-                "bytes": sum(tensor_nbytes(t) for t in tensors.values()),
-                "modules": infos,
-            }
+            out_name = SINGLE_FILE if single else src_file.name
+            outputs = _convert_shard(keys, source, targets, scheme, layout, dev, global_scale, bar)
+            manifest["shards"].update(_write_shard(src_file, out_name, outputs, tmp, limit))
             write_json(tmp / MANIFEST, manifest)
             if bar is None and progress:
                 print(f"lowbit convert: shard {i + 1}/{len(shard_keys)} {out_name} done", file=sys.stderr)
-            del tensors
     finally:
         if bar is not None:
             bar.close()
         source.close()
 
     # finalize: index, config, extra files, then one rename
+    for stray in tmp.glob("*.safetensors"):
+        if stray.name not in manifest["shards"]:  # parts of a shard a killed run did not finish
+            stray.unlink()
+    for stray in tmp.glob(".*.part*.safetensors"):
+        stray.unlink()
     infos = {n: info for s in manifest["shards"].values() for n, info in s["modules"].items()}
-    stubs = {n: _stub(n, info) for n, info in infos.items()}
+    stubs = {n: _stub(n, info, scheme) for n, info in infos.items()}
     ignore = sorted(set(ignore) | {n for n in linears if n not in stubs})
     layout = choose_layout(stubs, layout.name)
-    if not single:
+    if list(manifest["shards"]) != [SINGLE_FILE]:
         wmap = {k: f for f, s in manifest["shards"].items() for k in s["keys"]}
         total_size = sum(s["bytes"] for s in manifest["shards"].values())
         write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": wmap})
-    src_dtype = NAME_DTYPES.get(str(cfg.get("dtype", cfg.get("torch_dtype"))).removeprefix("torch."))
-    config = dict(cfg)
+    if cfg is not None:
+        src_dtype = NAME_DTYPES.get(str(cfg.get("dtype", cfg.get("torch_dtype"))).removeprefix("torch."))
+    else:
+        src_dtype = NAME_DTYPES.get(next(iter(infos.values()))["dtype"]) if infos else None
+    config = dict(cfg) if cfg is not None else {}
+    if cfg is None and src_dtype is not None:
+        # a bare folder has no config to say the weights' dtype; load_quantized reads it from here
+        config["dtype"] = DTYPE_NAMES[src_dtype]
     config["quantization_config"] = layout.config(stubs, ignore, src_dtype)
     write_json(tmp / CONFIG_NAME, config)
     for name, data in layout.extra_files(stubs, ignore).items():
