@@ -118,7 +118,10 @@ def _scale_buffer(m: int, cols: int, swizzled: bool, dtype: torch.dtype, device)
     return torch.empty(m, cols, dtype=dtype, device=device)
 
 
-def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, amax=None, e4m3_order=0):
+def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, amax=None, e4m3_order=0,
+                     keep: list | None = None):
+    """(data, scale) of the quantize kernel on ``x``; ``keep``: a list that receives the ``Launch`` it ran
+    (None where it went through Triton alone), for a caller that launches the same kernel again."""
     # the kernel sees a contiguous tensor as a flat sequence of groups; other layouts are copied first
     x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).contiguous()
     m, kdim = x2.shape
@@ -128,7 +131,7 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, 
     n_groups = m * cols
     if n_groups:
         block_g = _block_g(group)
-        launch(k._quantize_blockscaled_kernel, (_cdiv(n_groups, block_g),), (
+        ran = launch(k._quantize_blockscaled_kernel, (_cdiv(n_groups, block_g),), (
                 x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
                 n_groups, cols, -(-cols // 4) * 4,
             ),
@@ -139,6 +142,8 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, 
             GSCALE_FROM_AMAX=amax is not None, E4M3_ORDER=e4m3_order, num_warps=TILE["warps"],
             **_elem_args(elem),
         )
+        if keep is not None:
+            keep.append(ran)
     lead = x.shape[:-1]
     data = data.reshape(*lead, data.shape[-1])
     if elem.torch_dtype is not None:
@@ -228,14 +233,17 @@ def quantize_nvfp4(
 
 
 def quantize_mx(
-    x: torch.Tensor, fmt: str, scale_rounding: ScaleRounding | str = "rceil", scale_layout: str = "linear"
+    x: torch.Tensor, fmt: str, scale_rounding: ScaleRounding | str = "rceil", scale_layout: str = "linear",
+    *, keep: list | None = None,
 ) -> QTensor:
+    """``keep``: see :func:`_launch_quantize` (a prepared layer keeps the launch of its activations)."""
     spec = FORMATS[fmt]
     ref.check_input(x, 32, fmt)
     ref._check_layout(scale_layout)
     rounding = ScaleRounding(scale_rounding)
     kind = k.SCALE_E8M0_RCEIL if rounding is ScaleRounding.RCEIL else k.SCALE_E8M0_FLOOR
-    data, scale = _launch_quantize(x, spec.element, 32, kind, None, scale_layout == "swizzled", torch.uint8)
+    data, scale = _launch_quantize(x, spec.element, 32, kind, None, scale_layout == "swizzled", torch.uint8,
+                                   keep=keep)
     return QTensor(
         data=data, scale=scale.view(torch.float8_e8m0fnu), fmt=fmt, shape=x.shape, dtype=x.dtype,
         scale_layout=scale_layout, params={"scale_rounding": rounding.value},

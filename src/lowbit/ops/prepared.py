@@ -233,9 +233,12 @@ class PreparedWeight:
         """Keep a runner for calls like this one when the activation is quantized by the fp8_block kernel (block
         1x128): :class:`_Fp8BlockDecode` where the GEMM is lowbit's decoding kernel (``name`` "kernel*", the
         ``KernelRoute`` ``route``), :class:`_Fp8BlockCublas` where it is cuBLASLt's block-scaled GEMM."""
-        from ..kernels import fp8_block
+        from ..kernels import blockscaled, fp8_block
         from ..kernels.scaled_mm import _operand
 
+        if fn is blockscaled.quantize_mx and name == "kernel*":
+            self._add_mx_runner(x, a, kwargs, route, bias)
+            return
         if fn is not fp8_block.quantize_fp8_block or set(kwargs) - {"block", "scale_fmt", "scale_layout"}:
             return
         if tuple(kwargs.get("block", (1, 128))) != (1, 128) or kwargs.get("scale_layout", "linear") != "linear":
@@ -262,6 +265,29 @@ class PreparedWeight:
         if bias is not None:
             self._bias_ok = bias
         self.scaled_runners[(m, x.dtype, bias is None)] = run
+
+    def _add_mx_runner(self, x: torch.Tensor, a: QTensor, kwargs: dict, route: Any,
+                       bias: torch.Tensor | None) -> None:
+        """Keep an :class:`_MXDecode` for calls like this one (MX activations, linear scales, lowbit's decoding
+        GEMM): the quantize kernel's launch is taken from one more quantize of ``x`` (the same bits as ``a``)."""
+        from ..kernels import blockscaled
+        from ..kernels.scaled_mm import _operand
+
+        if set(kwargs) - {"fmt", "scale_rounding", "scale_layout"} or kwargs.get("scale_layout", "linear") != "linear":
+            return
+        if bias is not None and (bias.dtype != x.dtype or bias.data_ptr() & 15 or not bias.is_contiguous()):
+            return
+        keep: list = []
+        blockscaled.quantize_mx(x, **kwargs, keep=keep)
+        if not keep or keep[0] is None:
+            return
+        a_args, _ = _operand(a)
+        if len(self.scaled_runners) >= _MAX_RUNNERS:
+            self.scaled_runners.clear()
+        if bias is not None:
+            self._bias_ok = bias
+        self.scaled_runners[(x.shape[0], x.dtype, bias is None)] = _MXDecode(
+            keep[0], x.shape[0], x.shape[1], a.data.dtype, route, tuple(a_args[3:7]), self.device)
 
     def _route(self, a, bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[str, Any]:
         """(route, target) for activations like ``a``: ``lowbit.ops.policy.scaled_route``'s decision, and for
@@ -392,6 +418,38 @@ class _Fp8BlockDecode:
         scale = torch.empty(self.scale_shape, dtype=torch.float32, device=self.device)
         k = self.k
         self.qlaunch(True, x, data, scale, self.m, k, 0, k, self.n_mblocks)
+        return self.route.run(data, scale, scale, self.a_strides, None, bias)
+
+
+class _MXDecode:
+    """``run(x, bias) -> out``: the decode call of a layer whose activations are quantized to an MX format
+    (linear scales) and whose GEMM is lowbit's decoding kernel (``KernelRoute``), at one M, x dtype and bias
+    presence: the quantize kernel's launch as ``lowbit.kernels.blockscaled.quantize_mx`` makes it (into fresh
+    data and scale buffers), then the GEMM, so the same bits as :func:`lowbit.ops.scaled_linear`."""
+
+    __slots__ = ("qlaunch", "m", "k", "width", "cols", "cols4", "n_groups", "data_dtype", "route", "a_strides",
+                 "device", "dev_index")
+
+    def __init__(self, qlaunch: Any, m: int, k: int, data_dtype: torch.dtype, route: Any, a_strides: tuple,
+                 device: torch.device) -> None:
+        self.qlaunch, self.m, self.k = qlaunch, m, k
+        self.data_dtype = data_dtype
+        # the quantize kernel's buffers (lowbit.kernels.blockscaled._data_buffer / _scale_buffer): uint8 rows as
+        # wide as the activation's data rows (K bytes for 8-bit elements, viewed as the FP8 dtype after; K * bits
+        # / 8 for the packed ones), one E8M0 byte per 32 columns
+        self.width = a_strides[0]
+        self.cols = k // 32
+        self.cols4 = -(-self.cols // 4) * 4
+        self.n_groups = m * self.cols
+        self.route, self.a_strides, self.device = route, a_strides, device
+        self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        data = torch.empty((self.m, self.width), dtype=torch.uint8, device=self.device)
+        scale = torch.empty((self.m, self.cols), dtype=torch.uint8, device=self.device)
+        self.qlaunch.run(self.dev_index, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
+        if self.data_dtype != torch.uint8:
+            data = data.view(self.data_dtype)
         return self.route.run(data, scale, scale, self.a_strides, None, bias)
 
 
