@@ -144,6 +144,8 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
             assert torch.equal(layer(x), _want(layer, x)), (scheme, m, rep)
         x3 = torch.randn(1, m, 512, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(layer(x3), _want(layer, x3.reshape(m, 512)).reshape(1, m, 256)), (scheme, m)
+    if layer.scheme.act_format in ("nvfp4", "mxfp4"):  # the GEMV route at decode: its runner
+        assert type(layer._prepared.scaled_runners.get((1, torch.bfloat16, not bias))).__name__ == "_GemvRouteDecode"
     if layer.scheme.act_format == "mxfp8_e4m3":  # lowbit's decoding GEMM at every M here: the MX runner
         assert type(layer._prepared.scaled_runners.get((1, torch.bfloat16, not bias))).__name__ == "_MXDecode"
     if layer.scheme.act_format == "fp8_block":

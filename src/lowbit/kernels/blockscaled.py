@@ -157,17 +157,20 @@ _ABSMAX_CHUNK = 2048
 _ABSMAX_CHUNKS = 8
 
 
-def _finite_absmax_bits(x: torch.Tensor) -> torch.Tensor:
-    """int32 [1] holding the fp32 bits of max |x| over finite elements (no host sync)."""
+def _finite_absmax_bits(x: torch.Tensor, keep: list | None = None) -> torch.Tensor:
+    """int32 [1] holding the fp32 bits of max |x| over finite elements (no host sync); ``keep`` as for
+    :func:`_launch_quantize`."""
     flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flat.numel():
         per_program = _ABSMAX_CHUNK * _ABSMAX_CHUNKS
-        launch(k._finite_absmax_kernel, (_cdiv(flat.numel(), per_program),), (
+        ran = launch(k._finite_absmax_kernel, (_cdiv(flat.numel(), per_program),), (
                 flat, out, flat.numel(),
             ),
             CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4,
         )
+        if keep is not None:
+            keep.append(ran)
     return out
 
 
@@ -195,7 +198,11 @@ def quantize_nvfp4(
     global_scale: torch.Tensor | float | str | None = None,
     convention: NVFP4Convention | str = "vllm",
     scale_layout: str = "linear",
+    *,
+    keep: list | None = None,
 ) -> QTensor:
+    """``keep``: receives the launches it ran (the absmax pass when the global scale is derived, then the
+    quantize kernel; see :func:`_launch_quantize`)."""
     ref.check_input(x, 16, "nvfp4")
     convention = NVFP4Convention(convention)
     if convention not in _KERNEL_ORDER:
@@ -217,11 +224,11 @@ def quantize_nvfp4(
     amax = None
     if global_scale is None:
         # default 2688/amax: one absmax pass, then the quantize kernel derives and stores the scale
-        amax = _finite_absmax_bits(x)
+        amax = _finite_absmax_bits(x, keep)
         s = torch.empty((), dtype=torch.float32, device=x.device)
     data, scale = _launch_quantize(
         x, E2M1, 16, k.SCALE_E4M3, None if s is None else s.reshape(1), scale_layout == "swizzled", torch.uint8,
-        amax=amax, e4m3_order=_KERNEL_ORDER[convention],
+        amax=amax, e4m3_order=_KERNEL_ORDER[convention], keep=keep,
     )
     if amax is not None and data.numel() == 0:
         s.fill_(1.0)

@@ -884,27 +884,31 @@ def uses_mma(f: GemvFacts, m: int, x_dtype: torch.dtype) -> bool:
 
 
 def _default_plan(f: GemvFacts, m: int, x_dtype: torch.dtype, has_bias: bool, act: int,
-                  dev_index: int) -> tuple[bool, _Plan]:
-    """(tensor-core?, plan) that :func:`gemv_w4` picks under the default :data:`TILE` and :data:`MMA`."""
+                  dev_index: int, rs_mode: int = 0) -> tuple[bool, _Plan]:
+    """(tensor-core?, plan) that :func:`gemv_w4` picks under the default :data:`TILE` and :data:`MMA`
+    (``rs_mode``: its row-scale mode, 0 none, 1 one factor, 3 one divisor)."""
     if uses_mma(f, m, x_dtype):
         return True, _mma_plan(m, f.n, f.k, f.mma_fmt, f.cpg, f.gs_kind, f.post, has_bias, act, x_dtype,
-                               dev_index, MMA)
+                               dev_index, MMA, rs_mode)
     return False, _make_plan(f.fmt_code, f.wpb, f.post, f.gs_kind, f.n, f.k, f.sk, m, x_dtype == torch.float16,
-                             has_bias, act, dev_index, TILE)
+                             has_bias, act, dev_index, TILE, rs_mode)
 
 
 class GemvRunner:
     """``runner(x, bias) -> out`` for one prepared weight, row count M, x dtype, bias presence and activation:
     ``x`` is ``[M, K]`` contiguous and 16-byte aligned on the weight's device, ``bias`` None or ``[N]`` of x's
-    dtype, contiguous and aligned (the caller checks; nothing is checked here)."""
+    dtype, contiguous and aligned (the caller checks; nothing is checked here). With ``rs_mode`` (as
+    :func:`gemv_w4`'s ``row_scale`` / ``divide_by``: 1 one factor, 3 one divisor) the call takes ``rs``, a
+    1-element float32 tensor on the device."""
 
     __slots__ = ("launch", "w_args", "tail", "rs", "no_bias", "ws", "cnt", "split", "ws_numel", "n_cnt",
                  "m", "n", "dtype", "device", "dev_index", "_kept")
 
-    def __init__(self, p: PreparedW4, m: int, x_dtype: torch.dtype, has_bias: bool, act: int) -> None:
+    def __init__(self, p: PreparedW4, m: int, x_dtype: torch.dtype, has_bias: bool, act: int,
+                 rs_mode: int = 0) -> None:
         dev = p.device
         self.dev_index = dev.index if dev.index is not None else torch.cuda.current_device()
-        mma, plan = _default_plan(facts(p), m, x_dtype, has_bias, act, self.dev_index)
+        mma, plan = _default_plan(facts(p), m, x_dtype, has_bias, act, self.dev_index, rs_mode)
         if mma:
             lay = mma_layout(p)
             self.w_args = (lay.words, lay.scales, p.gs)
@@ -921,7 +925,7 @@ class GemvRunner:
         self.m, self.n, self.dtype, self.device = m, p.n, x_dtype, dev
         self._kept = (None, -1, self.ws, self.cnt)  # (stream, scratch generation, workspace, counters)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, rs: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
         stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
         if self.split > 1:
@@ -936,8 +940,8 @@ class GemvRunner:
                     self._kept = (stream, gen, ws, cnt)
         else:
             ws, cnt = self.ws, self.cnt
-        self.launch.run_on(stream, x, *self.w_args, self.rs, self.no_bias if bias is None else bias, out,
-                           ws, cnt, *self.tail)
+        self.launch.run_on(stream, x, *self.w_args, self.rs if rs is None else rs,
+                           self.no_bias if bias is None else bias, out, ws, cnt, *self.tail)
         return out
 
 

@@ -21,6 +21,7 @@ schemes stay one opaque custom op each (``lowbit::linear_w4a16``, ``lowbit::scal
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -223,7 +224,8 @@ class PreparedWeight:
             out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
         else:
             out = target(a, self.w, None, bias, x.dtype, name)
-        if name in ("kernel*", "cublas") and act_global_scale is None and x2 is x and not x.data_ptr() & 15:
+        if (name in ("kernel*", "cublas", "gemv") and act_global_scale is None and x2 is x
+                and not x.data_ptr() & 15):
             self._add_scaled_runner(x, a, fn, kwargs, name, target, bias)
         out = out if flat else out.reshape(*x.shape[:-1], self.n)
         return _act(out, self.activation)
@@ -236,6 +238,9 @@ class PreparedWeight:
         from ..kernels import blockscaled, fp8_block
         from ..kernels.scaled_mm import _operand
 
+        if name == "gemv":
+            self._add_gemv_route_runner(x, a, fn, kwargs, bias)
+            return
         if fn is blockscaled.quantize_mx and name == "kernel*":
             self._add_mx_runner(x, a, kwargs, route, bias)
             return
@@ -265,6 +270,47 @@ class PreparedWeight:
         if bias is not None:
             self._bias_ok = bias
         self.scaled_runners[(m, x.dtype, bias is None)] = run
+
+    def _add_gemv_route_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict,
+                               bias: torch.Tensor | None) -> None:
+        """Keep a :class:`_GemvRouteDecode` for decode calls like this one: bf16 x, nvfp4 activations with a
+        global scale derived per call (vLLM's or LightX2V's convention) or mxfp4 activations, linear scales,
+        the ``"gemv"`` route of ``lowbit.kernels.scaled_mm`` (the activation decoded exactly to bf16, then the
+        W4A16 GEMV on the 4-bit weight)."""
+        from ..kernels import blockscaled, gemv_w4
+
+        if x.dtype != torch.bfloat16 or kwargs.get("scale_layout", "linear") != "linear":
+            return
+        if bias is not None and (bias.dtype != x.dtype or bias.data_ptr() & 15 or not bias.is_contiguous()):
+            return
+        if fn is blockscaled.quantize_nvfp4:
+            if (set(kwargs) - {"convention", "scale_layout"} or a.global_scale is None
+                    or "per_tensor_scale" in a.params):
+                return
+            rs_mode, block = 3, 16  # the product divided by the activation's global scale, as gemv_w4's divide_by
+        elif fn is blockscaled.quantize_mx and kwargs.get("fmt") == "mxfp4":
+            if set(kwargs) - {"fmt", "scale_rounding", "scale_layout"}:
+                return
+            rs_mode, block = 0, 32
+        else:
+            return
+        keep: list = []
+        a2 = fn(x, **kwargs, keep=keep)
+        if not keep or any(lc is None for lc in keep):
+            return
+        plain = a2 if rs_mode == 0 else dataclasses.replace(a2, global_scale=None)
+        decode = blockscaled.dequantize_call(plain, torch.bfloat16)
+        decode()  # compiles, and keeps the launch
+        if decode.launch is None or decode.launch.compiled is None:
+            return
+        m, k = x.shape
+        gemv = gemv_w4.GemvRunner(gemv_w4.prepare_w4(self.w), m, torch.bfloat16, bias is not None, 0, rs_mode)
+        if len(self.scaled_runners) >= _MAX_RUNNERS:
+            self.scaled_runners.clear()
+        if bias is not None:
+            self._bias_ok = bias
+        self.scaled_runners[(m, x.dtype, bias is None)] = _GemvRouteDecode(
+            keep, decode.launch, gemv, m, k, block, a2.data.shape[-1], self.device)
 
     def _add_mx_runner(self, x: torch.Tensor, a: QTensor, kwargs: dict, route: Any,
                        bias: torch.Tensor | None) -> None:
@@ -419,6 +465,48 @@ class _Fp8BlockDecode:
         k = self.k
         self.qlaunch(True, x, data, scale, self.m, k, 0, k, self.n_mblocks)
         return self.route.run(data, scale, scale, self.a_strides, None, bias)
+
+
+class _GemvRouteDecode:
+    """``run(x, bias) -> out``: the decode call of an nvfp4/mxfp4 weight with nvfp4 (global scale derived per
+    call) or mxfp4 activations at one M, bf16 x and bias presence, as ``lowbit.kernels.scaled_mm``'s ``"gemv"``
+    route makes it: [the absmax pass,] the activation's quantize kernel, its exact decode to bf16 (without the
+    global scale), then the W4A16 GEMV dividing by the global scale, each launch kept from the general path's
+    first call, so the same bits."""
+
+    __slots__ = ("amax_launch", "qlaunch", "decode", "gemv", "m", "k", "cols", "cols4", "n_groups", "width",
+                 "nvfp4", "device", "dev_index")
+
+    def __init__(self, launches: list, decode: Any, gemv: Any, m: int, k: int, block: int, width: int,
+                 device: torch.device) -> None:
+        self.nvfp4 = block == 16
+        self.amax_launch = launches[0] if self.nvfp4 else None
+        self.qlaunch = launches[-1]
+        self.decode, self.gemv = decode, gemv
+        self.m, self.k, self.width = m, k, width
+        self.cols = k // block
+        self.cols4 = -(-self.cols // 4) * 4
+        self.n_groups = m * self.cols
+        self.device = device
+        self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        dev, idx, m, k = self.device, self.dev_index, self.m, self.k
+        data = torch.empty((m, self.width), dtype=torch.uint8, device=dev)
+        scale = torch.empty((m, self.cols), dtype=torch.uint8, device=dev)
+        if self.nvfp4:
+            # lowbit.kernels.blockscaled.quantize_nvfp4 with the default global scale: absmax bits, then the
+            # quantize kernel derives 2688 / amax into gs and quantizes with it
+            amax = torch.zeros(1, dtype=torch.int32, device=dev)
+            self.amax_launch.run(idx, x, amax, m * k)
+            gs = torch.empty(1, dtype=torch.float32, device=dev)
+            self.qlaunch.run(idx, x, data, scale, gs, amax, self.n_groups, self.cols, self.cols4)
+        else:
+            gs = None
+            self.qlaunch.run(idx, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
+        xd = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
+        self.decode.run(idx, data, scale, scale, xd.view(torch.int16), self.n_groups, self.cols, self.cols4)
+        return self.gemv(xd, bias, gs)
 
 
 class _MXDecode:
