@@ -12,7 +12,10 @@ Only groups whose previous operation is known and foldable are searched: the pre
 (Llama/Mistral/Qwen ``input_layernorm`` / ``post_attention_layernorm``), ``up_proj -> down_proj``, and
 ``v_proj -> o_proj`` / BERT ``value -> attention.output.dense`` when the shapes match (no grouped-query
 attention). Post-LN models (BERT) cannot fold into their LayerNorms (the normalised output is also the residual),
-so there only the value/output pair is searched; other layers keep round-to-nearest.
+so there only the value/output pair is searched; other layers keep round-to-nearest. In diffusers
+transformers the value/output pair of attention without added key/value projections is searched, and Wan's
+cross-attention norm with its query projection; their other norms are modulated by the timestep
+(``norm * (1 + scale) + shift``) and cannot take a fixed scale.
 AutoAWQ's weight clipping search is not done. The folded scales end up inside the saved checkpoint's
 non-quantized norms and weights, so any AWQ-unaware reader loads the result.
 """
@@ -82,6 +85,24 @@ def find_groups(model: nn.Module) -> list[AwqGroup]:
             )
         if _has(modules, p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj"):  # down(act(gate) * up)
             groups.append(AwqGroup(p + "mlp.up_proj", "linear", (p + "mlp.down_proj",)))
+        # diffusers attention (Wan, SD3's second attention, PixArt, ...): the values reach ``to_out.0``
+        # through the attention average, which is linear per channel. Joint attention with added key/value
+        # projections (Flux, SD3's first attention, Wan I2V) averages values of two projections; scaling one
+        # alone would change the model, so such attention is left out.
+        added_v = isinstance(modules.get(p + "add_v_proj"), nn.Module)
+        if _has(modules, p + "to_v", p + "to_out.0") and not added_v:
+            v, o = modules[p + "to_v"], modules[p + "to_out.0"]
+            if isinstance(v, nn.Linear) and isinstance(o, nn.Linear) and v.out_features == o.in_features:
+                groups.append(AwqGroup(p + "to_v", "linear", (p + "to_out.0",)))
+        # diffusers Wan block: the affine cross-attention norm ``norm2`` is read by ``attn2.to_q`` alone (the
+        # residual takes the un-normalised stream)
+        if (
+            "Wan" in type(modules[name]).__name__
+            and _has(modules, p + "norm2", p + "attn2.to_q")
+            and _is_norm(modules[p + "norm2"])
+            and isinstance(modules[p + "attn2.to_q"], nn.Linear)
+        ):
+            groups.append(AwqGroup(p + "norm2", "norm", (p + "attn2.to_q",)))
         # BERT encoder layer
         if _has(
             modules, p + "attention.self.query", p + "attention.output.LayerNorm", p + "intermediate.dense"
