@@ -1,0 +1,258 @@
+"""Each 4-bit weight format's quantization grid, opened up for algorithms that round column by column.
+
+GPTQ quantizes a weight one input column at a time and changes the columns it has not reached yet, so the
+block scales cannot come from one call of the format's quantizer on the final weight. A :class:`Grid` splits
+that quantizer in two: :meth:`Grid.fit` computes the scales of one group of columns (the format's block
+along K) from the weights given, exactly as the reference in :mod:`lowbit.formats` computes them from a
+block, and :meth:`Grid.round` rounds values onto that group's grid exactly as the reference rounds an element
+with those scales. :meth:`Grid.assemble` packs the codes and scales into the QTensor the reference would
+write (same layout, params and global scale), so every checkpoint writer and kernel takes the result, and
+``lowbit.dequantize`` of it returns the values :meth:`Grid.round` returned, bit for bit.
+
+The per-element arithmetic below repeats the reference's operation for operation (the order of every fp32
+operation is part of the format); ``tests/algorithms`` pins the two together: fitting and rounding every
+group of an unchanged weight gives the reference's own codes and scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..api import quantize
+from ..formats.blockscaled import _layout_scales, quantize_blockscaled
+from ..formats.bnb_fp4 import encode_bnb_fp4
+from ..formats.codecs import codebook_table, decode_e8m0, decode_minifloat, encode_minifloat, true_div
+from ..formats.int4_awq import pack_awq
+from ..formats.nf4 import _ABSMAX_FLOOR, BNB_4BIT_FORMATS, _encode_nf4
+from ..formats.packing import pack_fp4, pack_nibbles_high_first
+from ..formats.qtensor import QTensor
+from ..formats.spec import E2M1, NVFP4Convention, ScaleRounding
+
+GRID_FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "bnb_fp4", "int4_awq")
+"""Weight formats a :class:`Grid` exists for."""
+
+State = tuple[torch.Tensor, ...]
+"""The scales of one group, per row (what :meth:`Grid.fit` returns and :meth:`Grid.round` reads)."""
+
+
+class Grid:
+    """The grid of one weight ``[rows, K]`` in one format: groups of :attr:`group` consecutive columns."""
+
+    fmt: str
+    group: int
+
+    def __init__(self, template: QTensor) -> None:
+        # the reference's QTensor of the original weight: its layout, params and global scale are kept
+        self.template = template
+        self.rows, self.cols = int(template.shape[0]), int(template.shape[1])
+
+    def fit(self, w: torch.Tensor) -> State:
+        """Scales of one group from its weights ``w`` (fp32 ``[rows, group]``)."""
+        raise NotImplementedError
+
+    def round(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, fp32 dequantized values) of fp32 values ``x`` (``[rows]`` or ``[rows, n]``) on the grid of
+        one group."""
+        raise NotImplementedError
+
+    def assemble(self, codes: torch.Tensor, states: list[State]) -> QTensor:
+        """The QTensor of codes ``[rows, K]`` and the states of groups ``0 .. K/group - 1``."""
+        raise NotImplementedError
+
+
+def _col(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A per-row ``[rows]`` state tensor shaped to broadcast against ``x`` (``[rows]`` or ``[rows, n]``)."""
+    return t if x.dim() == 1 else t.unsqueeze(-1)
+
+
+class _NVFP4(Grid):
+    fmt, group = "nvfp4", 16
+
+    def __init__(self, template: QTensor) -> None:
+        super().__init__(template)
+        conv = NVFP4Convention(template.params.get("convention", "vllm"))
+        if conv not in (NVFP4Convention.VLLM, NVFP4Convention.LIGHTX2V):
+            raise ValueError(
+                f"convention: GPTQ rounds nvfp4 with the 'vllm' or 'lightx2v' multiplier, got {conv.value!r}"
+            )
+        if template.global_scale is None:
+            raise ValueError("global_scale: GPTQ needs an nvfp4 weight with a global scale (not 'none')")
+        self.convention = conv
+        self.s = template.global_scale.reshape(()).float()
+
+    def fit(self, w):
+        _, sf = quantize_blockscaled(w, E2M1, 16, "e4m3", global_scale=self.s, convention=self.convention)
+        sf32 = sf.float().reshape(-1)
+        s = self.s
+        # the multiplier of quantize_blockscaled, in its order of operations
+        m = 1.0 / (sf32 * (1.0 / s)) if self.convention is NVFP4Convention.VLLM else s * (1.0 / sf32)
+        mult = torch.where(sf32 == 0, torch.zeros_like(sf32), m)
+        # the decode step of dequantize_nvfp4: fp32(sf) / S
+        return sf.reshape(-1), mult, sf32 / s
+
+    def round(self, x, state):
+        _, mult, step = state
+        codes = encode_minifloat(x * _col(mult, x), E2M1)
+        return codes, decode_minifloat(codes, E2M1) * _col(step, x)
+
+    def assemble(self, codes, states):
+        t = self.template
+        sf = torch.stack([st[0] for st in states], dim=1)
+        return dataclasses.replace(
+            t, data=pack_fp4(codes), scale=_layout_scales(sf, t.shape[:-1], t.scale_layout)
+        )
+
+
+class _MXFP4(Grid):
+    fmt, group = "mxfp4", 32
+
+    def __init__(self, template: QTensor) -> None:
+        super().__init__(template)
+        self.rounding = ScaleRounding(template.params.get("scale_rounding", "rceil"))
+
+    def fit(self, w):
+        _, sf = quantize_blockscaled(w, E2M1, 32, "e8m0", scale_rounding=self.rounding)
+        code = sf.reshape(-1).view(torch.uint8).to(torch.int32)
+        # 2^-e exactly, as quantize_blockscaled multiplies; NaN for a NaN block (0xFF)
+        inv = decode_e8m0((254 - code).clamp(min=0))
+        inv = torch.where(code == 255, torch.full_like(inv, float("nan")), inv)
+        return sf.reshape(-1), inv, decode_e8m0(code)
+
+    def round(self, x, state):
+        _, inv, step = state
+        codes = encode_minifloat(x * _col(inv, x), E2M1)
+        return codes, decode_minifloat(codes, E2M1) * _col(step, x)
+
+    def assemble(self, codes, states):
+        t = self.template
+        sf = torch.stack([st[0] for st in states], dim=1)
+        return dataclasses.replace(
+            t, data=pack_fp4(codes), scale=_layout_scales(sf, t.shape[:-1], t.scale_layout)
+        )
+
+
+class _FP4B32(Grid):
+    fmt, group = "fp4_b32", 32
+
+    def fit(self, w):
+        _, sf = quantize_blockscaled(w, E2M1, 32, "fp32")
+        sf = sf.reshape(-1)
+        return sf, torch.where(sf == 0, torch.ones_like(sf), sf)
+
+    def round(self, x, state):
+        sf, safe = _col(state[0], x), _col(state[1], x)
+        scaled = torch.where(sf == 0, x * 0.0, x / safe)
+        codes = encode_minifloat(scaled, E2M1)
+        return codes, decode_minifloat(codes, E2M1) * sf
+
+    def assemble(self, codes, states):
+        sf = torch.stack([st[0] for st in states], dim=1)
+        return dataclasses.replace(self.template, data=pack_fp4(codes), scale=sf)
+
+
+class _BNB4(Grid):
+    """nf4 and bnb_fp4: blocks run over the flattened weight, so a block is ``blocksize`` columns of one row
+    only when ``K % blocksize == 0`` (checked by :func:`grid_for`); no double quantization (the 8-bit absmax
+    depends on every block's absmax, unknown until the last column)."""
+
+    def __init__(self, template: QTensor) -> None:
+        super().__init__(template)
+        self.fmt = template.fmt
+        self.group = int(template.params["blocksize"])
+        self.table = codebook_table(BNB_4BIT_FORMATS[self.fmt])
+        self.encode = _encode_nf4 if self.fmt == "nf4" else encode_bnb_fp4
+
+    def fit(self, w):
+        absmax = w.abs().max(dim=-1).values
+        return absmax, 1.0 / absmax.clamp(min=_ABSMAX_FLOOR)
+
+    def round(self, x, state):
+        absmax, rcp = state
+        codes = self.encode((x * _col(rcp, x)).clamp(-1, 1))
+        table = self.table.to(x.device)
+        return codes, table[codes.to(torch.int64)] * _col(absmax, x)
+
+    def assemble(self, codes, states):
+        absmax = torch.stack([st[0] for st in states], dim=1).reshape(-1)
+        data = pack_nibbles_high_first(codes.reshape(-1))
+        return dataclasses.replace(self.template, data=data, scale=absmax)
+
+
+class _INT4AWQ(Grid):
+    """AutoAWQ's asymmetric INT4 in float16 (the weight's fp16 image, as AutoAWQ casts the layer)."""
+
+    fmt = "int4_awq"
+
+    def __init__(self, template: QTensor) -> None:
+        super().__init__(template)
+        self.group = int(template.params["group_size"])
+
+    def fit(self, w):
+        w16 = w.to(torch.float16)
+        if not torch.isfinite(w16).all():
+            raise ValueError("int4_awq: a weight left float16's range during GPTQ's updates")
+        max_val, min_val = w16.amax(dim=-1), w16.amin(dim=-1)
+        scales = true_div((max_val - min_val).clamp(min=1e-5), 15)
+        zeros = (-torch.round(min_val / scales)).clamp(0, 15)
+        return scales, zeros
+
+    def round(self, x, state):
+        s, z = _col(state[0], x), _col(state[1], x)
+        x16 = x.to(torch.float16)
+        # quantize_int4_awq's two passes: the fake-quantized weight, then the integer AutoAWQ stores
+        w_fq = (torch.clamp(torch.round(x16 / s) + z, 0, 15) - z) * s
+        q = torch.round((w_fq + z * s) / s)
+        return q.to(torch.int32), ((q - z).to(torch.float16) * s).float()
+
+    def assemble(self, codes, states):
+        scales = torch.stack([st[0] for st in states], dim=1)
+        zeros = torch.stack([st[1] for st in states], dim=1)
+        if codes.min() < 0 or codes.max() > 15:
+            raise ValueError("int4_awq: an integer left [0, 15]")
+        return dataclasses.replace(
+            self.template,
+            data=pack_awq(codes.t()),
+            scale=scales.t().contiguous(),
+            zeros=pack_awq(zeros.to(torch.int32).t()),
+        )
+
+
+_GRIDS = {"nvfp4": _NVFP4, "mxfp4": _MXFP4, "fp4_b32": _FP4B32, "nf4": _BNB4, "bnb_fp4": _BNB4,
+          "int4_awq": _INT4AWQ}
+
+
+def grid_for(weight: torch.Tensor, fmt: str, **options: Any) -> Grid:
+    """The :class:`Grid` of a 2-D ``weight`` in ``fmt`` with ``lowbit.quantize`` options ``options``.
+
+    The reference QTensor of ``weight`` (the round-to-nearest result) is the template whose layout, params and
+    global scale the GPTQ result keeps: for nvfp4 the global scale is the one given in ``options`` (fused
+    siblings share one) or the format default from the original weight.
+
+    Raises:
+        ValueError: a format without a grid, a weight that is not 2-D, nf4/bnb_fp4 blocks that would straddle
+            rows (``K % blocksize``) or with double quantization, an nvfp4 convention other than vllm or
+            lightx2v.
+    """
+    if fmt not in _GRIDS:
+        raise ValueError(f"fmt: GPTQ supports {', '.join(GRID_FORMATS)}, got {fmt!r}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        got = getattr(weight, "shape", type(weight))
+        raise ValueError(f"weight must be a 2-D tensor [out, in], got {got}")
+    if fmt in ("nf4", "bnb_fp4"):
+        if options.get("double_quant"):
+            raise ValueError(f"double_quant: GPTQ for {fmt} needs double_quant=False")
+        bs = options.get("blocksize", 64)
+        if isinstance(bs, int) and weight.shape[1] % bs:
+            raise ValueError(
+                f"{fmt}: in_features={weight.shape[1]} is not a multiple of blocksize={bs}; the blocks would "
+                "straddle rows, which column-wise GPTQ cannot keep"
+            )
+    with torch.no_grad():
+        template = quantize(weight.detach(), fmt, backend="torch", **options)
+    return _GRIDS[fmt](template)
+
+
+__all__ = ["GRID_FORMATS", "Grid", "grid_for"]
