@@ -5,6 +5,7 @@
 - ``lowbit inspect PATH``: formats, shapes, bytes and producer of a checkpoint, from its headers.
 - ``lowbit bench``: the benchmark harness (:mod:`lowbit.bench`).
 - ``lowbit e2e``: the end-to-end decoder benchmark (:mod:`lowbit.bench.e2e`; ``lowbit e2e --help``).
+- ``lowbit dit``: the diffusion-transformer block benchmark (:mod:`lowbit.bench.dit`; ``lowbit dit --help``).
 - ``lowbit env``: versions, GPU, which backends and kernels can run.
 
 Thin over the library; importing this module does no GPU work and imports neither transformers nor matplotlib.
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("e2e", help="end-to-end decoder benchmark: decode/prefill/generate in every run mode "
                    "(see lowbit e2e --help)", add_help=False)
+    sub.add_parser("dit", help="Wan2.1-14B-shaped DiT block benchmark: bf16 vs every scheme at 8190 and 32760 "
+                   "tokens (see lowbit dit --help)", add_help=False)
 
     e = sub.add_parser("env", help="versions, GPU, which backends and kernels can run, LOWBIT_* variables")
     e.add_argument("--json", action="store_true", help="print JSON")
@@ -103,10 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--calib",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
-        help="calibrate on N built-in sentences (0-64, default 0): static activation scales for w4a4-nvfp4, "
-        "AWQ scales for w4a16-int4",
+        help="calibrate on N built-in sentences (0-64; default 0, or 64 with --algorithm gptq), or on the "
+        "first N lines of --calib-file: static activation scales for w4a4-nvfp4, AWQ scales for w4a16-int4 (rtn), "
+        "the Hessians of GPTQ. The built-in calibration sentences are disjoint from the evaluation sentences",
+    )
+    q.add_argument(
+        "--calib-file",
+        default=None,
+        metavar="PATH",
+        help="calibrate on this UTF-8 text file's non-empty lines (one sentence each) instead",
+    )
+    q.add_argument(
+        "--algorithm",
+        choices=("rtn", "gptq"),
+        default="rtn",
+        help="how weights are rounded: rtn (round-to-nearest, default) or gptq (Hessian error compensation "
+        "on the calibration sentences; 4-bit weight formats, others stay rtn)",
     )
     q.add_argument(
         "--device", default=None, help="where to quantize and evaluate (default: cuda if available, else cpu)"
@@ -188,17 +205,20 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         try:
             device = torch.device(args.device)
         except (RuntimeError, ValueError) as e:
-            return _fail("quantize", f"--device {args.device!r} is not a torch device ({e})")
+            return _fail("quantize", f"bad --device {args.device!r}: not a torch device ({e})")
         if device.type == "meta":
             # meta tensors hold shapes only: nothing could be evaluated or written
-            return _fail("quantize", "--device meta holds no values to quantize or evaluate; use cpu or cuda "
-                                     "(lowbit.quantize_model builds a shape-only skeleton on meta in Python)")
+            return _fail("quantize", "bad --device meta: meta tensors hold no values to quantize or evaluate; "
+                                     "use cpu or cuda (lowbit.quantize_model builds a shape-only skeleton on meta "
+                                     "in Python)")
     try:
         report = lbeval.run(
             args.model_dir,
             args.scheme,
             args.out,
             calib=args.calib,
+            calib_file=args.calib_file,
+            algorithm=args.algorithm,
             device=args.device,
             log=log,
             convert_progress=args.progress,
@@ -329,6 +349,10 @@ def _dispatch(argv: list[str]) -> int:
         from .bench import e2e
 
         return e2e.main(argv[1:])
+    if argv[:1] == ["dit"]:
+        from .bench import dit
+
+        return dit.main(argv[1:])
     args = build_parser().parse_args(argv)
     commands = {"bench": cmd_bench, "env": cmd_env, "quantize": cmd_quantize, "inspect": cmd_inspect}
     return commands[args.command](args)

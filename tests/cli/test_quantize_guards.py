@@ -209,8 +209,8 @@ def test_closed_pipe_exits_quietly():
     assert rc == 141
 
 
-@pytest.mark.parametrize("device, words", [("meta", "--device meta holds no values"),
-                                           ("bogus", "is not a torch device")])
+@pytest.mark.parametrize("device, words", [("meta", "bad --device meta: meta tensors hold no values"),
+                                           ("bogus", "bad --device 'bogus': not a torch device")])
 def test_device_meta_or_bogus_is_refused_up_front(tiny_src, tmp_path, device, words):
     out = tmp_path / "o"
     err = _one_line(*_quantize(tiny_src, out, "--device", device)[::2])

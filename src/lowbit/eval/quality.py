@@ -122,7 +122,9 @@ def run(
     schemes: str | Sequence[str] = "all",
     out_dir: str | Path | None = None,
     *,
-    calib: int = 0,
+    calib: int | None = None,
+    calib_file: str | Path | None = None,
+    algorithm: str = "rtn",
     device: str | None = None,
     log: Callable[[str], None] | None = print,
     convert_progress: bool = False,
@@ -132,6 +134,10 @@ def run(
     """Convert ``model_dir`` (None: the bundled all-MiniLM-L6-v2) with each scheme into ``out_dir/<scheme>``,
     evaluate each checkpoint against the fp32 model, write ``out_dir/report.{txt,json,png}`` and return the
     report dict (``report["schemes"][i]["status"]`` is ``"ok"`` or ``"error"`` with ``"error"``).
+
+    ``calib`` sentences (the built-in calibration set, disjoint from the evaluation sentences, or the first
+    ``calib`` non-empty lines of ``calib_file``; None: 0, or all of them for ``algorithm="gptq"``) drive
+    :func:`lowbit.quantize_model` with ``algorithm`` (``"rtn"`` or ``"gptq"``).
 
     ``out_dir`` must lie outside ``model_dir``; outputs of an earlier run there are replaced only with
     ``overwrite``, anything else there never (:mod:`lowbit.eval.outdir`).
@@ -148,7 +154,7 @@ def run(
     say = log or (lambda s: None)
     names = resolve_schemes(schemes)
     evalset = load_sentences()
-    calib_sentences = evalset.calibration_sentences(calib)
+    calib_sentences = calibration_sentences(evalset, calib, calib_file, algorithm)
     if model_dir is None:
         src = bundled_model_dir()
         model_name = BUNDLED_NAME
@@ -192,6 +198,8 @@ def run(
         "n_sentences": len(evalset.sentences),
         "n_tokens": n_tokens,
         "calibration_sentences": len(calib_sentences),
+        "calibration_source": str(calib_file) if calib_file is not None else "built-in calibration set",
+        "algorithm": algorithm,
         "isolated_sqnr_batches": ISOLATED_BATCHES if ISOLATED_BATCHES is not None else len(batches),
         "fp32": {
             "bytes": src_info["total_bytes"],
@@ -217,12 +225,13 @@ def run(
                     # calibration data: the library decides what it drives (static NVFP4 activation scales
                     # for w4a4-nvfp4, the AWQ scale search for w4a16-int4; ignored by the others)
                     model = encoder.load_fp32(dev)
-                    quantize_model(model, scheme, calibration=calib_batches)
+                    quantize_model(model, scheme, calibration=calib_batches, algorithm=algorithm)
                     save_quantized(model, ckpts[name], source_dir=src, overwrite=target.replace[name])
                     target.record_checkpoint(name)
                     del model
                     entry["method"] = (
-                        f"quantize_model(calibration={len(calib_sentences)} sentences) + save_quantized"
+                        f"quantize_model(calibration={len(calib_sentences)} sentences, "
+                        f"algorithm={algorithm!r}) + save_quantized"
                     )
                 else:
                     convert_checkpoint(
@@ -280,6 +289,32 @@ def run(
     target.write_file("report.txt", (table + "\n").encode())
     target.write_file("report.json", report_json(report).encode())
     return report
+
+
+def calibration_sentences(evalset: Any, calib: int | None, calib_file: str | Path | None,
+                          algorithm: str) -> list[str]:
+    """The calibration sentences of a run (see :func:`run`); ValueError for a bad count, file or algorithm."""
+    if algorithm not in ("rtn", "gptq"):
+        raise ValueError(f"algorithm must be 'rtn' or 'gptq', got {algorithm!r}")
+    if calib is not None and (isinstance(calib, bool) or not isinstance(calib, int)):
+        raise TypeError(f"calib must be an int, got {type(calib).__name__}")
+    if calib_file is None:
+        n = calib if calib is not None else (len(evalset.calibration) if algorithm == "gptq" else 0)
+        sentences = evalset.calibration_sentences(n)
+    else:
+        try:
+            lines = Path(calib_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--calib-file {calib_file}: not a readable UTF-8 text file ({e})") from None
+        lines = [line.strip() for line in lines if line.strip()]
+        if not lines:
+            raise ValueError(f"--calib-file {calib_file}: holds no non-empty line")
+        if calib is not None and calib < 0:
+            raise ValueError(f"--calib must not be negative, got {calib}")
+        sentences = lines if calib is None else lines[:calib]
+    if algorithm == "gptq" and not sentences:
+        raise ValueError("--algorithm gptq needs calibration sentences (--calib N > 0 or --calib-file)")
+    return sentences
 
 
 def _check_source(src: Path) -> dict[str, Any]:

@@ -57,7 +57,8 @@ def format_table(report: dict) -> str:
     lines = [
         (
             f"model {report['model']} ({report['n_sentences']} sentences, {report['n_tokens']} tokens, "
-            f"calibration {report['calibration_sentences']} sentences, device {report['device']})"
+            f"calibration {report['calibration_sentences']} sentences, "
+            f"algorithm {report.get('algorithm', 'rtn')}, device {report['device']})"
         ),
         head,
         "-" * len(head),

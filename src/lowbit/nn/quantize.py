@@ -73,10 +73,19 @@ def _check_calibration(calibration: Any) -> None:
     # a str is iterable, but its characters are not model inputs: refused here, not deep inside the model
     if calibration is None or isinstance(calibration, (torch.Tensor, Mapping)):
         return
+    if isinstance(calibration, nn.Module):
+        # a module is callable, but passing one (the model itself, a pipeline component) is a mix-up, not a
+        # function that drives the model
+        raise TypeError(
+            "calibration must be model inputs or a function of the model, got a module "
+            f"({type(calibration).__name__})"
+        )
+    if callable(calibration):
+        return
     if isinstance(calibration, (str, bytes)) or not isinstance(calibration, Iterable):
         raise TypeError(
             "calibration must be None, a tensor, a dict or an iterable of batches (dicts, tuples or tensors), "
-            f"got {type(calibration).__name__}"
+            f"or a callable taking the model, got {type(calibration).__name__}"
         )
 
 
@@ -105,14 +114,42 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _run_callable(model: nn.Module, calibration: Any) -> int:
+    calls = [0]
+
+    def count(module, args, kwargs):
+        calls[0] += 1
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
+    was_training = model.training
+    model.eval()
+    try:
+        calibration(model)
+    finally:
+        handle.remove()
+        model.train(was_training)
+    if calls[0] == 0:
+        # hooks on the model's layers saw nothing: the callable ran some other module (a copy of the model, a
+        # pipeline whose transformer is another object)
+        raise ValueError(
+            f"calibration: the callable never ran the model ({type(model).__name__}); it must call the model "
+            "it is given, or a pipeline holding that same object"
+        )
+    return calls[0]
+
+
 @torch.no_grad()
 def run_calibration(model: nn.Module, calibration: Iterable[Any]) -> int:
     """Run ``model`` (in eval mode, no grad) on every batch; returns the number of batches.
 
     A batch that is a dict runs ``model(**batch)``, a tuple/list ``model(*batch)``, anything else ``model(batch)``;
-    tensors are moved to the model's device.
+    tensors are moved to the model's device. A callable ``calibration`` is called as ``calibration(model)``
+    and drives the model itself (a denoising loop over several timesteps, a whole pipeline call); the count
+    is then the number of forward calls of ``model`` it made, and ValueError if it made none.
     """
     _check_calibration(calibration)
+    if callable(calibration):
+        return _run_callable(model, calibration)
     device = _model_device(model)
     was_training = model.training
     model.eval()
@@ -172,6 +209,7 @@ def quantize_model(
     calibration: Iterable[Any] | None = None,
     awq: bool | None = None,
     backend: str | None = None,
+    algorithm: str | Any = "rtn",
 ) -> nn.Module:
     """Replace the model's ``nn.Linear`` layers by :class:`QuantLinear` in place and return the model.
 
@@ -181,15 +219,21 @@ def quantize_model(
         skip: fnmatch patterns of module names to keep in full precision (default :data:`DEFAULT_SKIP`:
             ``lm_head``); None or ``()`` quantizes every Linear.
         calibration: optional iterable of model inputs (dicts -> ``model(**batch)``, tuples -> ``model(*batch)``,
-            tensors -> ``model(t)``). For NVFP4 activations (``w4a4-nvfp4``) each layer's input absmax over
-            all batches gives a static activation global scale ``2688 / absmax`` (LightX2V's rule;
-            ``alpha = 1 / (gs_in * gs_w)`` follows in the GEMM). Without calibration activations are scaled
-            dynamically per tensor. For ``w4a16-int4`` the data drives the AWQ scale search (``awq``). Other
-            schemes have no static activation scales and ignore it.
+            tensors -> ``model(t)``), or a callable run as ``calibration(model)`` that drives the model itself
+            (several denoising timesteps, a whole pipeline call: see
+            :class:`lowbit.integrations.diffusers.DenoisingCalibration`). For NVFP4 activations
+            (``w4a4-nvfp4``) each layer's input absmax over all batches gives a static activation global scale
+            ``2688 / absmax`` (LightX2V's rule; ``alpha = 1 / (gs_in * gs_w)`` follows in the GEMM). Without
+            calibration activations are scaled dynamically per tensor. For ``w4a16-int4`` the data drives the
+            AWQ scale search (``awq``). Other schemes have no static activation scales and ignore it.
         awq: ``w4a16-int4`` only: search AWQ activation-aware scales on the calibration data and fold them into
             the preceding norms/projections before rounding (:mod:`lowbit.nn.awq`; this modifies those float
             weights of ``model``). None (default): on when calibration data is given; False: round-to-nearest.
         backend: lowbit backend for quantization and for the layers' forward.
+        algorithm: how weights are rounded: ``"rtn"`` (default, round-to-nearest), ``"gptq"`` or a
+            :class:`lowbit.algorithms.GPTQ` with its options (Hessian error compensation on the calibration
+            data, for nvfp4, mxfp4, fp4_b32, nf4, bnb_fp4 and int4_awq weights; needs ``calibration``;
+            AWQ then runs only with ``awq=True``), or ``"awq"`` (``awq=True``).
 
     Fused projections (q/k/v, gate/up, BERT query/key/value under one parent) share one NVFP4 weight global
     scale ``2688 / max(amax)``, as llm-compressor writes them for vLLM's fused layers.
@@ -211,6 +255,9 @@ def quantize_model(
     _check_calibration(calibration)
     if awq is not None and not isinstance(awq, bool):
         raise TypeError(f"awq must be None, True or False, got {type(awq).__name__}")
+    from ..algorithms.gptq import resolve_algorithm
+
+    algorithm, awq = resolve_algorithm(algorithm, awq, calibration)
     layers = linear_layers(model)
     targets: dict[str, nn.Linear] = {}
     unsupported: list[str] = []
@@ -264,6 +311,12 @@ def quantize_model(
             for n in group:
                 global_scales[n] = g.to(targets[n].weight.device)
 
+    if algorithm is not None:
+        from ..algorithms.gptq import apply_gptq_scheme
+
+        apply_gptq_scheme(model, targets, scheme, lambda: run_calibration(model, calibration), algorithm,
+                          global_scales, input_scales, backend)
+        return model
     modules = dict(model.named_modules())
     for name, lin in targets.items():
         parent_name, _, child = name.rpartition(".")
