@@ -129,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default=None, help="where to quantize and evaluate (default: cuda if available, else cpu)"
     )
     q.add_argument(
+        "--include", action="append", default=None, metavar="PATTERN",
+        help="diffusers or bare safetensors folders (converted without evaluation): quantize only the Linear "
+        "weights whose module name matches (glob, or a regular expression after 're:'); repeatable",
+    )
+    q.add_argument(
+        "--exclude", action="append", default=None, metavar="PATTERN",
+        help="diffusers or bare safetensors folders: keep matching weights in full precision; repeatable",
+    )
+    q.add_argument(
+        "--format", dest="layout", default="auto", metavar="LAYOUT",
+        help="diffusers or bare safetensors folders: checkpoint layout (default auto: the scheme's; e.g. lightx2v)",
+    )
+    q.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the checkpoints and reports an earlier lowbit quantize run wrote in OUT (never anything "
@@ -211,6 +224,21 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             return _fail("quantize", "bad --device meta: meta tensors hold no values to quantize or evaluate; "
                                      "use cpu or cuda (lowbit.quantize_model builds a shape-only skeleton on meta "
                                      "in Python)")
+    from .eval.convert_only import convert_only, source_kind
+
+    if args.model_dir is not None and source_kind(args.model_dir) is not None:
+        try:
+            report = convert_only(args.model_dir, lbeval.resolve_schemes(args.scheme), args.out,
+                                  include=args.include, exclude=args.exclude, fmt=args.layout, device=args.device,
+                                  log=log, progress=args.progress, overwrite=args.overwrite)
+        except (lbeval.ModelDirError, ValueError, FileExistsError) as e:
+            return _fail("quantize", str(e))
+        if args.json:
+            print(json.dumps(report, indent=1))
+        return 1 if any(r["status"] != "ok" for r in report["schemes"]) else 0
+    if args.include or args.exclude or args.layout != "auto":
+        return _fail("quantize", "--include, --exclude and --format apply to diffusers or bare safetensors folders "
+                                 "(converted without evaluation); this is a transformers model directory")
     try:
         report = lbeval.run(
             args.model_dir,
