@@ -8,9 +8,11 @@ since the machine has no git history::
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py bench --quick --ops 'quantize.*'
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests ops                        # GPU tests + operator benches
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py e2e --e2e-args "--configs bf16,lowbit:w4a16-nvfp4"
+    GIT_SHA=<sha> python3 benchmarks/gpu_check.py dit offload                      # DiT block, block offload
 
 Writes ``$OUT/gpu_tests_<path>.xml`` (one pytest and report per test path), ``$OUT/quant_kernels_<date>.json``
-and ``$OUT/e2e.json`` (the end-to-end decoder benchmark, ``lowbit e2e``); the results tables are printed last.
+and ``$OUT/e2e.json`` / ``dit.json`` / ``offload.json`` (``lowbit e2e``, ``lowbit dit``, the offload benchmark);
+the results tables are printed last.
 Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
 start (lowbit's own cases always run and are written to the JSON before any baseline).
 """
@@ -131,21 +133,24 @@ GPU_TEST_PATHS = [
     "tests/kernels/test_gemv_mma_gpu.py", "tests/ops/test_linear_gpu.py", "tests/kernels/test_gemv_w4_gpu.py",
     "tests/kernels/test_nf4_int4_gpu.py", "tests/kernels/test_gemm_w4_gpu.py", "tests/kernels/test_blockscaled_gpu.py",
     "tests/kernels/test_fp8_block_gpu.py", "tests/kernels/test_fp8_rowwise_gpu.py", "tests/ops/test_scaled_mm_gpu.py",
-    "tests/nn/test_prepared_gpu.py", "tests/bench",
+    "tests/nn/test_prepared_gpu.py", "tests/kernels/test_int4_conventions.py", "tests/integrations/test_diffusers_gpu.py",
+    "tests/nn/test_offload.py", "tests/bench",
 ]
 
 
-def run_e2e(out_dir: str, extra: str, timeout_s: float) -> None:
-    """``lowbit e2e`` with ``extra`` arguments, JSON to ``$OUT/e2e.json`` (written after every config)."""
+def run_module(name: str, out_dir: str, extra: str, timeout_s: float) -> None:
+    """``python -m lowbit.bench.<name>`` (e2e, dit, offload) with ``extra`` arguments, JSON to
+    ``$OUT/<name>.json`` (e2e and dit write it after every config)."""
     import shlex
 
-    cmd = [sys.executable, "-m", "lowbit.bench.e2e", "--json", os.path.join(out_dir, "e2e.json"), *shlex.split(extra)]
+    cmd = [sys.executable, "-m", f"lowbit.bench.{name}", "--json", os.path.join(out_dir, f"{name}.json"),
+           *shlex.split(extra)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        rc = "timeout (the configs done are in the JSON)"
-    print(f"lowbit e2e: exit {rc}", flush=True)
+        rc = "timeout (what finished is in the JSON)"
+    print(f"lowbit {name}: exit {rc}", flush=True)
 
 
 def main() -> int:
@@ -167,11 +172,14 @@ def main() -> int:
     ap.add_argument("--tests-timeout-s", type=float, default=240.0)
     ap.add_argument("--e2e-args", default="", help="arguments of `lowbit e2e` for the e2e step")
     ap.add_argument("--e2e-timeout-s", type=float, default=420.0)
+    ap.add_argument("--dit-args", default="", help="arguments of `lowbit dit` for the dit step")
+    ap.add_argument("--offload-args", default="", help="arguments of `python -m lowbit.bench.offload`")
+    ap.add_argument("--bench-timeout-s", type=float, default=300.0, help="time limit of the dit and offload steps")
     args = ap.parse_args()
     what = set(args.what or ["tests", "bench"])
-    steps = {"tests", "bench", "ops", "install", "e2e"}
+    steps = {"tests", "bench", "ops", "install", "e2e", "dit", "offload"}
     if what - steps:
-        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e or install")
+        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e, dit, offload or install")
 
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "tmp")
     os.makedirs(out_dir, exist_ok=True)
@@ -184,7 +192,11 @@ def main() -> int:
     if "ops" in what:
         run_ops_benches(out_dir)
     if "e2e" in what:
-        run_e2e(out_dir, args.e2e_args, args.e2e_timeout_s)
+        run_module("e2e", out_dir, args.e2e_args, args.e2e_timeout_s)
+    if "dit" in what:
+        run_module("dit", out_dir, args.dit_args, args.bench_timeout_s)
+    if "offload" in what:
+        run_module("offload", out_dir, args.offload_args, args.bench_timeout_s)
     if "bench" not in what:
         if tests_summary:
             print(tests_summary)
