@@ -83,3 +83,28 @@ def test_bad_modes_and_missing_gpu_exit_2(capsys):
     if not torch.cuda.is_available():
         assert e2e.main(["--shape", "tiny"]) == 2
     assert "lowbit e2e" in capsys.readouterr().err
+
+
+def test_compare_against_a_curated_baseline(tmp_path, capsys):
+    """--compare prints each ratio of the new run against the newest baseline run holding that config."""
+    from pathlib import Path
+
+    curated = json.loads((Path(__file__).parents[2] / "benchmarks/results/h100_e2e.json").read_text())
+    newest = {}
+    for run in curated["runs"]:
+        for row in run["rows"]:
+            newest[row["config"]] = row["ratio"]
+    result = {"rows": [{"config": "bf16", "ratio": {"eager": 1.0, "host_vs_f_linear": 1.2}},
+                       {"config": "lowbit:w4a16-nvfp4", "ratio": {"eager": 2 * newest["lowbit:w4a16-nvfp4"]["eager"]}},
+                       {"config": "lowbit:new-scheme", "ratio": {"eager": 0.5}}]}
+    table = e2e.compare(result, curated)
+    lines = table.splitlines()
+    assert "lowbit:w4a16-nvfp4 | eager | " in table and "| 2.00x" in table
+    assert any(line.startswith("lowbit:new-scheme | eager | 0.500 | - | -") for line in lines)
+    assert not any(line.startswith("bf16 | eager") for line in lines)  # 1.0 by definition
+    assert any(line.startswith("bf16 | host_vs_f_linear") for line in lines)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert e2e.main(["--compare", str(bad)]) == 2
+    assert e2e.main(["--compare", str(tmp_path / "missing.json")]) == 2
+    assert "--compare" in capsys.readouterr().err

@@ -429,6 +429,27 @@ def ratios(rows: list[dict]) -> None:
         r["ratio"] = rr
 
 
+def compare(result: dict, baseline: dict) -> str:
+    """A table of each config's ratios to bf16 in ``result`` against the same ratios in ``baseline`` (a result
+    dict, or a curated file holding ``{"runs": [...]}``: for each config its newest run that has it). Ratios,
+    not tokens/s, since the two runs may have had different host CPUs."""
+    runs = baseline.get("runs", [baseline])
+    base: dict[str, dict] = {}
+    for run in runs:  # later runs override earlier ones
+        for row in run.get("rows", []):
+            base[row["config"]] = row.get("ratio", {})
+    lines = ["config | ratio | new | baseline | change", "--- | --- | --- | --- | ---"]
+    for row in result.get("rows", []):
+        old = base.get(row["config"])
+        for key, value in sorted(row.get("ratio", {}).items()):
+            if row["config"] == "bf16" and key != "host_vs_f_linear":
+                continue  # 1.0 by definition
+            was = None if old is None else old.get(key)
+            change = "-" if was is None else f"{value / was:.2f}x"
+            lines.append(f"{row['config']} | {key} | {value:.3f} | {'-' if was is None else f'{was:.3f}'} | {change}")
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
     rows = result["rows"]
     head = ("config", "GB", "host us (xF.lin)", "eager tok/s", "graph tok/s", "compile tok/s",
@@ -470,11 +491,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens")
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", dest="json_path", default=None, help="write the results to this file")
+    p.add_argument("--compare", default=None, metavar="BASELINE.json",
+                   help="also print each ratio against a baseline result (a lowbit e2e JSON, or a curated file "
+                   "of runs)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    baseline = None
+    if args.compare:
+        try:
+            with open(args.compare) as f:
+                baseline = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"lowbit e2e: --compare {args.compare}: not a readable JSON result ({e})", file=sys.stderr)
+            return 2
+        if not isinstance(baseline, dict):
+            print(f"lowbit e2e: --compare {args.compare}: not a lowbit e2e result", file=sys.stderr)
+            return 2
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]
     if bad:
@@ -506,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json_path, "w") as f:
                 json.dump(result, f, indent=1, default=str)
     print(format_table(result), flush=True)
+    if baseline is not None:
+        print("\n" + compare(result, baseline), flush=True)
     return 0
 
 
