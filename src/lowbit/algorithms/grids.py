@@ -68,7 +68,24 @@ def _col(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t if x.dim() == 1 else t.unsqueeze(-1)
 
 
-class _NVFP4(Grid):
+class _BlockscaledFP4(Grid):
+    """E2M1 elements with one scale code per group (nvfp4, mxfp4): a state is (the group's scale codes, the
+    multiplier the reference quantizes with, the step it decodes with)."""
+
+    def round(self, x, state):
+        _, mult, step = state
+        codes = encode_minifloat(x * _col(mult, x), E2M1)
+        return codes, decode_minifloat(codes, E2M1) * _col(step, x)
+
+    def assemble(self, codes, states):
+        t = self.template
+        sf = torch.stack([st[0] for st in states], dim=1)
+        return dataclasses.replace(
+            t, data=pack_fp4(codes), scale=_layout_scales(sf, t.shape[:-1], t.scale_layout)
+        )
+
+
+class _NVFP4(_BlockscaledFP4):
     fmt, group = "nvfp4", 16
 
     def __init__(self, template: QTensor) -> None:
@@ -93,20 +110,8 @@ class _NVFP4(Grid):
         # the decode step of dequantize_nvfp4: fp32(sf) / S
         return sf.reshape(-1), mult, sf32 / s
 
-    def round(self, x, state):
-        _, mult, step = state
-        codes = encode_minifloat(x * _col(mult, x), E2M1)
-        return codes, decode_minifloat(codes, E2M1) * _col(step, x)
 
-    def assemble(self, codes, states):
-        t = self.template
-        sf = torch.stack([st[0] for st in states], dim=1)
-        return dataclasses.replace(
-            t, data=pack_fp4(codes), scale=_layout_scales(sf, t.shape[:-1], t.scale_layout)
-        )
-
-
-class _MXFP4(Grid):
+class _MXFP4(_BlockscaledFP4):
     fmt, group = "mxfp4", 32
 
     def __init__(self, template: QTensor) -> None:
@@ -120,18 +125,6 @@ class _MXFP4(Grid):
         inv = decode_e8m0((254 - code).clamp(min=0))
         inv = torch.where(code == 255, torch.full_like(inv, float("nan")), inv)
         return sf.reshape(-1), inv, decode_e8m0(code)
-
-    def round(self, x, state):
-        _, inv, step = state
-        codes = encode_minifloat(x * _col(inv, x), E2M1)
-        return codes, decode_minifloat(codes, E2M1) * _col(step, x)
-
-    def assemble(self, codes, states):
-        t = self.template
-        sf = torch.stack([st[0] for st in states], dim=1)
-        return dataclasses.replace(
-            t, data=pack_fp4(codes), scale=_layout_scales(sf, t.shape[:-1], t.scale_layout)
-        )
 
 
 class _FP4B32(Grid):
