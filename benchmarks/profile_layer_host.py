@@ -14,34 +14,19 @@ import io
 import json
 import os
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
 import lowbit
 from lowbit.bench.e2e import host_us_per_call
+from lowbit.bench.timing import graph_ms
 from lowbit.nn import SCHEMES, QuantLinear
 
 
 def _graph_us(fn, reps: int = 50) -> float:
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps / 10 * 1e6
+    """GPU microseconds per call, 10 calls per CUDA-graph replay."""
+    return graph_ms(fn, reps, calls=10) * 1e3
 
 
 def _profile(fn, calls: int = 200, top: int = 18) -> str:

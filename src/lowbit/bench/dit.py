@@ -212,23 +212,9 @@ def time_eager(fn: Callable[[], Any], device, repeats: int, warmup: int = 2) -> 
 
 def time_graph(fn: Callable[[], Any], repeats: int) -> float:
     """Milliseconds per replay of ``fn`` captured in a CUDA graph (mean of ``repeats`` replays)."""
-    with torch.inference_mode():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            g.replay()
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats * 1e3
+    from .timing import graph_ms
+
+    return graph_ms(fn, repeats)
 
 
 def time_compiled(model: nn.Module, inputs: tuple, device, repeats: int) -> dict:
