@@ -278,16 +278,13 @@ def _scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor
         x = a.data.to(torch.bfloat16)
         factor = a.scale.reshape(-1)
     else:
-        pts = a.params.get("per_tensor_scale")
-        plain = dataclasses.replace(
-            a, global_scale=None, params={key: v for key, v in a.params.items() if key != "per_tensor_scale"}
-        )
+        plain, g, divides = _without_global(a)
         if a.fmt == "nvfp4":
             x = blockscaled.dequantize_nvfp4(plain, torch.bfloat16)
-            if pts is not None:
-                factor = torch.as_tensor(pts, dtype=torch.float32, device=a.data.device).reshape(1)
-            elif a.global_scale is not None:
-                divisor = a.global_scale.reshape(1)
+            if divides:
+                divisor = g
+            else:
+                factor = g
         else:
             x = blockscaled.dequantize_mx(plain, torch.bfloat16)
     if alpha is not None:
