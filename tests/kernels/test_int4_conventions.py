@@ -92,7 +92,9 @@ def test_gpu_dequantize_routes_to_the_reference(scale_dtype, out):
 def test_gpu_linear_decodes_in_the_scale_dtype_then_cublas(scale_dtype, m):
     """No int4 kernel decodes in bf16/fp32: lowbit.linear decodes exactly (the reference, in torch ops on the GPU)
     and multiplies with cuBLAS at every M, never the kernels' fp16 decode."""
-    from lowbit.ops import linear as lin
+    import sys
+
+    lin = sys.modules["lowbit.ops.linear"]  # the package's `linear` attribute is the function
 
     q = _ct_weight(scale_dtype).to("cuda")
     x = torch.randn(m, q.shape[1], device="cuda", dtype=torch.bfloat16)
