@@ -155,6 +155,52 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
 
         if scheme == "w8a8-fp8-block" and cublas_fp8_block._unavailable(0) is None:
             assert type(runners.get((100, torch.bfloat16, not bias))).__name__ == "_Fp8BlockCublas"
+        if scheme == "w8a8-fp8-block":  # decode: the activation quantized inside the GEMM, one launch
+            for m in (1, 2, 16):
+                assert type(runners.get((m, torch.bfloat16, not bias))).__name__ == "QuantInGemm", m
+
+
+def _adversarial_rows(m, k, dtype):
+    """Random rows with an outlier channel, a zero block, +-max of the dtype, ties at the E4M3 grid, and NaN/Inf
+    in the last row (its 128-blocks' scales become NaN/Inf)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.float32)
+    x[:, 3] *= 50
+    if k >= 256:
+        x[0, 128:256] = 0
+    big = torch.finfo(dtype).max
+    x[0, 5] = big
+    x[-1, 7] = -big
+    x[0, 9:17] = torch.tensor([1.0, 1.125, 1.0625, 3.5, -448.0, 0.001953125, -0.0, 2.75])
+    if m > 1:
+        x[-1, 1] = float("nan")
+        x[-1, k - 1] = float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("k", [512, 520])  # 520: a masked last K block
+@pytest.mark.parametrize("m, bias", [(1, True), (5, False), (16, True)])
+def test_quant_in_gemm_bits_equal_quantize_then_gemm(x_dtype, scale_fmt, k, m, bias):
+    """The fp8_block decode launch that quantizes x inside the GEMM gives the bits of the two launches
+    (lowbit's quantize kernel, then the decoding GEMM) on random and adversarial rows, NaN/Inf included."""
+    from lowbit.kernels import scaled_mm as ksm
+
+    torch.manual_seed(k + m)
+    w = lowbit.quantize(torch.randn(384, k, device="cuda", dtype=torch.bfloat16), "fp8_block", block=(128, 128))
+    opts = {} if scale_fmt is None else {"scale_fmt": scale_fmt}
+    x = _adversarial_rows(m, k, x_dtype)
+    b = torch.randn(384, device="cuda", dtype=x_dtype) if bias else None
+    a = lowbit.quantize(x, "fp8_block", block=(1, 128), **opts)
+    route = ksm.KernelRoute(a, w, False, bias, x_dtype)
+    run = route.quant_in_gemm(scale_fmt == "ue8m0")
+    assert run is not None
+    for _ in range(2):  # the first launch compiles, the second runs the cached kernel directly
+        got = run(x, b)
+        want = scaled_linear(x, w, "fp8_block", act_options=opts or None, bias=b, out_dtype=x_dtype)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    finite = torch.isfinite(x).all(dim=1)
+    assert finite[:1].all() and torch.isfinite(got[0]).all()
 
 
 # ------------------------------------------------------------------------------------------- torch.compile
@@ -187,6 +233,27 @@ def test_compile_inductor_launches_the_gemv_kernels(scheme):
     src = "\n".join(code)
     assert "lowbit.w4a16_gemv" not in src and "lowbit::w4a16_gemv" not in src, "the triton_op was traced into"
     assert "_gemv_mma_kernel" in src or "_gemv_w4_fma_kernel" in src or "_gemv_w4_dot_kernel" in src
+
+
+def test_compile_inductor_launches_the_fp8_block_decode_kernel():
+    """w8a8-fp8-block under torch.compile (fullgraph): decode is the lowbit::fp8_block_decode triton_op, traced
+    into, its kernel launched from Inductor's code with the activation quantized inside; the bits equal eager
+    for every M of the regime, and M above it goes through the general op."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = _MLP("w8a8-fp8-block")
+    cf = torch.compile(model, fullgraph=True)
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got, code = run_and_get_code(cf, x)
+        assert torch.equal(got, model(x))
+        src = "\n".join(code)
+        assert "fp8_block_decode" not in src, "the triton_op was traced into"
+        assert "_scaled_mm_kernel" in src
+        for m in (2, 7, 16, 17, 64):
+            xm = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(cf(xm), model(xm)), m
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-nvfp4"])

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._blockscaled import _decode_minifloat, _fp6_codes
+from ._fp8_block import _e4m3_codes, _quotient, _scale_from_amax_bits
 from ._gemm_w4 import _e2m1_pairs, _e8m0_to, _mul_groups, _settled, _swizzled_offsets
 
 
@@ -35,6 +36,27 @@ def _fp8_tile(d_ptr, rows, k0, K, stride_d, BK: tl.constexpr, EVEN_K: tl.constex
     if EVEN_K:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=(kk < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _quantized_x_tile(x_ptr, rows, k0, K, stride_x, BK: tl.constexpr, EVEN_K: tl.constexpr, POW2: tl.constexpr):
+    """fp8_block (1x128) activation quantization of an unquantized x tile [R, 128] in registers: (float8 codes,
+    fp32 scale per row), the bits ``_fp8_block._quantize_1x128_kernel`` writes (same amax, scale and quotient
+    steps), so the product below equals the two-launch path's. Columns >= K read as zero."""
+    kk = k0 + tl.arange(0, BK)
+    ptrs = x_ptr + rows[:, None] * stride_x + kk[None, :]
+    if EVEN_K:
+        x = tl.load(ptrs).to(tl.float32)
+    else:
+        x = tl.load(ptrs, mask=(kk < K)[None, :], other=0.0).to(tl.float32)
+    xbits = x.to(tl.int32, bitcast=True)
+    s = _scale_from_amax_bits(tl.max(xbits & 0x7FFFFFFF, axis=1), POW2)
+    r = tl.div_rn(1.0, s)
+    if POW2:
+        q = x * r[:, None]
+    else:
+        q = _quotient(x, xbits, s[:, None], r[:, None])
+    return _e4m3_codes(q).to(tl.float8e4nv, bitcast=True), s
 
 
 @triton.jit
@@ -158,8 +180,14 @@ def _scaled_mm_kernel(
     SPLIT: tl.constexpr,
     ON_GPU: tl.constexpr,
     GUARD: tl.constexpr = False,
+    A_QUANT: tl.constexpr = False,
+    A_POW2: tl.constexpr = False,
 ):
-    """GUARD: run only when the int32 at ``guard_ptr`` is nonzero (every program returns at once otherwise): the
+    """A_QUANT (with an fp8_block x fp8_block pair and BK = 128): ``a_ptr`` is the unquantized activation (bf16,
+    fp16 or fp32, row stride ``stride_a``) and each program quantizes its tiles to fp8_block 1x128 in registers
+    (A_POW2: ue8m0 scales), so decode runs one launch instead of quantize + GEMM; ``as_ptr`` is unused.
+
+    GUARD: run only when the int32 at ``guard_ptr`` is nonzero (every program returns at once otherwise): the
     exact fallback of the FP8 re-encoded path, launched behind it and armed by the re-encoding kernel.
 
     SPLIT > 1: program (pid, pid_k) runs K columns [pid_k * K_PER, (pid_k + 1) * K_PER) (K_PER a multiple of
@@ -188,7 +216,10 @@ def _scaled_mm_kernel(
     k_first = pid_k * K_PER
     for k0 in range(k_first, tl.minimum(K, k_first + K_PER), BK):
         if RAW_FP8:
-            a = _fp8_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K)
+            if A_QUANT:
+                a, a_scale = _quantized_x_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K, A_POW2)
+            else:
+                a = _fp8_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K)
             b = _fp8_tile(b_ptr, rows_b, k0, K, stride_b, BK, EVEN_K)
         else:
             a = _operand_tile(
@@ -233,7 +264,9 @@ def _scaled_mm_kernel(
             )
         if PROMOTE:
             part = tl.dot(a, tl.trans(b))
-            if A_SMODE == 1:
+            if A_QUANT:
+                part = part * a_scale[:, None]
+            elif A_SMODE == 1:
                 part = part * _block_scale(as_ptr, rows_a, k0, stride_as0, stride_as1, 1)[:, None]
             if B_SMODE == 1:
                 part = (

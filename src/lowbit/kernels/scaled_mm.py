@@ -18,8 +18,10 @@ import torch
 from ..formats.qtensor import QTensor
 from . import _scaled_mm as k
 from . import cublas_fp8_block as cb
+from ._scratch import GENERATION as _scratch_generation
 from ._scratch import split_k_scratch
 from . import interpreting as _interpreting
+from . import scratch_per_call
 from ._launch import Launch, launch
 
 
@@ -515,6 +517,9 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
     return out
 
 
+_capturing = torch._C._cuda_isCurrentStreamCapturing
+
+
 class KernelRoute:
     """The ``"kernel"`` route (lowbit's decoding GEMM) of one weight ``b`` for one activation layout (format,
     options, M), alpha and bias presence and output dtype, decided once: the tile config, split-K, constexprs
@@ -560,6 +565,95 @@ class KernelRoute:
                         out if bias is None else bias, out, ws, cnt, cnt, m, n, self.k_dim, self.k_per,
                         *a_strides, *self.b_strides, n)
         return out
+
+
+    def quant_in_gemm(self, pow2: bool) -> QuantInGemm | None:
+        """This launch with the activation quantized inside the kernel (``A_QUANT``), for an fp8_block (1x128)
+        activation on an fp8_block weight with 128-wide K tiles: x goes straight in, one launch instead of the
+        quantize kernel and this one, the same codes and scales in registers, so the same bits. ``pow2``: the
+        activation's ue8m0 scales. None where the route is another kind."""
+        c = self.launch.consts
+        if not (self.ok and c["A_KIND"] == 0 and c["B_KIND"] == 0 and c["A_SMODE"] == 1 and c["B_SMODE"] == 1
+                and c["BK"] == 128 and not c["GUARD"] and not c["HAS_ALPHA"]):
+            return None
+        launch = Launch(k._scaled_mm_kernel, self.launch.grid, {**c, "A_QUANT": True, "A_POW2": bool(pow2)},
+                        **self.launch.options)
+        return QuantInGemm(launch, self)
+
+
+class QuantInGemm:
+    """``run(x, bias) -> out`` for x ``[M, K]`` (bf16, fp16 or fp32; contiguous, 16-byte aligned) and ``bias``
+    None or ``[N]`` of the output dtype, contiguous and aligned (the caller checks; nothing is checked here):
+    :meth:`KernelRoute.quant_in_gemm`'s single launch, with the route's split-K scratch kept per stream as the
+    GEMV runners keep theirs."""
+
+    __slots__ = ("launch", "m", "n", "k_dim", "k_per", "split", "tiles", "b3", "b_strides", "dtype", "device",
+                 "dev_index", "ws_numel", "_kept")
+
+    def __init__(self, launch: Launch, route: KernelRoute) -> None:
+        self.launch = launch
+        self.m, self.n, self.k_dim, self.k_per = route.m, route.n, route.k_dim, route.k_per
+        self.split, self.tiles = route.split, route.tiles
+        self.b3, self.b_strides = route.b3, route.b_strides
+        self.dtype, self.device, self.dev_index = route.dtype, route.device, route.dev_index
+        self.ws_numel = self.split * self.m * self.n
+        self._kept = (None, None, None, None)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m, n = self.m, self.n
+        out = torch.empty((m, n), dtype=self.dtype, device=self.device)
+        stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
+        if self.split > 1:
+            kept = self._kept
+            if (kept[0] == stream and kept[1] == _scratch_generation[0] and not _capturing()
+                    and not scratch_per_call()):
+                ws, cnt = kept[2], kept[3]
+            else:  # another stream, a grown pool, a capture (its own counters) or a custom op's call
+                gen = _scratch_generation[0]
+                ws, cnt = split_k_scratch(self.device, self.dev_index, self.ws_numel, self.tiles)
+                if not _capturing() and not scratch_per_call() and gen == _scratch_generation[0]:
+                    self._kept = (stream, gen, ws, cnt)
+        else:
+            ws = cnt = out
+        self.launch.run_on(stream, x, x, x, *self.b3, out, out if bias is None else bias, out, ws, cnt, cnt,
+                           m, n, self.k_dim, self.k_per, x.stride(0), 0, 0, 0, *self.b_strides, n)
+        return out
+
+
+_A_FP8_BLOCK = {"KIND": 0, "SMODE": 1, "SWIZZLED": False, "GMODE": 0, "EBITS": 0, "MBITS": 0, "BIAS": 0}
+
+
+def traced_quant_in_gemm(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, ws: torch.Tensor,
+                         cnt: torch.Tensor, bias: torch.Tensor | None, pow2: bool, rows_per_scale: int
+                         ) -> torch.Tensor:
+    """fp8_block decode (x ``[M, K]`` contiguous, M <= the first FP8 config's limit) as ``torch.compile`` traces
+    it inside a ``triton_op`` body: :meth:`KernelRoute.quant_in_gemm`'s launch, planned from the shapes alone
+    (the grid does not depend on M within the config). ``ws`` / ``cnt``: a split-K workspace and zeroed
+    counters that cover the plan (``lowbit.kernels._scratch.traced_scratch``; a larger plan gets its own)."""
+    m, k_dim = x.shape
+    n = w_data.shape[0]
+    dev = x.device
+    cfg = dict(FP8_CONFIGS[0][1])
+    tiles = _cdiv(n, cfg["BN"])  # one row of tiles: M <= BM
+    split, k_per = _split_k(tiles, _cdiv(k_dim, cfg["BK"]), cfg["BK"], cfg, dev)
+    out = torch.empty((m, n), dtype=x.dtype, device=dev)
+    if split > 1 and (ws.numel() < split * cfg["BM"] * n or cnt.numel() < tiles):
+        ws = torch.empty(split * cfg["BM"] * n, dtype=torch.float32, device=dev)
+        cnt = torch.zeros(tiles, dtype=torch.int32, device=dev)
+    consts = _kernel_consts(_A_FP8_BLOCK, {**_A_FP8_BLOCK, "ROWS_PER_SCALE": rows_per_scale}, cfg, False,
+                            bias is not None, k_dim, split, guard=False)
+    consts.update(A_QUANT=True, A_POW2=bool(pow2))
+    launch = Launch(k._scaled_mm_kernel, (tiles, split), consts, cfg["num_warps"], cfg["num_stages"])
+    launch.traced(x, x, x, w_data, w_scale, w_scale, out, out if bias is None else bias, out, ws, cnt, cnt,
+                  m, n, k_dim, k_per, x.stride(0), 0, 0, 0, w_data.stride(0), w_scale.stride(0),
+                  w_scale.stride(1), 0, n)
+    return out
+
+
+def quant_in_gemm_scratch_size(n: int, k_dim: int) -> tuple[int, int]:
+    """(workspace floats, counters) that cover :func:`traced_quant_in_gemm`'s plan for an ``[N, K]`` weight."""
+    cfg = FP8_CONFIGS[0][1]
+    return cfg.get("split_k", 1) * cfg["BM"] * n, _cdiv(n, cfg["BN"])
 
 
 def _kernel_consts(ac: dict, bc: dict, cfg: dict, has_alpha: bool, has_bias: bool, k_dim: int, split: int,
@@ -618,6 +712,9 @@ def compile_variants():
         ("fp8_block", "mxfp4", {}),
         ("nvfp4", "nvfp4", {"swizzled": True, "even_k": False, "bias": True, "alpha": True, "small": True}),
         ("fp8_block", "fp8_block", {"even_k": False, "small": True, "bias": True}),
+        # decode with the activation quantized in the GEMM (one launch): bf16 / fp16 x, ue8m0 scales, masked K
+        ("fp8_block", "fp8_block", {"small": True, "bias": True, "a_quant": "*bf16"}),
+        ("fp8_block", "fp8_block", {"small": True, "even_k": False, "a_quant": "*fp16", "pow2": True}),
         ("mxfp4", "mxfp4", {"swizzled": True, "small": True}),
         # the guarded exact fallback of the FP8 re-encoded pairs
         ("mxfp4", "mxfp4", {"guard": True}),
@@ -655,9 +752,11 @@ def compile_variants():
             SPLIT=4 if opt.get("small") else 1,
             ON_GPU=True,
             GUARD=bool(opt.get("guard")),
+            A_QUANT=bool(opt.get("a_quant")),
+            A_POW2=bool(opt.get("pow2")),
         )
         sig = {
-            "a_ptr": _DTYPES.get(fa, "*u8"),
+            "a_ptr": opt.get("a_quant") or _DTYPES.get(fa, "*u8"),
             "as_ptr": "*fp32" if fa in ("fp8_block", "fp8_rowwise") else "*u8",
             "ag_ptr": "*fp32",
             "b_ptr": _DTYPES.get(fb, "*u8"),

@@ -61,6 +61,13 @@ CUBLAS_FP8_BLOCK_MIN_M = 65
 M >= 256 of a probe on an H100); below it (decode) lowbit's
 split-K kernel streams the weight faster."""
 
+FP8_BLOCK_QUANT_IN_GEMM_MAX_M = 16
+"""Up to this M, an fp8_block weight with fp8_block activations (``w8a8-fp8-block``) quantizes the activation
+inside the decode GEMM (``lowbit.kernels.scaled_mm.KernelRoute.quant_in_gemm``: one launch, the same bits) in a
+prepared layer and under ``torch.compile``; above it the quantize kernel runs first. Every program of the
+split-K grid re-quantizes its x tiles, which is free at decode sizes (a 16 x 128 tile per 128 x 128 weight
+tile) but grows with M."""
+
 
 DEQUANT_ONLY_FORMATS = ("bnb_fp4",)
 """Weight formats no W4A16 GEMV / GEMM kernel reads: on CUDA ``lowbit.linear`` always runs ``linear_dequant_gemm``
@@ -223,8 +230,12 @@ def scaled_reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: 
         return "M, N or K is 0: nothing to multiply, no launch"
     if path == "scaled_mm":
         route = scaled_route(a, b, None, torch.bfloat16, facts[0])
-        return _ROUTE_REASONS[route].format(gemv=SCALED_GEMV_MAX_M, fold=FOLD_MIN_M, cublas=CUBLAS_FP8_BLOCK_MIN_M,
-                                            dequant=DEQUANT_MM_MIN_M)
+        why = _ROUTE_REASONS[route].format(gemv=SCALED_GEMV_MAX_M, fold=FOLD_MIN_M, cublas=CUBLAS_FP8_BLOCK_MIN_M,
+                                           dequant=DEQUANT_MM_MIN_M)
+        if (route == "kernel" and a.fmt == b.fmt == "fp8_block" and a.shape[0] <= FP8_BLOCK_QUANT_IN_GEMM_MAX_M):
+            why += ("; a prepared layer (QuantLinear) quantizes its activation inside this kernel, one launch "
+                    f"(M <= FP8_BLOCK_QUANT_IN_GEMM_MAX_M={FP8_BLOCK_QUANT_IN_GEMM_MAX_M})")
+        return why
     if facts[0] == "triton_off_cuda":
         return f"backend='triton' needs CUDA tensors, the operands are on {device}"
     if facts[0] == "no_triton":
@@ -242,7 +253,8 @@ def kernels_ready(device: torch.device, backend: str | None) -> bool:
 
 
 __all__ = [
-    "CUBLAS_FP8_BLOCK_MIN_M", "DEQUANT_GEMM_MIN_M", "DEQUANT_GEMM_MIN_M_BY_FORMAT", "FOLD_MIN_M", "GEMV_MAX_M",
+    "CUBLAS_FP8_BLOCK_MIN_M", "DEQUANT_GEMM_MIN_M", "DEQUANT_GEMM_MIN_M_BY_FORMAT", "FOLD_MIN_M",
+    "FP8_BLOCK_QUANT_IN_GEMM_MAX_M", "GEMV_MAX_M",
     "SCALED_GEMV_MAX_M", "dequant_gemm_min_m", "linear_decide", "linear_reason", "scaled_decide", "scaled_reason",
     "scaled_route",
 ]

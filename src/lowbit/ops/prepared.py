@@ -89,6 +89,7 @@ class PreparedWeight:
         self._pairs_checked: set = set()
         self._routes: dict = {}      # (M, x dtype, bias dtype) -> (route, target) of the scaled GEMM
         self.scaled_runners: dict = {}  # (M, x dtype, bias is None) -> _Fp8BlockDecode
+        self.fp8_traced: tuple | None = None  # fp8_block decode under torch.compile (see traced_call)
         ready = layouts and policy.kernels_ready(self.device, backend)
         if weight_only:
             _check_weight(w)
@@ -100,6 +101,7 @@ class PreparedWeight:
 
                 gemv_w4.warm(w)  # the decode route of scaled_mm runs the W4A16 GEMV on these weights
             self._scaled_ready = True
+            self._prepare_fp8_block_traced()
 
     def _prepare_gemv(self) -> None:
         from ..kernels import gemv_w4
@@ -131,6 +133,23 @@ class PreparedWeight:
         # fixed addresses for torch.compile: CUDA-graph trees would otherwise copy every layout into graph-owned
         # memory on each replay (they are not module parameters); guarded, so a re-prepared layer recompiles
         mark_static(*{id(t): t for t in (*self.gemv_tensors, *self.traced_extra, *self.no_bias.values())}.values())
+
+    def _prepare_fp8_block_traced(self) -> None:
+        """fp8_block activations on an fp8_block weight: under ``torch.compile`` decode runs the
+        ``lowbit::fp8_block_decode`` triton_op (the activation quantized inside the GEMM), with the weight
+        and a split-K scratch as static graph inputs."""
+        w, opts = self.w, self.act_options
+        if (w.fmt != "fp8_block" or self.act_format != "fp8_block" or set(opts) - {"block", "scale_fmt"}
+                or tuple(opts.get("block", (1, 128))) != (1, 128) or w.data.stride(-1) != 1):
+            return
+        from ..kernels import scaled_mm as ksm
+        from ..kernels._scratch import mark_static, traced_scratch
+
+        register_fp8_block_op()
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        ws, cnt = traced_scratch(self.device, idx, *ksm.quant_in_gemm_scratch_size(self.n, self.k))
+        mark_static(w.data, w.scale)
+        self.fp8_traced = (w.data, w.scale, ws, cnt, opts.get("scale_fmt") == "ue8m0", int(w.params["block"][0]))
 
     # ------------------------------------------------------------------ state
 
@@ -260,11 +279,15 @@ class PreparedWeight:
 
             run = _Fp8BlockCublas(plan, PreparedMM(self.w.data, self.w.scale, x.dtype), self.device)
         else:
-            plan = fp8_block._quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "linear")
-            if plan.scale_storage is not None or plan.launch is None or plan.batched:
-                return
-            a_args, _ = _operand(a)
-            run = _Fp8BlockDecode(plan, route, tuple(a_args[3:7]), self.device)
+            run = None
+            if m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
+                run = route.quant_in_gemm(kwargs.get("scale_fmt") == "ue8m0")
+            if run is None:
+                plan = fp8_block._quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "linear")
+                if plan.scale_storage is not None or plan.launch is None or plan.batched:
+                    return
+                a_args, _ = _operand(a)
+                run = _Fp8BlockDecode(plan, route, tuple(a_args[3:7]), self.device)
         if len(self.scaled_runners) >= _MAX_RUNNERS:
             self.scaled_runners.clear()
         if bias is not None:
@@ -441,6 +464,14 @@ class PreparedWeight:
                     x2.contiguous(), *t, *self.traced_extra, self.no_bias[x.dtype], bias, f.fmt,
                     f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code)
                 return out.reshape(*x.shape[:-1], self.n)
+        ft = self.fp8_traced
+        if (ft is not None and act_global_scale is None and x.dtype in _SCALED_X_DTYPES and x.shape[-1] == self.k
+                and x.device == self.device and (bias is None or bias.dtype == x.dtype)):
+            x2 = x.reshape(-1, self.k)
+            m = x2.shape[0]
+            if 0 < m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
+                out = torch.ops.lowbit.fp8_block_decode(x2.contiguous(), *ft[:4], bias, ft[4], ft[5])
+                return _act(out, self.activation).reshape(*x.shape[:-1], self.n)
         return self.call_general(x, bias, act_global_scale)
 
 
@@ -632,6 +663,30 @@ def register_gemv_op():
     return _GEMV_OP[0]
 
 
+def _fp8_block_decode_body(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, ws: torch.Tensor,
+                           cnt: torch.Tensor, bias: torch.Tensor | None, pow2: bool, rows_per_scale: int
+                           ) -> torch.Tensor:
+    """``x @ W.T + bias`` for x ``[M, K]`` (M <= ``policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M``, contiguous) quantized
+    to fp8_block 1x128 inside the GEMM, on an fp8_block weight (:func:`lowbit.kernels.scaled_mm.traced_quant_in_gemm`)."""
+    from ..kernels import scaled_mm as ksm
+
+    return ksm.traced_quant_in_gemm(x, w_data, w_scale, ws, cnt, bias, pow2, rows_per_scale)
+
+
+_FP8_BLOCK_OP = []
+
+
+def register_fp8_block_op():
+    """Define the ``lowbit::fp8_block_decode`` triton_op (once, when an fp8_block weight is first prepared for
+    the CUDA kernels; never at import). Its only writes besides the output are to the split-K scratch, as for
+    ``lowbit::w4a16_gemv``."""
+    if not _FP8_BLOCK_OP:
+        _static_launch_compiled_kernels()
+        _FP8_BLOCK_OP.append(torch.library.triton_op("lowbit::fp8_block_decode", _fp8_block_decode_body,
+                                                     mutates_args=()))
+    return _FP8_BLOCK_OP[0]
+
+
 def prepare(w: QTensor, scheme: Any, activation: str | None = None, backend: str | None = None,
             layouts: bool = True) -> PreparedWeight:
     """A :class:`PreparedWeight` for ``w`` under a ``lowbit.nn.Scheme`` (``layouts=False``: no kernel layouts
@@ -640,4 +695,4 @@ def prepare(w: QTensor, scheme: Any, activation: str | None = None, backend: str
                           act_options=dict(scheme.act_options), backend=backend, layouts=layouts)
 
 
-__all__ = ["PreparedWeight", "prepare", "register_gemv_op"]
+__all__ = ["PreparedWeight", "prepare", "register_fp8_block_op", "register_gemv_op"]
