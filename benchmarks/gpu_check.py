@@ -1,4 +1,4 @@
-"""One device call: carried wheels, the GPU tests, then the benchmark harness (lowbit.bench); results in $OUT.
+"""One device call: carried wheels, the GPU tests, then the benchmark harness (``lowbit bench``); results in $OUT.
 
 Run on the GPU machine from the repository root, with a wheel folder carried (``.whl`` or ``$WHEELS``:
 pytest, hypothesis, bitsandbytes, torchao; see /work/.library/device/README.md) and the git sha passed in,
@@ -6,13 +6,15 @@ since the machine has no git history::
 
     GIT_SHA=<sha> PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py              # tests + harness
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py bench --quick --ops 'quantize.*'
-    GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests ops                        # GPU tests + operator benches
+    GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests ops                        # GPU tests + linear/scaled_mm ops
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py e2e --e2e-args "--configs bf16,lowbit:w4a16-nvfp4"
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py dit offload                      # DiT block, block offload
 
 Writes ``$OUT/gpu_tests_<path>.xml`` (one pytest and report per test path), ``$OUT/quant_kernels_<date>.json``
-and ``$OUT/e2e.json`` / ``dit.json`` / ``offload.json`` (``lowbit e2e``, ``lowbit dit``, the offload benchmark);
-the results tables are printed last.
+(the quantize/dequantize ops), ``$OUT/w4a16_gemv.json``, ``w4a16_gemm.json``, ``scaled_mm.json``,
+``qlinear.json`` (the ``ops`` step: the other registered ops, one ``python -m lowbit.bench`` each) and
+``$OUT/e2e.json`` / ``dit.json`` / ``offload.json`` (the suites, ``lowbit bench e2e|dit|offload``); the
+results tables are printed last. Every one is a ``lowbit bench`` result that ``lowbit bench compare`` reads.
 Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
 start (lowbit's own cases always run and are written to the JSON before any baseline).
 """
@@ -109,23 +111,33 @@ def run_tests(out_dir: str, timeout_s: float, paths: list[str]) -> str:
     return summary
 
 
-# the operator benchmarks of the `ops` step: (script and arguments, timeout in seconds); each writes its JSON
-# to $OUT after every shape, so a timeout keeps what was measured
+# the `ops` step: (lowbit bench arguments, results file in $OUT, timeout in seconds), one `python -m lowbit.bench`
+# each. The runner rewrites the JSON after every case, so a timeout keeps what was measured; baselines not yet
+# timed BUDGET_MARGIN_S before the timeout are skipped.
 OPS_BENCHES = [
-    (["benchmarks/bench_w4a16.py", "--ms", "1,16"], 240),
-    (["benchmarks/bench_w4a16_gemm.py", "--m", "4096", "--rep", "30", "--chunked"], 200),
-    (["benchmarks/bench_scaled_mm.py", "--ms", "4096,16", "--rep", "25"], 200),
+    (["--ops", "linear.*.decode"], "w4a16_gemv.json", 240),
+    (["--ops", "linear.*.prefill", "--quick"], "w4a16_gemm.json", 200),
+    (["--ops", "scaled_mm.*,scaled_linear.*", "--quick"], "scaled_mm.json", 240),
+    (["--ops", "qlinear", "--quick"], "qlinear.json", 120),
 ]
+BUDGET_MARGIN_S = 40
+
+
+def ops_command(args: list[str], json_path: str, timeout_s: float) -> list[str]:
+    """The ``python -m lowbit.bench`` command line of one `ops` entry."""
+    budget = max(0, int(timeout_s - BUDGET_MARGIN_S))
+    return [sys.executable, "-m", "lowbit.bench", *args, "--budget-s", str(budget), "--json", json_path]
 
 
 def run_ops_benches(out_dir: str) -> None:
-    env = dict(os.environ, OUT=out_dir, PYTHONUNBUFFERED="1")
-    for cmd, timeout in OPS_BENCHES:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for args, name, timeout in OPS_BENCHES:
+        cmd = ops_command(args, os.path.join(out_dir, name), timeout)
         try:
-            rc = subprocess.call([sys.executable, *cmd], cwd=ROOT, env=env, timeout=timeout)
+            rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = "timeout (partial JSON kept)"
-        print(f"{' '.join(cmd)}: exit {rc}", flush=True)
+        print(f"lowbit bench {' '.join(args)}: exit {rc}", flush=True)
 
 
 # every file with GPU tests, one pytest each (see run_tests); the quick ones first
@@ -138,13 +150,17 @@ GPU_TEST_PATHS = [
 ]
 
 
-def run_module(name: str, out_dir: str, extra: str, timeout_s: float) -> None:
-    """``python -m lowbit.bench.<name>`` (e2e, dit, offload) with ``extra`` arguments, JSON to
-    ``$OUT/<name>.json`` (e2e and dit write it after every config)."""
+def suite_command(name: str, json_path: str, extra: str) -> list[str]:
+    """The ``python -m lowbit.bench <suite>`` command line of a suite step."""
     import shlex
 
-    cmd = [sys.executable, "-m", f"lowbit.bench.{name}", "--json", os.path.join(out_dir, f"{name}.json"),
-           *shlex.split(extra)]
+    return [sys.executable, "-m", "lowbit.bench", name, "--json", json_path, *shlex.split(extra)]
+
+
+def run_module(name: str, out_dir: str, extra: str, timeout_s: float) -> None:
+    """``lowbit bench <name>`` (the suites e2e, dit, offload) with ``extra`` arguments, JSON to
+    ``$OUT/<name>.json`` (e2e and dit write it after every config)."""
+    cmd = suite_command(name, os.path.join(out_dir, f"{name}.json"), extra)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=timeout_s)
@@ -155,12 +171,14 @@ def run_module(name: str, out_dir: str, extra: str, timeout_s: float) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="*", help="tests, bench (the quant harness) and/or ops (W4A16 and scaled_mm "
-                    "benchmarks); default tests + bench; install: wheels only")
+    ap.add_argument("what", nargs="*", help="tests, bench (the quantize/dequantize ops), ops (the W4A16 linear, "
+                    "QuantLinear and scaled_mm ops), e2e, dit, offload (the suites); default tests + bench; "
+                    "install: wheels only")
     ap.add_argument("--tests", default=",".join(GPU_TEST_PATHS),
                     help="comma-separated test paths for the tests step (one pytest and report each)")
     ap.add_argument("--quick", action="store_true", help="harness: each op's quick shapes")
-    ap.add_argument("--ops", default=None, help="harness: op patterns, as `lowbit bench --ops`")
+    ap.add_argument("--ops", default=None, help="harness: op patterns, as `lowbit bench --ops` (default: the "
+                    "quantize and dequantize ops; the others are the `ops` step's)")
     ap.add_argument("--shapes", default=None, help="harness: shapes, as `lowbit bench --shapes`")
     ap.add_argument("--baselines", choices=("one", "all", "none"), default="one")
     ap.add_argument(
@@ -173,7 +191,7 @@ def main() -> int:
     ap.add_argument("--e2e-args", default="", help="arguments of `lowbit e2e` for the e2e step")
     ap.add_argument("--e2e-timeout-s", type=float, default=420.0)
     ap.add_argument("--dit-args", default="", help="arguments of `lowbit dit` for the dit step")
-    ap.add_argument("--offload-args", default="", help="arguments of `python -m lowbit.bench.offload`")
+    ap.add_argument("--offload-args", default="", help="arguments of `lowbit bench offload`")
     ap.add_argument("--bench-timeout-s", type=float, default=300.0, help="time limit of the dit and offload steps")
     args = ap.parse_args()
     what = set(args.what or ["tests", "bench"])
@@ -208,7 +226,7 @@ def main() -> int:
     print(envinfo.format_env(envinfo.env_info()), flush=True)
     header = envinfo.header()
     path = os.path.join(out_dir, bench.default_json_name(header))
-    ops = bench.select([p for p in args.ops.split(",") if p] if args.ops else None)
+    ops = bench.select([p for p in args.ops.split(",") if p] if args.ops else ["quantize", "dequantize"])
     shapes = bench.parse_shapes(args.shapes) if args.shapes else None
     budget = max(0.0, args.deadline_s - (time.monotonic() - T0))
     result = bench.run(

@@ -5,7 +5,10 @@
 
 Every number in the page comes from one of the JSON files below; each table names its file, GPU, date, git sha
 and versions as the file records them. To refresh a table, replace that file with a newer run of the same
-benchmark (same name) and rerun this script.
+benchmark (same name) and rerun this script. The W4A16 decode and scaled_mm tables read either a ``lowbit bench``
+result (``schema`` ``lowbit.bench/1``: ``lowbit bench --ops 'linear.*.decode'`` for h100_w4a16_gemv.json,
+``--ops 'scaled_mm.*'`` for h100_scaled_mm_graph.json and h100_scaled_mm_decode.json) or the layout of the
+scripts those ops replaced.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "docs" / "performance.md"
 
 NA = "—"
+BENCH_SCHEMA = "lowbit.bench/1"
 
 
 def _load(name: str) -> dict:
@@ -138,25 +142,57 @@ def quant_kernels() -> list[str]:
 
 
 GEMV_FORMATS = ["nvfp4", "mxfp4", "fp4_b32", "nf4", "nf4-dq", "int4_awq"]
+CUBLAS = "cublas.bf16"  # the lowbit bench baseline name of cuBLAS bf16 F.linear
+SCALED_MM_FP8 = "torch._scaled_mm[fp8]"
+
+
+def _bench_rows(d: dict, kind: str, variant: str | None = None):
+    """``(label, (M, N, K), row)`` for each timed row of a lowbit bench result whose op is
+    ``<kind>.<label>[.<variant>]``."""
+    for r in d["rows"]:
+        parts = r["op"].split(".")
+        if r.get("status") != "ok" or parts[0] != kind or (variant is not None and parts[-1] != variant):
+            continue
+        label = ".".join(parts[1:-1] if variant is not None else parts[1:])
+        yield label, tuple(r["shape"]), r
+
+
+def _graph_speedup(row: dict, baseline: str):
+    """The speedup over ``baseline`` as CUDA-graph replays (eager where the run has no graph time)."""
+    b = row.get("baselines", {}).get(baseline, {})
+    return b.get("speedup_graph", b.get("speedup"))
+
+
+def _bench_method(name: str, d: dict, command: str) -> str:
+    copy = d.get("reference", {}).get("copy", {}).get("GBps")
+    return _hdr_method(name, d["header"], extra=f"`{command}`; copy roof measured in the same run: "
+                       f"{_fmt(copy, '.0f')} GB/s.")
 
 
 def w4a16_gemv() -> list[str]:
     name = "h100_w4a16_gemv.json"
     d = _load(name)
+    title = "## W4A16 decode: `lowbit.linear` GEMV (`lowbit bench --ops 'linear.*.decode'`)"
     cases = {}
-    for run in d["runs"]:
-        for r in run["rows"]:
-            cases.setdefault((r["n"], r["k"], r["m"]), {})[r["format"]] = r["speedup"]["graph"]
+    if d.get("schema") == BENCH_SCHEMA:
+        for label, (m, n, k), r in _bench_rows(d, "linear", "decode"):
+            cases.setdefault((n, k, m), {})[label.replace(".", "-")] = _graph_speedup(r, CUBLAS)
+        method = _bench_method(name, d, "lowbit bench --ops 'linear.*.decode'")
+        replays = "as CUDA-graph replays"
+    else:
+        for run in d["runs"]:
+            for r in run["rows"]:
+                cases.setdefault((r["n"], r["k"], r["m"]), {})[r["format"]] = r["speedup"]["graph"]
+        r0 = d["runs"][0]
+        method = _method(name, gpu=r0.get("device"), date=d.get("date"), sha=r0.get("git"), torch=r0.get("torch"),
+                         triton=r0.get("triton"), extra=f"{d.get('note', '')} Copy roof {r0.get('copy_GBps', 0):.0f} "
+                         "GB/s. Measured with `benchmarks/bench_w4a16.py --ms 1,16`, the script these ops replaced.")
+        replays = f"as CUDA-graph replays of {r0.get('graph_calls')} calls"
     rows = [[_shape(n, k), str(m)] + [_fmt(cases[(n, k, m)].get(f)) for f in GEMV_FORMATS]
             for (n, k, m) in sorted(cases, key=lambda c: (c[2], c[0] * c[1], c[0]))]
-    r0 = d["runs"][0]
-    out = ["## W4A16 decode: `lowbit.linear` GEMV (`benchmarks/bench_w4a16.py --ms 1,16`)", "",
-           _method(name, gpu=r0.get("device"), date=d.get("date"), sha=r0.get("git"), torch=r0.get("torch"),
-                   triton=r0.get("triton"),
-                   extra=f"{d.get('note', '')} Copy roof {r0.get('copy_GBps', 0):.0f} GB/s."),
-           "", "Speedup over cuBLAS bf16 `x @ w.T` on the same shape (N×K), both as CUDA-graph replays of "
-           f"{r0.get('graph_calls')} calls with the weights rotated out of L2; nf4-dq is NF4 with double "
-           "quantization.", ""]
+    out = [title, "", method, "",
+           f"Speedup over cuBLAS bf16 `x @ w.T` on the same shape (N×K), both {replays} with the weights rotated "
+           "out of L2; nf4-dq is NF4 with double quantization.", ""]
     return out + _table(["N×K", "M"] + GEMV_FORMATS, rows)
 
 
@@ -184,22 +220,30 @@ def scaled_mm_graph() -> list[str]:
     name = "h100_scaled_mm_graph.json"
     d = _load(name)
     shapes, pairs, cell = [], [], {}
-    for r in d["rows"]:
-        s = (r["M"], r["N"], r["K"])
-        shapes += [s] if s not in shapes else []
-        pairs += [r["pair"]] if r["pair"] not in pairs else []
-        cell[(r["pair"], s)] = r
+    if d.get("schema") == BENCH_SCHEMA:
+        for pair, s, r in _bench_rows(d, "scaled_mm", "prefill"):
+            shapes += [s] if s not in shapes else []
+            pairs += [pair] if pair not in pairs else []
+            cell[(pair, s)] = (_graph_speedup(r, CUBLAS), _graph_speedup(r, SCALED_MM_FP8))
+        method = _bench_method(name, d, "lowbit bench --ops 'scaled_mm.*.prefill'")
+    else:
+        for r in d["rows"]:
+            s = (r["M"], r["N"], r["K"])
+            shapes += [s] if s not in shapes else []
+            pairs += [r["pair"]] if r["pair"] not in pairs else []
+            cell[(r["pair"], s)] = (r.get("vs_cublas_bf16"), r.get("vs_scaled_mm_fp8"))
+        method = _method(name, gpu=d.get("device"), date=d.get("date"), sha=d.get("git"), torch=d.get("torch"),
+                         triton=d.get("triton"), extra="Measured with `benchmarks/bench_scaled_mm.py --graph`, the "
+                         "script these ops replaced.")
     rows = []
     for p in pairs:
         cells = [f"`{p}`"]
         for s in shapes:
-            r = cell.get((p, s))
-            cells.append(NA if r is None else
-                         f"{r['vs_cublas_bf16']:.2f} / {r['vs_scaled_mm_fp8']:.2f}")
+            c = cell.get((p, s))
+            cells.append(NA if c is None else f"{_fmt(c[0])} / {_fmt(c[1])}")
         rows.append(cells)
-    out = ["## Quantized × quantized GEMM at large M: `lowbit.scaled_mm` (`benchmarks/bench_scaled_mm.py --graph`)",
-           "", _method(name, gpu=d.get("device"), date=d.get("date"), sha=d.get("git"), torch=d.get("torch"),
-                       triton=d.get("triton")), "",
+    out = ["## Quantized × quantized GEMM at large M: `lowbit.scaled_mm` (`lowbit bench --ops 'scaled_mm.*.prefill'`)",
+           "", method, "",
            "Per pair and M×N×K: speedup over cuBLAS bf16 / over `torch._scaled_mm` per-tensor FP8, CUDA-graph "
            "replays. `w4a8_mxfp4` is FP8 per-token activations × MXFP4 weights.", ""]
     return out + _table(["pair"] + ["×".join(map(str, s)) for s in shapes], rows)
@@ -209,24 +253,38 @@ def scaled_mm_decode() -> list[str]:
     name = "h100_scaled_mm_decode.json"
     d = _load(name)
     shapes, keys, cell = [], [], {}
-    for r in d["rows"]:
-        s = (r["N"], r["K"])
-        k = (r["pair"], r["M"])
-        shapes += [s] if s not in shapes else []
-        keys += [k] if k not in keys else []
-        cell[(k, s)] = r
+    if d.get("schema") == BENCH_SCHEMA:
+        copy = d["reference"]["copy"]["GBps"]
+        for pair, (m, n, k), r in _bench_rows(d, "scaled_mm", "decode"):
+            s, key = (n, k), (pair, m)
+            shapes += [s] if s not in shapes else []
+            keys += [key] if key not in keys else []
+            ms = r.get("ms_graph") or r["ms"]
+            cell[(key, s)] = (_graph_speedup(r, CUBLAS), 100 * r["bytes"] / ms / 1e6 / copy)
+        method = _bench_method(name, d, "lowbit bench --ops 'scaled_mm.*.decode'")
+        what = "the bytes of both operands and the output"
+    else:
+        for r in d["rows"]:
+            s = (r["N"], r["K"])
+            key = (r["pair"], r["M"])
+            shapes += [s] if s not in shapes else []
+            keys += [key] if key not in keys else []
+            cell[(key, s)] = (r["graph_vs_cublas_bf16"], r["pct_of_copy"])
+        method = _method(name, gpu=d.get("device"), date=d.get("date"), sha=d.get("git"), torch=d.get("torch"),
+                         triton=d.get("triton"), extra="Measured with `benchmarks/bench_scaled_mm.py --decode-graph`, "
+                         "the script these ops replaced.")
+        what = "the weight bytes"
     rows = []
-    for k in keys:
-        cells = [f"`{k[0]}`", str(k[1])]
+    for key in keys:
+        cells = [f"`{key[0]}`", str(key[1])]
         for s in shapes:
-            r = cell.get((k, s))
-            cells.append(NA if r is None else f"{r['graph_vs_cublas_bf16']:.2f} ({r['pct_of_copy']:.0f} %)")
+            c = cell.get((key, s))
+            cells.append(NA if c is None else f"{_fmt(c[0])} ({c[1]:.0f} %)")
         rows.append(cells)
-    out = ["## Quantized × quantized decode: `lowbit.scaled_mm` (`benchmarks/bench_scaled_mm.py --decode-graph`)",
-           "", _method(name, gpu=d.get("device"), date=d.get("date"), sha=d.get("git"), torch=d.get("torch"),
-                       triton=d.get("triton")), "",
+    out = ["## Quantized × quantized decode: `lowbit.scaled_mm` (`lowbit bench --ops 'scaled_mm.*.decode'`)",
+           "", method, "",
            "Speedup over cuBLAS bf16 as CUDA-graph replays over weight copies that do not fit in L2; in "
-           "parentheses the weight bytes streamed as a share of the copy bandwidth.", ""]
+           f"parentheses {what} streamed per second as a share of the copy bandwidth.", ""]
     return out + _table(["pair", "M"] + [_shape(*s) for s in shapes], rows)
 
 
@@ -236,7 +294,7 @@ def layer_host() -> list[str]:
     rows = [[f"`{r['scheme']}`", str(r["m"]), f"{r['host_us']:.1f}", f"{r['f_linear']['host_us']:.1f}",
              f"{r['gpu_us']:.1f}", f"{r['f_linear']['gpu_us']:.1f}"] for r in d["rows"]]
     out = [f"## Host and GPU time of one `QuantLinear` call, K = N = {d['k']} "
-           "(`benchmarks/profile_layer_host.py`)", "",
+           "(`benchmarks/experiments/profile_layer_host.py`)", "",
            _method(name, gpu=d.get("device"), extra=f"Note: {d.get('note', NA)}"), "",
            "Microseconds per call: host (Python and launch, calls issued back to back) and GPU (kernel time), "
            "against `F.linear` with the bf16 weight measured in the same run.", ""]
@@ -258,8 +316,9 @@ def render() -> str:
              "Method: every benchmark checks its outputs against lowbit's CPU reference (bit for bit, or the "
              "stated relative error) before timing; times are medians (`triton.testing.do_bench`) or CUDA-graph "
              "replays as each table says. Reproduce on a GPU with `PYTHONPATH=src python "
-             "benchmarks/gpu_check.py` (GPU tests, `lowbit bench` and the operator benchmarks) and "
-             "`lowbit e2e`.", ""]
+             "benchmarks/gpu_check.py tests bench ops` (GPU tests and `lowbit bench`'s ops) and `lowbit bench "
+             "e2e`; `lowbit bench compare NEW.json BASELINE.json` sets a new run's ratios next to a curated "
+             "file's.", ""]
     for section in SECTIONS:
         lines += section() + [""]
     return "\n".join(lines).rstrip() + "\n"

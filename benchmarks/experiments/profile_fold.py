@@ -20,8 +20,8 @@ from triton.testing import do_bench
 import lowbit
 from lowbit.kernels import blockscaled as kb
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
-from bench_w4a16 import _time_graph  # the benchmarks folder is not a package; CUDA graph of 20 calls
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+from _common import _time_graph  # noqa: E402 - CUDA graph of 20 calls
 
 
 def main() -> None:

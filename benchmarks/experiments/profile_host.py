@@ -21,8 +21,8 @@ import triton
 
 import lowbit
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
-from bench_w4a16 import _time_graph  # noqa: E402 - the benchmarks folder is not a package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+from _common import _time_graph  # noqa: E402
 
 CASES = [  # (name, a format, a options, b format, b options, M, N, K)
     ("fp8_block_m16", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 16, 24576, 1536),

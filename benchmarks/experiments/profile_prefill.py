@@ -23,9 +23,8 @@ import lowbit
 from lowbit.formats.rows import nf4_without_double_quant, slice_rows
 from lowbit.ops.linear import _chunk_rows, linear_dequant_gemm
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
-from bench_w4a16 import capture  # noqa: E402
-from bench_w4a16_gemm import FORMATS, SHAPES, _problem, _quantize, bench, header  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+from _common import FORMATS, SHAPES, _problem, _quantize, bench, capture, header  # noqa: E402
 
 
 def chunked_copy(x2, w, chunk_bytes=None):

@@ -20,8 +20,8 @@ import torch
 import lowbit
 from lowbit.kernels import blockscaled, int4_awq, nf4
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
-from bench_w4a16_gemm import _quantize, bench, header  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+from _common import _quantize, bench, header  # noqa: E402
 
 MODULES = {"nvfp4": blockscaled, "mxfp4": blockscaled, "nf4": nf4, "int4_awq": int4_awq}
 VARIANTS = {

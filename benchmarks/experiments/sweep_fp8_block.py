@@ -23,8 +23,8 @@ from lowbit.ops import policy
 from lowbit.kernels import scaled_mm as ks
 from lowbit.ops import scaled_mm_reference
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
-import _peers  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+import _common as _peers  # noqa: E402
 import _seed001  # noqa: E402
 
 SHAPES = [(4096, 7168, 2048), (4096, 24576, 1536), (4096, 2112, 7168), (4096, 7168, 16384), (4096, 4096, 7168),

@@ -12,9 +12,10 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-import _peers  # noqa: E402
-import bench_w4a16 as W  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+import _common as W  # noqa: E402
+
+_peers = W
 import lowbit  # noqa: E402
 from lowbit.kernels import scaled_mm as ks
 

@@ -20,8 +20,8 @@ import torch
 import lowbit
 from lowbit.kernels import gemv_w4 as G
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # here and benchmarks/
-from bench_w4a16 import _copies, _copy_roof, _git, _rotating, _time_graph
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+from _common import _copies, _copy_roof, _git, _rotating, _time_graph  # noqa: E402
 
 
 def variants():

@@ -3,9 +3,11 @@
 - ``lowbit quantize [MODEL_DIR] --scheme S``: convert a model (default: the bundled all-MiniLM-L6-v2) and
   report the quality each scheme lost (:mod:`lowbit.eval`).
 - ``lowbit inspect PATH``: formats, shapes, bytes and producer of a checkpoint, from its headers.
-- ``lowbit bench``: the benchmark harness (:mod:`lowbit.bench`).
-- ``lowbit e2e``: the end-to-end decoder benchmark (:mod:`lowbit.bench.e2e`; ``lowbit e2e --help``).
-- ``lowbit dit``: the diffusion-transformer block benchmark (:mod:`lowbit.bench.dit`; ``lowbit dit --help``).
+- ``lowbit bench``: the benchmark harness (:mod:`lowbit.bench`): the registered ops (quantize/dequantize,
+  W4A16 linear, scaled_mm) by default, the suites as ``lowbit bench e2e|dit|offload [options]``, and
+  ``lowbit bench compare NEW.json BASELINE.json`` (or ``--compare BASELINE.json`` after a run).
+- ``lowbit e2e``: ``lowbit bench e2e``, the end-to-end decoder benchmark (:mod:`lowbit.bench.e2e`).
+- ``lowbit dit``: ``lowbit bench dit``, the diffusion-transformer block benchmark (:mod:`lowbit.bench.dit`).
 - ``lowbit env``: versions, GPU, which backends and kernels can run.
 
 Thin over the library; importing this module does no GPU work and imports neither transformers nor matplotlib.
@@ -28,9 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="time quantize/dequantize (and later GEMV/GEMM) ops on the GPU",
-        description="Median do_bench times, GB/s, % of the copy bandwidth measured in the same "
-        "run, and speedups over baselines. Needs CUDA (except --list).",
+        help="benchmarks: quantize/dequantize, W4A16 linear and scaled_mm ops against baselines; "
+        "'lowbit bench e2e|dit|offload ...' the model-level suites; 'lowbit bench compare NEW BASELINE'",
+        description="Times the registered ops (checked against the reference first): median do_bench times and "
+        "CUDA-graph replays, GB/s, % of the copy bandwidth and TFLOPS measured in the same run, and speedups "
+        "over baselines (cuBLAS, peers, compiled references). Needs CUDA (except --list). The model-level "
+        "suites run as 'lowbit bench e2e|dit|offload [their options]' (see --list); 'lowbit bench compare "
+        "NEW.json BASELINE.json' prints a run's ratios next to a baseline run's.",
     )
     b.add_argument(
         "--ops",
@@ -47,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="json_path",
         default=None,
         metavar="PATH",
-        help="write the results here (a directory gets quant_kernels_<date>.json)",
+        help="write the results here, rewritten after every case (a directory gets bench_<date>.json, or "
+        "quant_kernels_<date>.json for quantize/dequantize ops only)",
     )
     b.add_argument("--quick", action="store_true", help="each op's quick shapes only")
     b.add_argument(
@@ -68,7 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="after this many seconds, skip the baselines not yet timed",
     )
-    b.add_argument("--list", action="store_true", help="list the registered ops and their shapes, then exit")
+    b.add_argument(
+        "--compare",
+        default=None,
+        metavar="BASELINE.json",
+        help="after the run, print each ratio (speedups, share of the copy roof) next to the same ratio in a "
+        "baseline lowbit bench result (or a curated file of runs)",
+    )
+    b.add_argument("--list", action="store_true", help="list the registered ops, their shapes and the suites")
     b.add_argument("--quiet", action="store_true", help="no per-case progress lines")
 
     sub.add_parser("e2e", help="end-to-end decoder benchmark: decode/prefill/generate in every run mode "
@@ -285,16 +299,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _list_ops(ops) -> str:
+def _list_ops(ops, suites=None) -> str:
     from .bench import shape_str
 
     lines = []
     for op in ops:
         shapes = ", ".join(shape_str(s) for s in op.shapes)
         quick = ", ".join(shape_str(s) for s in op.quick_shapes)
-        lines.append(f"{op.name:32} {shapes}  (quick: {quick}; baselines at {shape_str(op.baseline_shape)})")
+        at = "every shape" if op.baselines_everywhere else shape_str(op.baseline_shape)
+        lines.append(f"{op.name:32} {shapes}  (quick: {quick}; baselines at {at})")
         if op.doc:
             lines.append(f"{'':32} {op.doc}")
+    if suites:
+        lines.append("")
+        lines.append("suites (lowbit bench <suite> [options]):")
+        lines += [f"  {suite.name:30} {suite.doc}" for suite in suites]
     return "\n".join(lines)
 
 
@@ -311,8 +330,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"lowbit bench: {e}", file=sys.stderr)
         return 2
     if args.list:
-        print(_list_ops(ops))
+        print(_list_ops(ops, None if args.ops else list(bench.SUITES.values())))
         return 0
+    baseline = None
+    if args.compare is not None:
+        from .bench.compare import CompareError, load
+
+        try:
+            baseline = load(args.compare, "lowbit bench")
+            bench.compare({"schema": bench.SCHEMA, "rows": []}, baseline)  # the baseline's layout, before the run
+        except CompareError as e:
+            return _fail("bench", f"--compare {e}")
     import torch
 
     if not torch.cuda.is_available():
@@ -325,7 +353,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     header = envinfo.header()
     path = args.json_path
     if path is not None and Path(path).is_dir():
-        path = str(Path(path) / bench.default_json_name(header))
+        quant_only = all(op.name.split(".")[0] in ("quantize", "dequantize") for op in ops)
+        path = str(Path(path) / bench.default_json_name(header, "quant_kernels" if quant_only else "bench"))
     result = bench.run(
         ops,
         shapes=shapes,
@@ -340,7 +369,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(bench.format_table(result), flush=True)
     if path is not None:
         print(f"results: {path}")
+    if baseline is not None:
+        print(f"\nagainst {args.compare}:\n" + bench.compare(result, baseline), flush=True)
     return 1 if any(r["status"] in ("failed", "check_failed") for r in result["rows"]) else 0
+
+
+def _compare_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lowbit bench compare",
+        description="Print each ratio of a new run (speedups over the baselines measured in the same run, share "
+        "of the copy roof; for lowbit e2e results, ratios to bf16) next to the same ratio in a baseline run, with "
+        "the change. Ratios, not times: runs on different machines differ in host CPU.",
+    )
+    p.add_argument("new", metavar="NEW.json", help="a lowbit bench (or lowbit e2e) result")
+    p.add_argument("baseline", metavar="BASELINE.json",
+                   help="a result of the same benchmark, or a curated file of them under \"runs\" (for each case "
+                   "its newest run counts)")
+    return p
+
+
+def cmd_bench_compare(argv: list[str]) -> int:
+    from .bench import SCHEMA, compare
+    from .bench.compare import CompareError, load
+
+    args = _compare_parser().parse_args(argv)
+    try:
+        new = load(args.new, "lowbit bench")
+        baseline = load(args.baseline, "lowbit bench")
+        if new.get("schema") != SCHEMA and _is_e2e(new):
+            from .bench import e2e
+
+            text = e2e.compare(new, baseline)
+        else:
+            text = compare(new, baseline)
+    except CompareError as e:
+        return _fail("bench compare", str(e))
+    print(text)
+    return 0
+
+
+def _is_e2e(result: dict) -> bool:
+    rows = result.get("rows")
+    return (isinstance(rows, list) and isinstance(result.get("settings"), dict) and "steps" in result["settings"]
+            and all(isinstance(r, dict) and "config" in r for r in rows))
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -372,15 +443,22 @@ def _quantize_deps() -> dict[str, str | None]:
     return out
 
 
+ALIASES = ("e2e", "dit")
+"""``lowbit <suite>`` is ``lowbit bench <suite>`` for these suites."""
+
+
 def _dispatch(argv: list[str]) -> int:
-    if argv[:1] == ["e2e"]:
-        from .bench import e2e
+    if argv[:1] and argv[0] in ALIASES:
+        argv = ["bench", *argv]
+    if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
+        from .bench import SUITES
 
-        return e2e.main(argv[1:])
-    if argv[:1] == ["dit"]:
-        from .bench import dit
-
-        return dit.main(argv[1:])
+        if argv[1] == "compare":
+            return cmd_bench_compare(argv[2:])
+        if argv[1] in SUITES:
+            return SUITES[argv[1]].main(argv[2:])
+        return _fail("bench", f"unknown subcommand {argv[1]!r}: use compare, {', '.join(SUITES)}, or options "
+                              "(lowbit bench --help)")
     args = build_parser().parse_args(argv)
     commands = {"bench": cmd_bench, "env": cmd_env, "quantize": cmd_quantize, "inspect": cmd_inspect}
     return commands[args.command](args)

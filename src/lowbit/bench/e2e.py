@@ -26,7 +26,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -429,25 +429,18 @@ def ratios(rows: list[dict]) -> None:
         r["ratio"] = rr
 
 
+def _ratios_of(run: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    return {row["config"]: row.get("ratio", {}) for row in run.get("rows", []) if "config" in row}
+
+
 def compare(result: dict, baseline: dict) -> str:
     """A table of each config's ratios to bf16 in ``result`` against the same ratios in ``baseline`` (a result
     dict, or a curated file holding ``{"runs": [...]}``: for each config its newest run that has it). Ratios,
-    not tokens/s, since the two runs may have had different host CPUs."""
-    runs = baseline.get("runs", [baseline])
-    base: dict[str, dict] = {}
-    for run in runs:  # later runs override earlier ones
-        for row in run.get("rows", []):
-            base[row["config"]] = row.get("ratio", {})
-    lines = ["config | ratio | new | baseline | change", "--- | --- | --- | --- | ---"]
-    for row in result.get("rows", []):
-        old = base.get(row["config"])
-        for key, value in sorted(row.get("ratio", {}).items()):
-            if row["config"] == "bf16" and key != "host_vs_f_linear":
-                continue  # 1.0 by definition
-            was = None if old is None else old.get(key)
-            change = "-" if was is None else f"{value / was:.2f}x"
-            lines.append(f"{row['config']} | {key} | {value:.3f} | {'-' if was is None else f'{was:.3f}'} | {change}")
-    return "\n".join(lines)
+    not tokens/s, since the two runs may have had different host CPUs (:mod:`lowbit.bench.compare`)."""
+    from .compare import newest, table
+
+    return table(_ratios_of(result), newest(baseline, _ratios_of), key="config",
+                 skip=lambda config, key: config == "bf16" and key != "host_vs_f_linear")  # bf16: 1.0 by definition
 
 
 def format_table(result: dict) -> str:
@@ -501,14 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     baseline = None
     if args.compare:
+        from .compare import CompareError, load
+
         try:
-            with open(args.compare) as f:
-                baseline = json.load(f)
-        except (OSError, ValueError) as e:
-            print(f"lowbit e2e: --compare {args.compare}: not a readable JSON result ({e})", file=sys.stderr)
-            return 2
-        if not isinstance(baseline, dict):
-            print(f"lowbit e2e: --compare {args.compare}: not a lowbit e2e result", file=sys.stderr)
+            baseline = load(args.compare, "lowbit e2e")
+        except CompareError as e:
+            print(f"lowbit e2e: --compare {e}", file=sys.stderr)
             return 2
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.modes if m not in MODES]

@@ -11,10 +11,10 @@ device memory (``torch.cuda.max_memory_allocated``), with the targets: offload p
 weights + 2 blocks' weights + the all-on-GPU run's activation peak (``prefetch=1``), and time at most 1.1x.
 On CPU (``device="cpu"``) it runs the same code with synchronous copies (a plumbing check; times mean little).
 
-GPU run::
+GPU run (``lowbit bench offload`` is ``python -m lowbit.bench offload``)::
 
-    python -m lowbit.bench.offload --json offload.json                       # bf16 weights, Wan2.1-14B shapes
-    python -m lowbit.bench.offload --scheme w4a16-nvfp4 --json offload_nvfp4.json
+    lowbit bench offload --json offload.json                       # bf16 weights, Wan2.1-14B shapes
+    lowbit bench offload --scheme w4a16-nvfp4 --json offload_nvfp4.json
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
-def _run(model, inputs, iters: int, device: torch.device) -> tuple[list[float], int | None]:
+def _run(model, inputs, iters: int, device: torch.device) -> tuple[list[float], int | None, int | None]:
     cuda = device.type == "cuda"
     times = []
     with torch.inference_mode():
@@ -148,7 +148,9 @@ def _run(model, inputs, iters: int, device: torch.device) -> tuple[list[float], 
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    return times, peak
+    # what stays allocated between steps (weights, slots, library workspaces), next to the peak
+    steady = torch.cuda.memory_allocated(device) if cuda else None
+    return times, peak, steady
 
 
 def bench_block_offload(
@@ -176,12 +178,12 @@ def bench_block_offload(
     block_bytes = _bytes(model.blocks[0])
     weights = _bytes(model)
     nonblock = weights - sum(_bytes(b) for b in model.blocks)
-    on_times, on_peak = _run(model, inputs, iters, dev)
+    on_times, on_peak, on_steady = _run(model, inputs, iters, dev)
 
     offloader = enable_block_offload(model, model.blocks, dev, prefetch)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    off_times, off_peak = _run(model, inputs, iters, dev)
+    off_times, off_peak, off_steady = _run(model, inputs, iters, dev)
     slot_bytes = offloader.slot_bytes
     offloader.remove()
 
@@ -196,8 +198,10 @@ def bench_block_offload(
         "block_bytes": block_bytes,
         "nonblock_bytes": nonblock,
         "weights_bytes": weights,
-        "all_on_device": {"times_s": on_times, "median_s": statistics.median(on_times), "peak_bytes": on_peak},
+        "all_on_device": {"times_s": on_times, "median_s": statistics.median(on_times), "peak_bytes": on_peak,
+                          "steady_bytes": on_steady},
         "offload": {"times_s": off_times, "median_s": statistics.median(off_times), "peak_bytes": off_peak,
+                    "steady_bytes": off_steady,
                     "max_resident_blocks": offloader.max_resident, "slot_bytes": slot_bytes},
         "activation_peak_bytes": act,
         "time_ratio": ratio,
@@ -207,7 +211,7 @@ def bench_block_offload(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lowbit.bench.offload", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="lowbit bench offload", description=__doc__.split("\n\n")[0])
     for k, v in WAN_14B.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
     p.add_argument("--scheme", default=None, help="quantize the block Linear layers (default: bf16 weights)")

@@ -22,6 +22,8 @@ from lowbit.formats.packing import swizzled_scale_shape
 from lowbit.formats.spec import FORMATS
 from lowbit.testing import assert_bitexact
 
+from .common import compiled
+from .common import optional as _optional
 from .registry import Baseline, Case, Context, Op, Shape, Skip, register
 
 MX = ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")
@@ -65,6 +67,8 @@ def qtensor_nbytes(fmt: str, shape: Shape, **options: Any) -> int:
         return n * bits // 8 + scales + gscale
     if fmt == "fp4_b32":
         return n // 2 + (n // 32) * 4
+    if fmt == "fp8_rowwise":  # E4M3 values, one fp32 scale per row
+        return n + rows * 4
     if fmt == "fp8_block":
         block = tuple(options.get("block", (1, 128)))
         if block == (1, 128):
@@ -138,38 +142,6 @@ def _dequantize_kernel_reason(fmt: str, q: Any) -> str | None:
 
     found = kernels.dequantize_kernel(fmt, q)
     return found if isinstance(found, str) else None
-
-
-def _raise_dynamo_limits() -> None:
-    # the same reference function is compiled for several formats and shapes; past the default recompile
-    # limit dynamo would silently run it eagerly and the baseline would be meaningless
-    import torch._dynamo
-
-    cfg = torch._dynamo.config
-    for name, floor in (
-        ("recompile_limit", 256),
-        ("cache_size_limit", 256),
-        ("accumulated_recompile_limit", 4096),
-        ("accumulated_cache_size_limit", 4096),
-    ):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), floor))
-
-
-def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(fn, dynamic=False)`` with the recompile limits raised (compiles on first call)."""
-    _raise_dynamo_limits()
-    return torch.compile(fn, dynamic=False)
-
-
-def _optional(build: Callable[[], Callable[[], Any]], package: str) -> Baseline:
-    """``build()``, or the reason it cannot run here (package missing, or its setup raising)."""
-    try:
-        return build()
-    except ImportError as e:
-        return f"{package} not installed ({e})"
-    except Exception as e:  # noqa: BLE001 - a baseline that cannot be set up is reported, never fatal
-        return f"{package} setup failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
 # -------------------------------------------------------------------------------------- external baselines

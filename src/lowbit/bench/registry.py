@@ -1,6 +1,9 @@
-"""The op x shape registry: an op is a named ``setup(shape, ctx) -> Case`` plus the shapes it runs at.
+"""The registry of ``lowbit bench``: ops (a named ``setup(shape, ctx) -> Case`` plus the shapes it runs at,
+all timed by the runner) and suites (the model-level benchmarks with their own command line: e2e, dit,
+offload).
 
-Nothing here touches a GPU or imports triton; ``setup`` allocates on ``ctx.device`` only when called.
+Nothing here touches a GPU or imports triton; ``setup`` allocates on ``ctx.device`` only when called, and a
+suite's module is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -47,9 +50,13 @@ class Case:
         flops: floating-point operations (0 for quantize/dequantize).
         baselines: name -> callable timed the same way, or a string saying why it is skipped. Their
             speedup is ``baseline_ms / fn_ms`` (above 1: lowbit is faster), on the same bytes.
-        check: raises AssertionError when ``fn``'s result differs from the reference; None: no check.
+        check: raises AssertionError when ``fn``'s result differs from the reference; None: no check. It may
+            return a string saying what it checked (``"rel_fro 2.1e-03 <= 1e-02, ..."``: a tolerance check);
+            returning None means bit for bit.
         graph: also time under a CUDA graph (tiny launches); None lets the runner decide by size.
         note: free text carried into the row.
+        check_numel: elements the check computes (the runner skips checks above its limit); None: the
+            product of the shape (right for elementwise ops, far too many for a matmul's M x N x K).
     """
 
     fn: Callable[[], Any]
@@ -59,6 +66,7 @@ class Case:
     check: Callable[[], None] | None = None
     graph: bool | None = None
     note: str = ""
+    check_numel: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ class Op:
             against it, and the tests check it against hand-computed numbers.
         unavailable: ``unavailable(ctx) -> str | None``: a cheap reason to skip before any allocation.
         doc: one line for ``lowbit bench --list``.
+        baselines_everywhere: the baselines are cheap (nothing to compile: cuBLAS, a peer's kernel), so
+            ``--baselines one`` times them at every shape, as the speedups are the point of the op.
     """
 
     name: str
@@ -85,6 +95,7 @@ class Op:
     nbytes: Callable[[Shape], int] | None = None
     unavailable: Callable[[Context], str | None] | None = None
     doc: str = ""
+    baselines_everywhere: bool = False
 
     def __post_init__(self) -> None:
         if not self.shapes:
@@ -146,3 +157,38 @@ def parse_shapes(text: str) -> list[Shape]:
 
 def shape_str(shape: Shape) -> str:
     return "x".join(str(d) for d in shape)
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A model-level benchmark with its own command line (``lowbit bench <name> [its options]``).
+
+    Attributes:
+        name: the subcommand (``e2e``).
+        module: the module whose ``main(argv) -> int`` runs it (imported only then).
+        doc: one line for ``lowbit bench --list``.
+    """
+
+    name: str
+    module: str
+    doc: str = ""
+
+    def main(self, argv: list[str]) -> int:
+        import importlib
+
+        return importlib.import_module(self.module).main(list(argv))
+
+
+SUITES: dict[str, Suite] = {}
+RESERVED = ("compare",)
+"""``lowbit bench`` subcommands that are not suites (``lowbit bench compare NEW.json BASELINE.json``)."""
+
+
+def register_suite(suite: Suite, *, replace: bool = False) -> Suite:
+    """Add ``suite`` to :data:`SUITES`; its name must not collide with another suite or a subcommand."""
+    if suite.name in SUITES and not replace:
+        raise ValueError(f"suite {suite.name!r} is already registered")
+    if suite.name.startswith("-") or suite.name in RESERVED:
+        raise ValueError(f"suite name {suite.name!r} is reserved")
+    SUITES[suite.name] = suite
+    return suite

@@ -1,7 +1,9 @@
 """Run registered ops over their shapes: time, count bytes, compare with the copy roof and the baselines.
 
-Two passes: first every lowbit case (so a run cut short still has them, written to the JSON at once), then
-the baselines, which may spend most of the time in ``torch.compile``, within the time budget.
+Two passes: first every lowbit case (so a run cut short still has them: the JSON is rewritten after every
+case), then the baselines, which may spend most of the time in ``torch.compile``, within the time budget.
+Every time comes from the one timer (:class:`~lowbit.bench.timing.CudaTimer`): ``do_bench`` medians, and
+CUDA-graph replays for small or graph-bound cases, the baselines of such a case timed both ways too.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def plan(
 
     ``shapes`` replaces each op's own shapes; ``quick`` uses ``op.quick_shapes``. Baselines run at every
     shape (``"all"``), none (``"none"``) or one per op (``"one"``): ``op.baseline_shape`` when it is
-    among the shapes run, else the last of them.
+    among the shapes run, else the last of them; every shape for an op with ``baselines_everywhere``.
     """
     if baselines not in BASELINE_MODES:
         raise ValueError(f"baselines must be one of {BASELINE_MODES}, got {baselines!r}")
@@ -65,7 +67,8 @@ def plan(
         chosen = list(shapes) if shapes else list(op.quick_shapes if quick else op.shapes)
         at = op.baseline_shape if op.baseline_shape in chosen else chosen[-1]
         for s in chosen:
-            cases.append((op, tuple(s), baselines == "all" or (baselines == "one" and tuple(s) == tuple(at))))
+            one = op.baselines_everywhere or tuple(s) == tuple(at)
+            cases.append((op, tuple(s), baselines == "all" or (baselines == "one" and one)))
     return cases
 
 
@@ -129,12 +132,12 @@ def run_case(
             row["note"] = case.note
         if case.check is None or not ctx.check:
             row["check"] = "not run"
-        elif math.prod(shape) > check_max_numel:
+        elif (case.check_numel if case.check_numel is not None else math.prod(shape)) > check_max_numel:
             row["check"] = f"not run (more than {check_max_numel} elements)"
         else:
             try:
-                case.check()
-                row["check"] = "bitexact"
+                said = case.check()
+                row["check"] = said if isinstance(said, str) and said else "bitexact"
             except AssertionError as e:
                 # the gate: a case that does not match the reference reports no numbers
                 row.update(status="check_failed", check="FAILED", reason=str(e)[:800])
@@ -153,7 +156,11 @@ def run_case(
 
 
 def time_baselines(case: Case, row: dict[str, Any], timer: Any, deadline: float | None) -> None:
-    """Time each of ``case.baselines`` into ``row["baselines"]`` (first call, e.g. compilation, untimed)."""
+    """Time each of ``case.baselines`` into ``row["baselines"]`` (first call, e.g. compilation, untimed).
+
+    Where the lowbit case has a CUDA-graph time, each baseline is also replayed from a CUDA graph
+    (``ms_graph``, ``speedup_graph``); a baseline that cannot be captured keeps its eager numbers and says why
+    in ``graph_error``."""
     for name, fn in case.baselines.items():
         entry: dict[str, Any]
         if isinstance(fn, str):
@@ -174,6 +181,12 @@ def time_baselines(case: Case, row: dict[str, Any], timer: Any, deadline: float 
                     entry["GBps"] = row["bytes"] / st.ms / 1e6
                 if row.get("ms"):
                     entry["speedup"] = st.ms / row["ms"]
+                if row.get("ms_graph"):
+                    try:
+                        entry["ms_graph"] = timer.time_graph(fn)
+                        entry["speedup_graph"] = entry["ms_graph"] / row["ms_graph"]
+                    except Exception as e:  # noqa: BLE001 - a capture failure only loses the graph numbers
+                        entry["graph_error"] = _reason(e)
             except Exception as e:  # noqa: BLE001 - a failing baseline is reported, the run goes on
                 entry = {"failed": _reason(e)}
         row["baselines"][name] = entry
@@ -255,6 +268,7 @@ def run(
         rows[(op.name, shape)] = row
         result["rows"].append(row)
         say(_progress_line(row))
+        dump()  # a run killed by a time limit keeps every case measured so far
     if hasattr(timer, "cleanup"):
         timer.cleanup()
     dump()
@@ -289,6 +303,7 @@ def run(
                 row["baselines"][f"*{group}"] = {"failed": "setup: " + _reason(e)}
             if hasattr(timer, "cleanup"):
                 timer.cleanup()
+            dump()
         pending = later
     result["complete"] = True
     dump()
@@ -297,13 +312,21 @@ def run(
 
 def _progress_line(row: dict[str, Any]) -> str:
     if row["status"] == "ok":
+        graph = f" (graph {row['ms_graph'] * 1e3:.1f})" if row.get("ms_graph") else ""
+        tflops = f" {row['TFLOPS']:6.1f} TFLOPS" if row.get("TFLOPS") else ""
         return (
-            f"{row['op']:34} {shape_str(row['shape']):12} {row['ms'] * 1e3:9.1f} us {row['GBps']:7.0f} GB/s"
+            f"{row['op']:34} {shape_str(row['shape']):16} {row['ms'] * 1e3:9.1f} us{graph} "
+            f"{row['GBps']:7.0f} GB/s{tflops}"
         )
     return f"{row['op']:34} {shape_str(row['shape']):12} {row['status']}: {row['reason']}"
 
 
-_SHORT = (("bitsandbytes.", "bnb."), ("torchao.", "ao."), ("lowbit.formats[compiled]", "ref[compiled]"))
+_SHORT = (
+    ("bitsandbytes.", "bnb."),
+    ("torchao.", "ao."),
+    ("lowbit.formats[compiled]", "ref[compiled]"),
+    ("torch._scaled_mm", "_scaled_mm"),
+)
 
 
 def _short(name: str) -> str:
@@ -319,6 +342,8 @@ def _baseline_text(baselines: dict[str, Any], short: bool = False) -> str:
         label = _short(name) if short else name
         if "ms" in b:
             sp = f" {b['speedup']:.2f}x" if b.get("speedup") else ""
+            if b.get("speedup_graph"):
+                sp += f" (graph {b['speedup_graph']:.2f}x)"
             parts.append(f"{label} {b['ms'] * 1e3:.1f}us{sp}")
         else:
             what = "skipped" if "skipped" in b else "failed"
@@ -385,11 +410,12 @@ def format_table(result: dict[str, Any]) -> str:
     roofs = (
         f"copy roof {copy['GBps']:.0f} GB/s ({copy['bytes'] / 2**30:.0f} GiB read+write); empty triton "
         f"launch {launch['eager_us']:.1f} us eager, {launch['graph_us']:.2f} us graph. us = median; "
-        "baselines: speedup = baseline us / lowbit us"
+        "baselines: speedup = baseline us / lowbit us (graph: both as CUDA-graph replays); check: exact = "
+        "bit for bit, tol = within the op's relative error bound"
     )
     columns = (
         f"{'op':28} {'shape':11} {'us':>8} {'p20-p80':>13} {'graph':>7} {'GB/s':>5} {'%copy':>5} "
-        f"{'check':5} baselines"
+        f"{'TF/s':>6} {'check':5} baselines"
     )
     lines = [title, roofs, columns]
     notes: dict[str, list[str]] = {}
@@ -398,10 +424,13 @@ def format_table(result: dict[str, Any]) -> str:
         if row["status"] == "ok":
             spread = f"{row['ms_p20'] * 1e3:.1f}-{row['ms_p80'] * 1e3:.1f}"
             graph = f"{row['ms_graph'] * 1e3:7.2f}" if row.get("ms_graph") else f"{'-':>7}"
-            check = "exact" if row["check"] == "bitexact" else "-"
+            check = {"bitexact": "exact", "not run": "-"}.get(row["check"], "-")
+            if check == "-" and str(row["check"]).startswith("rel_"):
+                check = "tol"
+            tflops = f"{row['TFLOPS']:6.1f}" if row.get("TFLOPS") else f"{'-':>6}"
             lines.append(
                 f"{row['op']:28} {shape_str(row['shape']):11} {row['ms'] * 1e3:8.1f} {spread:>13} {graph} "
-                f"{row['GBps']:5.0f} {row['pct_copy']:5.1f} {check:5} "
+                f"{row['GBps']:5.0f} {row['pct_copy']:5.1f} {tflops} {check:5} "
                 f"{_baseline_text(row['baselines'], short=True)}"
             )
             for name, b in row["baselines"].items():
@@ -422,3 +451,36 @@ def format_table(result: dict[str, Any]) -> str:
 def default_json_name(header: dict[str, Any], stem: str = "quant_kernels") -> str:
     """``<stem>_<date>.json`` (the date the results file must carry)."""
     return f"{stem}_{header['date']}.json"
+
+
+def ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The ratios of a result that compare across runs, per ``"<op> <shape>"`` of each timed case:
+    ``vs <baseline>`` (its speedup: baseline time / lowbit time, eager), ``vs <baseline> [graph]`` (the same
+    as CUDA-graph replays) and ``of_copy`` (the GB/s as a share of the copy roof measured in the same run)."""
+    out: dict[str, dict[str, float]] = {}
+    for row in result.get("rows", []):
+        if not isinstance(row, dict) or row.get("status") != "ok":
+            continue
+        r: dict[str, float] = {}
+        if isinstance(row.get("pct_copy"), (int, float)):
+            r["of_copy"] = row["pct_copy"] / 100.0
+        for name, b in (row.get("baselines") or {}).items():
+            if isinstance(b, dict) and isinstance(b.get("speedup"), (int, float)):
+                r[f"vs {name}"] = b["speedup"]
+            if isinstance(b, dict) and isinstance(b.get("speedup_graph"), (int, float)):
+                r[f"vs {name} [graph]"] = b["speedup_graph"]
+        out[f"{row.get('op')} {shape_str(row.get('shape') or [])}"] = r
+    return out
+
+
+def compare(result: dict[str, Any], baseline: dict[str, Any]) -> str:
+    """Each ratio of ``result`` (:func:`ratios`) next to the same ratio in ``baseline`` (a ``lowbit bench``
+    result, or a curated file of them under ``"runs"``: for each case its newest run that has it), with the
+    change and a geometric-mean summary per ratio. Raises :class:`~lowbit.bench.compare.CompareError` when
+    either is not a ``lowbit bench`` result."""
+    from .compare import CompareError, newest, runs_of, table
+
+    for what, runs in (("new run", [result]), ("baseline", runs_of(baseline))):
+        if not runs or not all(r.get("schema") == SCHEMA and isinstance(r.get("rows"), list) for r in runs):
+            raise CompareError(f"the {what} is not a lowbit bench result (schema {SCHEMA!r} with rows)")
+    return table(ratios(result), newest(baseline, ratios), key="case", summary=True)

@@ -2,7 +2,7 @@
 cProfile of the compiled step for bf16 and lowbit schemes on the ``lowbit e2e`` decoder, plus the step's time
 with the GPU idle (one synchronized step) against its GPU time (a CUDA-graph replay of the eager step).
 
-    PYTHONPATH=src python benchmarks/profile_compiled_step.py [--configs bf16,lowbit:w4a16-nvfp4] [--layers 4]
+    PYTHONPATH=src python benchmarks/experiments/profile_compiled_step.py [--configs bf16,lowbit:w4a16-nvfp4] [--layers 4]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ calls, no synchronization) at M = 1 and M = 2048 against ``F.linear``, GPU time 
 replays), the top functions of a cProfile of M = 1 calls and, at larger M, the GPU kernels of one call
 (torch.profiler). JSON to ``$OUT/profile_layer_host.json``.
 
-    PYTHONPATH=src python benchmarks/profile_layer_host.py [--schemes w4a16-nvfp4,w8a8-fp8-block] [--k 4096]
+    PYTHONPATH=src python benchmarks/experiments/profile_layer_host.py [--schemes w4a16-nvfp4,w8a8-fp8-block] [--k 4096]
 """
 
 from __future__ import annotations
