@@ -158,6 +158,13 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
         if scheme == "w8a8-fp8-block":  # decode: the activation quantized inside the GEMM, one launch
             for m in (1, 2, 16):
                 assert type(runners.get((m, torch.bfloat16, not bias))).__name__ == "QuantInGemm", m
+    # a model's decode calls a layer with 3-D x [B, 1, K] only: its calls get a runner too
+    fresh = _layer(scheme, n=256, k=512, bias=bias, activation=activation)
+    x3 = torch.randn(1, 1, 512, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(fresh(x3), _want(fresh, x3.reshape(1, 512)).reshape(1, 1, 256)), scheme
+    if layer.scheme.act_format in ("nvfp4", "mxfp4", "mxfp8_e4m3", "fp8_block"):
+        assert (1, torch.bfloat16, not bias) in fresh._prepared.scaled_runners, "no runner for 3-D x"
 
 
 def _adversarial_rows(m, k, dtype):

@@ -243,9 +243,11 @@ class PreparedWeight:
             out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
         else:
             out = target(a, self.w, None, bias, x.dtype, name)
-        if (name in ("kernel*", "cublas", "gemv") and act_global_scale is None and x2 is x
+        # a runner for the next calls like this one: x contiguous (any number of leading dims, which the fast
+        # path flattens as x2 is flattened here) and 16-byte aligned
+        if (name in ("kernel*", "cublas", "gemv") and act_global_scale is None and x.is_contiguous()
                 and not x.data_ptr() & 15):
-            self._add_scaled_runner(x, a, fn, kwargs, name, target, bias)
+            self._add_scaled_runner(x2, a, fn, kwargs, name, target, bias)
         out = out if flat else out.reshape(*x.shape[:-1], self.n)
         return _act(out, self.activation)
 
