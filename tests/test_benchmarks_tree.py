@@ -4,13 +4,18 @@
   reports: one ``<gpu>_gpu_tests.xml`` per GPU kind, a testsuite per area), no dated runs;
 - ``python benchmarks/make_performance_md.py`` reproduces docs/performance.md from the checked-in JSON, and
   ``--check`` notices a stale page;
-- every script in benchmarks/ and benchmarks/experiments/ compiles, and the sibling modules it imports live
-  where its ``sys.path`` setup looks for them.
+- the W4A16 decode and scaled_mm tables render from a ``lowbit bench`` result as well as from the curated files
+  of the scripts those ops replaced;
+- every script in benchmarks/ and benchmarks/experiments/ compiles, the sibling modules it imports live where
+  its ``sys.path`` setup looks for them, and the names it takes from ``_common`` and ``lowbit.bench`` exist;
+- gpu_check.py runs the maintained benchmarks through ``python -m lowbit.bench`` only, with arguments the CLI
+  accepts and op patterns that select ops.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import py_compile
 import re
@@ -95,6 +100,53 @@ def test_check_mode_notices_a_stale_page(perf, tmp_path):
     assert perf.main(["--check", "--out", str(out)]) == 1
 
 
+def _bench_result(rows):
+    header = {"date": "2026-11-24", "gpu": "NVIDIA H100 80GB HBM3", "driver": "1", "cuda": "13.0",
+              "torch": "2.11", "triton": "3.6", "lowbit": "0.1.0", "git_sha": "abc1234"}
+    return {"schema": "lowbit.bench/1", "header": header, "config": {}, "complete": True, "elapsed_s": 1.0,
+            "reference": {"copy": {"bytes": 2 << 30, "ms": 1.0, "GBps": 3000.0},
+                          "empty_triton_launch": {"eager_us": 5.0, "graph_us": 2.0}},
+            "rows": rows}
+
+
+def _ok(op, shape, speedups, ms=0.01, ms_graph=0.008, nbytes=3_000_000):
+    return {"op": op, "shape": list(shape), "status": "ok", "ms": ms, "ms_graph": ms_graph, "bytes": nbytes,
+            "baselines": {name: {"ms": 1.0, "speedup": sp[0], "speedup_graph": sp[1]} for name, sp in speedups.items()}}
+
+
+def test_tables_render_from_a_lowbit_bench_result(perf, tmp_path, monkeypatch):
+    import json
+
+    cub, fp8 = "cublas.bf16", "torch._scaled_mm[fp8]"
+    gemv = _bench_result([
+        _ok("linear.nvfp4.decode", (1, 8192, 8192), {cub: (2.5, 3.25)}),
+        _ok("linear.nf4.dq.decode", (1, 8192, 8192), {cub: (1.5, 1.75)}),
+        _ok("linear.nvfp4.decode", (16, 8192, 8192), {cub: (2.0, 2.125)}),
+        {"op": "linear.mxfp4.decode", "shape": [1, 8192, 8192], "status": "skipped", "baselines": {}},
+        _ok("linear.nvfp4.prefill", (4096, 8192, 8192), {cub: (9.0, 9.0)}),  # not a decode row
+    ])
+    mm = _bench_result([
+        _ok("scaled_mm.fp8_block.prefill", (4096, 7168, 2048), {cub: (1.4, 1.5), fp8: (0.8, 0.9)}),
+        _ok("scaled_mm.fp8_block.decode", (16, 7168, 16384), {cub: (1.8, 1.9)}, ms_graph=0.01, nbytes=30_000_000),
+    ])
+    for name, data in (("h100_w4a16_gemv.json", gemv), ("h100_scaled_mm_graph.json", mm),
+                       ("h100_scaled_mm_decode.json", mm)):
+        (tmp_path / name).write_text(json.dumps(data))
+    monkeypatch.setattr(perf, "RESULTS", tmp_path)
+
+    lines = perf.w4a16_gemv()
+    assert "| 8192×8192 | 1 | 3.25 | — | — | — | 1.75 | — |" in lines
+    assert "| 8192×8192 | 16 | 2.12 | — | — | — | — | — |" in lines
+    assert not any("9.00" in line for line in lines)
+    assert any(line.startswith("Source: `benchmarks/results/h100_w4a16_gemv.json`; NVIDIA H100") and "git abc1234"
+               in line and "3000 GB/s" in line for line in lines)
+    lines = perf.scaled_mm_graph()
+    assert "| `fp8_block` | 1.50 / 0.90 |" in lines and "4096×7168×2048" in lines[-3]
+    lines = perf.scaled_mm_decode()
+    # 30 MB in 10 us = 3000 GB/s: 100 % of the copy roof
+    assert "| `fp8_block` | 16 | 1.90 (100 %) |" in lines
+
+
 # --------------------------------------------------------------------------------------------- scripts
 
 SCRIPTS = sorted(BENCH.glob("*.py")) + sorted((BENCH / "experiments").glob("*.py"))
@@ -122,3 +174,63 @@ def test_script_compiles_and_finds_its_siblings(path, tmp_path):
                 continue
             local = {p.stem for p in BENCH.rglob("*.py")}
             assert mod not in local, f"{path.name} imports {mod}, which is not in its folder or benchmarks/"
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[str(p.relative_to(BENCH)) for p in SCRIPTS])
+def test_names_taken_from_helpers_exist(path):
+    """What a script imports from experiments/_common.py or lowbit.bench is there (the scripts themselves need
+    a GPU; a renamed helper would only show there)."""
+    common = _top_level_names(BENCH / "experiments" / "_common.py")
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == "_common":
+            missing = [a.name for a in node.names if a.name not in common]
+            assert not missing, f"{path.name} imports {missing} from _common"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lowbit.bench"):
+            mod = importlib.import_module(node.module)
+            missing = [a.name for a in node.names if not hasattr(mod, a.name)
+                       and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+            assert not missing, f"{path.name} imports {missing} from {node.module}"
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("W", "_peers"):
+            if "import _common as" in path.read_text(encoding="utf-8"):
+                assert node.attr in common, f"{path.name} uses {node.value.id}.{node.attr}, not in _common"
+
+
+# ------------------------------------------------------------------------------------------- gpu_check
+
+def test_gpu_check_runs_the_maintained_benchmarks_through_lowbit_bench():
+    from lowbit import bench, cli
+
+    gc = _load_script(BENCH / "gpu_check.py")
+    names = [name for _, name, _ in gc.OPS_BENCHES]
+    assert len(set(names)) == len(names)
+    selected = set()
+    for args, name, timeout in gc.OPS_BENCHES:
+        cmd = gc.ops_command(args, f"/out/{name}", timeout)
+        assert cmd[1:3] == ["-m", "lowbit.bench"] and cmd[-2:] == ["--json", f"/out/{name}"]
+        parsed = cli.build_parser().parse_args(["bench", *cmd[3:]])
+        assert 0 < parsed.budget_s < timeout
+        ops = bench.select([p for p in parsed.ops.split(",") if p])
+        selected |= {op.name for op in ops}
+    kinds = {n.split(".")[0] for n in selected}
+    assert kinds == {"linear", "qlinear", "scaled_mm", "scaled_linear"}, kinds
+    # with the bench step (quantize/dequantize), every registered op runs somewhere
+    quant = {n for n in bench.REGISTRY if n.split(".")[0] in ("quantize", "dequantize")}
+    assert selected | quant == set(bench.REGISTRY)
+    for suite in ("e2e", "dit", "offload"):
+        cmd = gc.suite_command(suite, "/out/x.json", "--configs bf16")
+        assert cmd[1:] == ["-m", "lowbit.bench", suite, "--json", "/out/x.json", "--configs", "bf16"]
+        assert suite in bench.SUITES
+    source = (BENCH / "gpu_check.py").read_text(encoding="utf-8")
+    assert "benchmarks/bench_" not in source and "lowbit.bench." + "e2e" not in source

@@ -334,7 +334,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     baseline = None
     if args.compare is not None:
-        from .bench.compare import CompareError, load
+        from .bench.comparison import CompareError, load
 
         try:
             baseline = load(args.compare, "lowbit bench")
@@ -390,7 +390,7 @@ def _compare_parser() -> argparse.ArgumentParser:
 
 def cmd_bench_compare(argv: list[str]) -> int:
     from .bench import SCHEMA, compare
-    from .bench.compare import CompareError, load
+    from .bench.comparison import CompareError, load
 
     args = _compare_parser().parse_args(argv)
     try:

@@ -96,3 +96,57 @@ def test_module_entry_and_no_import_time_gpu_work():
         check=True,
     ).stdout
     assert out.startswith("dequantize.int4_awq")
+
+
+def test_bench_list_names_the_suites(capsys):
+    assert cli.main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "suites (lowbit bench <suite> [options]):" in out
+    for line in ("  e2e ", "  dit ", "  offload "):
+        assert line in out
+    assert "linear.nvfp4.decode" in out and "baselines at every shape" in out
+    assert cli.main(["bench", "--list", "--ops", "scaled_mm.*.decode"]) == 0
+    out = capsys.readouterr().out
+    assert "scaled_mm.nvfp4.decode" in out and "scaled_mm.nvfp4.prefill" not in out and "suites" not in out
+
+
+def test_bench_subcommand_errors(capsys):
+    assert cli.main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown subcommand 'nope'" in err and "compare" in err and "offload" in err
+    assert cli.main(["bench", "e2e", "--modes", "eager,warp"]) == 2  # the suite's own argument check
+    assert "lowbit e2e: unknown modes" in capsys.readouterr().err
+    assert cli.main(["dit", "--modes", "warp"]) == 2  # the alias reaches the same suite
+    assert "lowbit dit: unknown modes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "offload", "--iters", "x"])
+
+
+def test_suites_run_through_lowbit_bench(tmp_path, monkeypatch):
+    """lowbit bench offload / e2e run the suite modules (tiny CPU shapes; the numbers mean nothing here)."""
+    from lowbit import bench
+
+    calls = []
+    for name in ("e2e", "dit"):
+        suite = bench.SUITES[name]
+        module = __import__(suite.module, fromlist=["main"])
+        monkeypatch.setattr(module, "main", lambda argv, name=name: calls.append((name, argv)) or 0)
+    assert cli.main(["bench", "e2e", "--configs", "bf16"]) == 0
+    assert cli.main(["e2e", "--steps", "2"]) == 0
+    assert cli.main(["bench", "dit", "--tokens", "8"]) == 0
+    assert cli.main(["dit"]) == 0
+    assert calls == [("e2e", ["--configs", "bf16"]), ("e2e", ["--steps", "2"]), ("dit", ["--tokens", "8"]),
+                     ("dit", [])]
+    out = tmp_path / "offload.json"
+    rc = cli.main(["bench", "offload", "--device", "cpu", "--dim", "64", "--ffn-dim", "128", "--heads", "2",
+                   "--n-blocks", "2", "--tokens", "8", "--ctx", "4", "--iters", "1", "--json", str(out)])
+    assert rc == 0 and json.loads(out.read_text())["shapes"]["n_blocks"] == 2
+
+
+def test_register_suite_rejects_reserved_names():
+    from lowbit.bench import Suite, register_suite
+
+    with pytest.raises(ValueError, match="reserved"):
+        register_suite(Suite("compare", "lowbit.bench.e2e"))
+    with pytest.raises(ValueError, match="already registered"):
+        register_suite(Suite("e2e", "lowbit.bench.e2e"))

@@ -12,7 +12,7 @@ One registry, one timer:
 - suites: the model-level benchmarks with their own options, ``lowbit bench e2e|dit|offload ...``
   (``lowbit e2e`` and ``lowbit dit`` are the same commands);
 - ``lowbit bench compare NEW.json BASELINE.json`` (or ``lowbit bench ... --compare BASELINE.json``): the
-  ratios of a run next to a curated baseline's (:mod:`~lowbit.bench.compare`).
+  ratios of a run next to a curated baseline's (:mod:`~lowbit.bench.comparison`).
 
 A new op registers the same way::
 

@@ -436,8 +436,8 @@ def _ratios_of(run: Mapping[str, Any]) -> dict[str, dict[str, float]]:
 def compare(result: dict, baseline: dict) -> str:
     """A table of each config's ratios to bf16 in ``result`` against the same ratios in ``baseline`` (a result
     dict, or a curated file holding ``{"runs": [...]}``: for each config its newest run that has it). Ratios,
-    not tokens/s, since the two runs may have had different host CPUs (:mod:`lowbit.bench.compare`)."""
-    from .compare import newest, table
+    not tokens/s, since the two runs may have had different host CPUs (:mod:`lowbit.bench.comparison`)."""
+    from .comparison import newest, table
 
     return table(_ratios_of(result), newest(baseline, _ratios_of), key="config",
                  skip=lambda config, key: config == "bf16" and key != "host_vs_f_linear")  # bf16: 1.0 by definition
@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     baseline = None
     if args.compare:
-        from .compare import CompareError, load
+        from .comparison import CompareError, load
 
         try:
             baseline = load(args.compare, "lowbit e2e")

@@ -51,7 +51,9 @@ def int4_minmax(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
 
 def gemlite(weights: Sequence[torch.Tensor], kind: str, x: torch.Tensor | None = None) -> list[Fn]:
     """gemlite layers for ``kind`` in {"int4", "mxfp4"} (bf16 in and out)."""
-    import gemlite as _gemlite  # noqa: F401 - loads the shipped per-GPU kernel configs
+    import importlib
+
+    importlib.import_module("gemlite")  # loads the shipped per-GPU kernel configs
     from gemlite.helper import A16W4_MXFP, A16Wn
 
     layers = []

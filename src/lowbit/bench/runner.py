@@ -267,8 +267,8 @@ def run(
         row = run_case(op, shape, ctx, timer, header, copy["GBps"])
         rows[(op.name, shape)] = row
         result["rows"].append(row)
-        say(_progress_line(row))
         dump()  # a run killed by a time limit keeps every case measured so far
+        say(_progress_line(row))
     if hasattr(timer, "cleanup"):
         timer.cleanup()
     dump()
@@ -476,9 +476,9 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 def compare(result: dict[str, Any], baseline: dict[str, Any]) -> str:
     """Each ratio of ``result`` (:func:`ratios`) next to the same ratio in ``baseline`` (a ``lowbit bench``
     result, or a curated file of them under ``"runs"``: for each case its newest run that has it), with the
-    change and a geometric-mean summary per ratio. Raises :class:`~lowbit.bench.compare.CompareError` when
+    change and a geometric-mean summary per ratio. Raises :class:`~lowbit.bench.comparison.CompareError` when
     either is not a ``lowbit bench`` result."""
-    from .compare import CompareError, newest, runs_of, table
+    from .comparison import CompareError, newest, runs_of, table
 
     for what, runs in (("new run", [result]), ("baseline", runs_of(baseline))):
         if not runs or not all(r.get("schema") == SCHEMA and isinstance(r.get("rows"), list) for r in runs):
