@@ -143,3 +143,34 @@ def test_bench_compare_flag_checks_the_baseline_before_running(tmp_path, capsys)
     assert "not a lowbit bench result" in capsys.readouterr().err
     p = cli.build_parser().parse_args(["bench", "--compare", "b.json"])
     assert p.compare == "b.json"
+
+
+RESULTS = __import__("pathlib").Path(__file__).parents[2] / "benchmarks" / "results"
+
+
+def test_curated_files_of_the_replaced_scripts_are_baselines():
+    """The curated W4A16 GEMV and scaled_mm files predate the ops; their speedups compare all the same."""
+    gemv = json.loads((RESULTS / "h100_w4a16_gemv.json").read_text())
+    old = next(r for run in gemv["runs"] for r in run["rows"]
+               if (r["format"], r["n"], r["k"], r["m"]) == ("nf4-dq", 28672, 8192, 1))
+    dec = json.loads((RESULTS / "h100_scaled_mm_decode.json").read_text())
+    old_dec = next(r for r in dec["rows"] if (r["pair"], r["M"], r["N"], r["K"]) == ("nvfp4", 16, 7168, 16384))
+    new = _result([
+        _row("linear.nf4.dq.decode", (1, 28672, 8192), 80.0,
+             {"cublas.bf16": {"speedup": 2 * old["speedup"]["eager"], "speedup_graph": old["speedup"]["graph"]}}),
+        _row("scaled_mm.nvfp4.decode", (16, 7168, 16384), 50.0,
+             {"cublas.bf16": {"speedup": 1.0, "speedup_graph": 0.5 * old_dec["graph_vs_cublas_bf16"]}}),
+    ])
+    text = bench.compare(new, gemv)
+    line = next(x for x in text.splitlines() if x.startswith("linear.nf4.dq.decode 1x28672x8192 | vs cublas.bf16 |"))
+    assert line.endswith("| 2.00x") and f"{old['speedup']['eager']:.3f}" in line
+    assert "linear.nf4.dq.decode 1x28672x8192 | vs cublas.bf16 [graph] |" in text
+    assert "linear.nf4.dq.decode 1x28672x8192 | of_copy | 0.800 | - | -" in text  # bytes counted differently
+    line = next(x for x in bench.compare(new, dec).splitlines()
+                if x.startswith("scaled_mm.nvfp4.decode 16x7168x16384 | vs cublas.bf16 [graph] |"))
+    assert line.endswith("| 0.50x")
+    graph = json.loads((RESULTS / "h100_scaled_mm_graph.json").read_text())
+    keys = bench.compare(new, graph)
+    assert "scaled_linear.fp8_block 4096x2112x7168" in keys  # in the baseline, not in the new run
+    with pytest.raises(C.CompareError, match="nor a result of the W4A16 GEMV or scaled_mm scripts"):
+        bench.compare(new, {"rows": [{"format": "nvfp4", "M": 4096, "ratio_vs_cublas": 0.9}]})

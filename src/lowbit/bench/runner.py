@@ -473,14 +473,26 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _any_ratios(run: dict[str, Any]) -> dict[str, dict[str, float]]:
+    from . import legacy
+
+    return ratios(run) if run.get("schema") == SCHEMA else legacy.ratios(run)
+
+
 def compare(result: dict[str, Any], baseline: dict[str, Any]) -> str:
     """Each ratio of ``result`` (:func:`ratios`) next to the same ratio in ``baseline`` (a ``lowbit bench``
     result, or a curated file of them under ``"runs"``: for each case its newest run that has it), with the
-    change and a geometric-mean summary per ratio. Raises :class:`~lowbit.bench.comparison.CompareError` when
-    either is not a ``lowbit bench`` result."""
+    change and a geometric-mean summary per ratio. Baseline runs in the layouts of the scripts the matmul ops
+    replaced are read too (:mod:`lowbit.bench.legacy`). Raises
+    :class:`~lowbit.bench.comparison.CompareError` when the new run is not a ``lowbit bench`` result or the
+    baseline holds no run of either kind."""
     from .comparison import CompareError, newest, runs_of, table
 
-    for what, runs in (("new run", [result]), ("baseline", runs_of(baseline))):
-        if not runs or not all(r.get("schema") == SCHEMA and isinstance(r.get("rows"), list) for r in runs):
-            raise CompareError(f"the {what} is not a lowbit bench result (schema {SCHEMA!r} with rows)")
-    return table(ratios(result), newest(baseline, ratios), key="case", summary=True)
+    if result.get("schema") != SCHEMA or not isinstance(result.get("rows"), list):
+        raise CompareError(f"the new run is not a lowbit bench result (schema {SCHEMA!r} with rows)")
+    runs = runs_of(baseline)
+    if not runs or not all(r.get("schema") == SCHEMA and isinstance(r.get("rows"), list) or _any_ratios(r)
+                           for r in runs):
+        raise CompareError(f"the baseline is not a lowbit bench result (schema {SCHEMA!r} with rows), nor a "
+                           "result of the W4A16 GEMV or scaled_mm scripts its ops replaced")
+    return table(ratios(result), newest(baseline, _any_ratios), key="case", summary=True)
