@@ -414,7 +414,7 @@ def format_table(result: dict[str, Any]) -> str:
         "bit for bit, tol = within the op's relative error bound"
     )
     columns = (
-        f"{'op':28} {'shape':11} {'us':>8} {'p20-p80':>13} {'graph':>7} {'GB/s':>5} {'%copy':>5} "
+        f"{'op':30} {'shape':15} {'us':>8} {'p20-p80':>13} {'graph':>7} {'GB/s':>5} {'%copy':>5} "
         f"{'TF/s':>6} {'check':5} baselines"
     )
     lines = [title, roofs, columns]
@@ -429,7 +429,7 @@ def format_table(result: dict[str, Any]) -> str:
                 check = "tol"
             tflops = f"{row['TFLOPS']:6.1f}" if row.get("TFLOPS") else f"{'-':>6}"
             lines.append(
-                f"{row['op']:28} {shape_str(row['shape']):11} {row['ms'] * 1e3:8.1f} {spread:>13} {graph} "
+                f"{row['op']:30} {shape_str(row['shape']):15} {row['ms'] * 1e3:8.1f} {spread:>13} {graph} "
                 f"{row['GBps']:5.0f} {row['pct_copy']:5.1f} {tflops} {check:5} "
                 f"{_baseline_text(row['baselines'], short=True)}"
             )
