@@ -155,7 +155,7 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
 
         if scheme == "w8a8-fp8-block" and cublas_fp8_block._unavailable(0) is None:
             assert type(runners.get((100, torch.bfloat16, not bias))).__name__ == "_Fp8BlockCublas"
-        if scheme == "w8a8-fp8-block":  # decode: the activation quantized inside the GEMM, one launch
+        if scheme in ("w8a8-fp8-block", "w4a8-mxfp4"):  # decode: the activation quantized in the GEMM, one launch
             for m in (1, 2, 16):
                 assert type(runners.get((m, torch.bfloat16, not bias))).__name__ == "QuantInGemm", m
     # a model's decode calls a layer with 3-D x [B, 1, K] only: its calls get a runner too
@@ -186,22 +186,25 @@ def _adversarial_rows(m, k, dtype):
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
-@pytest.mark.parametrize("k", [512, 520])  # 520: a masked last K block
+@pytest.mark.parametrize("k", [512, 544])  # 544: a masked last K block
 @pytest.mark.parametrize("m, bias", [(1, True), (5, False), (16, True)])
-def test_quant_in_gemm_bits_equal_quantize_then_gemm(x_dtype, scale_fmt, k, m, bias):
-    """The fp8_block decode launch that quantizes x inside the GEMM gives the bits of the two launches
-    (lowbit's quantize kernel, then the decoding GEMM) on random and adversarial rows, NaN/Inf included."""
+@pytest.mark.parametrize("w_fmt", ["fp8_block", "mxfp4"])  # w8a8-fp8-block, w4a8-mxfp4
+def test_quant_in_gemm_bits_equal_quantize_then_gemm(x_dtype, scale_fmt, k, m, bias, w_fmt):
+    """The decode launch that quantizes x to fp8_block inside the GEMM gives the bits of the two launches
+    (lowbit's quantize kernel, then the decoding GEMM) on random and adversarial rows, NaN/Inf included: the
+    fp8_block decode kernel on fp8_block weights, the decoding GEMM with A_QUANT on mxfp4 weights."""
     from lowbit.kernels import scaled_mm as ksm
 
     torch.manual_seed(k + m)
-    w = lowbit.quantize(torch.randn(384, k, device="cuda", dtype=torch.bfloat16), "fp8_block", block=(128, 128))
+    wf = torch.randn(384, k, device="cuda", dtype=torch.bfloat16)
+    w = lowbit.quantize(wf, "fp8_block", block=(128, 128)) if w_fmt == "fp8_block" else lowbit.quantize(wf, "mxfp4")
     opts = {} if scale_fmt is None else {"scale_fmt": scale_fmt}
     x = _adversarial_rows(m, k, x_dtype)
     b = torch.randn(384, device="cuda", dtype=x_dtype) if bias else None
     a = lowbit.quantize(x, "fp8_block", block=(1, 128), **opts)
     route = ksm.KernelRoute(a, w, False, bias, x_dtype)
     run = route.quant_in_gemm(scale_fmt == "ue8m0")
-    assert run is not None
+    assert run is not None and run.minimal == (w_fmt == "fp8_block")
     for _ in range(2):  # the first launch compiles, the second runs the cached kernel directly
         got = run(x, b)
         want = scaled_linear(x, w, "fp8_block", act_options=opts or None, bias=b, out_dtype=x_dtype)

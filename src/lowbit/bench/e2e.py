@@ -403,7 +403,8 @@ def run_config(config: str, s: DecoderShape, args: argparse.Namespace, device) -
 
 def _host_row(model: Decoder, device) -> dict:
     lin = model.layers[0].q_proj
-    x = torch.randn(1, lin.in_features, dtype=torch.bfloat16, device=device)
+    # [batch, tokens, hidden], as the decoder calls its projections (a 2-D x could take another path)
+    x = torch.randn(1, 1, lin.in_features, dtype=torch.bfloat16, device=device)
     w = torch.randn(lin.out_features, lin.in_features, dtype=torch.bfloat16, device=device)
     return {"us": host_us_per_call(lambda: lin(x), device),
             "f_linear_us": host_us_per_call(lambda: F.linear(x, w), device)}

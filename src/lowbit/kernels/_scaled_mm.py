@@ -183,7 +183,7 @@ def _scaled_mm_kernel(
     A_QUANT: tl.constexpr = False,
     A_POW2: tl.constexpr = False,
 ):
-    """A_QUANT (with an fp8_block x fp8_block pair and BK = 128): ``a_ptr`` is the unquantized activation (bf16,
+    """A_QUANT (an fp8_block activation, any weight, BK = 128): ``a_ptr`` is the unquantized activation (bf16,
     fp16 or fp32, row stride ``stride_a``) and each program quantizes its tiles to fp8_block 1x128 in registers
     (A_POW2: ue8m0 scales), so decode runs one launch instead of quantize + GEMM; ``as_ptr`` is unused.
 
@@ -221,6 +221,29 @@ def _scaled_mm_kernel(
             else:
                 a = _fp8_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K)
             b = _fp8_tile(b_ptr, rows_b, k0, K, stride_b, BK, EVEN_K)
+        elif A_QUANT:
+            a8, a_scale = _quantized_x_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K, A_POW2)
+            a = a8.to(tl.bfloat16)  # an E4M3 value is exact in bf16, as _operand_tile's KIND 0 tile
+            b = _operand_tile(
+                b_ptr,
+                bs_ptr,
+                rows_b,
+                k0,
+                K,
+                stride_b,
+                stride_bs0,
+                stride_bs1,
+                b_cols4,
+                B_KIND,
+                B_SMODE,
+                B_SWIZZLED,
+                B_EBITS,
+                B_MBITS,
+                B_BIAS,
+                BK,
+                EVEN_K,
+                ON_GPU,
+            )
         else:
             a = _operand_tile(
                 a_ptr,
@@ -296,6 +319,26 @@ def _scaled_mm_kernel(
             tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
             _mm_epilogue(tot, pid_m, pid_n, rows_a, M, N, as_ptr, stride_as0, ag_ptr, bg_ptr, alpha_ptr, bias_ptr,
                          out_ptr, stride_om, A_SMODE, A_GMODE, B_GMODE, HAS_ALPHA, HAS_BIAS, BM, BN)
+
+
+@triton.jit
+def _fp8_block_decode_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, K_PER,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    POW2: tl.constexpr, ROWS_PER_SCALE: tl.constexpr, ON_GPU: tl.constexpr,
+):
+    """fp8_block decode with the activation quantized in the GEMM: ``_scaled_mm_kernel`` with A_QUANT on an
+    fp8_block weight, for contiguous x ``[M, K]``, weight ``[N, K]``, weight scales ``[N / ROWS_PER_SCALE,
+    cdiv(K, 128)]`` and output ``[M, N]``, whose strides follow from the shapes. The same code and bits; a
+    tenth of the launch arguments (each costs the launcher host time on every call). ``part_ptr`` /
+    ``cnt_ptr``: the split-K workspace and counters."""
+    _scaled_mm_kernel(
+        x_ptr, x_ptr, x_ptr, w_ptr, ws_ptr, ws_ptr, out_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, cnt_ptr,
+        M, N, K, K_PER, K, 0, 0, 0, K, tl.cdiv(K, 128), 1, 0, N,
+        0, 1, False, 0, 0, 0, 0,            # A: fp8_block (quantized here)
+        0, 1, False, 0, 0, 0, 0,            # B: fp8_block
+        ROWS_PER_SCALE, False, HAS_BIAS, BM, BN, 128, 1, EVEN_K, SPLIT, ON_GPU, False, True, POW2,
+    )
 
 
 @triton.jit

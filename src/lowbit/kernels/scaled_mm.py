@@ -569,16 +569,25 @@ class KernelRoute:
 
     def quant_in_gemm(self, pow2: bool) -> QuantInGemm | None:
         """This launch with the activation quantized inside the kernel (``A_QUANT``), for an fp8_block (1x128)
-        activation on an fp8_block weight with 128-wide K tiles: x goes straight in, one launch instead of the
-        quantize kernel and this one, the same codes and scales in registers, so the same bits. ``pow2``: the
-        activation's ue8m0 scales. None where the route is another kind."""
+        activation with 128-wide K tiles: x goes straight in, one launch instead of the quantize kernel and this
+        one, the same codes and scales in registers, so the same bits. On an fp8_block weight whose tensors
+        are contiguous it is ``_fp8_block_decode_kernel`` (the same code with strides derived from the shapes:
+        fewer launch arguments). ``pow2``: the activation's ue8m0 scales. None where the route is another
+        kind."""
         c = self.launch.consts
-        if not (self.ok and c["A_KIND"] == 0 and c["B_KIND"] == 0 and c["A_SMODE"] == 1 and c["B_SMODE"] == 1
-                and c["BK"] == 128 and not c["GUARD"] and not c["HAS_ALPHA"]):
+        if not (self.ok and c["A_KIND"] == 0 and c["A_SMODE"] == 1 and c["BK"] == 128 and not c["GUARD"]
+                and not c["HAS_ALPHA"]):
             return None
+        data, scale = self.b3[0], self.b3[1]
+        if (c["B_KIND"] == 0 and c["B_SMODE"] == 1 and data.is_contiguous() and scale.is_contiguous()
+                and c["GROUP_M"] == 1):
+            consts = dict(HAS_BIAS=c["HAS_BIAS"], BM=c["BM"], BN=c["BN"], SPLIT=c["SPLIT"], EVEN_K=c["EVEN_K"],
+                          POW2=bool(pow2), ROWS_PER_SCALE=c["B_ROWS_PER_SCALE"], ON_GPU=c["ON_GPU"])
+            return QuantInGemm(Launch(k._fp8_block_decode_kernel, self.launch.grid, consts, **self.launch.options),
+                               self, minimal=True)
         launch = Launch(k._scaled_mm_kernel, self.launch.grid, {**c, "A_QUANT": True, "A_POW2": bool(pow2)},
                         **self.launch.options)
-        return QuantInGemm(launch, self)
+        return QuantInGemm(launch, self, minimal=False)
 
 
 class QuantInGemm:
@@ -587,11 +596,11 @@ class QuantInGemm:
     :meth:`KernelRoute.quant_in_gemm`'s single launch, with the route's split-K scratch kept per stream as the
     GEMV runners keep theirs."""
 
-    __slots__ = ("launch", "m", "n", "k_dim", "k_per", "split", "tiles", "b3", "b_strides", "dtype", "device",
-                 "dev_index", "ws_numel", "_kept")
+    __slots__ = ("launch", "minimal", "m", "n", "k_dim", "k_per", "split", "tiles", "b3", "b_strides", "dtype",
+                 "device", "dev_index", "ws_numel", "_kept")
 
-    def __init__(self, launch: Launch, route: KernelRoute) -> None:
-        self.launch = launch
+    def __init__(self, launch: Launch, route: KernelRoute, minimal: bool) -> None:
+        self.launch, self.minimal = launch, minimal
         self.m, self.n, self.k_dim, self.k_per = route.m, route.n, route.k_dim, route.k_per
         self.split, self.tiles = route.split, route.tiles
         self.b3, self.b_strides = route.b3, route.b_strides
@@ -615,21 +624,23 @@ class QuantInGemm:
                     self._kept = (stream, gen, ws, cnt)
         else:
             ws = cnt = out
-        self.launch.run_on(stream, x, x, x, *self.b3, out, out if bias is None else bias, out, ws, cnt, cnt,
-                           m, n, self.k_dim, self.k_per, x.stride(0), 0, 0, 0, *self.b_strides, n)
+        b = out if bias is None else bias
+        if self.minimal:
+            self.launch.run_on(stream, x, self.b3[0], self.b3[1], b, out, ws, cnt, m, n, self.k_dim, self.k_per)
+        else:
+            self.launch.run_on(stream, x, x, x, *self.b3, out, b, out, ws, cnt, cnt, m, n, self.k_dim, self.k_per,
+                               x.stride(0), 0, 0, 0, *self.b_strides, n)
         return out
-
-
-_A_FP8_BLOCK = {"KIND": 0, "SMODE": 1, "SWIZZLED": False, "GMODE": 0, "EBITS": 0, "MBITS": 0, "BIAS": 0}
 
 
 def traced_quant_in_gemm(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, ws: torch.Tensor,
                          cnt: torch.Tensor, bias: torch.Tensor | None, pow2: bool, rows_per_scale: int
                          ) -> torch.Tensor:
-    """fp8_block decode (x ``[M, K]`` contiguous, M <= the first FP8 config's limit) as ``torch.compile`` traces
-    it inside a ``triton_op`` body: :meth:`KernelRoute.quant_in_gemm`'s launch, planned from the shapes alone
-    (the grid does not depend on M within the config). ``ws`` / ``cnt``: a split-K workspace and zeroed
-    counters that cover the plan (``lowbit.kernels._scratch.traced_scratch``; a larger plan gets its own)."""
+    """fp8_block decode (x ``[M, K]`` contiguous, M <= the first FP8 config's limit; the weight's data and
+    scales contiguous) as ``torch.compile`` traces it inside a ``triton_op`` body: the launch of
+    :meth:`KernelRoute.quant_in_gemm`, planned from the shapes alone (the grid does not depend on M within
+    the config). ``ws`` / ``cnt``: a split-K workspace and zeroed counters that cover the plan
+    (``lowbit.kernels._scratch.traced_scratch``; a larger plan gets its own)."""
     m, k_dim = x.shape
     n = w_data.shape[0]
     dev = x.device
@@ -640,13 +651,13 @@ def traced_quant_in_gemm(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.T
     if split > 1 and (ws.numel() < split * cfg["BM"] * n or cnt.numel() < tiles):
         ws = torch.empty(split * cfg["BM"] * n, dtype=torch.float32, device=dev)
         cnt = torch.zeros(tiles, dtype=torch.int32, device=dev)
-    consts = _kernel_consts(_A_FP8_BLOCK, {**_A_FP8_BLOCK, "ROWS_PER_SCALE": rows_per_scale}, cfg, False,
-                            bias is not None, k_dim, split, guard=False)
-    consts.update(A_QUANT=True, A_POW2=bool(pow2))
-    launch = Launch(k._scaled_mm_kernel, (tiles, split), consts, cfg["num_warps"], cfg["num_stages"])
-    launch.traced(x, x, x, w_data, w_scale, w_scale, out, out if bias is None else bias, out, ws, cnt, cnt,
-                  m, n, k_dim, k_per, x.stride(0), 0, 0, 0, w_data.stride(0), w_scale.stride(0),
-                  w_scale.stride(1), 0, n)
+    consts = dict(HAS_BIAS=bias is not None, BM=cfg["BM"], BN=cfg["BN"], SPLIT=split,
+                  EVEN_K=k_dim % cfg["BK"] == 0, POW2=bool(pow2), ROWS_PER_SCALE=rows_per_scale,
+                  ON_GPU=not _interpreting())
+    launch = Launch(k._fp8_block_decode_kernel, (tiles, split), consts, cfg["num_warps"], cfg["num_stages"])
+    if split == 1:
+        ws = cnt = out
+    launch.traced(x, w_data, w_scale, out if bias is None else bias, out, ws, cnt, m, n, k_dim, k_per)
     return out
 
 
@@ -715,6 +726,7 @@ def compile_variants():
         # decode with the activation quantized in the GEMM (one launch): bf16 / fp16 x, ue8m0 scales, masked K
         ("fp8_block", "fp8_block", {"small": True, "bias": True, "a_quant": "*bf16"}),
         ("fp8_block", "fp8_block", {"small": True, "even_k": False, "a_quant": "*fp16", "pow2": True}),
+        ("fp8_block", "mxfp4", {"small": True, "a_quant": "*bf16", "bias": True}),
         ("mxfp4", "mxfp4", {"swizzled": True, "small": True}),
         # the guarded exact fallback of the FP8 re-encoded pairs
         ("mxfp4", "mxfp4", {"guard": True}),
@@ -790,6 +802,15 @@ def compile_variants():
             }
         )
         yield k._scaled_mm_kernel, sig, consts
+    # the fp8_block decode kernel (activation quantized in the GEMM): each x dtype, ue8m0, masked K, bias, split-K
+    for x_ty, pow2, even_k, bias in (("*bf16", False, True, True), ("*fp16", True, False, False),
+                                     ("*fp32", False, True, False)):
+        cfg = FP8_CONFIGS[0][1]
+        sig = {"x_ptr": x_ty, "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": x_ty,
+               "out_ptr": x_ty, "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+               "K_PER": "i32"}
+        yield k._fp8_block_decode_kernel, sig, dict(HAS_BIAS=bias, BM=cfg["BM"], BN=cfg["BN"], SPLIT=4,
+                                                    EVEN_K=even_k, POW2=pow2, ROWS_PER_SCALE=128, ON_GPU=True)
     # the TMA fp8_block kernel: every shipped config, plus per-row weight scales (block (1, 128)) with bias/alpha,
     # and every config of the FP8 re-encoded pairs (128x128 weight blocks, with bias/alpha)
     tma_cases = []
