@@ -399,6 +399,7 @@ def apply_gptq_scheme(
     weights keep the global scale ``quantize_model`` chose (shared by fused siblings), activations their
     static scales."""
     from ..nn.modules import QuantLinear
+    from .rotation import carry_input_transform
 
     def options(name: str, lin: nn.Linear) -> tuple[str, dict[str, Any]]:
         opts = scheme.weight_quantize_options(lin.in_features)
@@ -407,12 +408,16 @@ def apply_gptq_scheme(
         return scheme.weight_format, opts
 
     def build(name: str, lin: nn.Linear, q: QTensor | None) -> nn.Module:
+        # an online input transform (smoothing, rotation) moves to the new layer: the later stages are
+        # calibrated on, and the model runs with, the inputs the weights were transformed for
         if q is None:
-            return QuantLinear.from_linear(lin, scheme, global_scale=global_scales.get(name),
-                                           input_global_scale=input_scales.get(name), backend=backend)
+            return carry_input_transform(lin, QuantLinear.from_linear(
+                lin, scheme, global_scale=global_scales.get(name), input_global_scale=input_scales.get(name),
+                backend=backend))
         bias = lin.bias.detach() if lin.bias is not None else None
-        return QuantLinear(lin.in_features, lin.out_features, bias is not None, scheme=scheme, weight=q,
-                           bias_tensor=bias, input_global_scale=input_scales.get(name), backend=backend)
+        return carry_input_transform(lin, QuantLinear(
+            lin.in_features, lin.out_features, bias is not None, scheme=scheme, weight=q, bias_tensor=bias,
+            input_global_scale=input_scales.get(name), backend=backend))
 
     return apply_gptq(model, targets, build, options, run_calibration, config)
 

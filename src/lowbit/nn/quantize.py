@@ -201,6 +201,82 @@ def activation_global_scale(absmax: torch.Tensor) -> torch.Tensor:
     return nvfp4_default_global_scale(absmax.float().reshape(1)).reshape(1)
 
 
+def _targets(model: nn.Module, scheme: Scheme, patterns: tuple[str, ...], caller: str) -> dict[str, nn.Linear]:
+    """The Linear layers ``scheme`` quantizes (not skipped, shape supported); one warning lists the others."""
+    layers = linear_layers(model)
+    targets: dict[str, nn.Linear] = {}
+    unsupported: list[str] = []
+    for name, lin in layers.items():
+        if is_skipped(name, patterns):
+            continue
+        why = scheme.unsupported(lin.out_features, lin.in_features)
+        if why is not None:
+            unsupported.append(f"{name} [{lin.out_features}, {lin.in_features}]: {why}")
+            continue
+        targets[name] = lin
+    if not targets:
+        detail = f"; unsupported shapes: {'; '.join(unsupported)}" if unsupported else ""
+        raise ValueError(
+            f"{caller}: no nn.Linear layer can take scheme {scheme.name} "
+            f"({len(layers)} Linear layers, skip={list(patterns)}){detail}"
+        )
+    if unsupported:
+        warnings.warn(
+            f"lowbit.{caller}: {len(unsupported)} layer(s) left unquantized, their shapes do not fit "
+            f"{scheme.name}: " + "; ".join(unsupported),
+            stacklevel=3,
+        )
+    return targets
+
+
+def _apply_transforms(model: nn.Module, targets: Mapping[str, nn.Linear], scheme: Scheme, plan: Any,
+                      calibration: Any) -> None:
+    """Smoothing, then rotation, of ``targets`` (the float function of ``model`` stays the same)."""
+    if not plan.transforms:
+        return
+    if any(lin.weight.is_meta for lin in targets.values()):
+        raise ValueError(
+            f"algorithm {plan.name!r} needs a model with real weights; this model is on the meta device"
+        )
+    if plan.smooth is not None:
+        from ..algorithms.smoothing import apply_smoothing
+
+        apply_smoothing(model, targets, scheme, lambda: run_calibration(model, calibration), plan.smooth)
+    if plan.rotate is not None:
+        from ..algorithms.rotation import apply_rotation
+
+        apply_rotation(model, targets, scheme, plan.rotate)
+
+
+def transform_model(
+    model: nn.Module,
+    scheme: str | Scheme,
+    *,
+    algorithm: Any,
+    skip: str | Iterable[str] | None = DEFAULT_SKIP,
+    calibration: Iterable[Any] | None = None,
+) -> nn.Module:
+    """Only the input transforms of ``algorithm`` (smoothing, rotation), in place: what :func:`quantize_model`
+    does to the float model before rounding, for the same ``scheme``, ``skip`` and ``calibration``. The
+    model computes the same function (up to float rounding); ``quantize_model(model, scheme,
+    algorithm=<the rest>)`` then quantizes it, keeping the online transforms. Weight rounding entries of
+    ``algorithm`` (``"gptq"``, ``"rtn"``) are accepted and ignored here.
+
+    Useful to compare each quantized layer with a float layer that reads the same (transformed) input.
+    """
+    scheme = get_scheme(scheme)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    patterns = _patterns(skip)
+    _check_calibration(calibration)
+    from ..algorithms.pipeline import resolve
+
+    plan = resolve(algorithm, None, calibration)
+    plan.check_scheme(scheme)
+    _apply_transforms(model, _targets(model, scheme, patterns, "transform_model"), scheme, plan, calibration)
+    return model
+
+
 def quantize_model(
     model: nn.Module,
     scheme: str | Scheme,
@@ -233,7 +309,14 @@ def quantize_model(
         algorithm: how weights are rounded: ``"rtn"`` (default, round-to-nearest), ``"gptq"`` or a
             :class:`lowbit.algorithms.GPTQ` with its options (Hessian error compensation on the calibration
             data, for nvfp4, mxfp4, fp4_b32, nf4, bnb_fp4 and int4_awq weights; needs ``calibration``;
-            AWQ then runs only with ``awq=True``), or ``"awq"`` (``awq=True``).
+            AWQ then runs only with ``awq=True``), or ``"awq"`` (``awq=True``). For schemes that quantize
+            activations, ``"smoothquant"`` / :class:`lowbit.algorithms.SmoothQuant` (needs ``calibration``)
+            and ``"rotate"`` / :class:`lowbit.algorithms.Rotate` transform the layers' inputs first; combine
+            them with a weight rounding as a tuple (``("smoothquant", "gptq")``) or ``"smoothquant+gptq"``
+            (:mod:`lowbit.algorithms.pipeline`). Smoothing folded into norms and projections changes only
+            float weights of ``model``; online transforms (``SmoothQuant(online=True)`` for inputs with no
+            foldable producer, rotations not folded) stay as an ``input_transform`` child of the quantized
+            layer, cost time on every call and are not stored by :func:`lowbit.save_quantized`.
 
     Fused projections (q/k/v, gate/up, BERT query/key/value under one parent) share one NVFP4 weight global
     scale ``2688 / max(amax)``, as llm-compressor writes them for vLLM's fused layers.
@@ -245,8 +328,11 @@ def quantize_model(
     Calibration needs real weights and is refused for it.
 
     Raises:
-        ValueError: unknown scheme, no layer could be quantized, or calibration of a meta model.
-        TypeError: ``skip``, ``calibration`` or ``awq`` of the wrong type (a str is not calibration data).
+        ValueError: unknown scheme, no layer could be quantized, calibration of a meta model, or an
+            ``algorithm`` that does not fit (unknown name, smoothing/GPTQ without calibration, smoothing or
+            rotation with a weight-only scheme).
+        TypeError: ``skip``, ``calibration``, ``awq`` or ``algorithm`` of the wrong type (a str is not
+            calibration data).
     """
     scheme = get_scheme(scheme)
     if not isinstance(model, nn.Module):
@@ -255,32 +341,12 @@ def quantize_model(
     _check_calibration(calibration)
     if awq is not None and not isinstance(awq, bool):
         raise TypeError(f"awq must be None, True or False, got {type(awq).__name__}")
-    from ..algorithms.gptq import resolve_algorithm
+    from ..algorithms.pipeline import resolve
 
-    algorithm, awq = resolve_algorithm(algorithm, awq, calibration)
-    layers = linear_layers(model)
-    targets: dict[str, nn.Linear] = {}
-    unsupported: list[str] = []
-    for name, lin in layers.items():
-        if is_skipped(name, patterns):
-            continue
-        why = scheme.unsupported(lin.out_features, lin.in_features)
-        if why is not None:
-            unsupported.append(f"{name} [{lin.out_features}, {lin.in_features}]: {why}")
-            continue
-        targets[name] = lin
-    if not targets:
-        detail = f"; unsupported shapes: {'; '.join(unsupported)}" if unsupported else ""
-        raise ValueError(
-            f"quantize_model: no nn.Linear layer can take scheme {scheme.name} "
-            f"({len(layers)} Linear layers, skip={list(patterns)}){detail}"
-        )
-    if unsupported:
-        warnings.warn(
-            f"lowbit.quantize_model: {len(unsupported)} layer(s) left unquantized, their shapes do not fit "
-            f"{scheme.name}: " + "; ".join(unsupported),
-            stacklevel=2,
-        )
+    plan = resolve(algorithm, awq, calibration)
+    plan.check_scheme(scheme)
+    algorithm, awq = plan.gptq, plan.awq
+    targets = _targets(model, scheme, patterns, "quantize_model")
 
     if calibration is not None and any(lin.weight.is_meta for lin in targets.values()):
         # a meta model has no weights to run: it can be quantized shape-only, but not calibrated
@@ -288,6 +354,7 @@ def quantize_model(
             "calibration needs a model with real weights; this model is on the meta device (quantize it "
             "without calibration to build a shape-only skeleton, then load quantized weights)"
         )
+    _apply_transforms(model, targets, scheme, plan, calibration)
     if awq and (calibration is None or scheme.weight_format != "int4_awq"):
         raise ValueError("awq=True needs scheme w4a16-int4 (int4_awq weights) and calibration data")
     if calibration is not None and scheme.weight_format == "int4_awq" and awq is not False:
@@ -317,6 +384,8 @@ def quantize_model(
         apply_gptq_scheme(model, targets, scheme, lambda: run_calibration(model, calibration), algorithm,
                           global_scales, input_scales, backend)
         return model
+    from ..algorithms.rotation import carry_input_transform
+
     modules = dict(model.named_modules())
     for name, lin in targets.items():
         parent_name, _, child = name.rpartition(".")
@@ -328,7 +397,7 @@ def quantize_model(
             input_global_scale=input_scales.get(name),
             backend=backend,
         )
-        setattr(parent, child, q)
+        setattr(parent, child, carry_input_transform(lin, q))
     return model
 
 
@@ -342,4 +411,5 @@ __all__ = [
     "linear_layers",
     "quantize_model",
     "run_calibration",
+    "transform_model",
 ]
