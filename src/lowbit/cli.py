@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="calibrate on N built-in sentences (0-64; default 0, or 64 with --algorithm gptq), or on the "
+        help="calibrate on N built-in sentences (0-64; default 0, or 64 with gptq or smoothquant), or on the "
         "first N lines of --calib-file: static activation scales for w4a4-nvfp4, AWQ scales for w4a16-int4 (rtn), "
-        "the Hessians of GPTQ. The built-in calibration sentences are disjoint from the evaluation sentences",
+        "the Hessians of GPTQ, the input ranges of smoothquant. The built-in calibration sentences are disjoint "
+        "from the evaluation sentences",
     )
     q.add_argument(
         "--calib-file",
@@ -134,10 +135,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument(
         "--algorithm",
-        choices=("rtn", "gptq"),
+        type=_algorithm_arg,
         default="rtn",
-        help="how weights are rounded: rtn (round-to-nearest, default) or gptq (Hessian error compensation "
-        "on the calibration sentences; 4-bit weight formats, others stay rtn)",
+        metavar="ALG[,ALG]",
+        help="rtn (round-to-nearest, default), gptq (Hessian error compensation on the calibration sentences; "
+        "4-bit weight formats, others stay rtn), smoothquant (move activation outliers into the weights; "
+        "schemes that quantize activations), rotate (random Hadamard rotation of layer inputs; schemes that "
+        "quantize activations), or a comma-separated combination such as smoothquant,gptq. Weight-only "
+        "schemes skip smoothquant and rotate",
+    )
+    q.add_argument(
+        "--smooth-alpha", default=None, metavar="A[,A...]",
+        help="smoothquant: migration strength in [0, 1] (default 0.5), or a comma-separated grid searched per "
+        "layer group on the calibration sentences",
+    )
+    q.add_argument(
+        "--smooth-online", action="store_true",
+        help="smoothquant: also smooth layers whose input no norm or Linear can take the scales from (BERT's "
+        "post-norm layers) with an online per-channel scale; costs time per call, and such a model is "
+        "evaluated in memory (no checkpoint stores online transforms)",
+    )
+    q.add_argument(
+        "--rotate-block", type=int, default=None, metavar="B",
+        help="rotate: Hadamard block (a power of two; default the activation format's scale block)",
     )
     q.add_argument(
         "--device", default=None, help="where to quantize and evaluate (default: cuda if available, else cpu)"
@@ -174,6 +194,61 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--layers", action="store_true", help="also list every layer and its tensors")
     i.add_argument("--json", action="store_true", help="print JSON (every layer included)")
     return parser
+
+
+ALGORITHM_NAMES = ("rtn", "gptq", "smoothquant", "rotate")
+
+
+def _algorithm_arg(text: str) -> str:
+    """``--algorithm``: names of :data:`ALGORITHM_NAMES` joined by commas (argparse reports a bad one)."""
+    names = [p.strip() for p in text.replace("+", ",").split(",")]
+    bad = [n for n in names if n not in ALGORITHM_NAMES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice {text!r}: give one or more of {', '.join(ALGORITHM_NAMES)} joined by commas"
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r}: a name is repeated")
+    return ",".join(names)
+
+
+def _algorithm(args: argparse.Namespace):
+    """``--algorithm`` and its options -> what ``lowbit.eval.run`` takes (ValueError naming the flag)."""
+    names = args.algorithm.split(",")
+    if (args.smooth_alpha is not None or args.smooth_online) and "smoothquant" not in names:
+        raise ValueError("--smooth-alpha and --smooth-online apply to --algorithm smoothquant")
+    if args.rotate_block is not None and "rotate" not in names:
+        raise ValueError("--rotate-block applies to --algorithm rotate")
+    if args.smooth_alpha is None and not args.smooth_online and args.rotate_block is None:
+        return args.algorithm if len(names) == 1 else tuple(names)
+    from .algorithms import Rotate, SmoothQuant
+
+    out = []
+    for n in names:
+        if n == "smoothquant":
+            opts: dict = {"online": args.smooth_online}
+            if args.smooth_alpha is not None:
+                try:
+                    alphas = [float(a) for a in args.smooth_alpha.split(",")]
+                except ValueError:
+                    raise ValueError(f"--smooth-alpha {args.smooth_alpha!r}: not a number or comma-separated "
+                                     "numbers") from None
+                if len(alphas) == 1:
+                    opts["alpha"] = alphas[0]
+                else:
+                    opts["alphas"] = tuple(alphas)
+            try:
+                out.append(SmoothQuant(**opts))
+            except ValueError as e:
+                raise ValueError(f"--smooth-alpha: {e}") from None
+        elif n == "rotate":
+            try:
+                out.append(Rotate(block_size=args.rotate_block))
+            except ValueError as e:
+                raise ValueError(f"--rotate-block: {e}") from None
+        else:
+            out.append(n)
+    return tuple(out)
 
 
 def _version() -> str:
@@ -254,13 +329,17 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return _fail("quantize", "--include, --exclude and --format apply to diffusers or bare safetensors folders "
                                  "(converted without evaluation); this is a transformers model directory")
     try:
+        algorithm = _algorithm(args)
+    except ValueError as e:
+        return _fail("quantize", str(e))
+    try:
         report = lbeval.run(
             args.model_dir,
             args.scheme,
             args.out,
             calib=args.calib,
             calib_file=args.calib_file,
-            algorithm=args.algorithm,
+            algorithm=algorithm,
             device=args.device,
             log=log,
             convert_progress=args.progress,

@@ -111,7 +111,8 @@ class InputTransform(nn.Module):
             raise ValueError(f"block must be a power of two dividing in_features={in_features}, got {block!r}")
         if scale is not None:
             if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != (in_features,):
-                raise ValueError(f"scale must be a tensor of shape ({in_features},), got {getattr(scale, 'shape', scale)}")
+                got = getattr(scale, "shape", scale)
+                raise ValueError(f"scale must be a tensor of shape ({in_features},), got {got}")
             scale = scale.detach().float().clone()
         self.in_features = in_features
         self.block = block

@@ -473,7 +473,9 @@ def apply_smoothing(
             continue
         lins = [modules[n] for n in g.linears]
         x_absmax = torch.stack([stats.absmax[n] for n in names]).amax(0)
-        w_absmax = torch.stack([lin.weight.detach().abs().amax(0).float().to(x_absmax.device) for lin in lins]).amax(0)
+        w_absmax = torch.stack(
+            [lin.weight.detach().abs().amax(0).float().to(x_absmax.device) for lin in lins]
+        ).amax(0)
         alpha, errs = config.alpha, None
         x = stats.sample(names[0]) if config.alphas else None
         if x is not None:

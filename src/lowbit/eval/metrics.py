@@ -90,12 +90,20 @@ def capture(modules: dict[str, nn.Module], *, inputs: bool = False):
     def hook(name):
         def fn(module, args, out):
             outs[name] = out.detach()
-            if inputs:
-                ins[name] = args[0].detach()
+
+        return fn
+
+    def pre(name):
+        def fn(module, args):
+            ins[name] = args[0].detach()
 
         return fn
 
     handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+    if inputs:
+        # first of the pre-hooks: the input as the layer receives it, before an online input transform
+        # (lowbit.algorithms) changes it; the quantized layer fed this input applies its own
+        handles += [m.register_forward_pre_hook(pre(n), prepend=True) for n, m in modules.items()]
     try:
         yield outs, ins
     finally:

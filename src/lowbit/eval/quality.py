@@ -7,10 +7,15 @@ with ``calib > 0`` quantized in memory by :func:`lowbit.quantize_model` on that 
 report measures the files, not an in-memory model), and its sentence
 embeddings and per-layer outputs are compared with the fp32 original on the built-in sentences
 (:mod:`lowbit.eval.metrics`). The report goes to ``out_dir/report.{txt,json,png}``.
+
+The exception: a model that ``algorithm`` leaves with online input transforms (``SmoothQuant(online=True)``,
+rotations not folded into weights) has no checkpoint form; it is measured in memory, and its report row says
+so.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import platform
@@ -22,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ..algorithms.pipeline import describe, label, names_of, resolve, without_transforms
+from ..algorithms.rotation import online_transform_layers
 from .checkpoint_info import inspect_checkpoint
 from .data import load_sentences
 from .encoder import BUNDLED_NAME, ModelDirError, SentenceEncoder, bundled_model_dir, check_model_dir
@@ -89,32 +96,52 @@ def evaluate(
     *,
     device: torch.device,
     isolated_batches: int | None = ISOLATED_BATCHES,
+    layer_ref: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Metrics of ``quant`` against ``ref`` on the tokenized ``batches`` (see :mod:`lowbit.eval.metrics`)."""
-    errors = LayerErrors(ref, quant)
+    """Metrics of ``quant`` against ``ref`` on the tokenized ``batches`` (see :mod:`lowbit.eval.metrics`).
+
+    ``layer_ref``: the float model the per-layer errors are measured against instead of ``ref`` (the same
+    function with the input transforms of the quantization algorithm applied, so that each layer's float
+    output is what its quantized twin approximates); the embeddings are still compared with ``ref``, and
+    ``transform_cos_min`` says how far ``layer_ref``'s embeddings are from ``ref``'s (float rounding only).
+    """
+    lref = ref if layer_ref is None else layer_ref
+    errors = LayerErrors(lref, quant)
     if not errors.names:
         raise ValueError("the quantized model has no quantized Linear layer matching the fp32 model's")
     n = sum(len(idx) for idx, _ in batches)
     r_emb = torch.empty(n, 0)
     q_emb = torch.empty(n, 0)
+    t_emb = torch.empty(n, 0)
     for b, (idx, enc) in enumerate(batches):
         enc = encoder.to_device(enc, device)
-        r_out, q_out = errors.run(ref, quant, enc, isolated=isolated_batches is None or b < isolated_batches)
+        r_out, q_out = errors.run(lref, quant, enc, isolated=isolated_batches is None or b < isolated_batches)
+        if layer_ref is not None:
+            with torch.inference_mode():
+                t = encoder.pool(r_out, enc["attention_mask"]).float().cpu()
+                r_out = ref(**enc)
         r = encoder.pool(r_out, enc["attention_mask"]).float().cpu()
         q = encoder.pool(q_out, enc["attention_mask"]).float().cpu()
         if r_emb.shape[1] == 0:
             r_emb, q_emb = torch.empty(n, r.shape[1]), torch.empty(n, q.shape[1])
+            if layer_ref is not None:
+                t_emb = torch.empty(n, r.shape[1])
         r_emb[idx], q_emb[idx] = r, q
+        if layer_ref is not None:
+            t_emb[idx] = t
     if not torch.isfinite(r_emb).all():
         raise ValueError("the fp32 source model produced non-finite embeddings (NaN/Inf in the source)")
     if not torch.isfinite(q_emb).all():
         raise ValueError("the quantized model produced non-finite embeddings")
-    return {
+    out = {
         "cosine": cosine_stats(r_emb, q_emb),
         "retrieval": retrieval_agreement(r_emb, q_emb, k=5),
         "topic_top1": topic_accuracy(q_emb, topics),
         "layers": errors.results(),
     }
+    if layer_ref is not None:
+        out["transform_cos_min"] = cosine_stats(r_emb, t_emb)["min"]
+    return out
 
 
 def run(
@@ -124,7 +151,7 @@ def run(
     *,
     calib: int | None = None,
     calib_file: str | Path | None = None,
-    algorithm: str = "rtn",
+    algorithm: Any = "rtn",
     device: str | None = None,
     log: Callable[[str], None] | None = print,
     convert_progress: bool = False,
@@ -136,8 +163,13 @@ def run(
     report dict (``report["schemes"][i]["status"]`` is ``"ok"`` or ``"error"`` with ``"error"``).
 
     ``calib`` sentences (the built-in calibration set, disjoint from the evaluation sentences, or the first
-    ``calib`` non-empty lines of ``calib_file``; None: 0, or all of them for ``algorithm="gptq"``) drive
-    :func:`lowbit.quantize_model` with ``algorithm`` (``"rtn"`` or ``"gptq"``).
+    ``calib`` non-empty lines of ``calib_file``; None: 0, or all of them when ``algorithm`` holds ``"gptq"``
+    or ``"smoothquant"``) drive :func:`lowbit.quantize_model` with ``algorithm`` (``"rtn"``, ``"gptq"``,
+    ``"smoothquant"``, ``"rotate"``, their options objects or a combination, see
+    :mod:`lowbit.algorithms.pipeline`). Smoothing and rotation apply to the schemes that quantize
+    activations; weight-only schemes run the rest of ``algorithm`` (each report row names what ran). A model
+    left with online input transforms (online smoothing, rotations not folded) cannot be written as a
+    checkpoint: it is evaluated in memory, and its row says so.
 
     ``out_dir`` must lie outside ``model_dir``; outputs of an earlier run there are replaced only with
     ``overwrite``, anything else there never (:mod:`lowbit.eval.outdir`).
@@ -150,6 +182,7 @@ def run(
     """
     from .. import convert_checkpoint, load_quantized, quantize_model, save_quantized
     from ..nn import get_scheme
+    from ..nn.quantize import transform_model
 
     say = log or (lambda s: None)
     names = resolve_schemes(schemes)
@@ -199,7 +232,7 @@ def run(
         "n_tokens": n_tokens,
         "calibration_sentences": len(calib_sentences),
         "calibration_source": str(calib_file) if calib_file is not None else "built-in calibration set",
-        "algorithm": algorithm,
+        "algorithm": describe(algorithm),
         "isolated_sqnr_batches": ISOLATED_BATCHES if ISOLATED_BATCHES is not None else len(batches),
         "fp32": {
             "bytes": src_info["total_bytes"],
@@ -210,29 +243,51 @@ def run(
 
     for i, name in enumerate(names, 1):
         scheme = get_scheme(name)
+        # smoothing and rotation act on quantized activations: weight-only schemes run the rest
+        alg = algorithm if scheme.act_format is not None else without_transforms(algorithm)
         entry: dict[str, Any] = {
             "scheme": name,
             "description": scheme.description,
             "weight_format": scheme.weight_format,
             "act_format": scheme.act_format,
             "checkpoint": str(ckpts[name]),
+            "algorithm": describe(alg),
+            "algorithm_label": label(alg),
         }
         t = time.perf_counter()
+        in_memory = layer_ref = None
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                if calib_batches:
+                transforms = resolve(alg, None, calib_batches or None).transforms
+                if calib_batches or transforms:
                     # calibration data: the library decides what it drives (static NVFP4 activation scales
                     # for w4a4-nvfp4, the AWQ scale search for w4a16-int4; ignored by the others)
                     model = encoder.load_fp32(dev)
-                    quantize_model(model, scheme, calibration=calib_batches, algorithm=algorithm)
-                    save_quantized(model, ckpts[name], source_dir=src, overwrite=target.replace[name])
-                    target.record_checkpoint(name)
+                    if transforms:
+                        # the float model with smoothing/rotation applied is what each quantized layer is
+                        # compared with; the quantized model starts from a copy of it
+                        layer_ref = transform_model(model, scheme, algorithm=alg, calibration=calib_batches or None)
+                        model = copy.deepcopy(layer_ref)
+                        quantize_model(model, scheme, calibration=calib_batches or None,
+                                       algorithm=without_transforms(alg))
+                    else:
+                        quantize_model(model, scheme, calibration=calib_batches, algorithm=alg)
+                    how = (f"quantize_model(calibration={len(calib_sentences)} sentences, "
+                           f"algorithm={describe(alg)!r})")
+                    online = online_transform_layers(model)
+                    if online:
+                        # no checkpoint format stores an online input transform: measured in memory
+                        in_memory = model
+                        entry["checkpoint"] = None
+                        entry["online_transform_layers"] = len(online)
+                        entry["method"] = (f"{how}, evaluated in memory ({len(online)} layers transform their "
+                                           "input online, which no checkpoint stores)")
+                    else:
+                        save_quantized(model, ckpts[name], source_dir=src, overwrite=target.replace[name])
+                        target.record_checkpoint(name)
+                        entry["method"] = f"{how} + save_quantized"
                     del model
-                    entry["method"] = (
-                        f"quantize_model(calibration={len(calib_sentences)} sentences, "
-                        f"algorithm={algorithm!r}) + save_quantized"
-                    )
                 else:
                     convert_checkpoint(
                         src,
@@ -246,11 +301,13 @@ def run(
                     entry["method"] = "convert_checkpoint"
                 t_convert = time.perf_counter() - t
                 t = time.perf_counter()
-                quant = load_quantized(ckpts[name], device=dev)
-                metrics = evaluate(ref, quant, encoder, batches, topics, device=dev)
-                del quant
+                quant = in_memory if in_memory is not None else load_quantized(ckpts[name], device=dev)
+                metrics = evaluate(ref, quant, encoder, batches, topics, device=dev, layer_ref=layer_ref)
+                info = memory_info(quant) if in_memory is not None else None
+                del quant, in_memory, layer_ref
             entry["warnings"] = sorted({str(w.message) for w in caught if "lowbit" in str(w.message)})
-            info = inspect_checkpoint(ckpts[name])
+            if info is None:
+                info = inspect_checkpoint(ckpts[name])
             entry.update(
                 status="ok",
                 producer=info["producer"],
@@ -291,15 +348,23 @@ def run(
     return report
 
 
+EVAL_ALGORITHMS = ("rtn", "gptq", "smoothquant", "rotate")
+"""The algorithms ``lowbit quantize`` runs (``awq`` is the w4a16-int4 default with calibration data)."""
+
+
 def calibration_sentences(evalset: Any, calib: int | None, calib_file: str | Path | None,
-                          algorithm: str) -> list[str]:
+                          algorithm: Any) -> list[str]:
     """The calibration sentences of a run (see :func:`run`); ValueError for a bad count, file or algorithm."""
-    if algorithm not in ("rtn", "gptq"):
-        raise ValueError(f"algorithm must be 'rtn' or 'gptq', got {algorithm!r}")
+    names = names_of(algorithm)
+    bad = [n for n in names if n not in EVAL_ALGORITHMS]
+    if bad:
+        raise ValueError(f"algorithm must combine {', '.join(EVAL_ALGORITHMS)}; got {', '.join(map(repr, bad))}")
+    resolve(algorithm, None, [])  # repeated or contradicting names (the calibration check comes below)
+    needs = [n for n in names if n in ("gptq", "smoothquant")]
     if calib is not None and (isinstance(calib, bool) or not isinstance(calib, int)):
         raise TypeError(f"calib must be an int, got {type(calib).__name__}")
     if calib_file is None:
-        n = calib if calib is not None else (len(evalset.calibration) if algorithm == "gptq" else 0)
+        n = calib if calib is not None else (len(evalset.calibration) if needs else 0)
         sentences = evalset.calibration_sentences(n)
     else:
         try:
@@ -312,9 +377,30 @@ def calibration_sentences(evalset: Any, calib: int | None, calib_file: str | Pat
         if calib is not None and calib < 0:
             raise ValueError(f"--calib must not be negative, got {calib}")
         sentences = lines if calib is None else lines[:calib]
-    if algorithm == "gptq" and not sentences:
-        raise ValueError("--algorithm gptq needs calibration sentences (--calib N > 0 or --calib-file)")
+    if needs and not sentences:
+        raise ValueError(f"--algorithm {needs[0]} needs calibration sentences (--calib N > 0 or --calib-file)")
     return sentences
+
+
+def memory_info(model: torch.nn.Module) -> dict[str, Any]:
+    """What :func:`inspect_checkpoint` reports of a checkpoint, for a quantized model in memory: bytes of its
+    tensors (input transforms included), quantized layers and their bits per weight (scales included)."""
+    from ..nn import QuantLinear
+
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    n = sum(m.in_features * m.out_features for m in layers)
+    return {
+        "producer": "lowbit (in memory)",
+        "total_bytes": total,
+        "quantized_layers": len(layers),
+        "quantized_bits_per_weight": 8 * sum(m.weight_nbytes for m in layers) / n if n else None,
+    }
 
 
 def _check_source(src: Path) -> dict[str, Any]:

@@ -38,6 +38,7 @@ def _f(x: float | None, fmt: str) -> str:
 
 COLUMNS = (
     ("scheme", 15),
+    ("algorithm", 9),
     ("MB", 6),
     ("bits/w", 6),
     ("cos mean", 8),
@@ -51,9 +52,16 @@ COLUMNS = (
 )
 
 
+def _columns(report: dict) -> tuple[tuple[str, int], ...]:
+    """:data:`COLUMNS` with the algorithm column as wide as its longest label."""
+    width = max([len(r.get("algorithm_label") or "rtn") for r in report["schemes"]] + [COLUMNS[1][1]])
+    return tuple((name, width if name == "algorithm" else w) for name, w in COLUMNS)
+
+
 def format_table(report: dict) -> str:
     """The table ``lowbit quantize`` prints (one row per scheme, fp32 first)."""
-    head = "  ".join(f"{name:<{w}}" if i == 0 else f"{name:>{w}}" for i, (name, w) in enumerate(COLUMNS))
+    columns = _columns(report)
+    head = "  ".join(f"{name:<{w}}" if i < 2 else f"{name:>{w}}" for i, (name, w) in enumerate(columns))
     lines = [
         (
             f"model {report['model']} ({report['n_sentences']} sentences, {report['n_tokens']} tokens, "
@@ -66,6 +74,7 @@ def format_table(report: dict) -> str:
     ref = report["fp32"]
     cells = [
         "fp32",
+        "",
         _f(ref["bytes"] / 1e6, ".1f"),
         "32",
         "1",
@@ -78,7 +87,7 @@ def format_table(report: dict) -> str:
         "",
     ]
     lines.append(
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
+        "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, columns)))
     )
     for r in report["schemes"]:
         if r.get("status") != "ok":
@@ -90,6 +99,7 @@ def format_table(report: dict) -> str:
         sqnr = f"{_f(net[0], '.1f')}/{_f(net[len(net) // 2], '.1f')}" if net else "-"
         cells = [
             r["scheme"],
+            r.get("algorithm_label") or "rtn",
             _f(r["bytes"] / 1e6 if r.get("bytes") else None, ".1f"),
             _f(r.get("bits_per_weight"), ".2f"),
             _f(r["cosine"]["mean"], ".4f"),
@@ -103,11 +113,13 @@ def format_table(report: dict) -> str:
         ]
         lines.append(
             "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS))
+                c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, columns))
             )
         )
     lines += [
         "",
+        "algorithm: rtn round-to-nearest, gptq, sq SmoothQuant smoothing (-online: online scales where no",
+        "producer can take them), rot Hadamard rotation; rows with online transforms are measured in memory.",
         "MB: checkpoint size (embeddings and norms stay fp32); bits/w: bits per weight of the quantized Linear",
         "layers, scales included. cos: cosine similarity of each sentence embedding to fp32's. NN@1: the nearest",
         "neighbour among the sentences is fp32's; NN@5: overlap of the 5 nearest. topic@1: the nearest neighbour",

@@ -144,7 +144,8 @@ def save_quantized(
         ``Path(out_dir)``.
 
     Raises:
-        ValueError: no QuantLinear in the model, or ``format`` cannot store a layer's scheme.
+        ValueError: no QuantLinear in the model, a layer with an online input transform (no format stores
+            one), or ``format`` cannot store a layer's scheme.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
     if not isinstance(model, nn.Module):
@@ -153,6 +154,17 @@ def save_quantized(
     if not mods:
         raise ValueError(
             "save_quantized: the model has no QuantLinear layer (run lowbit.quantize_model first)"
+        )
+    from ..algorithms.rotation import online_transform_layers
+
+    online = online_transform_layers(model)
+    if online:
+        # the weights of such a layer are only right together with its transform of the input
+        raise ValueError(
+            f"model: {len(online)} layer(s) transform their input online (first: {online[0]!r}: smoothing "
+            "with online scales or a Hadamard rotation, lowbit.algorithms); no checkpoint format stores that "
+            "transform, so it cannot be saved; use it in memory, or quantize with algorithms that fold "
+            "everything into the weights (SmoothQuant(online=False))"
         )
     layout = choose_layout(mods, format)
     parse_size(max_shard_size)  # a bad size fails here, before anything is written
