@@ -7,7 +7,8 @@ measures in one run, on one GPU:
 - decode tokens/s at batch 1 with a static KV cache: eager, ``torch.compile`` (default mode),
   ``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees) and a manually captured CUDA graph;
 - prefill time of ``--prefill`` tokens, eager;
-- transformers' ``LlamaForCausalLM.generate()`` decode tokens/s on the same shapes, eager;
+- transformers' ``LlamaForCausalLM.generate()`` decode tokens/s on the same shapes, eager (every config's model
+  built, then timed in interleaved rounds);
 - weight bytes, and host time of one linear call at M = 1 (the config's q_proj against ``F.linear`` on the
   same shape: CPU time per call with no synchronization, which is what an eager model pays per layer).
 
@@ -323,8 +324,7 @@ def host_us_per_call(fn: Callable[[], Any], device, calls: int = 200) -> float:
     return t / calls * 1e6
 
 
-def generate_tok_s(s: DecoderShape, config: str, new_tokens: int, device) -> float:
-    """Decode tokens/s of transformers' ``LlamaForCausalLM.generate`` (greedy, eager), the same shapes."""
+def _generate_model(s: DecoderShape, config: str, device):
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -335,25 +335,52 @@ def generate_tok_s(s: DecoderShape, config: str, new_tokens: int, device) -> flo
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    apply_config(model, config)
-    ids = torch.randint(0, s.vocab, (1, 16), device=device)
+    return apply_config(model, config)
+
+
+def generate_rounds(s: DecoderShape, configs: list[str], new_tokens: int, device, rounds: int = 3
+                    ) -> dict[str, float | str]:
+    """Decode tokens/s of transformers' ``LlamaForCausalLM.generate`` (greedy, eager) per config, the same
+    shapes: every config's model is built first, then ``rounds`` rounds time each config in turn (a one-token
+    call for prefill and setup, then ``new_tokens + 1``), so a drifting host CPU weighs on all configs alike;
+    the best of each is kept. A config that cannot be built or run gets its error instead."""
+    out: dict[str, float | str] = {}
+    models = {}
+    for config in configs:
+        try:
+            models[config] = _generate_model(s, config, device)
+        except Exception as e:  # noqa: BLE001 - reported per config, the others still run
+            out[config] = _err(e)
+            gc.collect()
+    ids = torch.randint(0, s.vocab, (1, 16), device=device, generator=torch.Generator(device).manual_seed(0))
     kw = {"do_sample": False, "pad_token_id": 0}
-    def timed(n: int) -> float:
-        best = math.inf
-        for _ in range(2):
-            _sync(device)
-            t0 = time.perf_counter()
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-            _sync(device)
-            best = min(best, time.perf_counter() - t0)
-        return best
+    best = {c: [math.inf, math.inf] for c in models}
+
+    def timed(model, n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        _sync(device)
+        return time.perf_counter() - t0
 
     with torch.inference_mode():
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
-        one, full = timed(1), timed(new_tokens + 1)
-    model = None  # frees the weights before the next model is built
-    # decode steps alone: the one-token call (prefill and setup) subtracted, when the difference is measurable
-    return new_tokens / (full - one) if full > 1.5 * one else (new_tokens + 1) / full
+        for config, model in list(models.items()):
+            try:
+                model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+            except Exception as e:  # noqa: BLE001
+                out[config] = _err(e)
+                del models[config], best[config]
+        for _ in range(rounds):
+            for config, model in models.items():
+                b = best[config]
+                b[0] = min(b[0], timed(model, 1))
+                b[1] = min(b[1], timed(model, new_tokens + 1))
+    for config, (one, full) in best.items():
+        # decode steps alone: the one-token call subtracted, when the difference is measurable
+        out[config] = new_tokens / (full - one) if full > 1.5 * one else (new_tokens + 1) / full
+    models.clear()
+    gc.collect()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -393,9 +420,6 @@ def run_config(config: str, s: DecoderShape, args: argparse.Namespace, device) -
     attempt("prefill", lambda: prefill_ms(model, args.prefill, device))
     model = None  # frees the weights before the next model is built
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    attempt("generate", lambda: generate_tok_s(s, config, args.steps, device))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -532,6 +556,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.json_path:
             with open(args.json_path, "w") as f:
                 json.dump(result, f, indent=1, default=str)
+    if "generate" in args.modes:  # every config's generate model at once, timed in rounds (generate_rounds)
+        tok_s = generate_rounds(s, [r["config"] for r in result["rows"]], args.steps, device)
+        for row in result["rows"]:
+            v = tok_s.get(row["config"])
+            if isinstance(v, str):
+                row["errors"]["generate"] = v
+            elif v is not None:
+                row["generate"] = v
+        ratios(result["rows"])
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(format_table(result), flush=True)
     if baseline is not None:
         print("\n" + compare(result, baseline), flush=True)
