@@ -338,23 +338,27 @@ def _generate_model(s: DecoderShape, config: str, device):
     return apply_config(model, config)
 
 
+def _bf16_bytes(s: DecoderShape) -> int:
+    """Bytes of the bf16 transformers model of shape ``s`` (each config's model is built in bf16 first)."""
+    attn = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2
+    per_layer = attn + 3 * s.hidden * s.intermediate + 2 * s.hidden
+    return 2 * (2 * s.vocab * s.hidden + s.layers * per_layer + s.hidden)
+
+
 def generate_rounds(s: DecoderShape, configs: list[str], new_tokens: int, device, rounds: int = 3
                     ) -> dict[str, float | str]:
     """Decode tokens/s of transformers' ``LlamaForCausalLM.generate`` (greedy, eager) per config, the same
-    shapes: every config's model is built first, then ``rounds`` rounds time each config in turn (a one-token
-    call for prefill and setup, then ``new_tokens + 1``), so a drifting host CPU weighs on all configs alike;
-    the best of each is kept. A config that cannot be built or run gets its error instead."""
+    shapes. Configs' models are built together, as many as the device holds (bf16's stays for every group),
+    then ``rounds`` rounds time each model of the group in turn (a one-token call for prefill and setup, then
+    ``new_tokens + 1``), so a drifting host CPU weighs on all of them alike; the best of each is kept. A
+    config that cannot be built or run gets its error instead."""
     out: dict[str, float | str] = {}
-    models = {}
-    for config in configs:
-        try:
-            models[config] = _generate_model(s, config, device)
-        except Exception as e:  # noqa: BLE001 - reported per config, the others still run
-            out[config] = _err(e)
-            gc.collect()
+    best: dict[str, list[float]] = {}
+    models: dict = {}
     ids = torch.randint(0, s.vocab, (1, 16), device=device, generator=torch.Generator(device).manual_seed(0))
     kw = {"do_sample": False, "pad_token_id": 0}
-    best = {c: [math.inf, math.inf] for c in models}
+    cuda = torch.device(device).type == "cuda"
+    need = int(_bf16_bytes(s) * 1.15) + (2 << 30)
 
     def timed(model, n: int) -> float:
         _sync(device)
@@ -363,23 +367,46 @@ def generate_rounds(s: DecoderShape, configs: list[str], new_tokens: int, device
         _sync(device)
         return time.perf_counter() - t0
 
-    with torch.inference_mode():
-        for config, model in list(models.items()):
-            try:
-                model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
-            except Exception as e:  # noqa: BLE001
-                out[config] = _err(e)
-                del models[config], best[config]
-        for _ in range(rounds):
-            for config, model in models.items():
-                b = best[config]
-                b[0] = min(b[0], timed(model, 1))
-                b[1] = min(b[1], timed(model, new_tokens + 1))
+    def time_group() -> None:
+        with torch.inference_mode():
+            for config, model in list(models.items()):
+                if config in best:
+                    continue
+                try:
+                    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+                    best[config] = [math.inf, math.inf]
+                except Exception as e:  # noqa: BLE001
+                    out[config] = _err(e)
+                    del models[config]
+            for _ in range(rounds):
+                for config, model in models.items():
+                    b = best[config]
+                    b[0] = min(b[0], timed(model, 1))
+                    b[1] = min(b[1], timed(model, new_tokens + 1))
+        for config in [c for c in models if c != "bf16"]:
+            del models[config]
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    for config in configs:
+        if cuda and len(models) > ("bf16" in models):
+            free, _total = torch.cuda.mem_get_info(device)
+            if free < need:  # the next build would not fit beside this group: time it, then free it
+                time_group()
+        try:
+            models[config] = _generate_model(s, config, device)
+        except Exception as e:  # noqa: BLE001 - reported per config, the others still run
+            out[config] = _err(e)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    time_group()
+    models.clear()
+    gc.collect()
     for config, (one, full) in best.items():
         # decode steps alone: the one-token call subtracted, when the difference is measurable
         out[config] = new_tokens / (full - one) if full > 1.5 * one else (new_tokens + 1) / full
-    models.clear()
-    gc.collect()
     return out
 
 
