@@ -35,6 +35,8 @@ def test_fast_transform_is_the_block_diagonal_hadamard_matrix(block):
     got = hadamard_transform(x, block)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert got.shape == x.shape and got.dtype == x.dtype
+    for method in ("butterfly", "matmul"):
+        torch.testing.assert_close(hadamard_transform(x, block, method=method), want, rtol=1e-12, atol=1e-12)
     # orthogonal and symmetric, so the transform undoes itself
     torch.testing.assert_close(hadamard_transform(got, block), x, rtol=1e-12, atol=1e-12)
     h = hadamard_matrix(block, torch.float64)
@@ -55,6 +57,8 @@ def test_fast_transform_errors():
         hadamard_transform(torch.randn(4, 48), 32)
     with pytest.raises(TypeError, match="floating-point"):
         hadamard_transform(torch.ones(4, 32, dtype=torch.int32), 16)
+    with pytest.raises(ValueError, match="method"):
+        hadamard_transform(torch.randn(4, 32), 16, method="fft")
 
 
 def test_input_transform_module():
@@ -64,6 +68,12 @@ def test_input_transform_module():
     torch.testing.assert_close(t(x), hadamard_transform(x * s, 16))
     t = t.to(torch.float16)
     assert t.scale.dtype == torch.float32  # the scale is not rounded by a model-wide cast
+    assert list(t.state_dict()) == ["scale"]
+    xh = x.half()
+    torch.testing.assert_close(t(xh), hadamard_transform(xh * s.half(), 16), rtol=1e-3, atol=1e-3)
+    big = InputTransform(1024, None, 512)  # beyond MATMUL_MAX_BLOCK: butterflies
+    xb = torch.randn(3, 1024)
+    torch.testing.assert_close(big(xb), hadamard_transform(xb, 512, method="matmul"), rtol=1e-5, atol=1e-5)
     assert "hadamard_block=16" in repr(t) and "scale" in repr(t)
     with pytest.raises(ValueError, match="block"):
         InputTransform(64, None, 48)
