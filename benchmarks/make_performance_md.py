@@ -66,49 +66,71 @@ E2E_MODES = [("eager", "eager"), ("graph", "CUDA graph"), ("compile", "compile")
               ("compile-ro", "reduce-overhead"), ("prefill", "prefill"), ("generate", "`generate()`")]
 
 
-def _e2e_run(run: dict) -> list[str]:
-    modes = [(k, t) for k, t in E2E_MODES if k in run["settings"]["modes"]]
-    head = ["config", "weights GB", "host µs / linear call (× `F.linear`)"] + [t for _, t in modes]
-    rows = []
-    for r in run["rows"]:
-        host = r.get("host") or {}
-        ratio = r.get("ratio") or {}
-        cells = [f"`{r['config']}`", _fmt(r.get("weight_gb"), ".1f"),
-                 f"{_fmt(host.get('us'), '.1f')} ({_fmt(ratio.get('host_vs_f_linear'), '.2f', '×')})"]
-        for k, _ in modes:
-            v = r.get(k)
-            if isinstance(v, dict):
-                v = v.get("tok_s")
-            if v is None:
-                cells.append(NA)
-            elif k == "prefill":
-                cells.append(f"{v:.1f} ms ({_fmt(ratio.get(k), '.2f', '×')})")
-            else:
-                cells.append(f"{v:.0f} ({_fmt(ratio.get(k), '.2f', '×')})")
-        rows.append(cells)
-    s = run["settings"]
-    h = run["header"]
-    lines = [_hdr_method("h100_e2e.json", h), "",
-             f"Batch {s['batch']}, {s['steps']} decode steps, prefill {s['prefill']} tokens; compile modes on "
-             f"{s['compile_layers']} of the {run['shape']['layers']} layers. Run note: {run.get('note', NA)}", ""]
-    return lines + _table(head, rows)
+def _e2e_cell(run: dict, row: dict, key: str) -> str | None:
+    """One mode's value of one config in one run, with its ratio to bf16 in that run; None if not measured."""
+    ratio = row.get("ratio") or {}
+    if key == "host":
+        host = row.get("host") or {}
+        if host.get("us") is None:
+            return None
+        return f"{host['us']:.1f} µs ({_fmt(ratio.get('host_vs_f_linear'), '.2f', '×')})"
+    v = row.get(key)
+    if isinstance(v, dict):
+        v = v.get("tok_s")
+    if v is None:
+        return None
+    if key == "prefill":
+        return f"{v:.1f} ms ({_fmt(ratio.get(key), '.2f', '×')})"
+    return f"{v:.0f} ({_fmt(ratio.get(key), '.2f', '×')})"
 
 
 def e2e() -> list[str]:
+    """The newest measurement of every (config, mode) across the curated runs, each cell marked with its run
+    (runs differ in host CPU, so a ratio is only comparable within its run, never across cells of a row)."""
     d = _load("h100_e2e.json")
     runs = d["runs"]
-    latest = runs[-1]
+    keys = [("host", "host µs / linear call (× `F.linear`)")] + E2E_MODES
+    cells: dict[str, dict[str, tuple[str, int]]] = {}
+    weights: dict[str, float] = {}
+    order: list[str] = []
+    for i, run in enumerate(runs):
+        for row in run["rows"]:
+            c = row["config"]
+            if c not in order:
+                order.append(c)
+            if row.get("weight_gb") is not None:
+                weights[c] = row["weight_gb"]
+            for k, _ in keys:
+                v = _e2e_cell(run, row, k)
+                if v is not None:
+                    cells.setdefault(c, {})[k] = (v, i)
+    used = sorted({i for c in cells.values() for _, i in c.values()})
+    label = {i: chr(ord("a") + n) for n, i in enumerate(used)}
+    head = ["config", "weights GB"] + [t for _, t in keys]
+    rows = []
+    for c in order:
+        row = [f"`{c}`", _fmt(weights.get(c), ".1f")]
+        for k, _ in keys:
+            v = cells.get(c, {}).get(k)
+            row.append(NA if v is None else f"{v[0]} ^{label[v[1]]}")
+        rows.append(row)
     out = ["## End to end: a Llama-3-8B-shaped decoder (`lowbit e2e`)", "",
            "Decode tokens/s (prefill: ms for the prompt) of a 32-layer Llama-3-8B-shaped decoder with random "
            "weights, static KV cache, every linear but `lm_head` quantized; in parentheses the ratio to bf16 "
            "in the same run (higher is better; prefill and host: lower time is better, the ratio is bf16's "
-           "time over ours for prefill and ours over `F.linear` for host). Compare ratios within a run only.",
-           "", "### Latest run", ""]
-    out += _e2e_run(latest)
-    full = next((r for r in reversed(runs[:-1]) if "prefill" in r["settings"]["modes"]), None)
-    if full is not None:
-        out += ["", "### Latest run with every configuration and prefill", ""]
-        out += _e2e_run(full)
+           "time over ours for prefill and ours over `F.linear` for host). Each cell is the newest "
+           "measurement of that config and mode; its letter names the run. The lent machines' host CPUs "
+           "differ from run to run, so compare ratios, and only within a run.", "",
+           _hdr_method("h100_e2e.json", runs[-1]["header"], f"Newest of the {len(used)} runs the cells come from "
+                       "(listed below the table)."), ""]
+    out += _table(head, rows)
+    out += ["", "Runs:", ""]
+    for i in used:
+        run = runs[i]
+        s = run["settings"]
+        out.append(f"- ^{label[i]} " + _hdr_method("h100_e2e.json", run["header"],
+                   f"Batch {s['batch']}, {s['steps']} decode steps, prefill {s['prefill']} tokens, compile modes "
+                   f"on {s['compile_layers']} of {run['shape']['layers']} layers. {run.get('note', '')}"))
     return out
 
 
