@@ -90,10 +90,10 @@ def test_compare_against_a_curated_baseline(tmp_path, capsys):
     from pathlib import Path
 
     curated = json.loads((Path(__file__).parents[2] / "benchmarks/results/h100_e2e.json").read_text())
-    newest = {}
+    newest = {}  # each ratio from the newest run that has it
     for run in curated["runs"]:
         for row in run["rows"]:
-            newest[row["config"]] = row["ratio"]
+            newest.setdefault(row["config"], {}).update(row["ratio"])
     result = {"rows": [{"config": "bf16", "ratio": {"eager": 1.0, "host_vs_f_linear": 1.2}},
                        {"config": "lowbit:w4a16-nvfp4", "ratio": {"eager": 2 * newest["lowbit:w4a16-nvfp4"]["eager"]}},
                        {"config": "lowbit:new-scheme", "ratio": {"eager": 0.5}}]}
@@ -108,3 +108,27 @@ def test_compare_against_a_curated_baseline(tmp_path, capsys):
     assert e2e.main(["--compare", str(bad)]) == 2
     assert e2e.main(["--compare", str(tmp_path / "missing.json")]) == 2
     assert "--compare" in capsys.readouterr().err
+
+
+def test_interleaved_rounds_alternate_configs_and_report_errors():
+    """Each round measures every built config in turn (not one config's rounds back to back); a config whose
+    build or warm-up fails gets its error and the others still run."""
+    calls = []
+
+    def build(config):
+        if config == "broken":
+            raise RuntimeError("no kernel")
+        return config
+
+    def warm(model):
+        if model == "cold":
+            raise ValueError("warm-up failed")
+
+    def measure(model):
+        calls.append(model)
+        return len(calls)
+
+    out = e2e.interleaved_rounds(["bf16", "a", "broken", "cold", "b"], build, warm, measure, 0, "cpu", rounds=2)
+    assert calls == ["bf16", "a", "b", "bf16", "a", "b"]
+    assert out["bf16"] == [1, 4] and out["a"] == [2, 5] and out["b"] == [3, 6]
+    assert out["broken"].startswith("RuntimeError") and out["cold"].startswith("ValueError")

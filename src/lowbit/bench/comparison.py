@@ -45,11 +45,12 @@ def runs_of(baseline: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def newest(baseline: Mapping[str, Any], ratios_of: Callable[[Mapping[str, Any]], Ratios]) -> Ratios:
-    """Each case's ratios from the newest run of ``baseline`` that has the case (later runs override
-    earlier ones case by case)."""
+    """Each case's ratios, each from the newest run of ``baseline`` that has it (later runs override earlier
+    ones ratio by ratio: a run that measured only some modes keeps the others' older values)."""
     merged: Ratios = {}
     for run in runs_of(baseline):
-        merged.update(ratios_of(run))
+        for case, ratios in ratios_of(run).items():
+            merged.setdefault(case, {}).update(ratios)
     return merged
 
 

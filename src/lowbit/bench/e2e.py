@@ -4,8 +4,9 @@
 configuration (bf16, lowbit schemes, torchao int4 / fp8-rowwise, bitsandbytes nf4 when installed), and
 measures in one run, on one GPU:
 
-- decode tokens/s at batch 1 with a static KV cache: eager, ``torch.compile`` (default mode),
-  ``torch.compile(mode="reduce-overhead")`` (CUDA-graph trees) and a manually captured CUDA graph;
+- decode tokens/s at batch 1 with a static KV cache: eager (every config's model built, then timed in
+  interleaved rounds), ``torch.compile`` (default mode), ``torch.compile(mode="reduce-overhead")`` (CUDA-graph
+  trees) and a manually captured CUDA graph;
 - prefill time of ``--prefill`` tokens, eager;
 - transformers' ``LlamaForCausalLM.generate()`` decode tokens/s on the same shapes, eager (every config's model
   built, then timed in interleaved rounds);
@@ -213,27 +214,6 @@ REPEATS = 3
 """Timed windows per decode mode; the best is reported (the lent machines' host CPUs are shared and noisy)."""
 
 
-def decode_eager(model: Decoder, steps: int, start: int, device) -> float:
-    """Tokens/s of ``steps`` eager decode steps (greedy, no host synchronization between steps), the best of
-    :data:`REPEATS` windows."""
-    tok = torch.zeros(1, 1, dtype=torch.long, device=device)
-    pos = torch.tensor([start], device=device)
-    best = 0.0
-    with torch.inference_mode():
-        for _ in range(2):
-            model(tok, pos)
-        _sync(device)
-        for _ in range(REPEATS):
-            pos.fill_(start)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                tok = model(tok, pos).argmax(-1, keepdim=True)
-                pos += 1
-            _sync(device)
-            best = max(best, steps / (time.perf_counter() - t0))
-    return best
-
-
 def decode_graph(model: Decoder, steps: int, start: int) -> float:
     """Tokens/s of replays of one decode step captured in a CUDA graph (token and position updated in place)."""
     tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
@@ -345,44 +325,30 @@ def _bf16_bytes(s: DecoderShape) -> int:
     return 2 * (2 * s.vocab * s.hidden + s.layers * per_layer + s.hidden)
 
 
-def generate_rounds(s: DecoderShape, configs: list[str], new_tokens: int, device, rounds: int = 3
-                    ) -> dict[str, float | str]:
-    """Decode tokens/s of transformers' ``LlamaForCausalLM.generate`` (greedy, eager) per config, the same
-    shapes. Configs' models are built together, as many as the device holds (bf16's stays for every group),
-    then ``rounds`` rounds time each model of the group in turn (a one-token call for prefill and setup, then
-    ``new_tokens + 1``), so a drifting host CPU weighs on all of them alike; the best of each is kept. A
-    config that cannot be built or run gets its error instead."""
-    out: dict[str, float | str] = {}
-    best: dict[str, list[float]] = {}
+def interleaved_rounds(configs: list[str], build: Callable[[str], Any], warm: Callable[[Any], None],
+                       measure: Callable[[Any], Any], need_bytes: int, device, rounds: int = 3
+                       ) -> dict[str, list | str]:
+    """Measure every config in interleaved rounds: the configs' models are built together, as many as the
+    device holds beside ``need_bytes`` free for the next build (bf16's stays for every group), warmed up, then
+    each round runs ``measure(model)`` for each model in turn, so a drifting host CPU weighs on all of them
+    alike. Returns config -> the list of its measurements (one per round), or the error that stopped it."""
+    out: dict[str, list | str] = {}
     models: dict = {}
-    ids = torch.randint(0, s.vocab, (1, 16), device=device, generator=torch.Generator(device).manual_seed(0))
-    kw = {"do_sample": False, "pad_token_id": 0}
     cuda = torch.device(device).type == "cuda"
-    need = int(_bf16_bytes(s) * 1.15) + (2 << 30)
 
-    def timed(model, n: int) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        _sync(device)
-        return time.perf_counter() - t0
-
-    def time_group() -> None:
-        with torch.inference_mode():
-            for config, model in list(models.items()):
-                if config in best:
-                    continue
-                try:
-                    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
-                    best[config] = [math.inf, math.inf]
-                except Exception as e:  # noqa: BLE001
-                    out[config] = _err(e)
-                    del models[config]
-            for _ in range(rounds):
-                for config, model in models.items():
-                    b = best[config]
-                    b[0] = min(b[0], timed(model, 1))
-                    b[1] = min(b[1], timed(model, new_tokens + 1))
+    def run_group() -> None:
+        for config, model in list(models.items()):
+            if config in out:
+                continue
+            try:
+                warm(model)
+                out[config] = []
+            except Exception as e:  # noqa: BLE001 - reported per config, the others still run
+                out[config] = _err(e)
+                del models[config]
+        for _ in range(rounds):
+            for config, model in models.items():
+                out[config].append(measure(model))
         for config in [c for c in models if c != "bf16"]:
             del models[config]
         gc.collect()
@@ -392,25 +358,84 @@ def generate_rounds(s: DecoderShape, configs: list[str], new_tokens: int, device
     for config in configs:
         if cuda and len(models) > ("bf16" in models):
             free, _total = torch.cuda.mem_get_info(device)
-            if free < need:  # the next build would not fit beside this group: time it, then free it
-                time_group()
+            if free < need_bytes:  # the next build would not fit beside this group: measure it, then free it
+                run_group()
         try:
-            models[config] = _generate_model(s, config, device)
-        except Exception as e:  # noqa: BLE001 - reported per config, the others still run
+            models[config] = build(config)
+        except Exception as e:  # noqa: BLE001
             out[config] = _err(e)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-    time_group()
+    run_group()
     models.clear()
     gc.collect()
-    for config, (one, full) in best.items():
+    return out
+
+
+def generate_rounds(s: DecoderShape, configs: list[str], new_tokens: int, device, rounds: int = 3
+                    ) -> dict[str, float | str]:
+    """Decode tokens/s of transformers' ``LlamaForCausalLM.generate`` (greedy, eager) per config, the same
+    shapes, in :func:`interleaved_rounds`: per round a one-token call (prefill and setup) and ``new_tokens + 1``;
+    the best of each is kept and their difference gives the decode steps alone."""
+    ids = torch.randint(0, s.vocab, (1, 16), device=device, generator=torch.Generator(device).manual_seed(0))
+    kw = {"do_sample": False, "pad_token_id": 0}
+
+    def timed(model, n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def warm(model) -> None:
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+
+    raw = interleaved_rounds(configs, lambda c: _generate_model(s, c, device), warm,
+                             lambda m: (timed(m, 1), timed(m, new_tokens + 1)),
+                             int(_bf16_bytes(s) * 1.15) + (2 << 30), device, rounds)
+    out: dict[str, float | str] = {}
+    for config, v in raw.items():
+        if isinstance(v, str):
+            out[config] = v
+            continue
+        one, full = min(t[0] for t in v), min(t[1] for t in v)
         # decode steps alone: the one-token call subtracted, when the difference is measurable
         out[config] = new_tokens / (full - one) if full > 1.5 * one else (new_tokens + 1) / full
     return out
 
 
-# ---------------------------------------------------------------------------------------------- the run
+def eager_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, start: int, device,
+                 rounds: int = 3) -> dict[str, float | str]:
+    """Eager decode tokens/s of the decoder per config in :func:`interleaved_rounds` (one window of ``steps``
+    steps per round and config, the best kept): the eager ratios of separate builds moved by a third between
+    lent machines, so the configs share the machine state instead."""
+
+    def window(model) -> float:
+        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        pos = torch.tensor([start], device=device)
+        with torch.inference_mode():
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = model(tok, pos).argmax(-1, keepdim=True)
+                pos += 1
+            _sync(device)
+        return steps / (time.perf_counter() - t0)
+
+    def warm(model) -> None:
+        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        pos = torch.tensor([start], device=device)
+        with torch.inference_mode():
+            for _ in range(2):
+                model(tok, pos)
+        _sync(device)
+
+    raw = interleaved_rounds(configs, lambda c: apply_config(build_decoder(s, max_len, device), c), warm, window,
+                             int(_bf16_bytes(s) * 1.15) + (2 << 30), device, rounds)
+    return {c: v if isinstance(v, str) else max(v) for c, v in raw.items()}
 
 
 def _err(e: BaseException) -> str:
@@ -439,7 +464,6 @@ def run_config(config: str, s: DecoderShape, args: argparse.Namespace, device) -
 
     start = args.prefill
     attempt("host", lambda: _host_row(model, device))
-    attempt("eager", lambda: decode_eager(model, args.steps, start, device))
     attempt("graph", lambda: decode_graph(model, args.steps, start))
     attempt("compile", lambda: decode_compiled(model, args.steps, start, None, args.compile_layers, device))
     attempt("compile-ro", lambda: decode_compiled(model, args.steps, start, "reduce-overhead",
@@ -487,7 +511,7 @@ def _ratios_of(run: Mapping[str, Any]) -> dict[str, dict[str, float]]:
 
 def compare(result: dict, baseline: dict) -> str:
     """A table of each config's ratios to bf16 in ``result`` against the same ratios in ``baseline`` (a result
-    dict, or a curated file holding ``{"runs": [...]}``: for each config its newest run that has it). Ratios,
+    dict, or a curated file holding ``{"runs": [...]}``: each ratio from the newest run that has it). Ratios,
     not tokens/s, since the two runs may have had different host CPUs (:mod:`lowbit.bench.comparison`)."""
     from .comparison import newest, table
 
@@ -583,14 +607,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.json_path:
             with open(args.json_path, "w") as f:
                 json.dump(result, f, indent=1, default=str)
-    if "generate" in args.modes:  # every config's generate model at once, timed in rounds (generate_rounds)
-        tok_s = generate_rounds(s, [r["config"] for r in result["rows"]], args.steps, device)
+    configs = [r["config"] for r in result["rows"]]
+    # eager decode and generate: every config's model built beside the others, timed in interleaved rounds
+    rounds = {
+        "eager": lambda: eager_rounds(s, configs, args.steps, args.prefill + args.steps + 16, args.prefill, device),
+        "generate": lambda: generate_rounds(s, configs, args.steps, device),
+    }
+    for mode, fn in rounds.items():
+        if mode not in args.modes:
+            continue
+        measured = fn()
         for row in result["rows"]:
-            v = tok_s.get(row["config"])
+            v = measured.get(row["config"])
             if isinstance(v, str):
-                row["errors"]["generate"] = v
+                row["errors"][mode] = v
             elif v is not None:
-                row["generate"] = v
+                row[mode] = v
         ratios(result["rows"])
         if args.json_path:
             with open(args.json_path, "w") as f:
