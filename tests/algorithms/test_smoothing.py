@@ -73,6 +73,18 @@ def test_prenorm_llama_folds_everything_and_keeps_its_function():
     torch.testing.assert_close(_out(model, calib[0]), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_bf16_model_folds_too():
+    model, calib = _tiny("llama")
+    model = model.to(torch.bfloat16)
+    ref = _out(model, calib[0]).float()
+    report = apply_smoothing(model, linear_layers(model), W4A4, lambda: run_calibration(model, calib),
+                             SmoothQuant())
+    # the fold check allows the bf16 rounding of the folded weights
+    assert summary(report) == "10 folded into norms, 4 folded into Linear layers"
+    out = _out(model, calib[0]).float()
+    assert float((out - ref).norm() / ref.norm()) < 0.02
+
+
 def test_postnorm_bert_folds_only_where_safe_and_online_on_request():
     model, calib = _tiny("bert")
     ref = _out(model, calib[1])

@@ -416,8 +416,11 @@ def _fold_checked(m: nn.Module, s: torch.Tensor, sample: tuple | None) -> bool:
     ok = isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and after.shape == before.shape
     if ok:
         want = before.float() / s.to(before.device)
-        tol = 1e-4 * float(want.abs().max()) if want.numel() else 0.0
-        ok = bool(((after.float() - want).abs() <= tol + 1e-3 * want.abs()).all())
+        # a few roundings of the output's dtype (bf16 weights are rounded by the fold itself); a norm that
+        # does not scale with its weight is off by tens of percent
+        rtol = max(1e-3, 4 * torch.finfo(after.dtype).eps) if after.is_floating_point() else 1e-3
+        tol = rtol * 0.1 * float(want.abs().max()) if want.numel() else 0.0
+        ok = bool(((after.float() - want).abs() <= tol + rtol * want.abs()).all())
     if not ok:
         _unfold_producer(m, s)
     return ok
