@@ -257,7 +257,7 @@ def safetensors_files(draw):
 @given(content=safetensors_files(), config=st.sampled_from([None, "{", "[]", '{"quantization_config": 5}',
                                                                '{"quantization_config": {"quant_method": "lowbit"}}']))
 def test_checkpoint_readers(tmp_path_factory, content, config):
-    from lowbit.io._files import TensorSource, safetensors_keys
+    from lowbit.io.files import TensorSource, safetensors_keys
 
     d = tmp_path_factory.mktemp("ckpt")
     (d / "model.safetensors").write_bytes(content)
@@ -316,7 +316,7 @@ def test_save_quantized_arguments(tmp_path_factory, fmt, max_shard_size, overwri
 
 
 def test_header_claiming_a_huge_tensor_is_refused_without_allocating(tmp_path):
-    from lowbit.io._files import TensorSource
+    from lowbit.io.files import TensorSource
 
     header = {"weight": {"dtype": "F32", "shape": [10**6, 10**6], "data_offsets": [0, 4 * 10**12]}}
     (tmp_path / "model.safetensors").write_bytes(_safetensors_bytes(header, b"\0" * 16))

@@ -348,9 +348,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     except (lbeval.ModelDirError, lbeval.CheckpointError, ValueError, FileExistsError, ImportError) as e:
         return _fail("quantize", str(e))
     if args.json:
-        from .eval.report import _json_safe
+        from .eval.report import json_safe
 
-        print(json.dumps(_json_safe(report), indent=1))
+        print(json.dumps(json_safe(report), indent=1))
     else:
         print()
         print(report["table"])
@@ -370,9 +370,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         return _fail("inspect", str(e))
     if args.json:
-        from .eval.report import _json_safe
+        from .eval.report import json_safe
 
-        print(json.dumps(_json_safe(info), indent=1))
+        print(json.dumps(json_safe(info), indent=1))
     else:
         print(format_inspect(info, layers=args.layers))
     return 0

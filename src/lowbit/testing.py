@@ -38,12 +38,12 @@ def linear_oracle(x: torch.Tensor, w, bias: torch.Tensor | None = None, activati
     """fp32 ``act(x @ dequant(w).T + bias)`` with the product and the bias add in float64: the oracle of the
     W4A16 kernel tests, one rounding away from exact (``lowbit.ops.linear_reference`` multiplies in fp32)."""
     from .api import dequantize
-    from .ops.linear import _act
+    from .ops.linear import apply_activation
 
     y = x.double() @ dequantize(w, torch.float32).double().T
     if bias is not None:
         y = y + bias.double()
-    return _act(y.float(), activation)
+    return apply_activation(y.float(), activation)
 
 
 def nvfp4_order_ties() -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,7 +123,7 @@ def test_already_quantized_source(tiny_src, tmp_path, scheme, fmt):
     import lowbit
 
     q = lowbit.convert_checkpoint(tiny_src, tmp_path / "q", scheme, format=fmt, progress=False)
-    from lowbit.io._files import copy_extra_files
+    from lowbit.io.files import copy_extra_files
 
     copy_extra_files(tiny_src, q)
     err = _one_line(*_quantize(q, tmp_path / "o")[::2])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.io import _files
+from lowbit.io import files as io_files
 from lowbit.nn import SCHEMES, QuantLinear
 
 transformers = pytest.importorskip("transformers")
@@ -287,7 +287,7 @@ def test_copies_tokenizer_and_module_files(tmp_path, llama):
 
 def test_atomic_write_leaves_nothing_on_crash(tmp_path, llama, monkeypatch):
     q = lowbit.quantize_model(copy.deepcopy(llama), "w4a16-nvfp4")
-    real = _files.save_safetensors
+    real = io_files.save_safetensors
     calls = []
 
     def crash(tensors, path, metadata=None):
@@ -296,12 +296,12 @@ def test_atomic_write_leaves_nothing_on_crash(tmp_path, llama, monkeypatch):
             raise KeyboardInterrupt("simulated crash mid-write")
         return real(tensors, path, metadata)
 
-    monkeypatch.setattr(_files, "save_safetensors", crash)
+    monkeypatch.setattr(io_files, "save_safetensors", crash)
     with pytest.raises(KeyboardInterrupt):
         lowbit.save_quantized(q, tmp_path / "out", max_shard_size="10KB")
     assert len(calls) == 2
     assert list(tmp_path.iterdir()) == []  # no out dir, no temp dir
-    monkeypatch.setattr(_files, "save_safetensors", real)
+    monkeypatch.setattr(io_files, "save_safetensors", real)
     out = lowbit.save_quantized(q, tmp_path / "out", max_shard_size="10KB")
     assert (out / "model.safetensors.index.json").is_file()
     _assert_same_model(q, lowbit.load_quantized(out), params=False)

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import lowbit
 from lowbit.bench.offload import WanStack
 from lowbit.eval.checkpoint_info import inspect_checkpoint as inspect_headers
-from lowbit.io import _files
+from lowbit.io import files as io_files
 from lowbit.io.rules import DEFAULT_EXCLUDE, check_patterns, matches
 from lowbit.nn import QuantLinear
 
@@ -130,7 +130,7 @@ def test_convert_memory_is_bounded(tmp_path, monkeypatch):
 
     live: dict[int, int] = {}
     peak = [0]
-    real_get = _files.TensorSource.get
+    real_get = io_files.TensorSource.get
 
     def tracked_get(self, key):
         t = real_get(self, key)
@@ -139,7 +139,7 @@ def test_convert_memory_is_bounded(tmp_path, monkeypatch):
         peak[0] = max(peak[0], sum(live.values()))
         return t
 
-    monkeypatch.setattr(_files.TensorSource, "get", tracked_get)
+    monkeypatch.setattr(io_files.TensorSource, "get", tracked_get)
     out = lowbit.convert_checkpoint(src, tmp_path / "out", "w4a16-nf4", progress=False, device="cpu",
                                     max_shard_size=limit)
     assert total > 5 * (limit + 2 * largest)
@@ -158,6 +158,6 @@ def test_convert_memory_is_bounded(tmp_path, monkeypatch):
                 b.norm.weight = torch.nn.Parameter(torch.empty(16384))
                 self.blocks.append(b)
 
-    monkeypatch.setattr(_files.TensorSource, "get", real_get)
+    monkeypatch.setattr(io_files.TensorSource, "get", real_get)
     loaded = lowbit.load_quantized(out, model=Net())
     assert len(_qlinears(loaded)) == 24

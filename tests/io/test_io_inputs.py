@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lowbit
-from lowbit.io import _files
+from lowbit.io import files as io_files
 from lowbit.nn import QuantLinear
 
 transformers = pytest.importorskip("transformers")
@@ -97,9 +97,9 @@ def test_max_shard_size_types_and_units(tmp_path, plain_ckpt):
     for bad in (True, 1.5e9, None):
         with pytest.raises(TypeError, match="max_shard_size"):
             lowbit.save_quantized(q, tmp_path / "o", max_shard_size=bad)
-    assert _files.parse_size("2KiB") == 2048 and _files.parse_size(" 1.5 MB ") == 1_500_000
-    assert _files.parse_size("10KB") == 10_000 and _files.parse_size("123") == 123 and _files.parse_size(7) == 7
-    assert _files.parse_size("64B") == 64
+    assert io_files.parse_size("2KiB") == 2048 and io_files.parse_size(" 1.5 MB ") == 1_500_000
+    assert io_files.parse_size("10KB") == 10_000 and io_files.parse_size("123") == 123 and io_files.parse_size(7) == 7
+    assert io_files.parse_size("64B") == 64
 
 
 def test_bad_device(tmp_path, bert_src, plain_ckpt):

@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent(
     from lowbit.formats import blockscaled as ref, codecs
     from lowbit.formats.spec import E2M1, E2M3, E3M2
     from lowbit.kernels import blockscaled as kb
-    from lowbit.kernels._blockscaled import _decode_minifloat, _encode_minifloat
+    from lowbit.kernels._blockscaled import _encode_minifloat
+    from lowbit.kernels.device import decode_minifloat
     from lowbit.testing import nvfp4_order_ties
 
     def same(a, b):
@@ -76,7 +77,7 @@ SCRIPT = textwrap.dedent(
         m = o < N
         c = _encode_minifloat(tl.load(x_ptr + o, mask=m, other=0.0), EBITS, MBITS, BIAS, MAX, True)
         tl.store(c_ptr + o, c, mask=m)
-        tl.store(v_ptr + o, _decode_minifloat(c, EBITS, MBITS, BIAS), mask=m)
+        tl.store(v_ptr + o, decode_minifloat(c, EBITS, MBITS, BIAS), mask=m)
 
     for spec in (E2M1, E2M3, E3M2):
         tab = codecs.minifloat_table(spec)[: spec.max_code + 1]

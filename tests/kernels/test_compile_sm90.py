@@ -53,7 +53,7 @@ def compile_for_hopper(fn, signature, constexprs):
 def test_variant_compiles_for_sm90(fn, signature, constexprs):
     ptx = compile_for_hopper(fn, signature, constexprs).asm["ptx"]
     assert ".target sm_90" in ptx
-    if fn.__name__ == "_quantize_blockscaled_kernel":
+    if fn.__name__ == "quantize_blockscaled_kernel":
         # memory-bound: the input must be read with 16-byte vector loads
         assert "ld.global.v4.b32" in ptx
     # bits must match the reference: no approximate fp32 division or reciprocal anywhere
@@ -96,7 +96,7 @@ def _mma_variants():
 
     seen = {}
     for fn, sig, consts in gemv_w4.compile_variants():
-        if fn.__name__ == "_gemv_mma_kernel":
+        if fn.__name__ == "gemv_mma_kernel":
             seen.setdefault((consts["FMT"], consts.get("XF16", False)), (fn, sig, consts))
     return [pytest.param(*v, id=f"fmt{f}-{'f16' if h else 'bf16'}") for (f, h), v in seen.items()]
 
@@ -133,7 +133,7 @@ def test_fp8_block_tma_kernel_uses_tma_and_wgmma():
         pytest.skip("no scaled_mm kernels")
     from lowbit.kernels import scaled_mm
 
-    variants = [v for v in scaled_mm.compile_variants() if v[0].__name__ == "_fp8_block_mm_tma_kernel"]
+    variants = [v for v in scaled_mm.compile_variants() if v[0].__name__ == "fp8_block_mm_tma_kernel"]
     assert variants, "the shipped fp8_block configs must include the TMA kernel"
     for fn, sig, consts in variants:
         ptx = compile_for_hopper(fn, sig, consts).asm["ptx"]
@@ -184,4 +184,4 @@ def test_bnb_fp4_dequantize_runs_a_compiled_nf4_variant():
     from lowbit.kernels import nf4
 
     assert kernels._DEQUANTIZE["bnb_fp4"][:2] == ("nf4", "dequantize_bnb_fp4")
-    assert any(fn is nf4.k._dequantize_nf4_kernel and "lut_ptr" in sig for fn, sig, _ in nf4.compile_variants())
+    assert any(fn is nf4.k.dequantize_nf4_kernel and "lut_ptr" in sig for fn, sig, _ in nf4.compile_variants())

@@ -233,7 +233,7 @@ def test_sm90_ptx():
     from lowbit.kernels import fp8_block
 
     variants = list(fp8_block.compile_variants())
-    picked = [variants[0], variants[2], next(v for v in variants if v[0] is k._dequantize_kernel)]
+    picked = [variants[0], variants[2], next(v for v in variants if v[0] is k.dequantize_fp8_block_kernel)]
     for fn, sig, consts in picked:
         full = dict(sig, **{n: "constexpr" for n in consts})
         # specialise as a launch with 16-byte aligned pointers and K, strides multiples of 16
@@ -243,8 +243,8 @@ def test_sm90_ptx():
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         assert "div.full" not in ptx and "div.approx" not in ptx and "rcp.approx" not in ptx
         assert "ld.global.v4" in ptx and "st.global.v4" in ptx, fn.__name__
-        if fn is not k._dequantize_kernel:
+        if fn is not k.dequantize_fp8_block_kernel:
             assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
             assert "div.rn.f32" in ptx
-        if fn is k._quantize_1x128_kernel:
+        if fn is k.quantize_1x128_kernel:
             assert "fma.rn.f32" in ptx

@@ -48,7 +48,8 @@ SCRIPT = textwrap.dedent(
     from lowbit.formats.packing import swizzle_scales
     from lowbit.kernels import gemm_w4 as g
     from lowbit.testing import linear_oracle
-    from lowbit.kernels._gemm_w4 import _decode_tile, _e2m1_bits, _e8m0_to, _load_bytes, _load_scales, _u4_pairs
+    from lowbit.kernels._gemm_w4 import _decode_tile, _load_bytes, _load_scales, _u4_pairs
+    from lowbit.kernels.device import e2m1_bits, e8m0_to
 
     gen = torch.Generator().manual_seed(0)
     failures = []
@@ -223,14 +224,14 @@ SCRIPT = textwrap.dedent(
         i = tl.arange(0, 256)[None, :]
         b = tl.load(b_ptr + i)
         if WHICH == 0:
-            r = _e2m1_bits(b, DT)
+            r = e2m1_bits(b, DT)
         elif WHICH == 1:
             # MAGIC + q as 16-bit patterns, element 2i at the even columns
             r = tl.reshape(_u4_pairs(b, DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, (256, 2))
             lo, hi = tl.split(r)
             r = lo[None, :] | (hi[None, :] << 16)
         else:
-            r = _e8m0_to(b, DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            r = e8m0_to(b, DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         tl.store(out_ptr + i, r)
 
     from lowbit.formats.codecs import decode_minifloat

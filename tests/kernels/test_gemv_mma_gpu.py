@@ -132,7 +132,7 @@ def test_default_routes_m1_by_weight_size():
 def test_graph_capture_of_split_k_launches_has_no_memset():
     """A captured split-K launch takes zeroed arrival counters from a pool made outside the capture (no memset
     node in the graph); replays, with eager calls on the same stream between them, stay exact."""
-    from lowbit.kernels import _scratch
+    from lowbit.kernels import scratch as _scratch
 
     q = lowbit.quantize(torch.randn(1024, 8192, device="cuda") * 0.05, "nvfp4")   # few row tiles: split-K
     p = G.prepare_w4(q)

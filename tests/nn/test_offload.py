@@ -137,11 +137,11 @@ def test_lazy_load_reads_blocks_on_first_use(tmp_path, monkeypatch, offload):
     model = lowbit.quantize_model(_stack(), "w4a16-mxfp4", skip=("time_proj", "proj_out"))
     ref = model(*_inputs())
     out = lowbit.save_quantized(model, tmp_path / "ckpt")
-    from lowbit.io import _files
+    from lowbit.io import files as io_files
 
     reads = []
-    real = _files.TensorSource.get
-    monkeypatch.setattr(_files.TensorSource, "get", lambda self, k: (reads.append(k), real(self, k))[1])
+    real = io_files.TensorSource.get
+    monkeypatch.setattr(io_files.TensorSource, "get", lambda self, k: (reads.append(k), real(self, k))[1])
     with torch.device("meta"):
         target = _stack(seed=5)
     off = lazy_load_quantized(out, target, "blocks", device="cpu", offload=offload)

@@ -323,7 +323,7 @@ def _stand_in(name, reason=None, calls=None):
 def kernels(monkeypatch):
     """Replace the kernel-module lookup: ``kernels["gemv_w4"] = module or None``."""
     table = {"gemv_w4": None, "gemm_w4": None}
-    monkeypatch.setattr(policy, "_kernel_module", lambda name: table[name])
+    monkeypatch.setattr(policy, "kernel_module", lambda name: table[name])
     monkeypatch.setattr("lowbit.kernels.triton_available", lambda: None)
     return table
 
@@ -405,9 +405,9 @@ def test_run_calls_the_kernel(weights, kernels, monkeypatch):
 
 def test_kernel_module_lookup():
     # the real lookup: absent modules are None (the kernels may land later), present ones are imported
-    policy._kernel_module.cache_clear()
-    assert policy._kernel_module("no_such_kernel_module") is None
-    policy._kernel_module.cache_clear()
+    policy.kernel_module.cache_clear()
+    assert policy.kernel_module("no_such_kernel_module") is None
+    policy.kernel_module.cache_clear()
 
 
 # ---------------------------------------------------------------------------------- custom op

@@ -86,7 +86,7 @@ def _assert_close(out, ref, what=""):
 
 
 def _need_kernels(m: int) -> None:
-    gemv, gemm = policy._kernel_module("gemv_w4"), policy._kernel_module("gemm_w4")
+    gemv, gemm = policy.kernel_module("gemv_w4"), policy.kernel_module("gemm_w4")
     if gemm is None and (m > policy.GEMV_MAX_M or gemv is None):
         pytest.skip(f"no W4A16 kernel module for M={m} yet (lowbit.kernels.gemv_w4 / gemm_w4)")
 
@@ -182,7 +182,7 @@ def test_format_variants(fmt, variant, m):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_dispatch(fmt):
     w = _weight(fmt, 4096, 4096)
-    gemv, gemm = policy._kernel_module("gemv_w4"), policy._kernel_module("gemm_w4")
+    gemv, gemm = policy.kernel_module("gemv_w4"), policy.kernel_module("gemm_w4")
     for m in (1, policy.GEMV_MAX_M, policy.GEMV_MAX_M + 1, 4096):
         plan = lin.plan_linear((m, 4096), w)
         if m <= policy.GEMV_MAX_M and gemv is not None and gemv.supports(w) is None:
@@ -283,12 +283,12 @@ def stand_in_kernels(monkeypatch):
             y = x.float() @ lowbit.dequantize(w, torch.float32, backend="triton").T
             if bias is not None:
                 y = y + bias.float()
-            return lin._act(y, activation).to(x.dtype)
+            return lin.apply_activation(y, activation).to(x.dtype)
 
         return SimpleNamespace(supports=lambda w: None, **{name: kernel})
 
     modules = {"gemv_w4": make("gemv_w4"), "gemm_w4": make("gemm_w4")}
-    monkeypatch.setattr(policy, "_kernel_module", lambda name: modules[name])
+    monkeypatch.setattr(policy, "kernel_module", lambda name: modules[name])
     return calls
 
 

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 def _gemv_kernels():
     from lowbit.kernels import _gemv_mma, _gemv_w4
 
-    return [_gemv_w4._gemv_w4_fma_kernel, _gemv_w4._gemv_w4_dot_kernel, _gemv_mma._gemv_mma_kernel]
+    return [_gemv_w4.gemv_w4_fma_kernel, _gemv_w4.gemv_w4_dot_kernel, _gemv_mma.gemv_mma_kernel]
 
 
 @pytest.mark.parametrize("i", range(3))

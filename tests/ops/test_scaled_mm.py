@@ -693,7 +693,7 @@ def _stand_in(reason=None, calls=None, routes=()):
 def kernels(monkeypatch):
     """Replace the kernel-module lookup: ``kernels["scaled_mm"] = module or None``."""
     table = {"scaled_mm": None}
-    monkeypatch.setattr(policy, "_kernel_module", lambda name: table[name])
+    monkeypatch.setattr(policy, "kernel_module", lambda name: table[name])
     monkeypatch.setattr("lowbit.kernels.triton_available", lambda: None)
     return table
 
@@ -768,9 +768,9 @@ def test_run_calls_the_kernel(operands, kernels, monkeypatch):
 
 
 def test_kernel_module_lookup():
-    policy._kernel_module.cache_clear()
-    assert policy._kernel_module("no_such_kernel_module") is None
-    policy._kernel_module.cache_clear()
+    policy.kernel_module.cache_clear()
+    assert policy.kernel_module("no_such_kernel_module") is None
+    policy.kernel_module.cache_clear()
 
 
 # ---------------------------------------------------------------------------------- custom ops

@@ -107,7 +107,7 @@ def _assert_close(out, ref, what=""):
 
 
 def _need_kernel():
-    if policy._kernel_module(smm.KERNEL_MODULE) is None:
+    if policy.kernel_module(smm.KERNEL_MODULE) is None:
         pytest.skip("no lowbit.kernels.scaled_mm yet")
 
 
@@ -164,7 +164,7 @@ def test_empty_and_dispatch():
     _, a = _act("nvfp4", (), 4, 4096)
     assert smm.plan_scaled_mm(a, w, backend="torch").path == "reference"
     plan = smm.plan_scaled_mm(a, w)
-    module = policy._kernel_module(smm.KERNEL_MODULE)
+    module = policy.kernel_module(smm.KERNEL_MODULE)
     if module is None:
         assert plan.path == "unavailable" and plan.error is RuntimeError
         with pytest.raises(RuntimeError, match="no triton kernel runs lowbit.scaled_mm"):
@@ -342,7 +342,7 @@ def stand_in_kernel(monkeypatch):
     cannot = lambda *args: "stand-in"  # noqa: E731 - only the "kernel" route
     module = SimpleNamespace(supports=lambda a, b: None, scaled_mm=kernel, gemv_unsupported=cannot,
                              fold_unsupported=cannot, cublas_unsupported=cannot)
-    monkeypatch.setattr(policy, "_kernel_module", lambda name: module)
+    monkeypatch.setattr(policy, "kernel_module", lambda name: module)
     return calls
 
 
@@ -631,7 +631,7 @@ FOLD_PAIRS = ["mxfp4", "mxfp4-swizzled", "w4a8-rowwise-mxfp4", "w4a8-block-mxfp4
 
 def _km():
     _need_kernel()
-    return policy._kernel_module(smm.KERNEL_MODULE)
+    return policy.kernel_module(smm.KERNEL_MODULE)
 
 
 @pytest.mark.parametrize("m", [300, 1000, 1024, 4096])

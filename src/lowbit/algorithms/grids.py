@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from ..api import quantize
-from ..formats.blockscaled import _layout_scales, quantize_blockscaled
+from ..formats.blockscaled import layout_scales, quantize_blockscaled
 from ..formats.bnb_fp4 import encode_bnb_fp4
 from ..formats.codecs import codebook_table, decode_e8m0, decode_minifloat, encode_minifloat, true_div
 from ..formats.int4_awq import pack_awq
-from ..formats.nf4 import _ABSMAX_FLOOR, BNB_4BIT_FORMATS, _encode_nf4
+from ..formats.nf4 import ABSMAX_FLOOR, BNB_4BIT_FORMATS, encode_nf4
 from ..formats.packing import pack_fp4, pack_nibbles_high_first
 from ..formats.qtensor import QTensor
 from ..formats.spec import E2M1, NVFP4Convention, ScaleRounding
@@ -81,7 +81,7 @@ class _BlockscaledFP4(Grid):
         t = self.template
         sf = torch.stack([st[0] for st in states], dim=1)
         return dataclasses.replace(
-            t, data=pack_fp4(codes), scale=_layout_scales(sf, t.shape[:-1], t.scale_layout)
+            t, data=pack_fp4(codes), scale=layout_scales(sf, t.shape[:-1], t.scale_layout)
         )
 
 
@@ -156,11 +156,11 @@ class _BNB4(Grid):
         self.fmt = template.fmt
         self.group = int(template.params["blocksize"])
         self.table = codebook_table(BNB_4BIT_FORMATS[self.fmt])
-        self.encode = _encode_nf4 if self.fmt == "nf4" else encode_bnb_fp4
+        self.encode = encode_nf4 if self.fmt == "nf4" else encode_bnb_fp4
 
     def fit(self, w):
         absmax = w.abs().max(dim=-1).values
-        return absmax, 1.0 / absmax.clamp(min=_ABSMAX_FLOOR)
+        return absmax, 1.0 / absmax.clamp(min=ABSMAX_FLOOR)
 
     def round(self, x, state):
         absmax, rcp = state

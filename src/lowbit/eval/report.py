@@ -9,19 +9,19 @@ from pathlib import Path
 from typing import Any
 
 
-def _json_safe(obj: Any) -> Any:
+def json_safe(obj: Any) -> Any:
     """Replaces non-finite floats (an error-free layer has SQNR +inf) by strings JSON can hold."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return "inf" if obj > 0 else ("-inf" if obj < 0 else "nan")
     if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
 def report_json(report: dict) -> str:
-    return json.dumps(_json_safe(report), indent=1) + "\n"
+    return json.dumps(json_safe(report), indent=1) + "\n"
 
 
 def write_json(report: dict, path: str | os.PathLike) -> None:
@@ -119,7 +119,8 @@ def format_table(report: dict) -> str:
     lines += [
         "",
         "algorithm: rtn round-to-nearest, gptq, sq SmoothQuant smoothing (-online: online scales where no",
-        "producer can take them), rot Hadamard rotation; rows with online transforms are measured in memory.",
+        "producer can take them), rot Hadamard rotation; rows with online transforms are measured in memory,",
+        "and their layers (as every smoothed or rotated layer) are compared with the transformed float layer.",
         "MB: checkpoint size (embeddings and norms stay fp32); bits/w: bits per weight of the quantized Linear",
         "layers, scales included. cos: cosine similarity of each sentence embedding to fp32's. NN@1: the nearest",
         "neighbour among the sentences is fp32's; NN@5: overlap of the 5 nearest. topic@1: the nearest neighbour",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import positive_fp32_scalar
+from .checks import positive_fp32_scalar
 from .codecs import canonical_nan, true_div, decode_e8m0, decode_minifloat, encode_e8m0, encode_minifloat
 from .packing import pack_fp4, pack_fp6, swizzle_scales, unpack_fp4, unpack_fp6, unswizzle_scales
 from .qtensor import QTensor
@@ -63,7 +63,7 @@ def _unpack(data: torch.Tensor, elem: MinifloatSpec) -> torch.Tensor:
     return unpack_fp6(data)
 
 
-def _layout_scales(scale_2d: torch.Tensor, lead: torch.Size, layout: str) -> torch.Tensor:
+def layout_scales(scale_2d: torch.Tensor, lead: torch.Size, layout: str) -> torch.Tensor:
     if layout == "swizzled":
         return swizzle_scales(scale_2d)
     return scale_2d.reshape(*lead, scale_2d.shape[-1])
@@ -78,7 +78,7 @@ def _linear_scales(q: QTensor, block: int) -> torch.Tensor:
     return q.scale.reshape(rows, cols)
 
 
-def _check_layout(scale_layout: str) -> None:
+def check_layout(scale_layout: str) -> None:
     if scale_layout not in ("linear", "swizzled"):
         raise ValueError(f"scale_layout must be 'linear' or 'swizzled', got {scale_layout!r}")
 
@@ -191,7 +191,7 @@ def quantize_nvfp4(
     """
     check_input(x, 16, "nvfp4")
     convention = NVFP4Convention(convention)
-    _check_layout(scale_layout)
+    check_layout(scale_layout)
     lead = x.shape[:-1]
     xb = _blocks(x, 16)
     single_level = isinstance(global_scale, str)
@@ -238,7 +238,7 @@ def quantize_nvfp4(
         codes = encode_minifloat(scaled, E2M1).reshape(x.shape)
     return QTensor(
         data=pack_fp4(codes),
-        scale=_layout_scales(sf.reshape(x.shape[:-1].numel(), x.shape[-1] // 16), lead, scale_layout),
+        scale=layout_scales(sf.reshape(x.shape[:-1].numel(), x.shape[-1] // 16), lead, scale_layout),
         fmt="nvfp4",
         shape=x.shape,
         dtype=x.dtype,
@@ -391,12 +391,12 @@ def quantize_mx(
     """
     spec = FORMATS[fmt]
     check_input(x, 32, fmt)
-    _check_layout(scale_layout)
+    check_layout(scale_layout)
     rounding = ScaleRounding(scale_rounding)
     codes, scale = quantize_blockscaled(x, spec.element, 32, "e8m0", scale_rounding=rounding)
     return QTensor(
         data=_pack(codes, spec.element),
-        scale=_layout_scales(scale, x.shape[:-1], scale_layout),
+        scale=layout_scales(scale, x.shape[:-1], scale_layout),
         fmt=fmt,
         shape=x.shape,
         dtype=x.dtype,

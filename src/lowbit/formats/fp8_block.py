@@ -48,7 +48,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_block(block: object) -> tuple[int, int]:
+def check_block(block: object) -> tuple[int, int]:
     if not isinstance(block, (tuple, list)) or len(block) != 2 or not all(
         isinstance(b, int) and not isinstance(b, bool) for b in block
     ):
@@ -59,7 +59,7 @@ def _check_block(block: object) -> tuple[int, int]:
     return pair
 
 
-def _check_scale_fmt(scale_fmt: object) -> str | None:
+def check_scale_fmt(scale_fmt: object) -> str | None:
     if scale_fmt not in SCALE_FMTS:
         raise ValueError(f"fp8_block: scale_fmt must be None or 'ue8m0', got {scale_fmt!r}")
     return scale_fmt  # type: ignore[return-value]
@@ -96,7 +96,7 @@ def _block_scale(amax: torch.Tensor, scale_fmt: str | None) -> torch.Tensor:
     return torch.where(s.isnan(), torch.full_like(s, float("nan")), s)
 
 
-def _check_input(x: torch.Tensor, block: tuple[int, int]) -> None:
+def check_input(x: torch.Tensor, block: tuple[int, int]) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"fp8_block: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _SUPPORTED_INPUT:
@@ -135,10 +135,10 @@ def act_quant_groups(
     Returns:
         ``(y, s)``: float8_e4m3fn shaped like ``x``, float32 ``[..., K/group]`` (dequant multipliers).
     """
-    scale_fmt = _check_scale_fmt(scale_fmt)
+    scale_fmt = check_scale_fmt(scale_fmt)
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise ValueError(f"group must be a positive int, got {group!r}")
-    _check_input(x, (1, BLOCK_SIZE))
+    check_input(x, (1, BLOCK_SIZE))
     if x.shape[-1] % group:
         raise ValueError(f"the last dim of x ({x.shape[-1]}) must be a multiple of group={group}")
     codes, scale = _quantize_1x128(x, scale_fmt, group)
@@ -181,9 +181,9 @@ def quantize_fp8_block(
         ``weight_scale_inv``). Both are dequant multipliers: ``x ~= fp32(data) * scale`` per block.
         ``params = {"block": block, "scale_fmt": scale_fmt}``.
     """
-    block = _check_block(block)
-    scale_fmt = _check_scale_fmt(scale_fmt)
-    _check_input(x, block)
+    block = check_block(block)
+    scale_fmt = check_scale_fmt(scale_fmt)
+    check_input(x, block)
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"fp8_block: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
     if scale_layout == "column_major" and (block != (1, 128) or x.dim() not in (2, 3)):
@@ -208,18 +208,18 @@ def quantize_fp8_block(
 
 def expected_scale_shape(shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     """Scale shape of an ``fp8_block`` tensor of logical ``shape`` and ``block``."""
-    block = _check_block(block)
+    block = check_block(block)
     if block == (1, 128):
         return (*shape[:-1], _cdiv(shape[-1], BLOCK_SIZE))
     return (_cdiv(shape[0], BLOCK_SIZE), _cdiv(shape[1], BLOCK_SIZE))
 
 
-def _check_qtensor(q: QTensor) -> tuple[int, int]:
+def check_qtensor(q: QTensor) -> tuple[int, int]:
     if not isinstance(q, QTensor):
         raise TypeError(f"q must be a QTensor, got {type(q).__name__}")
     if q.fmt != "fp8_block":
         raise ValueError(f"q must be an fp8_block QTensor, got fmt {q.fmt!r}")
-    block = _check_block(q.params.get("block"))
+    block = check_block(q.params.get("block"))
     if q.data.dtype != torch.float8_e4m3fn:
         raise TypeError(f"q.data must be float8_e4m3fn, got {q.data.dtype}")
     if q.scale.dtype != torch.float32:
@@ -243,7 +243,7 @@ def dequantize_fp8_block(q: QTensor, dtype: torch.dtype = torch.float32) -> torc
     Returns:
         Tensor of shape ``q.shape`` in ``dtype``.
     """
-    block = _check_qtensor(q)
+    block = check_qtensor(q)
     values = q.data.float()
     if block == (1, 128):
         mult = q.scale.repeat_interleave(BLOCK_SIZE, dim=-1)[..., : q.shape[-1]]
@@ -253,7 +253,7 @@ def dequantize_fp8_block(q: QTensor, dtype: torch.dtype = torch.float32) -> torc
     return canonical_nan(values * mult, dtype)
 
 
-def _check_pow2_scales(scale: torch.Tensor, name: str) -> None:
+def check_pow2_scales(scale: torch.Tensor, name: str) -> None:
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(scale).__name__}")
     if scale.dtype != torch.float32:
@@ -283,7 +283,7 @@ def pack_ue8m0_to_int32(scale: torch.Tensor) -> torch.Tensor:
     Returns:
         int32 ``[..., ceil(G/4)]``.
     """
-    _check_pow2_scales(scale, "scale")
+    check_pow2_scales(scale, "scale")
     groups = scale.shape[-1]
     codes = (scale.view(torch.int32) >> 23).to(torch.int64)
     codes = torch.nn.functional.pad(codes, (0, _cdiv(groups, 4) * 4 - groups))

@@ -31,7 +31,7 @@ MIN_SCALE = (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(448.0 * 512.0
 _SUPPORTED_INPUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_input(x: torch.Tensor) -> None:
+def check_input(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"fp8_rowwise: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _SUPPORTED_INPUT:
@@ -67,7 +67,7 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> QTensor:
         QTensor with ``data`` float8_e4m3fn shaped like x and ``scale`` float32 ``[..., 1]`` (the
         ``torch._scaled_mm`` rowwise ``scale_a``): ``x ~= fp32(data) * scale`` per row.
     """
-    _check_input(x)
+    check_input(x)
     s = row_scale(x)
     codes = encode_minifloat(x.detach().float() / s, E4M3)
     return QTensor(
@@ -81,7 +81,7 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> QTensor:
     )
 
 
-def _check_qtensor(q: QTensor) -> None:
+def check_qtensor(q: QTensor) -> None:
     if not isinstance(q, QTensor):
         raise TypeError(f"q must be a QTensor, got {type(q).__name__}")
     if q.fmt != "fp8_rowwise":
@@ -111,7 +111,7 @@ def dequantize_fp8_rowwise(q: QTensor, dtype: torch.dtype = torch.float32) -> to
     Returns:
         Tensor of shape ``q.shape``.
     """
-    _check_qtensor(q)
+    check_qtensor(q)
     return canonical_nan(q.data.float() * q.scale, dtype)
 
 

@@ -34,7 +34,7 @@ NESTED_BLOCKSIZE = 256
 
 _SUPPORTED_INPUT = (torch.float32, torch.bfloat16, torch.float16)
 _NAN_CODE = 15  # torch.bucketize puts NaN after every boundary
-_ABSMAX_FLOOR = 1e-38
+ABSMAX_FLOOR = 1e-38
 _LUT_SIZE = 65536
 
 BNB_4BIT_FORMATS: dict[str, CodebookSpec] = {"nf4": NF4, "bnb_fp4": BNB_FP4}
@@ -237,7 +237,7 @@ def _check_nf4_input(x: torch.Tensor, blocksize: int, double_quant: bool, fmt: s
         raise TypeError(f"{fmt}: double_quant must be a bool, got {type(double_quant).__name__}")
 
 
-def _encode_nf4(scaled: torch.Tensor) -> torch.Tensor:
+def encode_nf4(scaled: torch.Tensor) -> torch.Tensor:
     nan = scaled.isnan()
     codes = encode_codebook(torch.where(nan, torch.zeros_like(scaled), scaled), NF4)
     return torch.where(nan, torch.full_like(codes, _NAN_CODE), codes)
@@ -266,7 +266,7 @@ def quantize_nf4(x: torch.Tensor, blocksize: int = 64, double_quant: bool = Fals
         ``[ceil(n/blocksize)]`` or, with double_quant, its uint8 codes, ``nested_scale`` fp32
         ``[ceil(nblocks/256)]`` and ``nested_offset`` an fp32 scalar tensor; ``shape``/``dtype`` of ``x``.
     """
-    return quantize_bnb_4bit(x, blocksize, double_quant, "nf4", _encode_nf4)
+    return quantize_bnb_4bit(x, blocksize, double_quant, "nf4", encode_nf4)
 
 
 def quantize_bnb_4bit(x: torch.Tensor, blocksize: int, double_quant: bool, fmt: str, encode) -> QTensor:
@@ -280,10 +280,10 @@ def quantize_bnb_4bit(x: torch.Tensor, blocksize: int, double_quant: bool, fmt: 
     full = n - n % blocksize
     blocks = flat[:full].view(-1, blocksize)
     absmax = blocks.abs().max(dim=-1).values
-    scaled = (blocks * (1.0 / absmax.clamp(min=_ABSMAX_FLOOR)).view(-1, 1)).clamp(-1, 1).reshape(-1)
+    scaled = (blocks * (1.0 / absmax.clamp(min=ABSMAX_FLOOR)).view(-1, 1)).clamp(-1, 1).reshape(-1)
     if full < n:
         tail = flat[full:]
-        tail_absmax = tail.abs().max().clamp(min=_ABSMAX_FLOOR)
+        tail_absmax = tail.abs().max().clamp(min=ABSMAX_FLOOR)
         absmax = torch.cat([absmax, tail_absmax.unsqueeze(0)])
         scaled = torch.cat([scaled, (tail / tail_absmax).clamp(-1, 1)])
     if n % 2:

@@ -91,9 +91,9 @@ def _check_blockscaled(q: QTensor) -> None:
 
 
 def _check_fp8_block(q: QTensor) -> None:
-    from .fp8_block import _check_qtensor  # imported on use: the format modules import this one
+    from .fp8_block import check_qtensor  # imported on use: the format modules import this one
 
-    block = _check_qtensor(q)
+    block = check_qtensor(q)
     if q.scale_layout == "column_major" and block != (1, 128):
         raise ValueError(f"QTensor(fp8_block): scale_layout 'column_major' needs block (1, 128), got {block}")
     scale_fmt = q.params.get("scale_fmt")
@@ -102,9 +102,9 @@ def _check_fp8_block(q: QTensor) -> None:
 
 
 def _check_fp8_rowwise(q: QTensor) -> None:
-    from .fp8_rowwise import _check_qtensor
+    from .fp8_rowwise import check_qtensor
 
-    _check_qtensor(q)
+    check_qtensor(q)
 
 
 def _check_nf4(q: QTensor) -> None:

@@ -425,8 +425,8 @@ def save_transformer(
         ValueError: no ``QuantLinear`` in the model, a layout that cannot store its schemes, meta tensors.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
-    from ..io._files import atomic_dir, dedupe_shared, parse_size, write_json, write_sharded
-    from ..io.checkpoint import _model_dtype, choose_layout, quantized_state_dict
+    from ..io.files import atomic_dir, dedupe_shared, parse_size, write_json, write_sharded
+    from ..io.checkpoint import choose_layout, model_dtype, quantized_state_dict
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -444,7 +444,7 @@ def save_transformer(
             f"model: {len(meta)} tensor(s) are on the meta device and hold no data to save "
             f"(first: {meta[0]!r})"
         )
-    config["quantization_config"] = layout.config(mods, ignore, _model_dtype(model))
+    config["quantization_config"] = layout.config(mods, ignore, model_dtype(model))
     out_dir = Path(out_dir)
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         write_sharded(tensors, tmp, max_shard_size)
@@ -457,7 +457,7 @@ def save_transformer(
 
 def _rename_to_diffusers(tmp: Path) -> None:
     """lowbit's ``model*.safetensors`` names to diffusers' ``diffusion_pytorch_model*`` (index included)."""
-    from ..io._files import INDEX_FILE, SINGLE_FILE, write_json
+    from ..io.files import INDEX_FILE, SINGLE_FILE, write_json
 
     single = tmp / SINGLE_FILE
     if single.is_file():
@@ -497,7 +497,7 @@ def load_transformer(
         ValueError: a config without ``_class_name`` (and no ``model_class``), a class diffusers does not
             have, or what ``lowbit.load_quantized`` raises for the tensors.
     """
-    from ..io._files import read_json
+    from ..io.files import read_json
     from ..io.checkpoint import empty_weights, load_quantized
 
     path = Path(path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.int4_awq import FMT, check_int4_awq, require_fp16_decode
-from ..formats._checks import check_2d
+from ..formats.checks import check_2d
 from ..formats.qtensor import QTensor
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..nn.modules import BUFFER_NAMES, QuantLinear
 from ..nn.quantize import linear_layers
-from ._files import (
+from .files import (
     CONFIG_NAME,
     TensorSource,
     atomic_dir,
@@ -37,7 +37,7 @@ from ._files import (
     write_json,
     write_sharded,
 )
-from ._layouts import DTYPE_NAMES, FORMAT_ALIASES, LAYOUTS, NAME_DTYPES, Layout, layout_for_config
+from .layouts import DTYPE_NAMES, FORMAT_ALIASES, LAYOUTS, NAME_DTYPES, Layout, layout_for_config
 
 FORMATS = ("auto", *LAYOUTS)
 """``save_quantized(format=...)`` values (aliases: ``ct``, ``bnb``, ``deepseek``, ``native``, ``autoawq``)."""
@@ -82,7 +82,7 @@ def choose_layout(mods: Mapping[str, QuantLinear], format: str = "auto") -> Layo
     return layout
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype | None:
+def model_dtype(model: nn.Module) -> torch.dtype | None:
     for p in model.parameters():
         if p.is_floating_point():
             return p.dtype
@@ -177,7 +177,7 @@ def save_quantized(
             f"model: {len(meta)} tensor(s) are on the meta device and hold no data to save (first: {meta[0]!r}); "
             "load real weights into the model first (model.to_empty(...) then load_state_dict)"
         )
-    dtype = _model_dtype(model)
+    dtype = model_dtype(model)
     config = _config_dict(model)
     config["quantization_config"] = layout.config(mods, ignore, dtype)
     if dtype is not None and config:
@@ -292,7 +292,7 @@ def _check_model_size(model: nn.Module, source: TensorSource, where: Path) -> No
         )
 
 
-def _quant_config(model_dir: Path, cfg: dict) -> dict:
+def quant_config(model_dir: Path, cfg: dict) -> dict:
     qc = cfg.get("quantization_config")
     if qc is None and (model_dir / "hf_quant_config.json").is_file():
         hf = read_json(model_dir / "hf_quant_config.json", "ModelOpt hf_quant_config.json")
@@ -311,7 +311,7 @@ def _quant_config(model_dir: Path, cfg: dict) -> dict:
     return qc
 
 
-def _checkpoint_dtype(cfg: dict) -> torch.dtype | None:
+def checkpoint_dtype(cfg: dict) -> torch.dtype | None:
     name = cfg.get("dtype", cfg.get("torch_dtype"))
     return NAME_DTYPES.get(str(name).removeprefix("torch.")) if name is not None else None
 
@@ -335,7 +335,7 @@ def _device_str(device: str | torch.device) -> str:
     return str(d)
 
 
-def _align_prefix(keys: list[str], model: nn.Module) -> dict[str, str]:
+def align_prefix(keys: list[str], model: nn.Module) -> dict[str, str]:
     """Map checkpoint keys to model keys, adding or removing the base-model prefix when only that differs."""
     model_keys = set(model.state_dict())
     ident = {k: k for k in keys}
@@ -393,7 +393,7 @@ def load_quantized(
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: checkpoint directory not found")
     cfg = read_json(path / CONFIG_NAME, "model config")
-    qc = _quant_config(path, cfg)
+    qc = quant_config(path, cfg)
     where = str(path / CONFIG_NAME)
     layout = layout_for_config(qc, where)
     if model is not None and not isinstance(model, nn.Module):
@@ -413,15 +413,15 @@ def load_quantized(
         check_skeleton_shapes(
             skeleton,
             source,
-            _align_prefix(source.keys(), skeleton),
+            align_prefix(source.keys(), skeleton),
             skip=lambda mk: mk.rpartition(".")[0] in linear_names,
         )
         _check_model_size(skeleton, source, path)
         del skeleton
         model = build_skeleton(path, model_class, trust_remote_code)
-    qdtype = dtype or _checkpoint_dtype(cfg) or torch.bfloat16
+    qdtype = dtype or checkpoint_dtype(cfg) or torch.bfloat16
 
-    keymap = _align_prefix(source.keys(), model)
+    keymap = align_prefix(source.keys(), model)
     by_model_key = {v: k for k, v in keymap.items()}
     consumed: set[str] = set()
     linears = linear_layers(model)
@@ -528,10 +528,10 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     cfg = read_json(path / CONFIG_NAME, "model config")
-    qc = _quant_config(path, cfg)
+    qc = quant_config(path, cfg)
     layout = layout_for_config(qc, str(path / CONFIG_NAME))
     source = TensorSource(path)
-    dtype = _checkpoint_dtype(cfg) or torch.bfloat16
+    dtype = checkpoint_dtype(cfg) or torch.bfloat16
     groups: dict[str, dict[str, str]] = {}
     for key in list(source.files):
         prefix = _module_prefix(key)

@@ -32,10 +32,10 @@ import torch
 from ..api import quantize
 from ..formats.blockscaled import finite_amax, nvfp4_default_global_scale
 from ..nn.modules import QuantLinear
-from ..nn.quantize import DEFAULT_SKIP, _patterns, fused_groups, is_skipped, linear_layers
+from ..nn.quantize import DEFAULT_SKIP, fused_groups, is_skipped, linear_layers, skip_patterns
 from ..nn.schemes import Scheme, get_scheme
 from . import lightx2v as _lx
-from ._files import (
+from .files import (
     CONFIG_NAME,
     INDEX_FILE,
     SINGLE_FILE,
@@ -51,8 +51,8 @@ from ._files import (
     tensor_nbytes,
     write_json,
 )
-from ._layouts import DTYPE_NAMES, NAME_DTYPES, _params_from_json, _params_to_json
-from .checkpoint import _align_prefix, build_skeleton, check_skeleton_shapes, choose_layout, parse_device
+from .layouts import DTYPE_NAMES, NAME_DTYPES, params_from_json, params_to_json
+from .checkpoint import align_prefix, build_skeleton, check_skeleton_shapes, choose_layout, parse_device
 from .rules import check_patterns, matches, select_linear_weights
 
 MANIFEST = "progress.json"
@@ -109,7 +109,7 @@ def check_source(src_dir: str | Path, model_class: Any = None, trust_remote_code
         return
     source = TensorSource(src_dir)
     try:
-        check_skeleton_shapes(skeleton, source, _align_prefix(source.keys(), skeleton))
+        check_skeleton_shapes(skeleton, source, align_prefix(source.keys(), skeleton))
     finally:
         source.close()
 
@@ -135,7 +135,7 @@ def _linear_weights(
             if key.endswith(".weight") and len(shape) == 2 and not is_skipped(key, _LINEAR_FALLBACK_SKIP):
                 out[key[: -len(".weight")]] = (key, shape[0], shape[1])
         return out
-    keymap = _align_prefix(source.keys(), skeleton)
+    keymap = align_prefix(source.keys(), skeleton)
     check_skeleton_shapes(skeleton, source, keymap)
     by_model = {v: k for k, v in keymap.items()}
     out = {}
@@ -161,7 +161,7 @@ def _stub(name: str, info: dict, scheme: Scheme) -> QuantLinear:
     m._meta = {
         "dtype": NAME_DTYPES.get(info["dtype"], torch.bfloat16),
         "scale_layout": info.get("scale_layout", "linear"),
-        "params": _params_from_json(info.get("params", {})),
+        "params": params_from_json(info.get("params", {})),
     }
     return m
 
@@ -200,7 +200,7 @@ def _convert_shard(
                 "shape": [w.shape[0], w.shape[1]],
                 "dtype": DTYPE_NAMES.get(t.dtype, "float32"),
                 "scale_layout": q.scale_layout,
-                "params": _params_to_json(q.params),
+                "params": params_to_json(q.params),
             }
             del t, w, q, m
             yield out, (name, info)
@@ -323,7 +323,7 @@ def convert_checkpoint(
     # at all go by the tensor-name rules
     by_model = cfg is not None and ("model_type" in cfg or model_class is not None)
     source = TensorSource(src_dir)
-    patterns = _patterns(skip)
+    patterns = skip_patterns(skip)
 
     if by_model:
         linears = _linear_weights(src_dir, source, model_class, trust_remote_code)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.fp8_block import _check_pow2_scales, _check_qtensor, _check_scale_fmt, expected_scale_shape
+from ..formats.fp8_block import check_pow2_scales, check_qtensor, check_scale_fmt, expected_scale_shape
 from ..formats.qtensor import QTensor
 
 _WEIGHT_BLOCK = (128, 128)
@@ -43,7 +43,7 @@ def to_deepseek_fp8(q: QTensor) -> dict[str, torch.Tensor]:
         contiguous (ready for safetensors); they may share storage with ``q``. Prefix the keys with the
         module name (``"model.layers.0.mlp.down_proj."``) to place them in a state dict.
     """
-    block = _check_qtensor(q)
+    block = check_qtensor(q)
     if block != _WEIGHT_BLOCK:
         raise ValueError(f"to_deepseek_fp8: q must use block (128, 128) (DeepSeek weights), got {block}")
     return {"weight": q.data.contiguous(), "weight_scale_inv": q.scale.contiguous()}
@@ -76,7 +76,7 @@ def from_deepseek_fp8(
         raise TypeError(f"weight_scale_inv must be float32, got {weight_scale_inv.dtype}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    scale_fmt = _check_scale_fmt(scale_fmt)
+    scale_fmt = check_scale_fmt(scale_fmt)
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
     want = expected_scale_shape(weight.shape, _WEIGHT_BLOCK)
@@ -87,7 +87,7 @@ def from_deepseek_fp8(
         raise ValueError(f"weight and weight_scale_inv must be on one device, got {weight.device} and "
                          f"{weight_scale_inv.device}")
     if scale_fmt == "ue8m0" and weight_scale_inv.numel():
-        _check_pow2_scales(weight_scale_inv, "weight_scale_inv")
+        check_pow2_scales(weight_scale_inv, "weight_scale_inv")
     return QTensor(
         data=weight,
         scale=weight_scale_inv,

@@ -39,15 +39,15 @@ from ..formats.int4_awq import (
     pack_int4_sequential,
     unpack_int4_sequential,
 )
-from ..formats._checks import check_2d
+from ..formats.checks import check_2d
 from ..formats.qtensor import QTensor
 from .awq import infer_group_size
 
-_V1_OFFSET = 0x11111111
+V1_OFFSET = 0x11111111
 _WORD = 1 << 32
 
 
-def _word_add(words: torch.Tensor, delta: int) -> torch.Tensor:
+def word_add(words: torch.Tensor, delta: int) -> torch.Tensor:
     """``words + delta (mod 2^32)`` on int32 words, in int64 so nothing relies on signed overflow."""
     u = (words.to(torch.int64) + delta) % _WORD
     return torch.where(u >= 1 << 31, u - _WORD, u).to(torch.int32)
@@ -79,7 +79,7 @@ def to_gptq(q: QTensor, *, strict: bool = False) -> dict[str, torch.Tensor]:
             "a raw zero point is 0, which GPTQ v1 cannot store (it stores zero - 1); v1 readers such as "
             "vLLM and AutoGPTQ would decode it as 16. Use strict=False to store it with a borrow"
         )
-    qzeros = _word_add(pack_int4_sequential(zeros, dim=1), -_V1_OFFSET)
+    qzeros = word_add(pack_int4_sequential(zeros, dim=1), -V1_OFFSET)
     g_idx = torch.arange(in_features, dtype=torch.int32, device=q.data.device) // group_size
     return {
         "qweight": pack_int4_sequential(intweight, dim=0),
@@ -151,7 +151,7 @@ def from_gptq(
     group_size = infer_group_size(in_features, n_groups, group_size, "scales")
 
     intweight = unpack_int4_sequential(qweight, in_features, dim=0)
-    zeros = unpack_int4_sequential(_word_add(qzeros, _V1_OFFSET), out_features, dim=1)
+    zeros = unpack_int4_sequential(word_add(qzeros, V1_OFFSET), out_features, dim=1)
     return QTensor(
         data=pack_awq(intweight),
         scale=scales.contiguous().clone(),

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from ..formats.packing import unswizzle_scales
-from ..formats._checks import positive_fp32_scalar
+from ..formats.checks import positive_fp32_scalar
 from ..formats.qtensor import QTensor
 
 _NAMES = ("weight", "weight_scale", "weight_scale_2", "input_scale")

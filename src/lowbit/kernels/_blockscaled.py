@@ -7,6 +7,8 @@ reference does in IEEE arithmetic use ``tl.div_rn`` (a plain ``/`` is approximat
 import triton
 import triton.language as tl
 
+from .device import decode_minifloat, fp6_codes
+
 # SCALE_KIND
 SCALE_E4M3 = 0
 SCALE_E8M0_RCEIL = 1
@@ -46,18 +48,6 @@ def _encode_minifloat(x, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.cons
     if NAN_FIXUP:
         code = tl.where(x != x, SIGN - 1, code)
     return code
-
-
-@triton.jit
-def _decode_minifloat(code, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
-    """Code -> fp32 by building the fp32 bit pattern; subnormal codes are integer multiples of one step."""
-    SIGN: tl.constexpr = 1 << (EBITS + MBITS)
-    mag = code & (SIGN - 1)
-    normal = (mag + ((127 - BIAS) << MBITS)) << (23 - MBITS)
-    STEP: tl.constexpr = 2.0 ** (1 - BIAS - MBITS)
-    sub = (mag.to(tl.float32) * STEP).to(tl.int32, bitcast=True)
-    vbits = tl.where(mag < (1 << MBITS), sub, normal) | ((code & SIGN) << (31 - EBITS - MBITS))
-    return vbits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -143,7 +133,7 @@ def _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED: tl.constex
 
 
 @triton.jit
-def _quantize_blockscaled_kernel(
+def quantize_blockscaled_kernel(
     x_ptr, data_ptr, scale_ptr, gscale_ptr, amax_ptr,
     n_groups, groups_per_row, n_scale_cols_padded4,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr,
@@ -211,22 +201,7 @@ def _quantize_blockscaled_kernel(
 
 
 @triton.jit
-def _fp6_codes(slots):
-    """FP6 codes [R, C] from ``slots`` [R, C] (int32): for each group of 4 elements, slots 0..2 hold its 3
-    packed bytes (little-endian 24-bit stream, element 0 in the low 6 bits) and slot 3 is ignored."""
-    R: tl.constexpr = slots.shape[0]
-    C: tl.constexpr = slots.shape[1]
-    s02, s13 = tl.split(tl.reshape(slots, (R, C // 4, 2, 2)))
-    b0, b2 = tl.split(s02)
-    b1, _ = tl.split(s13)
-    word = b0 | (b1 << 8) | (b2 << 16)
-    even = tl.join(word & 0x3F, (word >> 12) & 0x3F)
-    odd = tl.join((word >> 6) & 0x3F, (word >> 18) & 0x3F)
-    return tl.reshape(tl.join(even, odd), (R, C))
-
-
-@triton.jit
-def _dequantize_blockscaled_kernel(
+def dequantize_blockscaled_kernel(
     data_ptr, scale_ptr, gscale_ptr, out_ptr,
     n_groups, groups_per_row, n_scale_cols_padded4,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr,
@@ -247,12 +222,12 @@ def _dequantize_blockscaled_kernel(
         off = (e // 4) * 3 + e % 4
         slots = tl.load(data_ptr + g[:, None] * (GROUP // 4 * 3) + off[None, :],
                         mask=g_ok[:, None] & (e % 4 < 3)[None, :], other=0).to(tl.int32)
-        codes = _fp6_codes(slots)
+        codes = fp6_codes(slots)
     else:
         codes = tl.load(data_ptr + g[:, None] * GROUP + e[None, :], mask=g_ok[:, None], other=0).to(tl.int32)
 
     if ELEM_KIND == 0:
-        v = _decode_minifloat(codes, EBITS, MBITS, BIAS)
+        v = decode_minifloat(codes, EBITS, MBITS, BIAS)
     elif ELEM_KIND == 1:
         v = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -277,7 +252,7 @@ def _dequantize_blockscaled_kernel(
 
 
 @triton.jit
-def _finite_absmax_kernel(x_ptr, out_ptr, N, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+def finite_absmax_kernel(x_ptr, out_ptr, N, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     """max |x| over finite elements into out_ptr[0] (int32 bits of a non-negative fp32, atomic max).
 
     Each program reduces CHUNKS chunks before its one atomic, so a large tensor costs few atomics.

@@ -21,7 +21,7 @@ Every fp32 operation reproduces ``lowbit.formats.fp8_block`` bit for bit:
 - (128, 128) values are ``x * RN(1/s)`` (DeepGEMM multiplies by the reciprocal).
 - E4M3: ``cvt.rn.satfinite.e4m3x2.f32`` (what ``.to(tl.float8e4nv)`` emits on sm_90) rounds to nearest
   even like torch; quotients never exceed 448 * (1 + 2^-23) (or are NaN), so the reference's clamp to
-  +-448 changes nothing, and NaN becomes 0x7F (see ``_e4m3_codes``).
+  +-448 changes nothing, and NaN becomes 0x7F (see ``e4m3_codes``).
 - NaN scales are stored as 0x7FC00000 and NaN outputs of dequantize as 0x7FC00000 / bf16 0x7FC0 /
   fp16 0x7E00 (GPU arithmetic makes 0x7FFFFFFF), selected on integer bits so no compiler pass can
   treat the select as a no-op.
@@ -30,24 +30,12 @@ Every fp32 operation reproduces ``lowbit.formats.fp8_block`` bit for bit:
 import triton
 import triton.language as tl
 
+from .device import e4m3_codes, rn_quotient, scale_from_amax_bits
+
 GROUP = 128
 FP8_MAX = 448.0
 AMAX_EPS_BITS = 0x38D1B717  # fp32(1e-4)
 CANONICAL_NAN_F32 = 0x7FC00000
-
-
-@triton.jit
-def _scale_from_amax_bits(abits, POW2_SCALE: tl.constexpr):
-    """fp32 scale from the int32 bits of |amax| (NaN bits allowed), as formats.fp8_block._block_scale."""
-    abits = tl.maximum(abits, 0x38D1B717)  # amax.clamp(min=fp32(1e-4)); NaN bits are larger and stay
-    s = tl.div_rn(abits.to(tl.float32, bitcast=True), 448.0)
-    if POW2_SCALE:
-        sb = s.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        biased = sb >> 23
-        e = biased + ((sb & 0x7FFFFF) != 0).to(tl.int32)
-        e = tl.minimum(tl.maximum(e, 1), 254)
-        s = tl.where(biased == 255, s, (e << 23).to(tl.float32, bitcast=True))
-    return s
 
 
 @triton.jit
@@ -56,32 +44,7 @@ def _canonical_f32_bits(v):
 
 
 @triton.jit
-def _e4m3_codes(q):
-    """uint8 E4M3 codes of fp32 q (|q| <= 448 (1 + 2^-23), or NaN).
-
-    ``cvt.rn.satfinite.e4m3x2.f32`` writes NaN as 0x7F (the only positive E4M3 NaN; every NaN reaching
-    here comes out of a GPU fmul/fma, which returns the positive canonical NaN 0x7FFFFFFF). An explicit
-    ``where(q != q, 0x7F, ...)`` on the bytes costs ~5 instructions per element (unpack/repack), a third
-    of the kernel's ALU work, so it is left out; the GPU tests check NaN of both signs and payloads.
-    """
-    return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-
-
-@triton.jit
-def _quotient(x, xbits, s, r):
-    """RN(x / s) for fp32 x (int32 bits ``xbits``), scale s > 0 (or +Inf) and r = RN(1 / s), broadcast to x's
-    shape, by correction steps on x * r (module docstring). Negations are sign-bit flips, since Triton's
-    unary minus is 0 - v, which turns -0 into +0."""
-    q0 = x * r
-    s_fin = tl.where(s == float("inf"), 0.0, s)
-    neg_x = (xbits ^ -2147483648).to(tl.float32, bitcast=True)
-    neg_r = (r.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)  # -r, -0 for r = 0
-    q1 = tl.fma(tl.fma(q0, s_fin, neg_x), neg_r, q0)  # within 0.5 + 2^-23 ulp: faithful
-    return tl.fma(tl.fma(q1, s_fin, neg_x), neg_r, q1)   # Markstein: correctly rounded
-
-
-@triton.jit
-def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, MIN_SCALE_BITS: tl.constexpr,
+def quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, MIN_SCALE_BITS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp8_rowwise (``lowbit.formats.fp8_rowwise``): x [M, K] (last dim contiguous) -> codes [M, K]
     contiguous, scales [M] with ``s = max(amax / 448, MIN_SCALE)`` and codes ``e4m3(x / s)``. Two passes over
@@ -103,14 +66,14 @@ def _quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, MIN_SCALE_BIT
         cols = kt * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + m64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _quotient(x, x.to(tl.int32, bitcast=True), s[:, None], r[:, None])
-        tl.store(q_ptr + m64[:, None] * K + cols[None, :], _e4m3_codes(q).to(tl.float8e4nv, bitcast=True),
+        q = rn_quotient(x, x.to(tl.int32, bitcast=True), s[:, None], r[:, None])
+        tl.store(q_ptr + m64[:, None] * K + cols[None, :], e4m3_codes(q).to(tl.float8e4nv, bitcast=True),
                  mask=mask)
     tl.store(s_ptr + m64, _canonical_f32_bits(s).to(tl.float32, bitcast=True), mask=row_ok)
 
 
 @triton.jit
-def _quantize_1x128_kernel(
+def quantize_1x128_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, stride_xb, stride_xm, n_mblocks,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, POW2_SCALE: tl.constexpr, COLUMN_SCALES: tl.constexpr,
@@ -137,13 +100,13 @@ def _quantize_1x128_kernel(
     NG: tl.constexpr = BLOCK_K // 128
     xg = tl.reshape(x, (BLOCK_M, NG, 128))
     xbits = xg.to(tl.int32, bitcast=True)
-    s = _scale_from_amax_bits(tl.max(xbits & 0x7FFFFFFF, axis=2), POW2_SCALE)
+    s = scale_from_amax_bits(tl.max(xbits & 0x7FFFFFFF, axis=2), POW2_SCALE)
     r = tl.div_rn(1.0, s)
     if POW2_SCALE:
         q = xg * r[:, :, None]
     else:
-        q = _quotient(xg, xbits, s[:, :, None], r[:, :, None])
-    codes = tl.reshape(_e4m3_codes(q), (BLOCK_M, BLOCK_K))
+        q = rn_quotient(xg, xbits, s[:, :, None], r[:, :, None])
+    codes = tl.reshape(e4m3_codes(q), (BLOCK_M, BLOCK_K))
     row_g = b64 * M + m64
     tl.store(q_ptr + row_g[:, None] * K + cols[None, :], codes.to(tl.float8e4nv, bitcast=True), mask=mask)
 
@@ -162,7 +125,7 @@ def _quantize_1x128_kernel(
 
 
 @triton.jit
-def _quantize_128x128_kernel(
+def quantize_128x128_kernel(
     x_ptr, q_ptr, s_ptr,
     N, K, stride_xn,
     POW2_SCALE: tl.constexpr,
@@ -178,15 +141,15 @@ def _quantize_128x128_kernel(
     mask = (rows < N)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     abits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
-    s = _scale_from_amax_bits(abits, POW2_SCALE)
+    s = scale_from_amax_bits(abits, POW2_SCALE)
     q = x * tl.div_rn(1.0, s)
-    codes = _e4m3_codes(q)
+    codes = e4m3_codes(q)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], codes.to(tl.float8e4nv, bitcast=True), mask=mask)
     tl.store(s_ptr + pid_n * tl.cdiv(K, 128) + pid_k, _canonical_f32_bits(s).to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _dequantize_kernel(
+def dequantize_fp8_block_kernel(
     q_ptr, s_ptr, out_ptr,
     M, K, n_mblocks, stride_sb, stride_sm, stride_sg,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_PER_SCALE: tl.constexpr, OUT_KIND: tl.constexpr,

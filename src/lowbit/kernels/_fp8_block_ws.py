@@ -3,7 +3,7 @@
 ``out = alpha * (a * sa) @ (b * sb).T + bias``: a [M, K] E4M3 with fp32 scales per (row, 128-column block), b
 [N, K] E4M3 with fp32 scales per 128 x 128 block. Each 128-wide K tile's FP8 product is promoted into the fp32
 accumulator with ``sa[m] * sb`` (DeepSeek-V3's promotion), so the result equals the reference up to fp32
-accumulation order (the same math as ``_scaled_mm._fp8_block_mm_tma_kernel``).
+accumulation order (the same math as ``_scaled_mm.fp8_block_mm_tma_kernel``).
 
 Why warp specialization: in the one-partition Triton kernel every warp waits for its K tile's wgmma, then does
 the promotion FMAs while the tensor cores sit idle, then issues the next loads (0.55-0.70x of

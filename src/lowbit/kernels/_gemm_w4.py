@@ -42,6 +42,8 @@ to the activation dtype (relative error <= 2^-9). All multiplies are packed bf16
 import triton
 import triton.language as tl
 
+from .device import e2m1_pairs, e8m0_to, mul_groups, settled, swizzled_offsets
+
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
 FMT_FP4_B32 = tl.constexpr(2)
@@ -61,46 +63,6 @@ def _join16(lo, hi, DT: tl.constexpr):
 
 
 @triton.jit
-def _split_pairs(pair, DT: tl.constexpr):
-    """int32 [R, P] words, each holding two 16-bit patterns (low half first) -> ``DT`` [R, 2P]."""
-    lo = pair.to(tl.int16)
-    hi = (pair >> 16).to(tl.int16)
-    v = tl.reshape(tl.join(lo, hi), (pair.shape[0], 2 * pair.shape[1]))
-    return v.to(DT, bitcast=True)
-
-
-@triton.jit
-def _e2m1_bits(b, DT: tl.constexpr):
-    """Packed bytes ``b`` (int32 [R, P], element 2i in the low nibble) -> int32 words holding the two 16-bit
-    patterns (element 2i in the low half) whose ``DT`` values are the E2M1 values times 2^-126 (bf16) or
-    2^-14 (fp16): the magnitude bits go to the bottom of the exponent field (bits 6-8 or 9-11; code 1 becomes
-    a subnormal), the sign to bit 15. Two multiplies spread the byte (the shifted copies do not overlap, so
-    there are no carries) and masks keep the wanted bits."""
-    if DT == tl.float16:
-        mag = (b * 0x200200) & 0x0E000E00             # b<<9 | b<<21: bits 0-2 -> 9-11, bits 4-6 -> 25-27
-        sign = ((b & 0x88) * 0x1001000) & -0x7FFF8000  # mask 0x80008000: bit 3 -> 15, bit 7 -> 31
-        bits = mag | sign
-    else:
-        # b<<6 | b<<18 and (b & 0x88)<<12 | (b & 0x88)<<24 share no wanted bit: one and-or
-        bits = ((b * 0x40040) | ((b & 0x88) * 0x1001000)) & -0x7E3F7E40   # mask 0x81C081C0
-    return bits
-
-
-@triton.jit
-def _e2m1_pairs(b, DT: tl.constexpr, ON_GPU: tl.constexpr):
-    """Packed bytes -> exact E2M1 values [R, 2P] in ``DT`` (one power-of-two multiply of ``_e2m1_bits``)."""
-    v = _split_pairs(_e2m1_bits(b, DT), DT)
-    if DT == tl.float16:
-        out = v * 16384.0                           # 2^14
-    elif ON_GPU:
-        out = v * 8.507059173023462e37              # 2^126
-    else:
-        # the interpreter cannot make bf16 constants (nor multiply bf16 correctly; see the interpreter test)
-        out = v * tl.full((1, 1), 0x7E80, tl.int16).to(tl.bfloat16, bitcast=True)
-    return out
-
-
-@triton.jit
 def _u4_pairs(b, DT: tl.constexpr):
     """Packed bytes (element 2i in the low nibble) -> ``MAGIC + q`` [R, 2P] in ``DT`` (MAGIC = 128.0 in bf16,
     1024.0 in fp16, whose ulp is 1: q sits in the low mantissa bits). Built as two 16-bit halves and
@@ -114,21 +76,8 @@ def _u4_pairs(b, DT: tl.constexpr):
 
 
 @triton.jit
-def _mul_groups(v, s):
-    """v [R, C] times s [R, G]: G == 1 broadcasts, else each scale covers C / G consecutive columns."""
-    R: tl.constexpr = v.shape[0]
-    C: tl.constexpr = v.shape[1]
-    G: tl.constexpr = s.shape[1]
-    if G == 1:
-        out = v * s
-    else:
-        out = tl.reshape(tl.reshape(v, (R, G, C // G)) * s[:, :, None], (R, C))
-    return out
-
-
-@triton.jit
 def _sub_groups(v, z):
-    """v [R, C] minus z [R, G], as ``_mul_groups``."""
+    """v [R, C] minus z [R, G], as ``mul_groups``."""
     R: tl.constexpr = v.shape[0]
     C: tl.constexpr = v.shape[1]
     G: tl.constexpr = z.shape[1]
@@ -137,26 +86,6 @@ def _sub_groups(v, z):
     else:
         out = tl.reshape(tl.reshape(v, (R, G, C // G)) - z[:, :, None], (R, C))
     return out
-
-
-@triton.jit
-def _e8m0_to(code, DT: tl.constexpr):
-    """E8M0 code (int32) -> 2^(code-127) in ``DT`` (255 -> NaN). bf16 holds every value exactly; in fp16 the
-    value rounds as a cast would (2^-25 and below flush to zero, 2^16 and above overflow)."""
-    if DT == tl.bfloat16:
-        # 2^-127 is the bf16 subnormal 0x0040
-        bits = tl.where(code == 0, 0x0040, tl.where(code == 255, 0x7FC0, code << 7))
-        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        f = tl.where(code == 0, 0x00400000, tl.where(code == 255, 0x7FC00000, code << 23))
-        return f.to(tl.float32, bitcast=True).to(DT)
-
-
-@triton.jit
-def _swizzled_offsets(r, c, n_cols_padded4):
-    """Byte offset of scale (r, c) in the 128x4-swizzled layout (torchao ``to_blocked``)."""
-    # r, c >= 0: shifts and masks instead of signed division
-    return ((r >> 7) * (n_cols_padded4 >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)
 
 
 @triton.jit
@@ -237,7 +166,7 @@ def _load_scales(s_ptr, z_ptr, nested_ptr, offs_n, k0, K, stride_sn, s_cols4,
             cols = col0 + tl.arange(0, NG)
             wcols = cols & -4
             if SCALE_SWIZZLED:
-                off = _swizzled_offsets(offs_n[:, None], wcols[None, :], s_cols4).to(tl.int64)
+                off = swizzled_offsets(offs_n[:, None], wcols[None, :], s_cols4).to(tl.int64)
             else:
                 off = offs_n.to(tl.int64)[:, None] * stride_sn + wcols[None, :]
             wptr = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (off >> 2)
@@ -249,7 +178,7 @@ def _load_scales(s_ptr, z_ptr, nested_ptr, offs_n, k0, K, stride_sn, s_cols4,
         else:
             cols = col0 + tl.arange(0, NG)
             if SCALE_SWIZZLED:
-                off = _swizzled_offsets(offs_n[:, None], cols[None, :], s_cols4).to(tl.int64)
+                off = swizzled_offsets(offs_n[:, None], cols[None, :], s_cols4).to(tl.int64)
             else:
                 off = offs_n.to(tl.int64)[:, None] * stride_sn + cols[None, :]
             if EVEN_K:
@@ -272,17 +201,17 @@ def _decode_tile(b, sa, sb, offset_ptr, lut_ptr, dmap_ptr,
         if FMT == 0:
             s = sa.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DT)
         elif FMT == 1:
-            s = _e8m0_to(sa, DT)
+            s = e8m0_to(sa, DT)
         else:
             s = sa.to(DT)
-        return _mul_groups(_e2m1_pairs(b, DT, ON_GPU), s)
+        return mul_groups(e2m1_pairs(b, DT, ON_GPU), s)
     elif FMT == 4:
         s = (sa & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(DT)
         if DT == tl.float16:
             z = ((sa >> 16) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
         else:
             z = ((sa >> 16) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return _mul_groups(_sub_groups(_u4_pairs(b, DT), z), s)
+        return mul_groups(_sub_groups(_u4_pairs(b, DT), z), s)
     else:
         # element 2i is the high nibble
         v = _join16(_lut16(lut_ptr, b >> 4, ON_GPU), _lut16(lut_ptr, b & 15, ON_GPU), DT)
@@ -294,7 +223,7 @@ def _decode_tile(b, sa, sb, offset_ptr, lut_ptr, dmap_ptr,
         if NF4_MODE == 0:
             return v * a[:, None]
         elif NF4_MODE == 1:
-            return _mul_groups(v, a)
+            return mul_groups(v, a)
         else:
             return v * a
 
@@ -359,27 +288,11 @@ def _tile_product(x_desc, m0, x_rows, offs_k, w_ptr, w_rows, s_ptr, z_ptr, neste
     sa, sb = _load_scales(s_ptr, z_ptr, nested_ptr, offs_n, k0, K, stride_sn, s_cols4, FMT, BLOCK_K, GROUP,
                           SCALE_SWIZZLED, SCALE_WORDS, DOUBLE_QUANT, NF4_MODE, EVEN_K)
     w = _decode_tile(b, sa, sb, offset_ptr, lut_ptr, dmap_ptr, FMT, GROUP, DOUBLE_QUANT, NF4_MODE, DT, ON_GPU)
-    return _settled(tl.dot(w, tl.trans(x), acc), ON_GPU)
+    return settled(tl.dot(w, tl.trans(x), acc), ON_GPU)
 
 
 @triton.jit
-def _settled(acc, ON_GPU: tl.constexpr):
-    """``acc``, once every wgmma that produced it has completed.
-
-    Triton 3.6 pipelines a wgmma whose A operand is in registers so that the next tile's decode may overwrite
-    the A registers of the previous tile's wgmmas before they have all run (its ``wgmma.wait_group`` only
-    covers the first of them; triton-lang/triton#9433, fixed after 3.6 by #9514). On the H100 that gave wrong
-    results in some tile shapes (rel. error up to 0.2, varying with num_stages and the epilogue). Reading the
-    accumulator here makes Triton wait for all of this tile's wgmmas before the next decode starts; the
-    decode no longer overlaps the tensor cores of its own warpgroup (other programs on the SM still do)."""
-    if ON_GPU:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=False,
-                                         pack=1)
-    return acc
-
-
-@triton.jit
-def _gemm_w4_kernel(
+def gemm_w4_kernel(
     x_ptr, x_desc, w_ptr, s_ptr, z_ptr, nested_ptr, offset_ptr, lut_ptr, dmap_ptr, gscale_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_om, stride_wn, stride_sn, s_cols4,
     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -455,7 +368,7 @@ def _gemm_w4_kernel(
 
 
 @triton.jit
-def _split_k_reduce_kernel(
+def split_k_reduce_kernel(
     ws_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GSCALE_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ON_GPU: tl.constexpr,

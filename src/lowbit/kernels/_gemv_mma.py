@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..formats.spec import NF4
-from ._gemv_w4 import _epilogue, one_line
+from .device import gemv_epilogue, one_line
 
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
@@ -221,7 +221,7 @@ NF4_MASK_LO, NF4_MASK_HI, NF4_PAIR_01, NF4_PAIR_23 = 0xD9C8, 0xFBEA, 0x5140, 0x7
 
 def _nf4_word(w: str, lo: list, hi: list) -> str:
     """The 4 A registers r0..r3 of word ``w`` (21 instructions); lo / hi: the operands holding the table words
-    (kernel arguments, see ``_gemv_mma_kernel``: as immediates, ptxas re-materializes them at every prmt)."""
+    (kernel arguments, see ``gemv_mma_kernel``: as immediates, ptxas re-materializes them at every prmt)."""
     lines = [f"and.b32 s, {w}, 0x77777777;", f"shl.b32 u, {w}, 4;",
              f"prmt.b32 m0, u, {w}, {NF4_MASK_LO:#x};", f"prmt.b32 m1, u, {w}, {NF4_MASK_HI:#x};"]
     for half, (ra, rb, m) in enumerate((("r0", "r1", "m0"), ("r2", "r3", "m1"))):
@@ -374,7 +374,7 @@ def _fetch(w_tile, s_tile, xr0, xr1, kq, jj, FMT: tl.constexpr, SPC: tl.constexp
 
 
 @triton.jit
-def _gemv_mma_kernel(
+def gemv_mma_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KQ, T0, T1, T2, T3, T4, T5, T6, T7,
     FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
@@ -445,8 +445,8 @@ def _gemv_mma_kernel(
     rows = rg[:, None] * 16 + lane2 // 4 + 8 * ((d2 % 4) // 2)                        # [RG, 128]
     m0 = 2 * (lane2 % 4) + (d2 % 2)
     # split-K: workspace [SPLIT, 8 NT, N], one counter per (N tile, n-tile)
-    _epilogue(tl.sum(acc0, axis=0), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
+    gemv_epilogue(tl.sum(acc0, axis=0), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
               out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
     if NT == 2:
-        _epilogue(tl.sum(acc1, axis=0), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
+        gemv_epilogue(tl.sum(acc1, axis=0), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
                   bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)

@@ -15,11 +15,11 @@ loop about 6.5, whatever M.
 
 Two kernels share the decode and the epilogue (the tensor-core GEMV in ``_gemv_mma`` shares the epilogue):
 
-- ``_gemv_w4_fma_kernel`` (small M): CUDA-core FMAs in fp32, ``MP`` (= M, 1..4) rows of x per program, on a
+- ``gemv_w4_fma_kernel`` (small M): CUDA-core FMAs in fp32, ``MP`` (= M, 1..4) rows of x per program, on a
   row-major ``[BN, 4 C]`` word tile (lanes along the chunks of a row; each thread reuses its x values for
   all its rows). The 8 elements of a word are decoded by one inline-asm block to 8 fp32 values,
   multiplied by the 8 x values of the matching 16-byte x load and scaled once per word.
-- ``_gemv_w4_dot_kernel`` (larger M): a ``[C, BN, 4]`` tile decoded and scaled, cast to x's dtype and fed
+- ``gemv_w4_dot_kernel`` (larger M): a ``[C, BN, 4]`` tile decoded and scaled, cast to x's dtype and fed
   to ``tl.dot`` (wgmma on Hopper) against a ``[32C, 16]`` x tile; accumulation in fp32.
 
 Decode (``ON_GPU``; the interpreter runs the plain-Triton equivalents, same values):
@@ -42,14 +42,7 @@ approximate division), cast to the output dtype.
 import triton
 import triton.language as tl
 
-from ._blockscaled import _decode_minifloat
-
-
-def one_line(asm: str) -> str:
-    """Inline asm on one line (statements end with ';'): torch.compile pastes a kernel's global constants into
-    generated source inside a triple-quoted string, where the ``\\n`` of a multi-line repr would become a line
-    break inside a string literal."""
-    return " ".join(part.strip() for part in asm.splitlines() if part.strip())
+from .device import decode_minifloat, gemv_epilogue, one_line
 
 
 # FMT
@@ -59,15 +52,6 @@ FMT_FP4_B32 = tl.constexpr(2)
 FMT_NF4 = tl.constexpr(3)
 FMT_NF4_DQ = tl.constexpr(4)
 FMT_AWQ = tl.constexpr(5)
-# ACT
-ACT_NONE = tl.constexpr(0)
-ACT_GELU = tl.constexpr(1)
-ACT_GELU_TANH = tl.constexpr(2)
-ACT_SILU = tl.constexpr(3)
-# GS_KIND: what the epilogue does with gs_ptr[0]
-GS_NONE = tl.constexpr(0)
-GS_DIVIDE = tl.constexpr(1)  # nvfp4 global scale S (dequant = value * sf / S)
-GS_MULTIPLY = tl.constexpr(2)  # nvfp4 per_tensor_scale p (dequant = value * p * sf)
 
 # table layout in tab_ptr (fp32): NF4 levels at 0..15, bitsandbytes dynamic map at 16..271, nested offset at 272
 TAB_DMAP = tl.constexpr(16)
@@ -253,14 +237,14 @@ def _decode8(words, zz, tab_ptr, FMT: tl.constexpr, ON_GPU: tl.constexpr):
                                              dtype=(tl.float32,) * 8, is_pure=True, pack=1)
         else:
             S: tl.constexpr = 0.015625
-            return (_decode_minifloat((words >> 0) & 0xF, 2, 1, 1) * S,
-                    _decode_minifloat((words >> 4) & 0xF, 2, 1, 1) * S,
-                    _decode_minifloat((words >> 8) & 0xF, 2, 1, 1) * S,
-                    _decode_minifloat((words >> 12) & 0xF, 2, 1, 1) * S,
-                    _decode_minifloat((words >> 16) & 0xF, 2, 1, 1) * S,
-                    _decode_minifloat((words >> 20) & 0xF, 2, 1, 1) * S,
-                    _decode_minifloat((words >> 24) & 0xF, 2, 1, 1) * S,
-                    _decode_minifloat((words >> 28) & 0xF, 2, 1, 1) * S)
+            return (decode_minifloat((words >> 0) & 0xF, 2, 1, 1) * S,
+                    decode_minifloat((words >> 4) & 0xF, 2, 1, 1) * S,
+                    decode_minifloat((words >> 8) & 0xF, 2, 1, 1) * S,
+                    decode_minifloat((words >> 12) & 0xF, 2, 1, 1) * S,
+                    decode_minifloat((words >> 16) & 0xF, 2, 1, 1) * S,
+                    decode_minifloat((words >> 20) & 0xF, 2, 1, 1) * S,
+                    decode_minifloat((words >> 24) & 0xF, 2, 1, 1) * S,
+                    decode_minifloat((words >> 28) & 0xF, 2, 1, 1) * S)
 
 
 @triton.jit
@@ -336,7 +320,7 @@ def _decode_scales(raw, nested, tab_ptr, FMT: tl.constexpr, ON_GPU: tl.constexpr
         if ON_GPU:
             sf = tl.inline_asm_elementwise(_E4M3_ASM, "=f,r", [raw], dtype=tl.float32, is_pure=True, pack=1)
         else:
-            sf = _decode_minifloat(raw, 4, 3, 7)
+            sf = decode_minifloat(raw, 4, 3, 7)
     elif FMT == FMT_MXFP4:
         # 2^(c - 127); code 0 is 2^-127 (subnormal), 255 is NaN
         v = (tl.maximum(raw << 23, 0x00400000) | (((raw + 1) & 0x100) << 14)).to(tl.float32, bitcast=True)
@@ -357,66 +341,6 @@ def _decode_scales(raw, nested, tab_ptr, FMT: tl.constexpr, ON_GPU: tl.constexpr
     else:
         sf = raw
     return sf, zz
-
-
-@triton.jit
-def _activation(y, ACT: tl.constexpr):
-    if ACT == ACT_GELU:
-        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-    elif ACT == ACT_GELU_TANH:
-        u = 0.7978845608028654 * (y + 0.044715 * y * y * y)
-        # tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits +-1 for large |u|
-        t = 1.0 - tl.div_rn(2.0, tl.exp(2.0 * u) + 1.0)
-        y = 0.5 * y * (1.0 + t)
-    elif ACT == ACT_SILU:
-        y = tl.div_rn(y, 1.0 + tl.exp(-y))
-    return y
-
-
-@triton.jit
-def _finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST: tl.constexpr, GS_KIND: tl.constexpr,
-            ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
-    """acc: fp32 partial sums for x rows ``m`` and output rows ``rows`` (index tensors broadcastable to acc's
-    shape); writes out[m, rows]. ROW_SCALE 1 multiplies by rs_ptr[0], 2 by rs_ptr[m], 3 divides by rs_ptr[0]
-    (what x's own scales leave over: an FP8 activation's per-token scale, an nvfp4 activation's global scale;
-    applied before the bias)."""
-    y = acc * POST
-    if GS_KIND == GS_DIVIDE:
-        y = tl.div_rn(y, tl.load(gs_ptr))
-    elif GS_KIND == GS_MULTIPLY:
-        y = y * tl.load(gs_ptr)
-    if ROW_SCALE == 1:
-        y = y * tl.load(rs_ptr)
-    elif ROW_SCALE == 2:
-        y = y * tl.load(rs_ptr + m, mask=m < M, other=0.0)
-    elif ROW_SCALE == 3:
-        y = tl.div_rn(y, tl.load(rs_ptr))
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-    y = _activation(y, ACT)
-    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=(m < M) & (rows < N))
-
-
-@triton.jit
-def _epilogue(acc, cnt, pid_k, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr,
-              MP: tl.constexpr, SPLIT: tl.constexpr, POST: tl.constexpr, GS_KIND: tl.constexpr,
-              ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
-    """:func:`_finish`, after the split-K reduction when SPLIT > 1: ``cnt`` is this output tile's counter,
-    the workspace is [SPLIT, MP, N] fp32 (rows past N are never read back, x rows m >= M are ignored)."""
-    if SPLIT == 1:
-        _finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
-    else:
-        wmask = rows < N
-        tl.store(ws_ptr + (pid_k * MP + m) * N + rows, acc, mask=wmask)
-        tl.debug_barrier()
-        prev = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if prev == SPLIT - 1:
-            tot = tl.zeros_like(acc)
-            for s in range(SPLIT):
-                tot += tl.load(ws_ptr + (s * MP + m) * N + rows, mask=wmask, other=0.0, cache_modifier=".cg")
-            # every program of this tile has arrived: reset the counter for the next launch
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-            _finish(tot, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
 
 
 @triton.jit
@@ -449,7 +373,7 @@ def _row_dot(dec, xp, X_FP16: tl.constexpr, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _gemv_w4_fma_kernel(
+def gemv_w4_fma_kernel(
     x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, KW, SK,
     FMT: tl.constexpr, WPB: tl.constexpr, IPS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
@@ -501,12 +425,12 @@ def _gemv_w4_fma_kernel(
 
     acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1), MP)
     m = tl.arange(0, MP)
-    _epilogue(acc, cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr,
+    gemv_epilogue(acc, cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr,
               ws_ptr, MP, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
 
 
 @triton.jit
-def _gemv_w4_dot_kernel(
+def gemv_w4_dot_kernel(
     x_ptr, w_ptr, s_ptr, nested_ptr, tab_ptr, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, KW, SK,
     FMT: tl.constexpr, WPB: tl.constexpr, IPS: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, C: tl.constexpr,
@@ -567,5 +491,5 @@ def _gemv_w4_dot_kernel(
                 xb = tl.load((x_tile + kw0 * 8).to(tl.pointer_type(tl.int16), bitcast=True), mask=x_mask, other=0)
                 xf = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
             acc += tl.dot(wt, xf, input_precision="ieee")
-    _epilogue(tl.trans(acc), cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, rs_ptr, bias_ptr,
+    gemv_epilogue(tl.trans(acc), cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, rs_ptr, bias_ptr,
               out_ptr, ws_ptr, MP, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)

@@ -10,11 +10,11 @@ reference's fp16 multiply. NaN follows the reference on x86: a NaN scale comes o
 import triton
 import triton.language as tl
 
-from ._nf4 import _is_nan
+from .device import nan_mask
 
 
 @triton.jit
-def _dequantize_int4_awq_kernel(
+def dequantize_int4_awq_kernel(
     qweight_ptr, qzeros_ptr, scales_ptr, out_ptr,
     IN, OUT, OUTW, NC, QW_STRIDE, QZ_STRIDE, S_STRIDE,
     GROUP: tl.constexpr, TI: tl.constexpr, TC: tl.constexpr, OUT_KIND: tl.constexpr, ON_GPU: tl.constexpr,
@@ -47,11 +47,11 @@ def _dequantize_int4_awq_kernel(
     s = tl.load(scales_ptr + g * S_STRIDE + o, mask=c_ok[:, None], other=0.0)       # fp16 [TC, 8]
     s_bits = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     # the fp16 NaN of a product that is NaN: the scale quieted, or the default NaN for 0 * inf
-    nan_h = tl.where(_is_nan(s), s_bits | 0x200, 0xFE00)
+    nan_h = tl.where(nan_mask(s), s_bits | 0x200, 0xFE00)
 
     q = (words[:, None, :] >> shift[None, :, None]) & 0xF                      # [TC, 8, TI]
     p = (q - z[:, :, None]).to(tl.float32) * s.to(tl.float32)[:, :, None]
-    is_nan = _is_nan(p)
+    is_nan = nan_mask(p)
     h = p.to(tl.float16)
     nan_h = nan_h[:, :, None]
     if OUT_KIND == 0:

@@ -15,7 +15,7 @@ interpreter builds the same bytes with integer arithmetic.
 import triton
 import triton.language as tl
 
-from ._gemm_w4 import _swizzled_offsets
+from .device import swizzled_offsets
 
 FOLD_SHIFT = tl.constexpr(6)
 FOLD_WINDOW = tl.constexpr(11)
@@ -67,7 +67,7 @@ def _folded_words(w, shift, ON_GPU: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_as_fp8_block_kernel(
+def mxfp4_as_fp8_block_kernel(
     data_ptr,
     scale_ptr,
     out_ptr,
@@ -99,7 +99,7 @@ def _mxfp4_as_fp8_block_kernel(
     blk = kt * 4 + tl.arange(0, 4)
     blk_ok = row_ok[:, None] & (blk < K // 32)[None, :]
     if SWIZZLED:
-        soff = _swizzled_offsets(rows[:, None], blk[None, :], s_cols4).to(tl.int64)
+        soff = swizzled_offsets(rows[:, None], blk[None, :], s_cols4).to(tl.int64)
     else:
         soff = rows64[:, None] * stride_s0 + blk[None, :]
     e = tl.load(scale_ptr + soff, mask=blk_ok, other=0).to(tl.int32)

@@ -14,21 +14,18 @@ possible; the launcher also passes ``enable_fp_fusion=False``.
 import triton
 import triton.language as tl
 
+from .device import nan_mask
+
 QNAN_BIT = tl.constexpr(0x00400000)
 X86_DEFAULT_NAN = tl.constexpr(-4194304)  # 0xFFC00000 as int32
 
 
 @triton.jit
-def _is_nan(x):
-    return x != x  # noqa: PLR0124 - the NaN test
-
-
-@triton.jit
 def _x86_nan_bits(res, a, b):
     """int32 bits of ``res = a op b`` with x86 NaN rules (``a`` the first operand, ``b`` the second)."""
-    nan = tl.where(_is_nan(a), a.to(tl.int32, bitcast=True) | QNAN_BIT,
-                   tl.where(_is_nan(b), b.to(tl.int32, bitcast=True) | QNAN_BIT, X86_DEFAULT_NAN))
-    return tl.where(_is_nan(res), nan, res.to(tl.int32, bitcast=True))
+    nan = tl.where(nan_mask(a), a.to(tl.int32, bitcast=True) | QNAN_BIT,
+                   tl.where(nan_mask(b), b.to(tl.int32, bitcast=True) | QNAN_BIT, X86_DEFAULT_NAN))
+    return tl.where(nan_mask(res), nan, res.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -38,7 +35,7 @@ def _to_out_bits(prod, nan_bits, OUT_KIND: tl.constexpr, ON_GPU: tl.constexpr):
     ``(b + 0x7FFF + ((b >> 16) & 1)) >> 16``, which is round-to-nearest-even for every non-NaN (int16);
     2 fp16 as x86 F16C converts, round-to-nearest-even, NaN keeping its sign and top payload bits (int16).
     """
-    is_nan = _is_nan(prod)
+    is_nan = nan_mask(prod)
     if OUT_KIND == 0:
         v = tl.where(is_nan, nan_bits, prod.to(tl.int32, bitcast=True))
     elif OUT_KIND == 1:
@@ -126,7 +123,7 @@ def _nf4_tile(
             absmax = tl.load(absmax_ptr + blk)
         a_bits = absmax.to(tl.int32, bitcast=True)
     # NaN products of a chunk are its absmax (quieted) or, for 0 * inf, the default NaN
-    nan_bits = tl.where(_is_nan(absmax), a_bits | QNAN_BIT, X86_DEFAULT_NAN)
+    nan_bits = tl.where(nan_mask(absmax), a_bits | QNAN_BIT, X86_DEFAULT_NAN)
 
     # the V/2 packed bytes of each chunk as one little-endian word
     bytes_ptr = data_ptr + pid * (BLOCK // 2)
@@ -155,7 +152,7 @@ def _nf4_tile(
 
 
 @triton.jit
-def _dequantize_nf4_kernel(
+def dequantize_nf4_kernel(
     data_ptr, absmax_ptr, nested_ptr, offset_ptr, lut_ptr, dmap_ptr, out_ptr, n,
     BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr, V: tl.constexpr,
     DOUBLE_QUANT: tl.constexpr, OUT_KIND: tl.constexpr, ON_GPU: tl.constexpr,

@@ -12,7 +12,7 @@ to fp32 accumulation order:
 - SMODE 2: E8M0 scale per 32 elements (MX), SMODE 4: E4M3 scale per 16 (nvfp4), linear or 128x4 swizzled:
   multiplied into the decoded tile in bf16. Every element x scale product here is exact in bf16 (at most
   4 + 4 significant bits, exponents in bf16's range), so these tiles feed a bf16 ``tl.dot`` exactly. E2M1
-  codes become bf16 through their bit patterns (``_gemm_w4._e2m1_pairs``).
+  codes become bf16 through their bit patterns (``device.e2m1_pairs``).
 - SMODE 3: fp32 scale per row (fp8_rowwise activations), applied to the accumulator in the epilogue.
 - GMODE 1/2: nvfp4 per-tensor scale (1 / global multiplier, or torchao's per_tensor_scale), in the epilogue.
 
@@ -23,9 +23,18 @@ FP8 x FP8 with SMODE 1 on both sides runs ``tl.dot`` on float8 (wgmma e4m3); eve
 import triton
 import triton.language as tl
 
-from ._blockscaled import _decode_minifloat, _fp6_codes
-from ._fp8_block import _e4m3_codes, _quotient, _scale_from_amax_bits
-from ._gemm_w4 import _e2m1_pairs, _e8m0_to, _mul_groups, _settled, _swizzled_offsets
+from .device import (
+    decode_minifloat,
+    e2m1_pairs,
+    e4m3_codes,
+    e8m0_to,
+    fp6_codes,
+    mul_groups,
+    rn_quotient,
+    scale_from_amax_bits,
+    settled,
+    swizzled_offsets,
+)
 
 
 @triton.jit
@@ -41,7 +50,7 @@ def _fp8_tile(d_ptr, rows, k0, K, stride_d, BK: tl.constexpr, EVEN_K: tl.constex
 @triton.jit
 def _quantized_x_tile(x_ptr, rows, k0, K, stride_x, BK: tl.constexpr, EVEN_K: tl.constexpr, POW2: tl.constexpr):
     """fp8_block (1x128) activation quantization of an unquantized x tile [R, 128] in registers: (float8 codes,
-    fp32 scale per row), the bits ``_fp8_block._quantize_1x128_kernel`` writes (same amax, scale and quotient
+    fp32 scale per row), the bits ``_fp8_block.quantize_1x128_kernel`` writes (same amax, scale and quotient
     steps), so the product below equals the two-launch path's. Columns >= K read as zero."""
     kk = k0 + tl.arange(0, BK)
     ptrs = x_ptr + rows[:, None] * stride_x + kk[None, :]
@@ -50,13 +59,13 @@ def _quantized_x_tile(x_ptr, rows, k0, K, stride_x, BK: tl.constexpr, EVEN_K: tl
     else:
         x = tl.load(ptrs, mask=(kk < K)[None, :], other=0.0).to(tl.float32)
     xbits = x.to(tl.int32, bitcast=True)
-    s = _scale_from_amax_bits(tl.max(xbits & 0x7FFFFFFF, axis=1), POW2)
+    s = scale_from_amax_bits(tl.max(xbits & 0x7FFFFFFF, axis=1), POW2)
     r = tl.div_rn(1.0, s)
     if POW2:
         q = x * r[:, None]
     else:
-        q = _quotient(x, xbits, s[:, None], r[:, None])
-    return _e4m3_codes(q).to(tl.float8e4nv, bitcast=True), s
+        q = rn_quotient(x, xbits, s[:, None], r[:, None])
+    return e4m3_codes(q).to(tl.float8e4nv, bitcast=True), s
 
 
 @triton.jit
@@ -91,7 +100,7 @@ def _operand_tile(
             byte = tl.load(ptrs).to(tl.int32)
         else:
             byte = tl.load(ptrs, mask=(kb < K // 2)[None, :], other=0).to(tl.int32)
-        v = _e2m1_pairs(byte, tl.bfloat16, ON_GPU)
+        v = e2m1_pairs(byte, tl.bfloat16, ON_GPU)
     else:
         # 4 elements in 3 bytes: read bytes 3j, 3j+1, 3j+2 as slots 0..2 of the 4 element slots of group j
         e = tl.arange(0, BK)
@@ -100,14 +109,14 @@ def _operand_tile(
         if not EVEN_K:
             ok = ok & ((k0 + e) < K)[None, :]
         slots = tl.load(d_ptr + rows[:, None] * stride_d + off[None, :], mask=ok, other=0).to(tl.int32)
-        v = _decode_minifloat(_fp6_codes(slots), EBITS, MBITS, BIAS).to(tl.bfloat16)
+        v = decode_minifloat(fp6_codes(slots), EBITS, MBITS, BIAS).to(tl.bfloat16)
 
     if SMODE == 2 or SMODE == 4:
         GROUP: tl.constexpr = 32 if SMODE == 2 else 16
         NG: tl.constexpr = BK // GROUP
         cols = k0 // GROUP + tl.arange(0, NG)
         if SWIZZLED:
-            soff = _swizzled_offsets(rows[:, None], cols[None, :], s_cols4)
+            soff = swizzled_offsets(rows[:, None], cols[None, :], s_cols4)
         else:
             soff = rows[:, None] * stride_s0 + cols[None, :]
         if EVEN_K:
@@ -115,10 +124,10 @@ def _operand_tile(
         else:
             sc = tl.load(s_ptr + soff, mask=(cols < K // GROUP)[None, :], other=0).to(tl.int32)
         if SMODE == 2:
-            sv = _e8m0_to(sc, tl.bfloat16)
+            sv = e8m0_to(sc, tl.bfloat16)
         else:
             sv = sc.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32).to(tl.bfloat16)
-        v = _mul_groups(v, sv)
+        v = mul_groups(v, sv)
     return v
 
 
@@ -129,7 +138,7 @@ def _block_scale(s_ptr, rows, k0, stride_s0, stride_s1, ROWS_PER_SCALE: tl.const
 
 
 @triton.jit
-def _scaled_mm_kernel(
+def scaled_mm_kernel(
     a_ptr,
     as_ptr,
     ag_ptr,
@@ -297,7 +306,7 @@ def _scaled_mm_kernel(
                 )
             acc += part
         else:
-            acc = _settled(tl.dot(a, tl.trans(b), acc), ON_GPU)
+            acc = settled(tl.dot(a, tl.trans(b), acc), ON_GPU)
 
     if SPLIT == 1:
         _mm_epilogue(acc, pid_m, pid_n, rows_a, M, N, as_ptr, stride_as0, ag_ptr, bg_ptr, alpha_ptr, bias_ptr,
@@ -322,17 +331,17 @@ def _scaled_mm_kernel(
 
 
 @triton.jit
-def _fp8_block_decode_kernel(
+def fp8_block_decode_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, K_PER,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     POW2: tl.constexpr, ROWS_PER_SCALE: tl.constexpr, ON_GPU: tl.constexpr,
 ):
-    """fp8_block decode with the activation quantized in the GEMM: ``_scaled_mm_kernel`` with A_QUANT on an
+    """fp8_block decode with the activation quantized in the GEMM: ``scaled_mm_kernel`` with A_QUANT on an
     fp8_block weight, for contiguous x ``[M, K]``, weight ``[N, K]``, weight scales ``[N / ROWS_PER_SCALE,
     cdiv(K, 128)]`` and output ``[M, N]``, whose strides follow from the shapes. The same code and bits; a
     tenth of the launch arguments (each costs the launcher host time on every call). ``part_ptr`` /
     ``cnt_ptr``: the split-K workspace and counters."""
-    _scaled_mm_kernel(
+    scaled_mm_kernel(
         x_ptr, x_ptr, x_ptr, w_ptr, ws_ptr, ws_ptr, out_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, cnt_ptr,
         M, N, K, K_PER, K, 0, 0, 0, K, tl.cdiv(K, 128), 1, 0, N,
         0, 1, False, 0, 0, 0, 0,            # A: fp8_block (quantized here)
@@ -368,7 +377,7 @@ def _mm_epilogue(acc, pid_m, pid_n, rows_a, M, N, as_ptr, stride_as0, ag_ptr, bg
 
 
 @triton.jit
-def _fp8_block_mm_tma_kernel(
+def fp8_block_mm_tma_kernel(
     a_desc,
     b_desc,
     as_ptr,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import blockscaled as ref
-from ..formats._checks import positive_fp32_scalar
+from ..formats.checks import positive_fp32_scalar
 from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
@@ -52,16 +52,16 @@ def quantize_variants():
                 consts = dict(BLOCK_G=_block_g(group), GROUP=group, SCALE_KIND=kind, MAX=elem.max_normal,
                               RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax, HAS_GSCALE=has_g,
                               SWIZZLED=swizzled, NAN_FIXUP=False, E4M3_ORDER=k.ORDER_VLLM, **_elem_args(elem))
-                yield k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)), consts
+                yield k.quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)), consts
                 if fmt == "nvfp4" and not has_g:
-                    yield (k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)),
+                    yield (k.quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)),
                            dict(consts, GSCALE_FROM_AMAX=True))
                 if fmt == "nvfp4":
                     # the LightX2V multiplier order, with a given global scale and with the default one
                     lx = dict(consts, E4M3_ORDER=k.ORDER_LIGHTX2V)
-                    yield k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)), lx
+                    yield k.quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)), lx
                     if not has_g:
-                        yield (k._quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)),
+                        yield (k.quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)),
                                dict(lx, GSCALE_FROM_AMAX=True))
 
 
@@ -75,7 +75,7 @@ def dequantize_variants():
             for out_kind, out in outs:
                 consts = dict(BLOCK_G=_block_g(group), GROUP=group, SCALE_KIND=kinds[0], HAS_GSCALE=has_g,
                               SWIZZLED=swizzled, OUT_KIND=out_kind, **_elem_args(elem))
-                yield k._dequantize_blockscaled_kernel, dict(sig, out_ptr=out, scale_ptr=_scale_sig(kinds[0])), consts
+                yield k.dequantize_blockscaled_kernel, dict(sig, out_ptr=out, scale_ptr=_scale_sig(kinds[0])), consts
 
 
 def _scale_sig(kind: int) -> str:
@@ -87,13 +87,13 @@ def compile_variants():
     yield from dequantize_variants()
     for swizzled in (False, True):
         for rows_per_scale in (1, FOLD_BLOCK_R):
-            yield (_mx_fold._mxfp4_as_fp8_block_kernel,
+            yield (_mx_fold.mxfp4_as_fp8_block_kernel,
                    {"data_ptr": "*i32", "scale_ptr": "*u8", "out_ptr": "*i32", "out_scale_ptr": "*fp32",
                     "flag_ptr": "*i32", **{n: "i32" for n in ("R", "K", "stride_d", "stride_s0", "s_cols4",
                                                              "stride_o", "stride_os", "stride_os_k")}},
                    {"SWIZZLED": swizzled, "BLOCK_R": FOLD_BLOCK_R, "ROWS_PER_SCALE": rows_per_scale, "ON_GPU": True})
     for dtype in ("*bf16", "*fp16", "*fp32"):
-        yield (k._finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
+        yield (k.finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
                {"CHUNK": _ABSMAX_CHUNK, "CHUNKS": _ABSMAX_CHUNKS})
 
 
@@ -131,7 +131,7 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, 
     n_groups = m * cols
     if n_groups:
         block_g = _block_g(group)
-        ran = launch(k._quantize_blockscaled_kernel, (_cdiv(n_groups, block_g),), (
+        ran = launch(k.quantize_blockscaled_kernel, (_cdiv(n_groups, block_g),), (
                 x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
                 n_groups, cols, -(-cols // 4) * 4,
             ),
@@ -164,7 +164,7 @@ def _finite_absmax_bits(x: torch.Tensor, keep: list | None = None) -> torch.Tens
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flat.numel():
         per_program = _ABSMAX_CHUNK * _ABSMAX_CHUNKS
-        ran = launch(k._finite_absmax_kernel, (_cdiv(flat.numel(), per_program),), (
+        ran = launch(k.finite_absmax_kernel, (_cdiv(flat.numel(), per_program),), (
                 flat, out, flat.numel(),
             ),
             CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4,
@@ -209,7 +209,7 @@ def quantize_nvfp4(
         raise ValueError(
             f"convention: the triton nvfp4 kernel implements 'vllm' and 'lightx2v', got {convention.value!r}"
         )
-    ref._check_layout(scale_layout)
+    ref.check_layout(scale_layout)
     if isinstance(global_scale, str):
         if global_scale != "none":
             raise ValueError(f"global_scale must be a tensor, a float, 'none' or None, got {global_scale!r}")
@@ -246,7 +246,7 @@ def quantize_mx(
     """``keep``: see :func:`_launch_quantize` (a prepared layer keeps the launch of its activations)."""
     spec = FORMATS[fmt]
     ref.check_input(x, 32, fmt)
-    ref._check_layout(scale_layout)
+    ref.check_layout(scale_layout)
     rounding = ScaleRounding(scale_rounding)
     kind = k.SCALE_E8M0_RCEIL if rounding is ScaleRounding.RCEIL else k.SCALE_E8M0_FLOOR
     data, scale = _launch_quantize(x, spec.element, 32, kind, None, scale_layout == "swizzled", torch.uint8,
@@ -278,7 +278,7 @@ def _dequantize_call(q: QTensor, elem, group, scale_kind, dtype) -> KernelCall:
         block_g = _block_g(group)
         gscale = q.global_scale
         scale = q.scale if scale_kind == k.SCALE_FP32 else q.scale.view(torch.uint8)
-        call = Launch(k._dequantize_blockscaled_kernel, (_cdiv(n_groups, block_g),),
+        call = Launch(k.dequantize_blockscaled_kernel, (_cdiv(n_groups, block_g),),
                         dict(BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind, HAS_GSCALE=gscale is not None,
                              SWIZZLED=swizzled, OUT_KIND=out_kind, **_elem_args(elem)), TILE["warps"])
         args = (q.data.view(torch.uint8).contiguous(), scale.contiguous(), gscale if gscale is not None else scale,
@@ -364,7 +364,7 @@ def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor, c
         out_scale = alloc(scale_rows, tiles4, dtype=torch.float32, device=device)[:, :tiles]
     if rows and kdim:
         words = data.view(torch.int32)
-        launch(_mx_fold._mxfp4_as_fp8_block_kernel, (_cdiv(rows, FOLD_BLOCK_R), tiles), (
+        launch(_mx_fold.mxfp4_as_fp8_block_kernel, (_cdiv(rows, FOLD_BLOCK_R), tiles), (
                 words, scale, out.view(torch.int32), out_scale, dropped_flag, rows, kdim, words.stride(0),
                 scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, kdim // 4,
                 out_scale.stride(0), out_scale.stride(1),

@@ -122,9 +122,9 @@ class _QPlan:
 
 
 def _quant_plan(x: torch.Tensor, block, scale_fmt, scale_layout) -> _QPlan:
-    block = ref._check_block(block)
-    scale_fmt = ref._check_scale_fmt(scale_fmt)
-    ref._check_input(x, block)
+    block = ref.check_block(block)
+    scale_fmt = ref.check_scale_fmt(scale_fmt)
+    ref.check_input(x, block)
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"fp8_block: scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
     column = scale_layout == "column_major"
@@ -148,7 +148,7 @@ def _quant_plan(x: torch.Tensor, block, scale_fmt, scale_layout) -> _QPlan:
         p.m, p.n_mblocks, p.batched = n, 1, False
         p.scale_shape = (_cdiv(n, 128), _cdiv(kdim, 128))
         grid = (_cdiv(n, 128), _cdiv(kdim, 128), 1)
-        p.launch = _Launch(k._quantize_128x128_kernel, grid, {"POW2_SCALE": pow2}, num_warps=8) \
+        p.launch = _Launch(k.quantize_128x128_kernel, grid, {"POW2_SCALE": pow2}, num_warps=8) \
             if n and kdim else None
         return p
     groups = _cdiv(kdim, 128)
@@ -168,7 +168,7 @@ def _quant_plan(x: torch.Tensor, block, scale_fmt, scale_layout) -> _QPlan:
     p.n_mblocks = _cdiv(m, bm)
     grid = (b * p.n_mblocks, _cdiv(kdim, bk), 1)
     consts = {"BLOCK_M": bm, "BLOCK_K": bk, "POW2_SCALE": pow2, "COLUMN_SCALES": column}
-    p.launch = _Launch(k._quantize_1x128_kernel, grid, consts) if m and kdim and b else None
+    p.launch = _Launch(k.quantize_1x128_kernel, grid, consts) if m and kdim and b else None
     return p
 
 
@@ -176,7 +176,7 @@ _QPLANS: dict = {}
 _MAX_PLANS = 4096  # distinct shapes kept (serving sees one M per batch size); cleared when full
 
 
-def _quant_plan_cached(x, block, scale_fmt, scale_layout) -> _QPlan:
+def quant_plan_cached(x, block, scale_fmt, scale_layout) -> _QPlan:
     try:
         key = (x.shape, x.dtype, block, scale_fmt, scale_layout)
         plan = _QPLANS.get(key)
@@ -223,7 +223,7 @@ def quantize_fp8_block(
     Returns:
         QTensor as the reference returns it, with ``scale_layout`` recorded on it.
     """
-    plan = _quant_plan_cached(x, block, scale_fmt, scale_layout)
+    plan = quant_plan_cached(x, block, scale_fmt, scale_layout)
     dev = x.device
     data = torch.empty(plan.data_shape, dtype=torch.float8_e4m3fn, device=dev)
     if plan.scale_storage is None:
@@ -272,7 +272,7 @@ class _DPlan:
 
 
 def _dequant_plan(q: QTensor, dtype: torch.dtype) -> _DPlan:
-    block = ref._check_qtensor(q)
+    block = ref.check_qtensor(q)
     if dtype not in _OUT_KIND:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     p = _DPlan()
@@ -292,7 +292,7 @@ def _dequant_plan(q: QTensor, dtype: torch.dtype) -> _DPlan:
     p.m, p.n_mblocks = m, _cdiv(m, bm)
     grid = (b * p.n_mblocks, _cdiv(kdim, bk), 1)
     consts = {"BLOCK_M": bm, "BLOCK_K": bk, "ROWS_PER_SCALE": rps, "OUT_KIND": _OUT_KIND[dtype]}
-    p.launch = _Launch(k._dequantize_kernel, grid, consts) if b and m and kdim else None
+    p.launch = _Launch(k.dequantize_fp8_block_kernel, grid, consts) if b and m and kdim else None
     return p
 
 
@@ -356,22 +356,22 @@ def compile_variants():
         for pow2 in (False, True):
             for column in (False, True):
                 bm = max(4, _TILE_BYTES // elem // 1024)
-                yield (k._quantize_1x128_kernel, {**q_sig, "x_ptr": xs},
+                yield (k.quantize_1x128_kernel, {**q_sig, "x_ptr": xs},
                        {"BLOCK_M": bm, "BLOCK_K": 1024, "POW2_SCALE": pow2, "COLUMN_SCALES": column})
-            yield (k._quantize_128x128_kernel,
+            yield (k.quantize_128x128_kernel,
                    {"x_ptr": xs, "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "N": "i32", "K": "i32", "stride_xn": "i64"},
                    {"POW2_SCALE": pow2})
     for bk in _TILE_K:
         for bm in sorted({1, 4, min(64, _TILE_BYTES // 2 // bk)}):
             if (bm, bk) != (8, 1024):
-                yield (k._quantize_1x128_kernel, {**q_sig, "x_ptr": "*bf16"},
+                yield (k.quantize_1x128_kernel, {**q_sig, "x_ptr": "*bf16"},
                        {"BLOCK_M": bm, "BLOCK_K": bk, "POW2_SCALE": False, "COLUMN_SCALES": False})
     d_sig = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32", "n_mblocks": "i32",
              "stride_sb": "i64", "stride_sm": "i64", "stride_sg": "i64"}
     for out_kind, out in _OUT_SIG.items():
         for rps in (1, 128):
-            yield (k._dequantize_kernel, {**d_sig, "out_ptr": out},
+            yield (k.dequantize_fp8_block_kernel, {**d_sig, "out_ptr": out},
                    {"BLOCK_M": 8, "BLOCK_K": 1024, "ROWS_PER_SCALE": rps, "OUT_KIND": out_kind})
     for bk in _TILE_K[1:]:
-        yield (k._dequantize_kernel, {**d_sig, "out_ptr": "*bf16"},
+        yield (k.dequantize_fp8_block_kernel, {**d_sig, "out_ptr": "*bf16"},
                {"BLOCK_M": min(64, _DEQ_TILE // bk), "BLOCK_K": bk, "ROWS_PER_SCALE": 1, "OUT_KIND": 1})

@@ -1,6 +1,6 @@
 """Triton launcher for fp8_rowwise quantization (per-token FP8, vLLM's dynamic per-token scaling), bit for bit
 equal to ``lowbit.formats.fp8_rowwise.quantize_fp8_rowwise``: the scaled_mm W4A8 entry quantizes its bf16
-activation with it on every call. The kernel (``_fp8_block._quantize_rowwise_kernel``) shares the fp8_block
+activation with it on every call. The kernel (``_fp8_block.quantize_rowwise_kernel``) shares the fp8_block
 kernels' exact division and E4M3 encoding.
 """
 
@@ -27,7 +27,7 @@ _IN_SIG = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp1
 def quantize_fp8_rowwise(x: torch.Tensor) -> QTensor:
     """``lowbit.formats.fp8_rowwise.quantize_fp8_rowwise`` on a CUDA tensor (any leading dims and strides;
     a last dim that is not contiguous is copied once)."""
-    ref._check_input(x)
+    ref.check_input(x)
     kdim = x.shape[-1]
     rows = x.shape[:-1].numel()
     x2 = x.detach()
@@ -37,7 +37,7 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> QTensor:
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
     if rows:
-        launch(k._quantize_rowwise_kernel, (_cdiv(rows, BLOCK_M),), (
+        launch(k.quantize_rowwise_kernel, (_cdiv(rows, BLOCK_M),), (
                 x2, data, scale, rows, kdim, x2.stride(0) if rows > 1 else kdim,
             ),
             MIN_SCALE_BITS=MIN_SCALE_BITS, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
@@ -49,5 +49,5 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> QTensor:
 def compile_variants():
     sig = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i64"}
     for xs in _IN_SIG.values():
-        yield (k._quantize_rowwise_kernel, {**sig, "x_ptr": xs},
+        yield (k.quantize_rowwise_kernel, {**sig, "x_ptr": xs},
                {"MIN_SCALE_BITS": MIN_SCALE_BITS, "BLOCK_M": BLOCK_M, "BLOCK_K": BLOCK_K})

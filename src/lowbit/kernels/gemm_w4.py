@@ -412,7 +412,7 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
     x_tma = cfg.get("X_TMA", X_TMA) and _tma_ok(x)
     x_desc = TensorDescriptor.from_tensor(x, block_shape=[bm, bk]) if x_tma else x
-    launch(k._gemm_w4_kernel, grid, (
+    launch(k.gemm_w4_kernel, grid, (
             x, x_desc, *args[:8], b, target, m, n, k_dim, x.stride(0), out.stride(0), *args[8:],
         ),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split, EVEN_K=k_dim % bk == 0,
@@ -421,7 +421,7 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     )
     if split > 1:
         rm, rn = 32, 128
-        launch(k._split_k_reduce_kernel, (_cdiv(m, rm), _cdiv(n, rn)), (
+        launch(k.split_k_reduce_kernel, (_cdiv(m, rm), _cdiv(n, rn)), (
                 target, args[7], b, out, m, n, out.stride(0),
             ),
             SPLIT_K=split, BLOCK_M=rm, BLOCK_N=rn, GSCALE_MODE=consts["GSCALE_MODE"], HAS_BIAS=has_bias,
@@ -472,7 +472,7 @@ def _variant(fmt: str, dtype: str, regime_name: str, *, swizzled=False, words=Tr
                   SCALE_WORDS=words and fmt in ("nvfp4", "mxfp4"),
                   GROUP=group, DOUBLE_QUANT=double_quant, NF4_MODE=nf4_mode, GSCALE_MODE=gscale,
                   HAS_BIAS=bias, ACT=act, ON_GPU=True)
-    return k._gemm_w4_kernel, sig, consts, cfg
+    return k.gemm_w4_kernel, sig, consts, cfg
 
 
 def compile_variants():
@@ -511,7 +511,7 @@ def compile_variants():
         yield fn, sig, consts
     for dtype in ("*bf16", "*fp16"):
         for gscale, bias, act in ((0, False, 0), (1, True, 1), (2, True, 3)):
-            yield k._split_k_reduce_kernel, {
+            yield k.split_k_reduce_kernel, {
                 "ws_ptr": "*fp32", "gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": dtype,
                 "M": "i32", "N": "i32", "stride_om": "i32"}, dict(
                 SPLIT_K=2, BLOCK_M=32, BLOCK_N=128, GSCALE_MODE=gscale, HAS_BIAS=bias, ACT=act, ON_GPU=True)

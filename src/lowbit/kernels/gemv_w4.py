@@ -58,8 +58,9 @@ from . import _gemv_mma as km
 from . import interpreting as _interpreting
 from . import scratch_per_call, tensor_version
 from ._launch import Launch
-from ._scratch import GENERATION as _scratch_generation
-from ._scratch import split_k_scratch
+from .device import GS_DIVIDE, GS_MULTIPLY, GS_NONE
+from .scratch import GENERATION as _scratch_generation
+from .scratch import split_k_scratch
 
 _capturing = torch._C._cuda_isCurrentStreamCapturing
 
@@ -112,7 +113,7 @@ class PreparedW4:
     scales: torch.Tensor         # [N, SK]: uint8 (E4M3 / E8M0 / nf4 dq codes), fp32, or int32 (awq)
     words_per_block: int         # WPB: int32 words per scale block
     post: float                  # constant multiplier of the accumulator (2^6 for the FP4 decode)
-    gs_kind: int                 # what the epilogue does with gs (k.GS_*)
+    gs_kind: int                 # what the epilogue does with gs (GS_*)
     gs: torch.Tensor             # fp32 [1] (global scale S or per_tensor_scale p; unused for GS_NONE)
     nested: torch.Tensor         # fp32 nested absmax (nf4 double quant), else a dummy
     tab: torch.Tensor            # fp32 [288]: NF4 levels, dynamic map, nested offset (64-byte aligned)
@@ -183,7 +184,7 @@ def supports(w: QTensor) -> str | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def dummy_tensor(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(16, dtype=dtype, device=device)
 
 
@@ -270,8 +271,8 @@ def _prepare(q: QTensor) -> PreparedW4:
         raise ValueError(f"gemv_w4: {reason}")
     n, kdim = q.shape
     dev = q.data.device
-    dummy = _dummy(dev, torch.float32)
-    gs_kind, gs, post = k.GS_NONE.value, dummy, 1.0
+    dummy = dummy_tensor(dev, torch.float32)
+    gs_kind, gs, post = GS_NONE.value, dummy, 1.0
     nested, tab = dummy, None
     if q.fmt in ("nvfp4", "mxfp4", "fp4_b32"):
         fmt = q.fmt
@@ -283,10 +284,10 @@ def _prepare(q: QTensor) -> PreparedW4:
         if q.fmt == "nvfp4":
             pts = q.params.get("per_tensor_scale")
             if pts is not None:
-                gs_kind = k.GS_MULTIPLY.value
+                gs_kind = GS_MULTIPLY.value
                 gs = torch.as_tensor(pts, dtype=torch.float32).reshape(1).to(dev)
             elif q.global_scale is not None:
-                gs_kind = k.GS_DIVIDE.value
+                gs_kind = GS_DIVIDE.value
                 gs = _alias(q.global_scale.to(device=dev, dtype=torch.float32), torch.float32, (1,))
         wpb = block // 8
     elif q.fmt == "nf4":
@@ -580,7 +581,7 @@ def _mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, 
               "POST": 1.0 if fmt_code in (km.FMT_INT4.value, km.FMT_NF4.value) else 2.0 ** 63 * (post / 64.0)}
     # the warps split the J chunks (then the row groups): a warp's 32 lanes must hold dim 2 whole, which
     # the mma asm relies on
-    return _Plan(fn=km._gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
+    return _Plan(fn=km.gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
                  num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split,
                  mp=8 * nt, n_tiles=n_tiles * nt)
 
@@ -661,7 +662,7 @@ def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim:
               "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs_mode, "POST": post,
               "X_FP16": x_fp16,
               "ON_GPU": not _interpreting()}
-    fn = k._gemv_w4_fma_kernel if use_fma else k._gemv_w4_dot_kernel
+    fn = k.gemv_w4_fma_kernel if use_fma else k.gemv_w4_dot_kernel
     return _Plan(fn=fn, grid=(n_tiles, split, 1), consts=consts, num_warps=t["warps"],
                  ints=(m, n, kw, sk), split=split, mp=mp, n_tiles=n_tiles)
 
@@ -953,7 +954,7 @@ def traced_gemv(x: torch.Tensor, words: torch.Tensor | None, scales: torch.Tenso
     """The GEMV as ``torch.compile`` traces it (inside a ``triton_op`` body): the plan of :func:`gemv_w4`'s
     default configuration, built from ``f`` and x's shape alone. The layouts of the kernel the plan does not
     run may be None (:func:`uses_mma` says which one runs). ``ws`` / ``cnt``: the layer's split-K
-    workspace and zeroed counters (``lowbit.kernels._scratch.traced_scratch``; a plan needing more than they
+    workspace and zeroed counters (``lowbit.kernels.scratch.traced_scratch``; a plan needing more than they
     hold gets its own, allocated by the graph); ``rs``: an fp32 placeholder for the unused row scale;
     ``no_bias``: a placeholder of x's dtype for the bias pointer when ``bias`` is None."""
     m, dev = x.shape[0], x.device
@@ -1003,7 +1004,7 @@ def compile_variants():
     # the last field is ROW_SCALE (lowbit.scaled_mm's decode route): every mode on both kernels
     cases = []
     for fmt in _FMT:
-        gs = k.GS_DIVIDE.value if fmt == "nvfp4" else k.GS_NONE.value
+        gs = GS_DIVIDE.value if fmt == "nvfp4" else GS_NONE.value
         cases += [
             (fmt, "fma", 1, "*bf16", 1, False, 0, gs, _WPB[fmt], 3 if fmt == "nvfp4" else 0),
             (fmt, "fma", 2, "*fp16", 4, True, 1, gs, _WPB[fmt], 1),
@@ -1011,18 +1012,18 @@ def compile_variants():
             (fmt, "dot", 16, "*fp16", 1, False, 0, gs, _WPB[fmt], 3 if fmt == "nvfp4" else 0),
         ]
     cases += [
-        ("nvfp4", "fma", 4, "*bf16", 2, True, 2, k.GS_MULTIPLY.value, 2, 2),
-        ("nvfp4", "fma", 1, "*bf16", 1, False, 0, k.GS_NONE.value, 2, 0),
-        ("int4_awq", "fma", 1, "*bf16", 1, True, 1, k.GS_NONE.value, 4, 0),   # group 32
-        ("int4_awq", "dot", 16, "*bf16", 1, False, 0, k.GS_NONE.value, 8, 1),  # group 64
-        ("nf4_dq", "fma", 1, "*fp16", 1, False, 0, k.GS_NONE.value, 4, 0),     # blocksize 32
+        ("nvfp4", "fma", 4, "*bf16", 2, True, 2, GS_MULTIPLY.value, 2, 2),
+        ("nvfp4", "fma", 1, "*bf16", 1, False, 0, GS_NONE.value, 2, 0),
+        ("int4_awq", "fma", 1, "*bf16", 1, True, 1, GS_NONE.value, 4, 0),   # group 32
+        ("int4_awq", "dot", 16, "*bf16", 1, False, 0, GS_NONE.value, 8, 1),  # group 64
+        ("nf4_dq", "fma", 1, "*fp16", 1, False, 0, GS_NONE.value, 4, 0),     # blocksize 32
     ]
     for fmt, path, mp, xd, split, has_bias, act, gs_kind, wpb, rs in cases:
         t = TILE["fma"] if path == "fma" else TILE["dot"]
         consts = {"FMT": _FMT[fmt], "WPB": wpb, "IPS": 16 // split, "MP": mp, "BN": t["bn"], "C": t["chunks"], "STAGES": t["stages"],
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": _POST[fmt], "X_FP16": xd == "*fp16", "ON_GPU": True}
-        fn = k._gemv_w4_fma_kernel if path == "fma" else k._gemv_w4_dot_kernel
+        fn = k.gemv_w4_fma_kernel if path == "fma" else k.gemv_w4_dot_kernel
         yield fn, _sig(fmt, xd, "*fp32" if has_bias and act == 1 else xd), consts
     mma_sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i16", "gs_ptr": "*fp32", "rs_ptr": "*fp32",
                "bias_ptr": "*bf16",
@@ -1034,7 +1035,7 @@ def compile_variants():
         consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63}
-        yield km._gemv_mma_kernel, mma_sig, consts
+        yield km.gemv_mma_kernel, mma_sig, consts
     # the post-scaled formats: int4 groups of 128 (2 chunks) and 64, NF4 blocks of 64 and 128; bf16 and fp16 x
     for fmt, nt, split, has_bias, act, cpg, xf16 in [
         (km.FMT_INT4, 1, 1, False, 0, 2, False), (km.FMT_INT4, 2, 4, True, 1, 2, False),
@@ -1045,6 +1046,6 @@ def compile_variants():
         xd = "*fp16" if xf16 else "*bf16"
         sig = dict(mma_sig, x_ptr=xd, s_ptr="*i32", bias_ptr=xd, out_ptr=xd)
         consts = {"FMT": fmt.value, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
-                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": k.GS_NONE.value, "ROW_SCALE": 0,
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": GS_NONE.value, "ROW_SCALE": 0,
                   "POST": 1.0, "CPG": cpg, "XF16": xf16}
-        yield km._gemv_mma_kernel, sig, consts
+        yield km.gemv_mma_kernel, sig, consts

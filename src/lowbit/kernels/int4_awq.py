@@ -64,7 +64,7 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
         outw = out_features // 8
         nc = _cdiv(outw, tc)
         qweight, qzeros, scales = (_rows_unit_stride(t) for t in (q.data, q.zeros, q.scale))
-        call = Launch(k._dequantize_int4_awq_kernel, (nc * (in_features // ti),),
+        call = Launch(k.dequantize_int4_awq_kernel, (nc * (in_features // ti),),
                         dict(GROUP=group_size, TI=ti, TC=tc, OUT_KIND=out_kind, ON_GPU=not _interpreting()),
                         TILE["warps"], enable_fp_fusion=False)
         args = (qweight, qzeros, scales, None, in_features, out_features, outw, nc, qweight.stride(0),
@@ -81,5 +81,5 @@ def compile_variants():
     cases = [(128, 0), (128, 1), (128, 2), (32, 2), (64, 1), (14336, 1), (96, 0), (3, 1)]
     for group_size, out_kind in cases:
         ti, tc = _tiles(group_size, out_kind)
-        yield k._dequantize_int4_awq_kernel, dict(sig, out_ptr="*i32" if out_kind == 0 else "*i16"), {
+        yield k.dequantize_int4_awq_kernel, dict(sig, out_ptr="*i32" if out_kind == 0 else "*i16"), {
             "GROUP": group_size, "TI": ti, "TC": tc, "OUT_KIND": out_kind, "ON_GPU": True}

@@ -88,7 +88,7 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
         else:
             nested = offset = scale
         block = TILE["elems"]
-        call = Launch(k._dequantize_nf4_kernel, (_cdiv(n, block),),
+        call = Launch(k.dequantize_nf4_kernel, (_cdiv(n, block),),
                         dict(BLOCKSIZE=blocksize, BLOCK=block, V=vec, DOUBLE_QUANT=double_quant, OUT_KIND=out_kind,
                              ON_GPU=not _interpreting()), TILE["warps"], enable_fp_fusion=False)
         args = (data, scale, nested, offset, lut, dmap, None, n)
@@ -105,6 +105,6 @@ def compile_variants():
                     sig = {"data_ptr": "*u8", "absmax_ptr": "*u8" if double_quant else "*fp32",
                            "nested_ptr": "*fp32", "offset_ptr": "*fp32", "lut_ptr": "*fp32", "dmap_ptr": "*fp32",
                            "out_ptr": "*i32" if out_kind == 0 else "*i16", "n": n_type}
-                    yield k._dequantize_nf4_kernel, sig, {
+                    yield k.dequantize_nf4_kernel, sig, {
                         "BLOCKSIZE": blocksize, "BLOCK": TILE["elems"], "V": 4 if out_kind == 0 else 8,
                         "DOUBLE_QUANT": double_quant, "OUT_KIND": out_kind, "ON_GPU": True}

@@ -18,8 +18,8 @@ import torch
 from ..formats.qtensor import QTensor
 from . import _scaled_mm as k
 from . import cublas_fp8_block as cb
-from ._scratch import GENERATION as _scratch_generation
-from ._scratch import split_k_scratch
+from .scratch import GENERATION as _scratch_generation
+from .scratch import split_k_scratch
 from . import interpreting as _interpreting
 from . import scratch_per_call
 from ._launch import Launch, launch
@@ -79,7 +79,7 @@ _FP8 = ("fp8_block", "fp8_rowwise", "mxfp8_e4m3", "mxfp8_e5m2")
 FORMATS = (*_FP8, "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2")
 
 
-def _operand(q: QTensor) -> tuple[list, dict]:
+def operand_args(q: QTensor) -> tuple[list, dict]:
     """(data, scale, gscale, stride_d, stride_s0, stride_s1, s_cols4) and the constexprs of one operand."""
     fmt = q.fmt
     _rows, k_dim = q.shape
@@ -239,7 +239,7 @@ def _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> No
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
     persistent = bool(cfg.get("persistent"))
     programs = min(tiles, _num_sms(out.device.index) * cfg.get("per_sm", 1)) if persistent else tiles
-    launch(k._fp8_block_mm_tma_kernel, (programs,), (
+    launch(k.fp8_block_mm_tma_kernel, (programs,), (
             a_desc, b_desc, a_args[1], b_args[1], alpha if alpha is not None else out,
             bias if bias is not None else out, out, m, n, k_dim, a_args[4], a_args[5], b_args[4], b_args[5],
             out.stride(0), programs,
@@ -441,8 +441,8 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: 
         _fp8_block_tma([a_data, a_scale, None, None, s0, s1],
                        [wb.data, wb.scale, None, None, wb.scale.stride(0), wb.scale.stride(1)],
                        {"ROWS_PER_SCALE": 128}, m, n, k_dim, alpha, bias, out, cfg)
-    a_args, ac = _operand(a)
-    b_args, bc = _operand(b)
+    a_args, ac = operand_args(a)
+    b_args, bc = operand_args(b)
     _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, _config(m, False), guard=dropped)
     return out
 
@@ -498,8 +498,8 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
         if why is not None:
             raise ValueError(f"route 'dequant': {why}")
         return _dequant_mm(a, b, alpha, bias, out_dtype)
-    a_args, ac = _operand(a)
-    b_args, bc = _operand(b)
+    a_args, ac = operand_args(a)
+    b_args, bc = operand_args(b)
     raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1
     cfg = dict(config) if config is not None else _config(m, raw_fp8)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
@@ -528,8 +528,8 @@ class KernelRoute:
     kernel of raw FP8 pairs does not)."""
 
     def __init__(self, a: QTensor, b: QTensor, has_alpha: bool, has_bias: bool, out_dtype: torch.dtype) -> None:
-        a_args, ac = _operand(a)
-        b_args, bc = _operand(b)
+        a_args, ac = operand_args(a)
+        b_args, bc = operand_args(b)
         m, k_dim = a.shape
         n = b.shape[0]
         raw_fp8 = ac["KIND"] == 0 and bc["KIND"] == 0 and ac["SMODE"] == 1 and bc["SMODE"] == 1
@@ -540,7 +540,7 @@ class KernelRoute:
         device = a.data.device
         self.split, self.k_per = _split_k(self.tiles, _cdiv(k_dim, bk), bk, cfg, device)
         consts = _kernel_consts(ac, bc, cfg, has_alpha, has_bias, k_dim, self.split, guard=False)
-        self.launch = Launch(k._scaled_mm_kernel, (self.tiles, self.split), consts, cfg["num_warps"],
+        self.launch = Launch(k.scaled_mm_kernel, (self.tiles, self.split), consts, cfg["num_warps"],
                              cfg["num_stages"])
         self.b3, self.b_strides = tuple(b_args[:3]), tuple(b_args[3:7])
         self.m, self.n, self.k_dim, self.dtype, self.device = m, n, k_dim, out_dtype, device
@@ -548,12 +548,12 @@ class KernelRoute:
 
     def __call__(self, a: QTensor, alpha: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         """``a``: an activation of the layout this route was made for; ``bias`` contiguous and 16-byte aligned."""
-        a_args, _ = _operand(a)
+        a_args, _ = operand_args(a)
         return self.run(a_args[0], a_args[1], a_args[2], tuple(a_args[3:7]), alpha, bias)
 
     def run(self, data: torch.Tensor, scale: torch.Tensor, gscale: torch.Tensor, a_strides: tuple,
             alpha: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-        """The launch on an activation's operand arguments (``_operand``: data, scale, global scale and
+        """The launch on an activation's operand arguments (``operand_args``: data, scale, global scale and
         (data row stride, scale strides, padded scale columns)), for callers that keep them."""
         m, n = self.m, self.n
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
@@ -571,7 +571,7 @@ class KernelRoute:
         """This launch with the activation quantized inside the kernel (``A_QUANT``), for an fp8_block (1x128)
         activation with 128-wide K tiles: x goes straight in, one launch instead of the quantize kernel and this
         one, the same codes and scales in registers, so the same bits. On an fp8_block weight whose tensors
-        are contiguous it is ``_fp8_block_decode_kernel`` (the same code with strides derived from the shapes:
+        are contiguous it is ``fp8_block_decode_kernel`` (the same code with strides derived from the shapes:
         fewer launch arguments). ``pow2``: the activation's ue8m0 scales. None where the route is another
         kind."""
         c = self.launch.consts
@@ -583,9 +583,9 @@ class KernelRoute:
                 and c["GROUP_M"] == 1):
             consts = dict(HAS_BIAS=c["HAS_BIAS"], BM=c["BM"], BN=c["BN"], SPLIT=c["SPLIT"], EVEN_K=c["EVEN_K"],
                           POW2=bool(pow2), ROWS_PER_SCALE=c["B_ROWS_PER_SCALE"], ON_GPU=c["ON_GPU"])
-            return QuantInGemm(Launch(k._fp8_block_decode_kernel, self.launch.grid, consts, **self.launch.options),
+            return QuantInGemm(Launch(k.fp8_block_decode_kernel, self.launch.grid, consts, **self.launch.options),
                                self, minimal=True)
-        launch = Launch(k._scaled_mm_kernel, self.launch.grid, {**c, "A_QUANT": True, "A_POW2": bool(pow2)},
+        launch = Launch(k.scaled_mm_kernel, self.launch.grid, {**c, "A_QUANT": True, "A_POW2": bool(pow2)},
                         **self.launch.options)
         return QuantInGemm(launch, self, minimal=False)
 
@@ -640,7 +640,7 @@ def traced_quant_in_gemm(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.T
     scales contiguous) as ``torch.compile`` traces it inside a ``triton_op`` body: the launch of
     :meth:`KernelRoute.quant_in_gemm`, planned from the shapes alone (the grid does not depend on M within
     the config). ``ws`` / ``cnt``: a split-K workspace and zeroed counters that cover the plan
-    (``lowbit.kernels._scratch.traced_scratch``; a larger plan gets its own)."""
+    (``lowbit.kernels.scratch.traced_scratch``; a larger plan gets its own)."""
     m, k_dim = x.shape
     n = w_data.shape[0]
     dev = x.device
@@ -654,7 +654,7 @@ def traced_quant_in_gemm(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.T
     consts = dict(HAS_BIAS=bias is not None, BM=cfg["BM"], BN=cfg["BN"], SPLIT=split,
                   EVEN_K=k_dim % cfg["BK"] == 0, POW2=bool(pow2), ROWS_PER_SCALE=rows_per_scale,
                   ON_GPU=not _interpreting())
-    launch = Launch(k._fp8_block_decode_kernel, (tiles, split), consts, cfg["num_warps"], cfg["num_stages"])
+    launch = Launch(k.fp8_block_decode_kernel, (tiles, split), consts, cfg["num_warps"], cfg["num_stages"])
     if split == 1:
         ws = cnt = out
     launch.traced(x, w_data, w_scale, out if bias is None else bias, out, ws, cnt, m, n, k_dim, k_per)
@@ -680,7 +680,7 @@ def _kernel_consts(ac: dict, bc: dict, cfg: dict, has_alpha: bool, has_bias: boo
 
 
 def _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, guard=None) -> None:
-    """The decoding kernel (``_scaled_mm_kernel``) into ``out``; with ``guard`` (int32 [1]) every program
+    """The decoding kernel (``scaled_mm_kernel``) into ``out``; with ``guard`` (int32 [1]) every program
     returns at once unless it is nonzero."""
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
@@ -691,7 +691,7 @@ def _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, guard=No
         ws, cnt = out, out
     alpha_t = alpha if alpha is not None else out
     bias_t = bias if bias is not None else out
-    launch(k._scaled_mm_kernel, (tiles, split), (
+    launch(k.scaled_mm_kernel, (tiles, split), (
             a_args[0], a_args[1], a_args[2], b_args[0], b_args[1], b_args[2], alpha_t, bias_t, out, ws, cnt,
             guard if guard is not None else cnt, m, n, k_dim, k_per, a_args[3], a_args[4], a_args[5], a_args[6],
             b_args[3], b_args[4], b_args[5], b_args[6], out.stride(0),
@@ -801,7 +801,7 @@ def compile_variants():
                 )
             }
         )
-        yield k._scaled_mm_kernel, sig, consts
+        yield k.scaled_mm_kernel, sig, consts
     # the fp8_block decode kernel (activation quantized in the GEMM): each x dtype, ue8m0, masked K, bias, split-K
     for x_ty, pow2, even_k, bias in (("*bf16", False, True, True), ("*fp16", True, False, False),
                                      ("*fp32", False, True, False)):
@@ -809,7 +809,7 @@ def compile_variants():
         sig = {"x_ptr": x_ty, "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": x_ty,
                "out_ptr": x_ty, "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
                "K_PER": "i32"}
-        yield k._fp8_block_decode_kernel, sig, dict(HAS_BIAS=bias, BM=cfg["BM"], BN=cfg["BN"], SPLIT=4,
+        yield k.fp8_block_decode_kernel, sig, dict(HAS_BIAS=bias, BM=cfg["BM"], BN=cfg["BN"], SPLIT=4,
                                                     EVEN_K=even_k, POW2=pow2, ROWS_PER_SCALE=128, ON_GPU=True)
     # the TMA fp8_block kernel: every shipped config, plus per-row weight scales (block (1, 128)) with bias/alpha,
     # and every config of the FP8 re-encoded pairs (128x128 weight blocks, with bias/alpha)
@@ -837,7 +837,7 @@ def compile_variants():
                                        "stride_om", "num_programs")})
         consts = dict(B_ROWS_PER_SCALE=rows_per_scale, HAS_ALPHA=extras, HAS_BIAS=extras, BM=bm, BN=bn, BK=bk,
                       GROUP_M=cfg["GROUP_M"])
-        yield k._fp8_block_mm_tma_kernel, sig, consts
+        yield k.fp8_block_mm_tma_kernel, sig, consts
     yield from _ws_compile_variants()
 
 

@@ -382,9 +382,9 @@ def lazy_load_quantized(
     Returns:
         The :class:`BlockOffloader` with ``offload=True``, else None.
     """
-    from ..io._files import CONFIG_NAME, TensorSource, read_json
-    from ..io._layouts import layout_for_config
-    from ..io.checkpoint import _checkpoint_dtype, _quant_config, parse_device
+    from ..io.files import CONFIG_NAME, TensorSource, read_json
+    from ..io.layouts import layout_for_config
+    from ..io.checkpoint import checkpoint_dtype, parse_device, quant_config
     from .quantize import linear_layers
 
     if not isinstance(model, nn.Module):
@@ -394,9 +394,9 @@ def lazy_load_quantized(
         raise FileNotFoundError(f"{path}: checkpoint directory not found")
     dev = parse_device(device)
     cfg = read_json(path / CONFIG_NAME, "model config")
-    qc = _quant_config(path, cfg)
+    qc = quant_config(path, cfg)
     layout = layout_for_config(qc, str(path / CONFIG_NAME))
-    qdtype = dtype or _checkpoint_dtype(cfg) or torch.bfloat16
+    qdtype = dtype or checkpoint_dtype(cfg) or torch.bfloat16
     block_list = _check_blocks(model, blocks)
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = [names[id(b)] + "." for b in block_list]

@@ -21,7 +21,7 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("quer
 one parent share one global scale (llm-compressor's ``update_fused_layer_weight_global_scales``)."""
 
 
-def _patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:
+def skip_patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:
     if skip is None:
         return ()
     if isinstance(skip, str):
@@ -267,7 +267,7 @@ def transform_model(
     scheme = get_scheme(scheme)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    patterns = _patterns(skip)
+    patterns = skip_patterns(skip)
     _check_calibration(calibration)
     from ..algorithms.pipeline import resolve
 
@@ -337,7 +337,7 @@ def quantize_model(
     scheme = get_scheme(scheme)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    patterns = _patterns(skip)
+    patterns = skip_patterns(skip)
     _check_calibration(calibration)
     if awq is not None and not isinstance(awq, bool):
         raise TypeError(f"awq must be None, True or False, got {type(awq).__name__}")

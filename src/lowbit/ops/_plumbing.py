@@ -44,7 +44,7 @@ def kernel_choice(
     lookup: Callable[[str], ModuleType | None], name: str, *operands: Any
 ) -> tuple[ModuleType | None, str | None]:
     """(module, None) when kernel ``name`` can run ``operands`` (its ``supports(*operands)`` returns None),
-    else (None, why not). ``lookup`` is the caller's ``_kernel_module`` (looked up there on every call, so a
+    else (None, why not). ``lookup`` is the caller's ``kernel_module`` (looked up there on every call, so a
     test can replace it per module)."""
     module = lookup(name)
     if module is None:

@@ -74,7 +74,7 @@ _WEIGHT_FIELDS = ("data", "scale", "global_scale", "zeros", "nested_scale", "nes
 
 def _check(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, activation: str | None) -> tuple[int, int]:
     """Raise TypeError/ValueError naming the broken rule; returns ``(N, K)``. Runs on every call: kept cheap."""
-    n, k = _check_weight(w)
+    n, k = check_weight(w)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"lowbit.linear: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in X_DTYPES:
@@ -103,7 +103,7 @@ def _check(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, activation: s
     return n, k
 
 
-def _check_weight(w: QTensor) -> tuple[int, int]:
+def check_weight(w: QTensor) -> tuple[int, int]:
     if not isinstance(w, QTensor):
         raise TypeError(f"lowbit.linear: w must be a lowbit QTensor, got {type(w).__name__}")
     if w.fmt not in SUPPORTED_FORMATS:
@@ -118,7 +118,7 @@ def _check_weight(w: QTensor) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- reference
 
 
-def _act(y: torch.Tensor, activation: str | None, inplace: bool = False) -> torch.Tensor:
+def apply_activation(y: torch.Tensor, activation: str | None, inplace: bool = False) -> torch.Tensor:
     """``activation`` of ``y``; ``inplace`` overwrites ``y`` (a buffer of ours, never a user's tensor)."""
     if activation is None:
         return y
@@ -160,7 +160,7 @@ def linear_reference(
     y = x.float() @ dequantize(w, torch.float32, backend=dequant_backend).T
     if bias is not None:
         y = y + bias.float()
-    return _act(y, activation).to(x.dtype if out_dtype is None else out_dtype)
+    return apply_activation(y, activation).to(x.dtype if out_dtype is None else out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
@@ -252,7 +252,7 @@ def chunked_gemm(x2: torch.Tensor, chunks: Sequence[tuple[int, int, Any]], n: in
     """``act(x2 @ W.T + bias)`` from ``chunks`` ``[(n0, n1, decode)]``, ``decode()`` giving rows n0:n1 of W in
     x2's dtype: one chunk is one ``F.linear``; several are BLAS calls writing their column blocks of the output."""
     if len(chunks) == 1:
-        return _act(F.linear(x2, chunks[0][2](), bias), activation)
+        return apply_activation(F.linear(x2, chunks[0][2](), bias), activation)
     out = torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
     for n0, n1, decode in chunks:
         wc = decode()
@@ -263,12 +263,12 @@ def chunked_gemm(x2: torch.Tensor, chunks: Sequence[tuple[int, int, Any]], n: in
             torch.mm(x2, wc.t(), out=dst)
         else:
             torch.addmm(bias[n0:n1], x2, wc.t(), out=dst)
-        _act(dst, activation, inplace=True)  # on the chunk while it is still in L2
+        apply_activation(dst, activation, inplace=True)  # on the chunk while it is still in L2
     return out
 
 
 def _rows(x_shape_or_tensor: torch.Tensor | Sequence[int], w: QTensor) -> tuple[int, int, int, torch.device]:
-    n, k = _check_weight(w)
+    n, k = check_weight(w)
     if isinstance(x_shape_or_tensor, torch.Tensor):
         shape, device = tuple(x_shape_or_tensor.shape), x_shape_or_tensor.device
     else:

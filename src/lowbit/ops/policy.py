@@ -105,7 +105,7 @@ def dequant_gemm_min_m(fmt: str) -> int:
 
 
 # looked up here on every call: tests replace it with stand-in kernel modules
-_kernel_module = _plumbing.kernel_module
+kernel_module = _plumbing.kernel_module
 
 
 # ---------------------------------------------------------------------------------------------- W4A16
@@ -128,10 +128,10 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
         return "dequant_gemm", None, ()
     gemv_why = None
     if m <= GEMV_MAX_M:
-        module, gemv_why = _plumbing.kernel_choice(_kernel_module, "gemv_w4", w)
+        module, gemv_why = _plumbing.kernel_choice(kernel_module, "gemv_w4", w)
         if module is not None:
             return "gemv_w4", module.gemv_w4, ()
-    module, gemm_why = _plumbing.kernel_choice(_kernel_module, "gemm_w4", w)
+    module, gemm_why = _plumbing.kernel_choice(kernel_module, "gemm_w4", w)
     if module is not None:
         return "gemm_w4", module.gemm_w4, (gemv_why,)
     return "unavailable", RuntimeError, ("no_kernel", gemv_why, gemm_why)
@@ -147,7 +147,7 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
     if path == "empty":
         return "M == 0: nothing to compute, no launch"
     if path == "gemv_w4":
-        return f"{regime}: split-K {_kernel_module('gemv_w4').describe(w, m)}"
+        return f"{regime}: split-K {kernel_module('gemv_w4').describe(w, m)}"
     if path == "dequant_gemm":
         if facts[:1] == ("dequant_only",):
             return (f"no W4A16 kernel reads this {w.fmt} weight directly (policy.dequant_only): dequantize chunks "
@@ -182,7 +182,7 @@ def scaled_decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: Q
     common = _plumbing.decide_common(backend, device, m == 0 or n == 0 or k == 0)
     if common is not None:
         return common
-    module, why = _plumbing.kernel_choice(_kernel_module, SCALED_MM_MODULE, a, b)
+    module, why = _plumbing.kernel_choice(kernel_module, SCALED_MM_MODULE, a, b)
     if module is None:
         return "unavailable", RuntimeError, ("no_kernel", why)
     return "scaled_mm", module.scaled_mm, (module,)
@@ -192,7 +192,7 @@ def scaled_route(a: QTensor, b: QTensor, bias: torch.Tensor | None, out_dtype: t
                  module: Any = None) -> str:
     """Which route of ``lowbit.kernels.scaled_mm`` runs this pair (module docstring): ``"gemv"``, ``"fold"``,
     ``"cublas"`` or ``"kernel"``. ``module``: the kernel module (default: the one the lookup finds)."""
-    km = module if module is not None else _kernel_module(SCALED_MM_MODULE)
+    km = module if module is not None else kernel_module(SCALED_MM_MODULE)
     m = a.shape[0]
     if m <= SCALED_GEMV_MAX_M and km.gemv_unsupported(a, b) is None:
         return "gemv"

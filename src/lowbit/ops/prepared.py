@@ -30,7 +30,7 @@ import torch
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
 from . import policy
-from .linear import ACTIVATIONS, _act, _check_weight, chunked_gemm, linear, weight_chunks
+from .linear import ACTIVATIONS, apply_activation, check_weight, chunked_gemm, linear, weight_chunks
 from .policy import GEMV_MAX_M
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
@@ -92,7 +92,7 @@ class PreparedWeight:
         self.fp8_traced: tuple | None = None  # fp8_block decode under torch.compile (see traced_call)
         ready = layouts and policy.kernels_ready(self.device, backend)
         if weight_only:
-            _check_weight(w)
+            check_weight(w)
             if ready:
                 self._prepare_gemv()
         elif ready:
@@ -123,12 +123,12 @@ class PreparedWeight:
                              lay.words if lay is not None else dummy, lay.scales if lay is not None else dummy)
         # what the compiled path passes besides the layouts: the split-K scratch and placeholders, made here so
         # that the compiled code allocates none of them per call
-        from ..kernels._scratch import mark_static, traced_scratch
+        from ..kernels.scratch import mark_static, traced_scratch
 
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
         ws, cnt = traced_scratch(self.device, idx, *gemv_w4.traced_scratch_size(self.n, self.k))
-        self.traced_extra = (ws, cnt, gemv_w4._dummy(self.device, torch.float32))
-        self.no_bias = {dt: gemv_w4._dummy(self.device, dt) for dt in _X_DTYPES}
+        self.traced_extra = (ws, cnt, gemv_w4.dummy_tensor(self.device, torch.float32))
+        self.no_bias = {dt: gemv_w4.dummy_tensor(self.device, dt) for dt in _X_DTYPES}
         self.mma_rule = gemv_w4.mma_rule(self.facts)
         # fixed addresses for torch.compile: CUDA-graph trees would otherwise copy every layout into graph-owned
         # memory on each replay (they are not module parameters); guarded, so a re-prepared layer recompiles
@@ -143,7 +143,7 @@ class PreparedWeight:
                 or tuple(opts.get("block", (1, 128))) != (1, 128) or w.data.stride(-1) != 1):
             return
         from ..kernels import scaled_mm as ksm
-        from ..kernels._scratch import mark_static, traced_scratch
+        from ..kernels.scratch import mark_static, traced_scratch
 
         register_fp8_block_op()
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -190,7 +190,7 @@ class PreparedWeight:
                     m = x.numel() // self.k
                     run = self.scaled_runners.get((m, x.dtype, bias is None))
                     if run is not None and x.is_contiguous() and not x.data_ptr() & 15:
-                        out = _act(run(x.view(m, self.k), bias), self.activation)
+                        out = apply_activation(run(x.view(m, self.k), bias), self.activation)
                         return out if len(shape) == 2 else out.view(*shape[:-1], self.n)
             out = self._scaled_call(x, bias, act_global_scale)
             if out is not None:
@@ -208,7 +208,7 @@ class PreparedWeight:
         if backend == "torch":
             return None
         from ..api import quantizer
-        from .scaled_mm import _check_operands, _run
+        from .scaled_mm import check_operands, run_checked
 
         k = self.k
         flat = x.dim() == 2
@@ -225,7 +225,7 @@ class PreparedWeight:
             kwargs = {**kwargs, "global_scale": act_global_scale}
         a = fn(x2, **kwargs)
         if x.dtype not in self._pairs_checked:
-            _check_operands(a, self.w)
+            check_operands(a, self.w)
             self._pairs_checked.add(x.dtype)
         if bias is not None and (bias.data_ptr() % 16 or not bias.is_contiguous()):
             bias = bias.contiguous() if not bias.is_contiguous() else bias.clone()
@@ -233,14 +233,14 @@ class PreparedWeight:
         route = self._routes.get(key)
         if route is None:
             if torch.cuda.is_current_stream_capturing():  # decided (and its buffers made) outside captures only
-                out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
-                return _act(out if flat else out.reshape(*x.shape[:-1], self.n), self.activation)
+                out = run_checked(a, self.w, None, bias, x.dtype, backend or "auto")
+                return apply_activation(out if flat else out.reshape(*x.shape[:-1], self.n), self.activation)
             route = self._routes[key] = self._route(a, bias, x.dtype)
         name, target = route
         if name == "kernel*":
             out = target(a, None, bias)
         elif name == "run":  # the kernel module declines the pair: the op's dispatch and its error
-            out = _run(a, self.w, None, bias, x.dtype, backend or "auto")
+            out = run_checked(a, self.w, None, bias, x.dtype, backend or "auto")
         else:
             out = target(a, self.w, None, bias, x.dtype, name)
         # a runner for the next calls like this one: x contiguous (any number of leading dims, which the fast
@@ -249,7 +249,7 @@ class PreparedWeight:
                 and not x.data_ptr() & 15):
             self._add_scaled_runner(x2, a, fn, kwargs, name, target, bias)
         out = out if flat else out.reshape(*x.shape[:-1], self.n)
-        return _act(out, self.activation)
+        return apply_activation(out, self.activation)
 
     def _add_scaled_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict, name: str, route: Any,
                            bias: torch.Tensor | None) -> None:
@@ -257,7 +257,7 @@ class PreparedWeight:
         1x128): :class:`_Fp8BlockDecode` where the GEMM is lowbit's decoding kernel (``name`` "kernel*", the
         ``KernelRoute`` ``route``), :class:`_Fp8BlockCublas` where it is cuBLASLt's block-scaled GEMM."""
         from ..kernels import blockscaled, fp8_block
-        from ..kernels.scaled_mm import _operand
+        from ..kernels.scaled_mm import operand_args
 
         if name == "gemv":
             self._add_gemv_route_runner(x, a, fn, kwargs, bias)
@@ -274,7 +274,7 @@ class PreparedWeight:
         m = x.shape[0]
         if name == "cublas":
             # cuBLAS reads M-major activation scales: the quantize kernel writes them so (the same values)
-            plan = fp8_block._quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "column_major")
+            plan = fp8_block.quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "column_major")
             if plan.launch is None or plan.batched or plan.scale_strides != (1, m):
                 return
             from ..kernels.cublas_fp8_block import PreparedMM
@@ -285,10 +285,10 @@ class PreparedWeight:
             if m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
                 run = route.quant_in_gemm(kwargs.get("scale_fmt") == "ue8m0")
             if run is None:
-                plan = fp8_block._quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "linear")
+                plan = fp8_block.quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "linear")
                 if plan.scale_storage is not None or plan.launch is None or plan.batched:
                     return
-                a_args, _ = _operand(a)
+                a_args, _ = operand_args(a)
                 run = _Fp8BlockDecode(plan, route, tuple(a_args[3:7]), self.device)
         if len(self.scaled_runners) >= _MAX_RUNNERS:
             self.scaled_runners.clear()
@@ -342,7 +342,7 @@ class PreparedWeight:
         """Keep an :class:`_MXDecode` for calls like this one (MX activations, linear scales, lowbit's decoding
         GEMM): the quantize kernel's launch is taken from one more quantize of ``x`` (the same bits as ``a``)."""
         from ..kernels import blockscaled
-        from ..kernels.scaled_mm import _operand
+        from ..kernels.scaled_mm import operand_args
 
         if set(kwargs) - {"fmt", "scale_rounding", "scale_layout"} or kwargs.get("scale_layout", "linear") != "linear":
             return
@@ -352,7 +352,7 @@ class PreparedWeight:
         blockscaled.quantize_mx(x, **kwargs, keep=keep)
         if not keep or keep[0] is None:
             return
-        a_args, _ = _operand(a)
+        a_args, _ = operand_args(a)
         if len(self.scaled_runners) >= _MAX_RUNNERS:
             self.scaled_runners.clear()
         if bias is not None:
@@ -363,7 +363,7 @@ class PreparedWeight:
     def _route(self, a, bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[str, Any]:
         """(route, target) for activations like ``a``: ``lowbit.ops.policy.scaled_route``'s decision, and for
         lowbit's decoding GEMM a ``KernelRoute`` that launches it with everything but the activation fixed."""
-        km = policy._kernel_module(policy.SCALED_MM_MODULE)
+        km = policy.kernel_module(policy.SCALED_MM_MODULE)
         if km is None or km.supports(a, self.w) is not None:
             return "run", None
         name = policy.scaled_route(a, self.w, bias, out_dtype, km)
@@ -436,12 +436,12 @@ class PreparedWeight:
 
             y = torch.nn.functional.linear(x.float(), dequantize(self.w, torch.float32, backend=self.backend),
                                            None if bias is None else bias.float())
-            return _act(y, self.activation).to(x.dtype)
+            return apply_activation(y, self.activation).to(x.dtype)
         from .scaled_mm import scaled_linear
 
         y = scaled_linear(x, self.w, self.act_format, act_options=self.act_options or None,
                           act_global_scale=act_global_scale, bias=bias, out_dtype=x.dtype, backend=self.backend)
-        return _act(y, self.activation)
+        return apply_activation(y, self.activation)
 
     def traced_call(self, x: torch.Tensor, bias: torch.Tensor | None,
                     act_global_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -473,7 +473,7 @@ class PreparedWeight:
             m = x2.shape[0]
             if 0 < m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
                 out = torch.ops.lowbit.fp8_block_decode(x2.contiguous(), *ft[:4], bias, ft[4], ft[5])
-                return _act(out, self.activation).reshape(*x.shape[:-1], self.n)
+                return apply_activation(out, self.activation).reshape(*x.shape[:-1], self.n)
         return self.call_general(x, bias, act_global_scale)
 
 

@@ -248,7 +248,7 @@ def _check_fp8_rowwise(q: QTensor, name: str, rows: int, k: int) -> None:
         raise ValueError(f"lowbit.scaled_mm: {name}.global_scale must be None for fp8_rowwise")
 
 
-def _check_operands(a: Any, b: Any) -> tuple[str, int, int, int]:
+def check_operands(a: Any, b: Any) -> tuple[str, int, int, int]:
     """Validate the pair and both QTensors' structure; returns ``(kind, M, N, K)``. No host syncs."""
     kind = _check_pair(a, b)
     m, k = a.shape
@@ -321,7 +321,7 @@ def _check(
     a: Any, b: Any, alpha: Any, bias: Any, out_dtype: Any
 ) -> tuple[str, int, int, int, torch.Tensor | None]:
     """Every check of :func:`scaled_mm`; returns ``(kind, M, N, K, alpha as float32 [1] or None)``."""
-    kind, m, n, k = _check_operands(a, b)
+    kind, m, n, k = check_operands(a, b)
     device = a.data.device
     alpha_t = _normalize_alpha(alpha, device)
     _check_bias(bias, n, device)
@@ -427,7 +427,7 @@ def plan_scaled_mm(a: QTensor, b: QTensor, backend: str | None = None) -> Scaled
     Raises only for invalid arguments (bad backend, unsupported pair, K mismatch, malformed operands); a
     call that cannot run comes back as ``path == "unavailable"``.
     """
-    kind, m, n, k = _check_operands(a, b)
+    kind, m, n, k = check_operands(a, b)
     return _plan(kind, m, n, k, a, b, resolve_backend(backend))
 
 
@@ -443,7 +443,7 @@ def explain_scaled_mm(a: QTensor, b: QTensor, backend: str | None = None) -> str
 # ---------------------------------------------------------------------------------------------- execution
 
 
-def _run(
+def run_checked(
     a: QTensor,
     b: QTensor,
     alpha: torch.Tensor | None,
@@ -520,7 +520,7 @@ def scaled_mm(
             out_dtype,
             chosen,
         )
-    return _run(a, b, alpha_t, bias, out_dtype, chosen)
+    return run_checked(a, b, alpha_t, bias, out_dtype, chosen)
 
 
 # ---------------------------------------------------------------------------------------------- fused entry
@@ -645,8 +645,8 @@ def _scaled_linear_run(
 ) -> torch.Tensor:
     """The implementation behind :func:`scaled_linear` and its custom op: ``x2`` is ``[M, K]`` contiguous."""
     a = quantize(x2, act_format, backend=backend, **options)
-    _check_operands(a, w)  # the options may have made an operand that does not pair (e.g. block (128, 128))
-    return _run(a, w, alpha, bias, out_dtype, backend)
+    check_operands(a, w)  # the options may have made an operand that does not pair (e.g. block (128, 128))
+    return run_checked(a, w, alpha, bias, out_dtype, backend)
 
 
 # ---------------------------------------------------------------------------------------------- custom op
@@ -710,7 +710,7 @@ def scaled_mm_op(
     a = _unflatten(a_data, a_scale, a_global_scale, a_param_tensors, a_fmt, a_shape, a_meta)
     b = _unflatten(b_data, b_scale, b_global_scale, b_param_tensors, b_fmt, b_shape, b_meta)
     with _kernels.per_call_scratch():
-        return _run(a, b, alpha, bias, out_dtype, backend)
+        return run_checked(a, b, alpha, bias, out_dtype, backend)
 
 
 @scaled_mm_op.register_fake

@@ -21,7 +21,7 @@ from .awq import from_autoawq, to_autoawq
 from .bnb import from_bnb_state_dict, to_bnb_state_dict
 from .compressed_tensors import from_compressed_tensors, to_compressed_tensors
 from .deepseek import deepseek_quantization_config, from_deepseek_fp8, to_deepseek_fp8
-from .gptq import _V1_OFFSET, _word_add, from_gptq, to_gptq
+from .gptq import V1_OFFSET, from_gptq, to_gptq, word_add
 from . import lightx2v as _lx
 from .modelopt import from_modelopt_nvfp4, to_modelopt_nvfp4
 
@@ -409,7 +409,7 @@ class GPTQLayout(Layout):
         qzeros = get("qzeros")
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt == "gptq_v2":
-            qzeros = _word_add(qzeros, -_V1_OFFSET)
+            qzeros = word_add(qzeros, -V1_OFFSET)
         elif fmt != "gptq":
             raise ValueError(
                 f"quantization_config.checkpoint_format {fmt!r}: lowbit reads 'gptq' and 'gptq_v2'"
@@ -523,7 +523,7 @@ class ModelOptLayout(Layout):
         q = from_modelopt_nvfp4({k: get(k) for k in local if k != "input_scale"}, dtype=dtype)
         igs = None
         if "input_scale" in local:
-            from ..formats._checks import positive_fp32_scalar
+            from ..formats.checks import positive_fp32_scalar
 
             igs = (1.0 / positive_fp32_scalar(get("input_scale"), f"{name}.input_scale")).reshape(1)
         # ModelOpt NVFP4 quantizes activations to NVFP4 (W4A4)
@@ -533,7 +533,7 @@ class ModelOptLayout(Layout):
 # ---------------------------------------------------------------------------------------------- lowbit native
 
 
-def _params_to_json(params: Mapping[str, Any]) -> dict:
+def params_to_json(params: Mapping[str, Any]) -> dict:
     out = {}
     for k, v in params.items():
         if isinstance(v, torch.Tensor):
@@ -549,7 +549,7 @@ def _params_to_json(params: Mapping[str, Any]) -> dict:
     return out
 
 
-def _params_from_json(params: Mapping[str, Any]) -> dict:
+def params_from_json(params: Mapping[str, Any]) -> dict:
     out = {}
     for k, v in params.items():
         if isinstance(v, dict) and set(v) == {"__fp32__"}:
@@ -593,7 +593,7 @@ class LowbitLayout(Layout):
                 "shape": [m.out_features, m.in_features],
                 "dtype": DTYPE_NAMES.get(meta.get("dtype"), "float32"),
                 "scale_layout": meta.get("scale_layout", "linear"),
-                "params": _params_to_json(meta.get("params", {})),
+                "params": params_to_json(meta.get("params", {})),
             }
         return {
             "format": "lowbit-native",
@@ -637,7 +637,7 @@ class LowbitLayout(Layout):
             shape=torch.Size(shape),
             dtype=NAME_DTYPES[meta["dtype"]],
             scale_layout=meta.get("scale_layout", "linear"),
-            params=_params_from_json(meta.get("params", {})),
+            params=params_from_json(meta.get("params", {})),
             **tensors,
         )
         return Loaded(scheme, q, igs)
