@@ -103,6 +103,8 @@ def _peer_baselines(fmt: str, options: dict[str, Any], p: _Problem) -> dict[str,
         out["torchao.int4[tile_packed_to_4d]"] = optional(calls(lambda: peers.torchao_int4(p.bf16, x)), "torchao")
     if fmt == "mxfp4":
         out["gemlite.A16W4_MXFP"] = optional(calls(lambda: peers.gemlite(p.bf16, "mxfp4", x)), "gemlite")
+    if fmt in peers.HUMMING_WEIGHTS:
+        out[f"humming.HummingLayer[{fmt}]"] = optional(calls(lambda: peers.humming(p.bf16, fmt, x)), "humming")
     return out
 
 

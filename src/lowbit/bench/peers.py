@@ -2,7 +2,8 @@
 baselines of the matmul ops.
 
 - W4A16: bitsandbytes ``matmul_4bit`` (NF4, blocksize 64), gemlite's Triton GEMV/GEMM (INT4 asymmetric group
-  128, and MXFP4), torchao's int4 weight-only layer (group 128, ``tile_packed_to_4d``);
+  128, and MXFP4), torchao's int4 weight-only layer (group 128, ``tile_packed_to_4d``), humming-kernels'
+  ``HummingLayer`` (NVFP4, MXFP4, INT4 group 128 with zero points);
 - FP8 block-scaled GEMM (DeepSeek-V3 W8A8): DeepGEMM's ``fp8_gemm_nt``.
 
 Each builder takes one bf16 weight per rotated copy and returns one callable ``f(x) -> y`` per copy, after
@@ -85,6 +86,30 @@ def torchao_int4(weights: Sequence[torch.Tensor], x: torch.Tensor | None = None)
             lin.weight.copy_(w)
         quantize_(lin, Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
         layers.append(lin)
+    return _tried([lambda x, layer=layer: layer(x) for layer in layers], x)
+
+
+HUMMING_WEIGHTS = {
+    # lowbit format -> humming weight schema of the same format (its own quantization of the bf16 weight)
+    "nvfp4": {"b_dtype": "float4e2m1", "bs_dtype": "float8e4m3", "group_size": 16, "scale_2_type": "tensor"},
+    "mxfp4": {"b_dtype": "float4e2m1", "bs_dtype": "float8e8m0", "group_size": 32},
+    "int4_awq": {"b_dtype": "uint4", "group_size": 128, "has_zero_point": True},
+}
+
+
+def humming(weights: Sequence[torch.Tensor], fmt: str, x: torch.Tensor | None = None) -> list[Fn]:
+    """humming-kernels' ``HummingLayer`` per weight in the format of :data:`HUMMING_WEIGHTS` (bf16 in and
+    out): quantized by humming from the bf16 weight, transformed to its kernel layout, then called."""
+    from humming.layer import HummingLayer
+
+    layers = []
+    for w in weights:
+        n, k = w.shape
+        layer = HummingLayer(shape_n=n, shape_k=k, weight_config=dict(HUMMING_WEIGHTS[fmt]),
+                             torch_dtype=torch.bfloat16).to(w.device)
+        layer.load_from_unquantized(w)
+        layer.transform()
+        layers.append(layer)
     return _tried([lambda x, layer=layer: layer(x) for layer in layers], x)
 
 
