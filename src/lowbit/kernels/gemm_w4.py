@@ -56,7 +56,7 @@ M_REGIMES: list[tuple[int, str]] = [(32, "m32"), (64, "m64"), (128, "m128"), (51
 # rows x x rows) cuBLAS-like shape, 2 warpgroups of m64n256k16 wgmmas, 4 stages (~185 KB shared memory, one
 # program per SM); the small-M tiles keep shared memory under ~110 KB so that two programs share an SM (the
 # decode is most of their work, and it is done once per BLOCK_M rows of x: hence BLOCK_M = 128 from M = 65).
-# benchmarks/bench_w4a16_gemm.py --sweep tries the alternatives.
+# benchmarks/experiments/sweep_w4a16_tiles.py gemm tries the alternatives.
 CONFIGS: dict[str, dict[str, int]] = {
     "m32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, GROUP_M=1),
     "m64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=1),

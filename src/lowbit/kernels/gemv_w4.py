@@ -84,7 +84,7 @@ TILE = {
     "min_iters": 2,
     "ws_ratio": 0.25,
 }
-"""Tile configuration per regime (data, no autotuning). ``benchmarks/bench_w4a16.py --sweep`` tries
+"""Tile configuration per regime (data, no autotuning). ``benchmarks/experiments/sweep_w4a16_tiles.py gemv`` tries
 variants; ``gemv_w4(..., config=...)`` overrides it per call."""
 
 

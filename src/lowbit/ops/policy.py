@@ -41,7 +41,7 @@ the largest M the GEMV kernel takes (``lowbit.kernels.gemv_w4.MAX_M``)."""
 DEQUANT_GEMM_MIN_M: int | None = 2048
 """On CUDA, the M at and above which ``lowbit.linear`` runs ``linear_dequant_gemm`` (the weight dequantized a
 bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS) instead of ``gemm_w4``; None:
-never. On an H200 (``benchmarks/bench_w4a16_gemm.py --chunked``), ratio to cuBLAS bf16 on the six
+never. On an H200 (``lowbit bench --ops 'linear.*.prefill'``), ratio to cuBLAS bf16 on the six
 Llama-class shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton
 GEMM's 0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. At M=2048
 chunked won for nvfp4, mxfp4, fp4_b32 and int4_awq on all six shapes
@@ -84,7 +84,7 @@ of the same run; the crossover M is estimated from those per-pass times, not yet
 STATIC_LAUNCH_COMPILED_KERNELS = True
 """Whether preparing a layer for the compiled W4A16 GEMV turns on Inductor's static launcher for user-defined
 Triton kernels (``lowbit.ops.prepared``): on an H100 host, Triton's own launcher cost about 30-55 us per
-GEMV launched from a ``torch.compile``d decode step (cProfile of ``benchmarks/profile_compiled_step.py``)
+GEMV launched from a ``torch.compile``d decode step (cProfile of ``benchmarks/experiments/profile_compiled_step.py``)
 against about 15 us for Inductor's kernels through the static launcher."""
 
 
