@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import importlib
-import inspect
 import os
 import warnings
 from typing import Any, Callable
@@ -12,24 +9,9 @@ from typing import Any, Callable
 import torch
 
 from .formats.qtensor import QTensor
+from .formats.registry import REGISTRY
 from .formats.spec import FORMATS, FormatSpec
 
-# format name -> (module, quantize function, dequantize function); the quantize function's keyword
-# arguments are the format's options, so validation reads them from its signature
-_IMPLS: dict[str, tuple[str, str, str]] = {
-    "nvfp4": ("blockscaled", "quantize_nvfp4", "dequantize_nvfp4"),
-    "mxfp4": ("blockscaled", "quantize_mx", "dequantize_mx"),
-    "mxfp6_e2m3": ("blockscaled", "quantize_mx", "dequantize_mx"),
-    "mxfp6_e3m2": ("blockscaled", "quantize_mx", "dequantize_mx"),
-    "mxfp8_e4m3": ("blockscaled", "quantize_mx", "dequantize_mx"),
-    "mxfp8_e5m2": ("blockscaled", "quantize_mx", "dequantize_mx"),
-    "fp4_b32": ("blockscaled", "quantize_fp4_b32", "dequantize_fp4_b32"),
-    "fp8_block": ("fp8_block", "quantize_fp8_block", "dequantize_fp8_block"),
-    "fp8_rowwise": ("fp8_rowwise", "quantize_fp8_rowwise", "dequantize_fp8_rowwise"),
-    "nf4": ("nf4", "quantize_nf4", "dequantize_nf4"),
-    "bnb_fp4": ("bnb_fp4", "quantize_bnb_fp4", "dequantize_bnb_fp4"),
-    "int4_awq": ("int4_awq", "quantize_int4_awq", "dequantize_int4_awq"),
-}
 _DEQUANT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("auto", "triton", "torch")
 _warned: set[str] = set()
@@ -65,19 +47,6 @@ def _pick(backend: str | None, tensor: torch.Tensor, kernel: Callable[..., Any] 
             _warned.add(kernel)
             warnings.warn(f"lowbit: {kernel}; {what} runs the torch reference on {tensor.device}", stacklevel=3)
     return reference
-
-
-@functools.cache
-def _impl(name: str, which: int) -> Callable[..., Any]:
-    module, *fns = _IMPLS[name]
-    return getattr(importlib.import_module(f"lowbit.formats.{module}"), fns[which])
-
-
-@functools.cache
-def _signature(name: str) -> tuple[tuple[str, ...], bool]:
-    """(option names, whether the function takes ``fmt``) of a format's reference quantize function."""
-    params = list(inspect.signature(_impl(name, 0)).parameters)[1:]
-    return tuple(p for p in params if p != "fmt"), "fmt" in params
 
 
 def _resolve(fmt: str | FormatSpec) -> tuple[str, dict[str, Any]]:
@@ -123,17 +92,17 @@ def quantizer(fmt: str | FormatSpec, like: torch.Tensor, *, backend: str | None 
     on ``like``'s device: the format, options, backend and kernel decided once (what a prepared layer keeps
     for its activations). Raises as :func:`quantize` does."""
     name, defaults = _resolve(fmt)
-    fn = _impl(name, 0)
-    allowed, takes_fmt = _signature(name)
+    entry = REGISTRY[name]
+    allowed = entry.options
     unknown = [k for k in options if k not in allowed]
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)} for format {name!r}; valid options: {list(allowed)}")
     kwargs = {k: v for k, v in defaults.items() if k in allowed}
     kwargs.update(options)
-    if takes_fmt:
+    if entry.takes_fmt:
         kwargs["fmt"] = name
     kernel = _kernels().quantize_kernel(name, kwargs) if resolve_backend(backend) != "torch" else "unused"
-    return _pick(backend, like, kernel, fn, f"quantize({name!r})"), kwargs
+    return _pick(backend, like, kernel, entry.quantize, f"quantize({name!r})"), kwargs
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, backend: str | None = None) -> torch.Tensor:
@@ -145,12 +114,15 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, backend: str |
         raise TypeError(f"q must be a QTensor, got {type(q).__name__}")
     if dtype not in _DEQUANT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    if q.fmt not in _IMPLS:
+    entry = REGISTRY.get(q.fmt)
+    if entry is None:
         raise ValueError(f"unknown format {q.fmt!r}; known formats: {sorted(FORMATS)}")
     kernel = _kernels().dequantize_kernel(q.fmt, q) if resolve_backend(backend) != "torch" else "unused"
-    return _pick(backend, q.data, kernel, _impl(q.fmt, 1), f"dequantize({q.fmt!r})")(q, dtype)
+    return _pick(backend, q.data, kernel, entry.dequantize, f"dequantize({q.fmt!r})")(q, dtype)
 
 
 def _kernels():
     # imported on use: lowbit.kernels is light, but keeps `import lowbit` free of any kernel module
-    return importlib.import_module("lowbit.kernels")
+    from . import kernels
+
+    return kernels

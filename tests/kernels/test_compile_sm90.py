@@ -180,8 +180,9 @@ def test_nvfp4_quantize_ships_both_multiplier_orders():
 def test_bnb_fp4_dequantize_runs_a_compiled_nf4_variant():
     """bnb_fp4 ships no kernel of its own: its launcher is the nf4 module's, whose kernel takes the 16-entry table
     as a pointer argument, so the nf4 variants above (same signatures and constexprs) are its variants."""
-    from lowbit import kernels
+    from lowbit.formats.registry import REGISTRY
     from lowbit.kernels import nf4
 
-    assert kernels._DEQUANTIZE["bnb_fp4"][:2] == ("nf4", "dequantize_bnb_fp4")
+    kernel = REGISTRY["bnb_fp4"].dequantize_kernel
+    assert (kernel.module, kernel.launcher) == ("nf4", "dequantize_bnb_fp4")
     assert any(fn is nf4.k.dequantize_nf4_kernel and "lut_ptr" in sig for fn, sig, _ in nf4.compile_variants())

@@ -21,6 +21,7 @@ from .packing import (
     unswizzle_scales,
 )
 from .qtensor import QTensor
+from .registry import REGISTRY, Format, Kernel, formats_with, register_format, unregister_format
 from .spec import (
     BNB_FP4,
     E2M1,
@@ -42,6 +43,7 @@ from .spec import (
 
 __all__ = [
     "BNB_FP4", "E2M1", "E2M3", "E3M2", "E4M3", "E5M2", "FORMATS", "INT4", "NF4", "UINT4",
+    "REGISTRY", "Format", "Kernel", "formats_with", "register_format", "unregister_format",
     "CodebookSpec", "FormatSpec", "IntSpec", "MinifloatSpec", "NVFP4Convention", "ScaleRounding", "QTensor",
     "decode_codebook", "decode_e8m0", "decode_minifloat", "encode_codebook", "encode_e8m0", "encode_int",
     "encode_minifloat", "pack_fp4", "pack_fp6", "pack_nibbles_high_first", "swizzle_scales",

@@ -1,6 +1,7 @@
 """Triton kernels. This package's __init__ never imports triton: launchers load on first CUDA use.
 
-``quantize_kernel`` / ``dequantize_kernel`` say which (format, options) combinations have a kernel.
+``quantize_kernel`` / ``dequantize_kernel`` say which (format, options) combinations have a kernel: the
+``quantize_kernel`` / ``dequantize_kernel`` entries of ``lowbit.formats.registry.REGISTRY``.
 """
 
 from __future__ import annotations
@@ -13,31 +14,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..formats.int4_awq import decodes_in_fp16
-from ..formats.spec import NVFP4Convention
+from ..formats.registry import REGISTRY, Kernel
 
-# format -> (module, launcher, predicate on the options / QTensor params saying the kernel covers them)
-_QUANTIZE: dict[str, tuple[str, str, Callable[[dict], bool]]] = {
-    "nvfp4": ("blockscaled", "quantize_nvfp4",
-              lambda o: NVFP4Convention(o.get("convention", "vllm"))
-              in (NVFP4Convention.VLLM, NVFP4Convention.LIGHTX2V)),
-    **{f: ("blockscaled", "quantize_mx", lambda o: True)
-       for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")},
-    "fp4_b32": ("blockscaled", "quantize_fp4_b32", lambda o: True),
-    "fp8_block": ("fp8_block", "quantize_fp8_block", lambda o: True),
-    "fp8_rowwise": ("fp8_rowwise", "quantize_fp8_rowwise", lambda o: True),
-}
-_DEQUANTIZE: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
-    "nvfp4": ("blockscaled", "dequantize_nvfp4", lambda q: "per_tensor_scale" not in q.params),
-    **{f: ("blockscaled", "dequantize_mx", lambda q: True)
-       for f in ("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2")},
-    "fp4_b32": ("blockscaled", "dequantize_fp4_b32", lambda q: True),
-    "fp8_block": ("fp8_block", "dequantize_fp8_block", lambda q: True),
-    "nf4": ("nf4", "dequantize_nf4", lambda q: True),
-    "bnb_fp4": ("nf4", "dequantize_bnb_fp4", lambda q: True),
-    # the kernel decodes in float16 (AutoAWQ); bf16/fp32-scaled compressed-tensors weights use the reference
-    "int4_awq": ("int4_awq", "dequantize_int4_awq", decodes_in_fp16),
-}
 # launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)
 # covering every code path it can launch, which CI compiles for sm_90
 KERNEL_MODULES = ("blockscaled", "fp8_block", "fp8_rowwise", "nf4", "int4_awq", "gemv_w4", "gemm_w4", "scaled_mm")
@@ -93,29 +71,32 @@ def _launcher(module: str, name: str) -> Callable[..., Any] | None:
     return getattr(importlib.import_module(f"lowbit.kernels.{module}"), name)
 
 
-def _lookup(table: dict, fmt: str, arg: Any, what: str) -> Callable[..., Any] | str:
-    entry = table.get(fmt)
+def _lookup(entry: Kernel | None, fmt: str, arg: Any, what: str) -> Callable[..., Any] | str:
     if entry is None:
         return f"no triton {what} kernel for format {fmt!r} yet"
-    module, name, covers = entry
     reason = triton_available()
     if reason:
         return reason
-    launcher = _launcher(module, name)
+    launcher = _launcher(entry.module, entry.launcher)
     if launcher is None:
         return f"no triton {what} kernel for format {fmt!r} yet"
-    if not covers(arg):
+    if not entry.covers(arg):
         return f"the triton {what} kernel for {fmt!r} does not cover these options"
     return launcher
 
 
+def _kernel(fmt: str, which: str) -> Kernel | None:
+    entry = REGISTRY.get(fmt)
+    return None if entry is None else getattr(entry, which)
+
+
 def quantize_kernel(fmt: str, options: dict) -> Callable[..., Any] | str:
     """The launcher for (fmt, options), or a string saying why there is none."""
-    return _lookup(_QUANTIZE, fmt, options, "quantize")
+    return _lookup(_kernel(fmt, "quantize_kernel"), fmt, options, "quantize")
 
 
 def dequantize_kernel(fmt: str, q: Any) -> Callable[..., Any] | str:
-    return _lookup(_DEQUANTIZE, fmt, q, "dequantize")
+    return _lookup(_kernel(fmt, "dequantize_kernel"), fmt, q, "dequantize")
 
 
 def dequantize_call(q: Any) -> Callable[..., Any] | None:
@@ -123,4 +104,4 @@ def dequantize_call(q: Any) -> Callable[..., Any] | None:
     again), or None where no kernel covers it."""
     if not callable(dequantize_kernel(q.fmt, q)):
         return None
-    return _launcher(_DEQUANTIZE[q.fmt][0], "dequantize_call")
+    return _launcher(_kernel(q.fmt, "dequantize_kernel").module, "dequantize_call")

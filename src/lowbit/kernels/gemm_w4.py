@@ -33,6 +33,7 @@ from ..formats import nf4 as ref_nf4
 from ..formats.codecs import codebook_table
 from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
+from ..formats.registry import formats_with
 from ..formats.spec import NF4
 from . import _gemm_w4 as k
 from . import interpreting as _interpreting
@@ -43,7 +44,7 @@ from . import tensor_version
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
-FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
+FORMATS = formats_with("gemm_w4")  # nvfp4, mxfp4, fp4_b32, nf4, int4_awq
 _FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp4_b32": 2, "nf4": 3, "int4_awq": 4}
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 

@@ -52,6 +52,7 @@ from ..formats import nf4 as ref_nf4
 from ..formats.codecs import codebook_table
 from ..formats.packing import unpack_fp4, unpack_nibbles_high_first, unswizzle_scales
 from ..formats.qtensor import QTensor
+from ..formats.registry import formats_with
 from ..formats.spec import NF4
 from . import _gemv_w4 as k
 from . import _gemv_mma as km
@@ -64,7 +65,7 @@ from .scratch import split_k_scratch
 
 _capturing = torch._C._cuda_isCurrentStreamCapturing
 
-FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
+FORMATS = formats_with("gemv_w4")  # nvfp4, mxfp4, fp4_b32, nf4, int4_awq
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
 MAX_M = 16
 

@@ -16,6 +16,7 @@ import functools
 import torch
 
 from ..formats.qtensor import QTensor
+from ..formats.registry import formats_with
 from . import _scaled_mm as k
 from . import cublas_fp8_block as cb
 from .scratch import GENERATION as _scratch_generation
@@ -76,7 +77,7 @@ FOLD_CONFIGS: list[tuple[int, dict]] = [
 
 _MINIFLOAT = {"mxfp6_e2m3": (2, 3, 1), "mxfp6_e3m2": (3, 2, 3), "mxfp4": (2, 1, 1), "nvfp4": (2, 1, 1)}
 _FP8 = ("fp8_block", "fp8_rowwise", "mxfp8_e4m3", "mxfp8_e5m2")
-FORMATS = (*_FP8, "nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2")
+FORMATS = formats_with("scaled_mm")  # the operand formats: _FP8, nvfp4, mxfp4, mxfp6_e2m3, mxfp6_e3m2
 
 
 def operand_args(q: QTensor) -> tuple[list, dict]:

@@ -51,11 +51,12 @@ import torch.nn.functional as F
 from .. import kernels as _kernels
 from ..api import dequantize, resolve_backend
 from ..formats.qtensor import QTensor
+from ..formats.registry import formats_with
 from ..formats.rows import nf4_slices_keep_double_quant, nf4_without_double_quant, slice_rows
 from . import _plumbing, policy
 from .policy import GEMV_MAX_M  # noqa: F401 - re-exported (lowbit.ops.GEMV_MAX_M)
 
-SUPPORTED_FORMATS = ("nvfp4", "mxfp4", "nf4", "int4_awq", "fp4_b32", "bnb_fp4")
+SUPPORTED_FORMATS = formats_with("linear_weight")  # nvfp4, mxfp4, fp4_b32, nf4, bnb_fp4, int4_awq
 """Weight formats :func:`linear` accepts."""
 ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
 """``"gelu"`` is the exact (erf) GELU, ``"gelu_tanh"`` its tanh approximation."""
