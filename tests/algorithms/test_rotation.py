@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from lowbit.algorithms import InputTransform, Rotate, SmoothQuant, apply_rotatio
 from lowbit.algorithms.rotation import hadamard_matrix, input_transform_of, online_transform_layers
 from lowbit.nn import get_scheme
 from lowbit.nn.quantize import linear_layers
+from outlier_layer import outlier_layer, rel_err  # this folder's shared fixture
 
 
 def _sylvester(n: int) -> torch.Tensor:
@@ -129,46 +129,18 @@ def test_rotation_preserves_transformers_models_and_folds_into_values(arch):
     assert how[v] == "online"
 
 
-def _outlier_layer(seed: int = 0):
-    """A LayerNorm whose weight has four outlier channels, feeding a Linear: the activations a W4A4
-    format struggles with."""
-    g = torch.Generator().manual_seed(seed)
-    m = nn.Sequential()
-    m.add_module("norm", nn.LayerNorm(128))
-    m.add_module("fc", nn.Linear(128, 64))
-    with torch.no_grad():
-        m.fc.weight.copy_(torch.randn(64, 128, generator=g) * 0.05)
-        w = torch.ones(128)
-        w[[3, 40, 77, 100]] = 40.0
-        m.norm.weight.copy_(w)
-    return m, torch.randn(512, 128, generator=g), [torch.randn(256, 128, generator=g)]
-
-
-def _rel_err(scheme, algorithm):
-    m, x, calib = _outlier_layer()
-    with torch.no_grad():
-        ref = m(x)
-    q = copy.deepcopy(m)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lowbit.quantize_model(q, scheme, skip=(), calibration=calib, algorithm=algorithm)
-    with torch.no_grad():
-        y = q(x)
-    return float((y - ref).pow(2).mean() / ref.pow(2).mean())
-
-
 def test_rotation_lowers_w4a4_mxfp4_error_on_outlier_channels():
     # measured: rtn 3.3e-2, rotate 2.4e-2, smoothing + rotation 2.7e-3 (NVFP4's 16-blocks with E4M3 scales
     # already isolate the outliers: there rotation alone does not help, see docs/quality.md)
-    rtn = _rel_err("w4a4-mxfp4", "rtn")
-    rot = _rel_err("w4a4-mxfp4", "rotate")
-    both = _rel_err("w4a4-mxfp4", (SmoothQuant(online=True), "rotate"))
+    rtn = rel_err("w4a4-mxfp4", "rtn")
+    rot = rel_err("w4a4-mxfp4", "rotate")
+    both = rel_err("w4a4-mxfp4", (SmoothQuant(online=True), "rotate"))
     assert rot < 0.85 * rtn
     assert both < 0.2 * rtn
 
 
 def test_rotated_model_quantizes_and_runs_with_its_transform():
-    m, x, calib = _outlier_layer()
+    m, x, calib = outlier_layer()
     q = lowbit.quantize_model(copy.deepcopy(m), "w4a4-nvfp4", skip=(), calibration=calib,
                               algorithm=Rotate(block_size=32))
     fc = q.fc
@@ -182,7 +154,7 @@ def test_rotated_model_quantizes_and_runs_with_its_transform():
 
 
 def test_rotate_argument_errors():
-    m, _, calib = _outlier_layer()
+    m, _, calib = outlier_layer()
     with pytest.raises(ValueError, match="'rotate' needs a scheme that quantizes activations.*w4a16-nvfp4"):
         lowbit.quantize_model(copy.deepcopy(m), "w4a16-nvfp4", skip=(), algorithm="rotate")
     with pytest.raises(ValueError, match="block_size must be a power of two"):
@@ -196,7 +168,7 @@ def test_rotate_argument_errors():
 
 
 def test_save_quantized_refuses_online_transforms(tmp_path):
-    m, _, calib = _outlier_layer()
+    m, _, calib = outlier_layer()
     q = lowbit.quantize_model(m, "w4a4-nvfp4", skip=(), algorithm="rotate")
     with pytest.raises(ValueError, match="transform their input online"):
         lowbit.save_quantized(q, tmp_path / "out")

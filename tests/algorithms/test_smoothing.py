@@ -20,6 +20,7 @@ from lowbit.algorithms.rotation import input_transform_of, online_transform_laye
 from lowbit.algorithms.smoothing import smooth_scale, summary
 from lowbit.nn import QuantLinear, get_scheme
 from lowbit.nn.quantize import linear_layers, run_calibration, transform_model
+from outlier_layer import outlier_layer, rel_err  # this folder's shared fixture
 
 W4A4 = get_scheme("w4a4-nvfp4")
 
@@ -164,39 +165,13 @@ def test_unsafe_producers_are_not_folded(norm, residual, why):
     torch.testing.assert_close(m(calib[0]), ref, rtol=1e-4, atol=1e-4)
 
 
-def _outlier_layer(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    m = nn.Sequential()
-    m.add_module("norm", nn.LayerNorm(128))
-    m.add_module("fc", nn.Linear(128, 64))
-    with torch.no_grad():
-        m.fc.weight.copy_(torch.randn(64, 128, generator=g) * 0.05)
-        w = torch.ones(128)
-        w[[3, 40, 77, 100]] = 40.0  # four outlier channels in the activations
-        m.norm.weight.copy_(w)
-    return m, torch.randn(512, 128, generator=g), [torch.randn(256, 128, generator=g)]
-
-
-def _rel_err(scheme, algorithm):
-    m, x, calib = _outlier_layer()
-    with torch.no_grad():
-        ref = m(x)
-    q = copy.deepcopy(m)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lowbit.quantize_model(q, scheme, skip=(), calibration=calib, algorithm=algorithm)
-    with torch.no_grad():
-        y = q(x)
-    return float((y - ref).pow(2).mean() / ref.pow(2).mean())
-
-
 @pytest.mark.parametrize(("scheme", "factor"), [("w4a4-nvfp4", 0.3), ("w4a4-mxfp4", 0.8)])
 def test_smoothing_lowers_the_quantized_error_behind_outlier_channels(scheme, factor):
     # measured relative errors, rtn -> smoothquant: nvfp4 1.25e-2 -> 2.3e-3, mxfp4 3.3e-2 -> 2.2e-2
-    rtn = _rel_err(scheme, "rtn")
-    sq = _rel_err(scheme, "smoothquant")
+    rtn = rel_err(scheme, "rtn")
+    sq = rel_err(scheme, "smoothquant")
     assert sq < factor * rtn
-    searched = _rel_err(scheme, SmoothQuant(alphas=(0.25, 0.5, 0.75)))
+    searched = rel_err(scheme, SmoothQuant(alphas=(0.25, 0.5, 0.75)))
     assert searched < factor * rtn
 
 
@@ -224,7 +199,7 @@ def test_transform_model_then_quantize_equals_quantize_model():
 
 
 def test_smoothquant_argument_errors():
-    m, _, calib = _outlier_layer()
+    m, _, calib = outlier_layer()
     with pytest.raises(ValueError, match="'smoothquant' needs a scheme that quantizes activations.*weight-only"):
         lowbit.quantize_model(copy.deepcopy(m), "w4a16-nvfp4", skip=(), calibration=calib, algorithm="smoothquant")
     with pytest.raises(ValueError, match="smoothquant.*needs calibration"):

@@ -233,8 +233,9 @@ class _MLP(nn.Module):
         return self.down(self.up(x)) + x
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-nf4", "w4a16-int4"])  # FP4, NF4 table, int4 layouts
-def test_compile_inductor_launches_the_gemv_kernels(scheme):
+def _compiled_mlp(scheme):
+    """(model, its fullgraph torch.compile, Inductor's generated source of an M = 1 call); the call's output
+    equals eager's."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -244,7 +245,12 @@ def test_compile_inductor_launches_the_gemv_kernels(scheme):
     with torch.inference_mode():
         got, code = run_and_get_code(cf, x)
         assert torch.equal(got, model(x))
-    src = "\n".join(code)
+    return model, cf, "\n".join(code)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-nf4", "w4a16-int4"])  # FP4, NF4 table, int4 layouts
+def test_compile_inductor_launches_the_gemv_kernels(scheme):
+    _model, _cf, src = _compiled_mlp(scheme)
     assert "lowbit.w4a16_gemv" not in src and "lowbit::w4a16_gemv" not in src, "the triton_op was traced into"
     assert "gemv_mma_kernel" in src or "gemv_w4_fma_kernel" in src or "gemv_w4_dot_kernel" in src
 
@@ -253,18 +259,10 @@ def test_compile_inductor_launches_the_fp8_block_decode_kernel():
     """w8a8-fp8-block under torch.compile (fullgraph): decode is the lowbit::fp8_block_decode triton_op, traced
     into, its kernel launched from Inductor's code with the activation quantized inside; the bits equal eager
     for every M of the regime, and M above it goes through the general op."""
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    model = _MLP("w8a8-fp8-block")
-    cf = torch.compile(model, fullgraph=True)
-    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    model, cf, src = _compiled_mlp("w8a8-fp8-block")
+    assert "lowbit.fp8_block_decode" not in src and "lowbit::fp8_block_decode" not in src, "not traced into"
+    assert "fp8_block_decode_kernel" in src
     with torch.inference_mode():
-        got, code = run_and_get_code(cf, x)
-        assert torch.equal(got, model(x))
-        src = "\n".join(code)
-        assert "lowbit.fp8_block_decode" not in src and "lowbit::fp8_block_decode" not in src, "not traced into"
-        assert "fp8_block_decode_kernel" in src
         for m in (2, 7, 16, 17, 64):
             xm = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
             assert torch.equal(cf(xm), model(xm)), m

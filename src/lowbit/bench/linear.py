@@ -161,18 +161,27 @@ def _linear_setup(label: str, regime: str) -> Callable[[Shape, Context], Case]:
                     baselines["lowbit.gemm_w4"] = _gemm_w4_baseline(x, qs, ctx)
                 if plan.path != "dequant_gemm":
                     baselines["lowbit.dequant_gemm"] = lambda: linear_dequant_gemm(x, q0)
-        return Case(
-            fn=rotating(fns),
-            bytes=q0.nbytes + _io_bytes(m, n, k),
-            flops=2 * m * n * k,
-            baselines=baselines,
-            check=check if ctx.check else None,
-            graph=True if m <= GRAPH_MAX_M else None,
-            note=f"path {plan.path}" + (f", {len(qs)} weight copies" if len(qs) > 1 else ""),
-            check_numel=n * k + m * n + m * k,
-        )
+        return _matmul_case(shape, ctx, fns, q0.nbytes, baselines, check,
+                            f"path {plan.path}" + (f", {len(qs)} weight copies" if len(qs) > 1 else ""))
 
     return setup
+
+
+def _matmul_case(shape: Shape, ctx: Context, fns: list, weight_bytes: int, baselines: dict[str, Baseline],
+                 check: Callable[[], Any], note: str) -> Case:
+    """The Case of an [M, K] x [N, K] layer call: ``fns`` over rotated weight copies, the weight read once plus
+    x and the output, CUDA-graph timing at decode sizes."""
+    m, n, k = shape
+    return Case(
+        fn=rotating(fns),
+        bytes=weight_bytes + _io_bytes(m, n, k),
+        flops=2 * m * n * k,
+        baselines=baselines,
+        check=check if ctx.check else None,
+        graph=True if m <= GRAPH_MAX_M else None,
+        note=note,
+        check_numel=n * k + m * n + m * k,
+    )
 
 
 def _linear_nbytes(label: str) -> Callable[[Shape], int]:
@@ -216,16 +225,8 @@ def _qlinear_setup(scheme_name: str) -> Callable[[Shape, Context], Case]:
         baselines: dict[str, Baseline] = {}
         if ctx.baselines:
             baselines["cublas.bf16"] = _cublas(p)
-        return Case(
-            fn=rotating(fns),
-            bytes=first.weight_qtensor.nbytes + _io_bytes(m, n, k),
-            flops=2 * m * n * k,
-            baselines=baselines,
-            check=check if ctx.check else None,
-            graph=True if m <= GRAPH_MAX_M else None,
-            note=f"{scheme.description}" + (f"; {len(layers)} layer copies" if len(layers) > 1 else ""),
-            check_numel=n * k + m * n + m * k,
-        )
+        return _matmul_case(shape, ctx, fns, first.weight_qtensor.nbytes, baselines, check,
+                            f"{scheme.description}" + (f"; {len(layers)} layer copies" if len(layers) > 1 else ""))
 
     return setup
 

@@ -225,14 +225,8 @@ def scaled_mm_kernel(
     k_first = pid_k * K_PER
     for k0 in range(k_first, tl.minimum(K, k_first + K_PER), BK):
         if RAW_FP8:
-            if A_QUANT:
-                a, a_scale = _quantized_x_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K, A_POW2)
-            else:
-                a = _fp8_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K)
             b = _fp8_tile(b_ptr, rows_b, k0, K, stride_b, BK, EVEN_K)
-        elif A_QUANT:
-            a8, a_scale = _quantized_x_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K, A_POW2)
-            a = a8.to(tl.bfloat16)  # an E4M3 value is exact in bf16, as _operand_tile's KIND 0 tile
+        else:
             b = _operand_tile(
                 b_ptr,
                 bs_ptr,
@@ -253,6 +247,12 @@ def scaled_mm_kernel(
                 EVEN_K,
                 ON_GPU,
             )
+        if A_QUANT:
+            a, a_scale = _quantized_x_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K, A_POW2)
+            if not RAW_FP8:
+                a = a.to(tl.bfloat16)  # an E4M3 value is exact in bf16, as _operand_tile's KIND 0 tile
+        elif RAW_FP8:
+            a = _fp8_tile(a_ptr, rows_a, k0, K, stride_a, BK, EVEN_K)
         else:
             a = _operand_tile(
                 a_ptr,
@@ -270,26 +270,6 @@ def scaled_mm_kernel(
                 A_EBITS,
                 A_MBITS,
                 A_BIAS,
-                BK,
-                EVEN_K,
-                ON_GPU,
-            )
-            b = _operand_tile(
-                b_ptr,
-                bs_ptr,
-                rows_b,
-                k0,
-                K,
-                stride_b,
-                stride_bs0,
-                stride_bs1,
-                b_cols4,
-                B_KIND,
-                B_SMODE,
-                B_SWIZZLED,
-                B_EBITS,
-                B_MBITS,
-                B_BIAS,
                 BK,
                 EVEN_K,
                 ON_GPU,

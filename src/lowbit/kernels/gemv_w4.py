@@ -60,10 +60,8 @@ from . import interpreting as _interpreting
 from . import scratch_per_call, tensor_version
 from ._launch import Launch
 from .device import GS_DIVIDE, GS_MULTIPLY, GS_NONE
-from .scratch import GENERATION as _scratch_generation
-from .scratch import split_k_scratch
+from .scratch import KeptScratch, split_k_scratch
 
-_capturing = torch._C._cuda_isCurrentStreamCapturing
 
 FORMATS = formats_with("gemv_w4")  # nvfp4, mxfp4, fp4_b32, nf4, int4_awq
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
@@ -904,7 +902,7 @@ class GemvRunner:
     1-element float32 tensor on the device."""
 
     __slots__ = ("launch", "w_args", "tail", "rs", "no_bias", "ws", "cnt", "split", "ws_numel", "n_cnt",
-                 "m", "n", "dtype", "device", "dev_index", "_kept")
+                 "m", "n", "dtype", "device", "dev_index", "scratch")
 
     def __init__(self, p: PreparedW4, m: int, x_dtype: torch.dtype, has_bias: bool, act: int,
                  rs_mode: int = 0) -> None:
@@ -925,21 +923,13 @@ class GemvRunner:
         self.ws = torch.empty(16, dtype=torch.float32, device=dev)
         self.cnt = torch.empty(16, dtype=torch.int32, device=dev)
         self.m, self.n, self.dtype, self.device = m, p.n, x_dtype, dev
-        self._kept = (None, -1, self.ws, self.cnt)  # (stream, scratch generation, workspace, counters)
+        self.scratch = KeptScratch(dev, self.dev_index, self.ws_numel, self.n_cnt)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, rs: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
         stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
         if self.split > 1:
-            kept = self._kept
-            if (kept[0] == stream and kept[1] == _scratch_generation[0] and not _capturing()
-                    and not scratch_per_call()):
-                ws, cnt = kept[2], kept[3]
-            else:  # another stream, a grown pool, a capture (its own counters) or a custom op's call
-                gen = _scratch_generation[0]
-                ws, cnt = split_k_scratch(self.device, self.dev_index, self.ws_numel, self.n_cnt)
-                if not _capturing() and not scratch_per_call() and gen == _scratch_generation[0]:
-                    self._kept = (stream, gen, ws, cnt)
+            ws, cnt = self.scratch.get(stream)
         else:
             ws, cnt = self.ws, self.cnt
         self.launch.run_on(stream, x, *self.w_args, self.rs if rs is None else rs,

@@ -19,10 +19,8 @@ from ..formats.qtensor import QTensor
 from ..formats.registry import formats_with
 from . import _scaled_mm as k
 from . import cublas_fp8_block as cb
-from .scratch import GENERATION as _scratch_generation
-from .scratch import split_k_scratch
+from .scratch import KeptScratch, split_k_scratch
 from . import interpreting as _interpreting
-from . import scratch_per_call
 from ._launch import Launch, launch
 
 
@@ -518,9 +516,6 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
     return out
 
 
-_capturing = torch._C._cuda_isCurrentStreamCapturing
-
-
 class KernelRoute:
     """The ``"kernel"`` route (lowbit's decoding GEMM) of one weight ``b`` for one activation layout (format,
     options, M), alpha and bias presence and output dtype, decided once: the tile config, split-K, constexprs
@@ -598,7 +593,7 @@ class QuantInGemm:
     GEMV runners keep theirs."""
 
     __slots__ = ("launch", "minimal", "m", "n", "k_dim", "k_per", "split", "tiles", "b3", "b_strides", "dtype",
-                 "device", "dev_index", "ws_numel", "_kept")
+                 "device", "dev_index", "scratch")
 
     def __init__(self, launch: Launch, route: KernelRoute, minimal: bool) -> None:
         self.launch, self.minimal = launch, minimal
@@ -606,23 +601,14 @@ class QuantInGemm:
         self.split, self.tiles = route.split, route.tiles
         self.b3, self.b_strides = route.b3, route.b_strides
         self.dtype, self.device, self.dev_index = route.dtype, route.device, route.dev_index
-        self.ws_numel = self.split * self.m * self.n
-        self._kept = (None, None, None, None)
+        self.scratch = KeptScratch(self.device, self.dev_index, self.split * self.m * self.n, self.tiles)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m, n = self.m, self.n
         out = torch.empty((m, n), dtype=self.dtype, device=self.device)
         stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
         if self.split > 1:
-            kept = self._kept
-            if (kept[0] == stream and kept[1] == _scratch_generation[0] and not _capturing()
-                    and not scratch_per_call()):
-                ws, cnt = kept[2], kept[3]
-            else:  # another stream, a grown pool, a capture (its own counters) or a custom op's call
-                gen = _scratch_generation[0]
-                ws, cnt = split_k_scratch(self.device, self.dev_index, self.ws_numel, self.tiles)
-                if not _capturing() and not scratch_per_call() and gen == _scratch_generation[0]:
-                    self._kept = (stream, gen, ws, cnt)
+            ws, cnt = self.scratch.get(stream)
         else:
             ws = cnt = out
         b = out if bias is None else bias

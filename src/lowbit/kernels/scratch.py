@@ -70,6 +70,32 @@ GENERATION = [0]
 it got (with the stream and this number) may reuse it while both are unchanged."""
 
 
+_capturing = torch._C._cuda_isCurrentStreamCapturing
+
+
+class KeptScratch:
+    """A runner's split-K pair from :func:`split_k_scratch`, kept between calls on one stream: ``get(stream)``
+    returns the kept pair while the stream and :data:`GENERATION` are unchanged (a dict lookup less per call),
+    else asks :func:`split_k_scratch` again (another stream, a grown pool, a capture with its own counters, or a
+    custom op's call) and keeps the answer when it may be reused."""
+
+    __slots__ = ("device", "dev_index", "ws_numel", "n_cnt", "kept")
+
+    def __init__(self, device: torch.device, dev_index: int, ws_numel: int, n_cnt: int) -> None:
+        self.device, self.dev_index, self.ws_numel, self.n_cnt = device, dev_index, ws_numel, n_cnt
+        self.kept: tuple = (None, -1, None, None)  # (stream, generation, workspace, counters)
+
+    def get(self, stream: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = self.kept
+        if kept[0] == stream and kept[1] == GENERATION[0] and not _capturing() and not scratch_per_call():
+            return kept[2], kept[3]
+        gen = GENERATION[0]
+        ws, cnt = split_k_scratch(self.device, self.dev_index, self.ws_numel, self.n_cnt)
+        if not _capturing() and not scratch_per_call() and gen == GENERATION[0]:
+            self.kept = (stream, gen, ws, cnt)
+        return ws, cnt
+
+
 _TRACED: dict = {}
 
 
