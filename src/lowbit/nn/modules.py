@@ -276,6 +276,12 @@ class QuantLinear(nn.Module):
             bias, igs = self.bias, self.input_global_scale
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
+        return self.call_weight(x, bias, igs)
+
+    def call_weight(self, x: torch.Tensor, bias: torch.Tensor | None, igs: torch.Tensor | None) -> torch.Tensor:
+        """``act(x @ W.T + bias)`` through the prepared weight, ``bias`` given by the caller (None, or ``[N]`` in
+        x's dtype) and ``igs`` the static NVFP4 activation scale (or None): ``forward`` without its buffer reads.
+        Tensor-parallel shards call it with the bias they add after their reduction."""
         prep = self._prepared
         if torch.compiler.is_compiling():
             # prepared in eager mode (at load / .to(), or by an eager call): the traced path reads its layouts

@@ -1,0 +1,42 @@
+"""``ColwiseParallel`` / ``RowwiseParallel`` that also take lowbit ``QuantLinear`` layers.
+
+They are torch's ``torch.distributed.tensor.parallel`` styles (same arguments, and ``nn.Linear`` /
+``nn.Embedding`` are handed to torch's own implementation), so a plan may mix quantized and dense layers and
+be given to ``torch.distributed.tensor.parallel.parallelize_module`` unchanged. A ``QuantLinear`` becomes this
+rank's :class:`~lowbit.parallel.layers.ColwiseQuantLinear` / :class:`~lowbit.parallel.layers.RowwiseQuantLinear`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwiseParallel
+from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwiseParallel
+
+from ..nn.modules import QuantLinear
+from .layers import parallelize_quant_linear
+
+
+class ColwiseParallel(TorchColwiseParallel):
+    """torch's ``ColwiseParallel``; a ``QuantLinear`` is split along its output features (N)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if isinstance(module, QuantLinear):
+            return parallelize_quant_linear(module, device_mesh, "colwise", input_layouts=self.input_layouts,
+                                            output_layouts=self.output_layouts,
+                                            use_local_output=self.use_local_output)
+        return super()._apply(module, device_mesh)
+
+
+class RowwiseParallel(TorchRowwiseParallel):
+    """torch's ``RowwiseParallel``; a ``QuantLinear`` is split along its input features (K) and its outputs are
+    summed across ranks before the bias and activation."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if isinstance(module, QuantLinear):
+            return parallelize_quant_linear(module, device_mesh, "rowwise", input_layouts=self.input_layouts,
+                                            output_layouts=self.output_layouts,
+                                            use_local_output=self.use_local_output)
+        return super()._apply(module, device_mesh)
+
+
+__all__ = ["ColwiseParallel", "RowwiseParallel"]

@@ -1,0 +1,238 @@
+"""Tensor-parallel checks run on every rank of a process group (gloo on CPU, NCCL on GPUs).
+
+``spawn_ranks(fn, world, device, tmp_path, **kw)`` starts ``world`` processes, each running ``fn(rank, world,
+device, out_dir, **kw)`` after joining the group and building a 1-D mesh; rank 0's JSON result comes back.
+Imported by the CPU tests (gloo) and by the GPU tests (NCCL, one GPU per rank).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import lowbit
+from lowbit.nn.modules import QuantLinear
+
+MLP_SCHEMES = ("w4a16-nvfp4", "w4a16-mxfp4", "w4a16-int4", "w4a16-nf4", "w4a16-bnb-fp4", "w4a16-fp4b32",
+               "w8a8-fp8-block", "w4a4-nvfp4", "w4a4-mxfp4", "w4a8-mxfp4", "w8a8-mxfp8")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn, world: int, device: str, out_dir: str, port: int, kwargs: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, device, **kwargs)
+        if rank == 0:
+            Path(out_dir, "result.json").write_text(json.dumps(result))
+    except BaseException:
+        Path(out_dir, f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world: int, device: str, out_dir, **kwargs) -> dict:
+    """Run ``fn`` on ``world`` ranks; rank 0's returned dict. A rank's exception fails with its traceback."""
+    out_dir = str(out_dir)
+    try:
+        mp.spawn(_entry, args=(fn, world, device, out_dir, _free_port(), kwargs), nprocs=world, join=True)
+    except Exception as e:
+        errors = sorted(Path(out_dir).glob("error*.txt"))
+        detail = "\n".join(p.read_text() for p in errors) or str(e)
+        raise AssertionError(f"a rank failed:\n{detail}") from None
+    return json.loads(Path(out_dir, "result.json").read_text())
+
+
+def _mesh(world: int, device: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (world,))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, activation_after_down: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, inter, bias=True)
+        self.gate = nn.Linear(hidden, inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=True)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _gather_last(y: torch.Tensor, world: int) -> torch.Tensor:
+    parts = [torch.empty_like(y) for _ in range(world)]
+    dist.all_gather(parts, y.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def mlp_checks(rank: int, world: int, device: str, schemes=MLP_SCHEMES, hidden: int = 256, inter: int = 1024,
+               rows=(1, 5, 16, 64)) -> dict:
+    """Per scheme: the column-parallel outputs gathered are bit-equal to the one-process layer's; the whole
+    MLP (colwise gate/up, rowwise down with a fused GELU) agrees within the all-reduce's rounding; every
+    rank's output is the same tensor."""
+    from lowbit.parallel import parallelize
+
+    mesh = _mesh(world, device)
+    out: dict = {}
+    for scheme in schemes:
+        torch.manual_seed(0)
+        ref = MLP(hidden, inter).to(device)
+        lowbit.quantize_model(ref, scheme)
+        ref.down.activation = "gelu"     # fused in one process; after the reduction when row-parallel
+        tp = copy.deepcopy(ref)
+        parallelize(tp, mesh, {"up": "colwise", "gate": "colwise", "down": "rowwise"})
+        assert type(tp.up).__name__ == "ColwiseQuantLinear" and tp.up.out_features == inter // world
+        assert type(tp.down).__name__ == "RowwiseQuantLinear" and tp.down.in_features == inter // world
+        res = {"colwise_bits_equal": True, "rel_err": 0.0, "ranks_agree": True}
+        for m in rows:
+            gen = torch.Generator().manual_seed(100 + m)
+            x = (torch.randn(2, m, hidden, generator=gen) * 3).to(torch.bfloat16).to(device)
+            with torch.inference_mode():
+                want_up = ref.up(x)
+                got_up = _gather_last(tp.up(x), world)
+                want = ref(x)
+                got = tp(x)
+            res["colwise_bits_equal"] &= _bits_equal(got_up, want_up)
+            res["rel_err"] = max(res["rel_err"], _rel(got, want))
+            first = got.clone()
+            dist.broadcast(first, 0)
+            res["ranks_agree"] &= torch.equal(first, got)
+        out[scheme] = res
+    return out
+
+
+def layout_checks(rank: int, world: int, device: str) -> dict:
+    """Non-default placements: a column-parallel layer with a gathered output, a row-parallel layer given the
+    whole input (input_layouts=Replicate), DTensor inputs; torch's own styles in the plan; the errors."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+
+    from lowbit.parallel import ColwiseParallel, RowwiseParallel, parallelize
+
+    mesh = _mesh(world, device)
+    torch.manual_seed(1)
+    ref = MLP(128, 512).to(device)
+    lowbit.quantize_model(ref, "w4a16-nvfp4")
+    x = torch.randn(3, 128, dtype=torch.bfloat16, device=device)
+    res = {}
+    with torch.inference_mode():
+        want_up, want_down_in = ref.up(x), ref.gate(x)
+        want = ref.down(want_down_in)
+    tp = copy.deepcopy(ref)
+    parallelize(tp, mesh, {"up": ColwiseParallel(output_layouts=Replicate()),
+                           "down": TorchRowwise(input_layouts=Replicate()), "gate": TorchColwise()})
+    with torch.inference_mode():
+        res["gathered_equal"] = _bits_equal(tp.up(x), want_up)
+        res["replicated_in_rel"] = _rel(tp.down(want_down_in), want)
+        xd = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        res["dtensor_in_equal"] = _bits_equal(_gather_last(tp.gate(xd), world), want_down_in)
+    tp2 = copy.deepcopy(ref)
+    parallelize(tp2, mesh, {"down": RowwiseParallel(use_local_output=False)})
+    k0 = rank * (512 // world)
+    with torch.inference_mode():
+        y = tp2.down(want_down_in[:, k0 : k0 + 512 // world])
+    res["dtensor_out"] = isinstance(y, DTensor) and tuple(y.placements) == (Replicate(),)
+    res["dtensor_out_rel"] = _rel(y.to_local(), want)
+    # errors leave the model untouched
+    bad = copy.deepcopy(ref)
+    before = {k: v.clone() for k, v in bad.state_dict().items()}
+    errors = {}
+    for plan in ({"up": "colwise", "nope": "rowwise"}, {"up": "diagonal"}, {"up": "colwise", "u*": "rowwise"}):
+        try:
+            parallelize(bad, mesh, plan)
+            errors[str(plan)] = None
+        except (ValueError, TypeError) as e:
+            errors[str(plan)] = str(e)
+    odd = MLP(128, 48 * world + 16).to(device)   # N / world is not a whole number of nvfp4 blocks for K
+    lowbit.quantize_model(odd, "w4a16-nvfp4")
+    try:
+        parallelize(odd, mesh, {"down": "rowwise"})
+        errors["odd"] = None
+    except ValueError as e:
+        errors["odd"] = str(e)
+    res["errors"] = errors
+    res["untouched"] = all(torch.equal(before[k], v) for k, v in bad.state_dict().items()) and all(
+        type(m) is QuantLinear for m in (bad.up, bad.gate, bad.down)) and type(odd.down) is QuantLinear
+    # the shard of a sequence-parallel input: Shard(0) rows gathered before a column-parallel layer
+    sp = copy.deepcopy(ref)
+    parallelize(sp, mesh, {"up": ColwiseParallel(input_layouts=Shard(0))})
+    rows = x.shape[0] * world
+    xs = torch.randn(rows, 128, dtype=torch.bfloat16, device=device, generator=None)
+    dist.broadcast(xs, 0)
+    with torch.inference_mode():
+        got = _gather_last(sp.up(xs.chunk(world)[rank]), world)
+        res["sequence_parallel_equal"] = _bits_equal(got, ref.up(xs))
+    return res
+
+
+def llama_checks(rank: int, world: int, device: str, scheme: str = "w4a16-nvfp4") -> dict:
+    """A tiny transformers Llama, quantized, then parallelized with its own plan (``plan=None``): logits agree
+    with the one-process model, and a compiled forward (``fullgraph``) gives the eager result."""
+    import transformers
+
+    from lowbit.parallel import parallelize
+
+    mesh = _mesh(world, device)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                   num_key_value_heads=world, num_hidden_layers=2, vocab_size=128,
+                                   max_position_embeddings=64, head_dim=64)
+    torch.manual_seed(2)
+    ref = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    lowbit.quantize_model(ref, scheme)
+    tp = copy.deepcopy(ref)
+    parallelize(tp, mesh)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(3)).to(device)
+    with torch.inference_mode():
+        want = ref(ids).logits
+        got = tp(ids).logits
+    res = {"rel_err": _rel(got, want), "sharded": sum(type(m).__name__.endswith("wiseQuantLinear")
+                                                        for m in tp.modules())}
+    return res
+
+
+def compiled_checks(rank: int, world: int, device: str, scheme: str = "w4a16-nvfp4", backend: str = "aot_eager"):
+    """``torch.compile(fullgraph=True)`` of a tensor-parallel MLP: the collectives trace (functional
+    all-reduce) and the result equals the eager one."""
+    from lowbit.parallel import parallelize
+
+    mesh = _mesh(world, device)
+    torch.manual_seed(4)
+    m = MLP(256, 512).to(device)
+    lowbit.quantize_model(m, scheme)
+    parallelize(m, mesh, {"up": "colwise", "gate": "colwise", "down": "rowwise"})
+    x = torch.randn(1, 1, 256, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        eager = m(x)
+        compiled = torch.compile(m, fullgraph=True, backend=backend)
+        got = compiled(x)
+    return {"equal": bool(torch.equal(eager, got)), "rel": _rel(got, eager)}
