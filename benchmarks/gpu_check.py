@@ -9,11 +9,12 @@ since the machine has no git history::
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests ops                        # GPU tests + linear/scaled_mm ops
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py e2e --e2e-args "--configs bf16,lowbit:w4a16-nvfp4"
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py dit offload                      # DiT block, block offload
+    GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests tp --tests tests/parallel   # 2+ GPUs: tensor parallel
 
 Writes ``$OUT/gpu_tests_<path>.xml`` (one pytest and report per test path), ``$OUT/quant_kernels_<date>.json``
 (the quantize/dequantize ops), ``$OUT/w4a16_gemv.json``, ``w4a16_gemm.json``, ``scaled_mm.json``,
 ``qlinear.json`` (the ``ops`` step: the other registered ops, one ``python -m lowbit.bench`` each) and
-``$OUT/e2e.json`` / ``dit.json`` / ``offload.json`` (the suites, ``lowbit bench e2e|dit|offload``); the
+``$OUT/e2e.json`` / ``dit.json`` / ``offload.json`` / ``tp.json`` (the suites, ``lowbit bench e2e|dit|offload|tp``); the
 results tables are printed last. Every one is a ``lowbit bench`` result that ``lowbit bench compare`` reads.
 Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
 start (lowbit's own cases always run and are written to the JSON before any baseline).
@@ -192,12 +193,13 @@ def main() -> int:
     ap.add_argument("--e2e-timeout-s", type=float, default=420.0)
     ap.add_argument("--dit-args", default="", help="arguments of `lowbit dit` for the dit step")
     ap.add_argument("--offload-args", default="", help="arguments of `lowbit bench offload`")
+    ap.add_argument("--tp-args", default="", help="arguments of `lowbit bench tp` (needs 2+ GPUs)")
     ap.add_argument("--bench-timeout-s", type=float, default=300.0, help="time limit of the dit and offload steps")
     args = ap.parse_args()
     what = set(args.what or ["tests", "bench"])
-    steps = {"tests", "bench", "ops", "install", "e2e", "dit", "offload"}
+    steps = {"tests", "bench", "ops", "install", "e2e", "dit", "offload", "tp"}
     if what - steps:
-        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e, dit, offload or install")
+        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e, dit, offload, tp or install")
 
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "tmp")
     os.makedirs(out_dir, exist_ok=True)
@@ -215,6 +217,8 @@ def main() -> int:
         run_module("dit", out_dir, args.dit_args, args.bench_timeout_s)
     if "offload" in what:
         run_module("offload", out_dir, args.offload_args, args.bench_timeout_s)
+    if "tp" in what:
+        run_module("tp", out_dir, args.tp_args, args.bench_timeout_s)
     if "bench" not in what:
         if tests_summary:
             print(tests_summary)

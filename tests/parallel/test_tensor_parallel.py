@@ -5,14 +5,15 @@ GPUs in tests/parallel/test_tensor_parallel_gpu.py."""
 import pytest
 import torch
 
-from tp_workers import MLP_SCHEMES, compiled_checks, layout_checks, llama_checks, mlp_checks, spawn_ranks
+from tp_workers import (MLP_SCHEMES, compiled_checks, layout_checks, llama_checks, mlp_checks, spawn_ranks,
+                        stack_checks)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_scheme_colwise_bit_exact_rowwise_close(world, tmp_path):
-    res = spawn_ranks(mlp_checks, world, "cpu", tmp_path, rows=(1, 16))
+@pytest.mark.parametrize("world, rows", [(2, (1, 16)), (4, (3,))])
+def test_every_scheme_colwise_bit_exact_rowwise_close(world, rows, tmp_path):
+    res = spawn_ranks(mlp_checks, world, "cpu", tmp_path, rows=rows)
     assert set(res) == set(MLP_SCHEMES)
     for scheme, r in res.items():
         assert r["colwise_bits_equal"], scheme
@@ -44,3 +45,11 @@ def test_transformers_llama_with_its_own_plan(tmp_path):
 def test_compiled_fullgraph(tmp_path):
     res = spawn_ranks(compiled_checks, 2, "cpu", tmp_path)
     assert res["equal"], res
+
+
+def test_benchmark_stack_plan(tmp_path):
+    """``lowbit bench tp``'s stack and plan on CPU ranks: every projection sharded, the outputs agree."""
+    res = spawn_ranks(stack_checks, 2, "cpu", tmp_path)
+    for config, r in res.items():
+        assert r["rel_err"] < 3e-2, (config, r)
+        assert r["sharded"] == (0 if config == "bf16" else 2 * 7), (config, r)

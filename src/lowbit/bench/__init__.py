@@ -51,6 +51,8 @@ for _suite in (
           "(lowbit bench dit --help)"),
     Suite("offload", "lowbit.bench.offload", "block offload of a Wan-shaped block stack: peak memory and time "
           "against all on the GPU (lowbit bench offload --help)"),
+    Suite("tp", "lowbit.bench.tp", "Llama-3-70B-shaped layer stack on 1 and N GPUs (tensor parallel): decode "
+          "and prefill time ratios (lowbit bench tp --help)"),
 ):
     register_suite(_suite, replace=True)
 

@@ -80,14 +80,15 @@ class _Block(nn.Module):
         s = self.s
         b, t, _ = h.shape
         x = self.attn_norm(h)
-        q = self.q_proj(x).view(b, t, s.heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        # heads sized from the projections: a tensor-parallel rank holds its share of them
+        q = self.q_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_cache.index_copy_(2, pos, k.to(k_cache.dtype))
         v_cache.index_copy_(2, pos, v.to(v_cache.dtype))
         a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-        h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
+        h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
         x = self.mlp_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

@@ -28,14 +28,16 @@ from .styles import ColwiseParallel, RowwiseParallel
 PLAN_STRINGS = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep")
 
 
-def style_of(style: ParallelStyle | str, where: str = "plan") -> ParallelStyle:
+def style_of(style: ParallelStyle | str, where: str = "plan", all_reduce: str | None = None) -> ParallelStyle:
     """lowbit's style for ``style`` (a plan string, or torch's ColwiseParallel / RowwiseParallel with their
-    arguments kept); other ParallelStyles (SequenceParallel, PrepareModuleInput, ...) pass unchanged."""
+    arguments kept); other ParallelStyles (SequenceParallel, PrepareModuleInput, ...) pass unchanged.
+    ``all_reduce``: given, the row-parallel styles made here sum with it (``"nccl"`` or ``"symm_mem"``)."""
+    reduce = {} if all_reduce is None else {"all_reduce": all_reduce}
     if isinstance(style, str):
         if style == "colwise":
             return ColwiseParallel()
         if style == "rowwise":
-            return RowwiseParallel()
+            return RowwiseParallel(**reduce)
         if style in ("colwise_gather_output", "colwise_rep"):
             from torch.distributed.tensor import Replicate
 
@@ -45,10 +47,11 @@ def style_of(style: ParallelStyle | str, where: str = "plan") -> ParallelStyle:
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         return style
     if isinstance(style, (TorchColwiseParallel, TorchRowwiseParallel)):
-        cls = ColwiseParallel if isinstance(style, TorchColwiseParallel) else RowwiseParallel
-        out = cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
-                  use_local_output=style.use_local_output)
-        return out
+        kw = {"input_layouts": style.input_layouts[0], "output_layouts": style.output_layouts[0],
+              "use_local_output": style.use_local_output}
+        if isinstance(style, TorchColwiseParallel):
+            return ColwiseParallel(**kw)
+        return RowwiseParallel(**kw, **reduce)
     if isinstance(style, ParallelStyle):
         return style
     raise TypeError(f"{where}: a style must be a ParallelStyle or one of {PLAN_STRINGS}, got {type(style).__name__}")
@@ -74,14 +77,15 @@ def model_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> list[tuple[str, nn.Module, ParallelStyle]]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, Any] | None,
+                 all_reduce: str | None = None) -> list[tuple[str, nn.Module, ParallelStyle]]:
     """``[(module name, module, style)]`` for every module the plan matches, in the model's module order.
     ValueError for a pattern that matches nothing or a module matched by two patterns."""
     if plan is None:
         plan = model_plan(model)
     if not isinstance(plan, Mapping):
         raise TypeError(f"plan must be a dict of module pattern -> style, got {type(plan).__name__}")
-    styles = {pattern: style_of(style, f"plan[{pattern!r}]") for pattern, style in plan.items()}
+    styles = {pattern: style_of(style, f"plan[{pattern!r}]", all_reduce) for pattern, style in plan.items()}
     out, seen = [], {}
     hit = dict.fromkeys(styles, False)
     for name, module in model.named_modules():
@@ -98,7 +102,8 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any] | None) -> list[tuple
     return out
 
 
-def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = None) -> nn.Module:
+def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = None, *,
+                all_reduce: str | None = None) -> nn.Module:
     """Shard ``model`` (in place) for tensor parallelism over the 1-D ``device_mesh`` and return it.
 
     Each rank calls this on the same model (same weights on every rank, e.g. the same seed or the same
@@ -111,6 +116,8 @@ def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = 
         model: a model quantized with lowbit (any mix of QuantLinear and dense layers).
         device_mesh: a 1-D ``torch.distributed.device_mesh.DeviceMesh`` (``init_device_mesh("cuda", (tp,))``).
         plan: ``{module pattern: style}`` (module docstring); None: the transformers model's own plan.
+        all_reduce: how row-parallel QuantLinear layers sum their outputs, ``"nccl"`` or ``"symm_mem"``
+            (:mod:`lowbit.parallel.collectives`); None keeps each style's own (default ``"nccl"``).
 
     Raises:
         ValueError: the mesh is not 1-D, the plan names an unknown style or matches nothing, or a matched layer
@@ -119,7 +126,12 @@ def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _, _, world = _mesh_facts(device_mesh)
-    targets = resolve_plan(model, plan)
+    if all_reduce is not None:
+        from .collectives import ALL_REDUCES
+
+        if all_reduce not in ALL_REDUCES:
+            raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
+    targets = resolve_plan(model, plan, all_reduce)
     bad = []
     for name, module, style in targets:
         if isinstance(module, QuantLinear):

@@ -30,6 +30,7 @@ from ..formats.shards import shard, shard_range, shard_reason
 from ..formats.spec import FORMATS
 from ..nn.modules import QuantLinear
 from ..ops.linear import apply_activation
+from .collectives import ALL_REDUCES, all_reduce_for
 
 STYLES = ("colwise", "rowwise")
 
@@ -56,6 +57,8 @@ class TensorParallel:
     use_local_output: bool
     default_io: bool
     """The default placements (see the module docstring): no DTensor on the call path."""
+    reduce: Any = None
+    """Row-parallel layers: the sum of the partial outputs (:mod:`lowbit.parallel.collectives`)."""
 
 
 def _is_shard_last(p, ndim: int | None = None) -> bool:
@@ -89,7 +92,8 @@ def _mesh_device(mesh) -> torch.device:
 
 
 def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_layouts=None, output_layouts=None,
-                             use_local_output: bool = True, sharded: bool = False) -> QuantLinear:
+                             use_local_output: bool = True, sharded: bool = False,
+                             all_reduce: str = "nccl") -> QuantLinear:
     """Turn ``module`` into this rank's shard (in place) and return it.
 
     Args:
@@ -100,6 +104,8 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
         style: ``"colwise"`` (split N) or ``"rowwise"`` (split K, reduce the outputs).
         input_layouts, output_layouts, use_local_output: as torch's ``ColwiseParallel`` / ``RowwiseParallel``
             (defaults: colwise ``Replicate`` in, ``Shard(-1)`` out; rowwise ``Shard(-1)`` in, ``Replicate`` out).
+        all_reduce: how a row-parallel layer sums its partial outputs: ``"nccl"`` (the group's all-reduce) or
+            ``"symm_mem"`` (one-shot over symmetric memory for small messages; :mod:`lowbit.parallel.collectives`).
 
     Raises:
         ValueError: the weight's format or shape cannot be split into equal shards on its blocks (the rule is
@@ -112,6 +118,8 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
         input_layouts = Replicate() if colwise else Shard(-1)
     if output_layouts is None:
         output_layouts = Shard(-1) if colwise else Replicate()
+    if all_reduce not in ALL_REDUCES:
+        raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
     if sharded:
         if style not in STYLES:
             raise ValueError(f"style must be one of {STYLES}, got {style!r}")
@@ -138,25 +146,18 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
         (output_layouts,) = output_layouts
     default_io = (isinstance(input_layouts, Replicate) and _is_shard_last(output_layouts)) if colwise else (
         _is_shard_last(input_layouts) and isinstance(output_layouts, Replicate))
+    device = _mesh_device(mesh)
+    reduce = None if colwise else all_reduce_for(all_reduce, group, device)
     tp = TensorParallel(style, mesh, group, rank, world, full_in, full_out, input_layouts, output_layouts,
-                        bool(use_local_output), default_io and bool(use_local_output))
+                        bool(use_local_output), default_io and bool(use_local_output), reduce)
     module.__class__ = ColwiseQuantLinear if colwise else RowwiseQuantLinear
     if not colwise:
         # the fused activation goes after the reduction: the local product runs without it
         module.output_activation = module.activation
         module.activation = None
     module.tp = tp
-    module.to(_mesh_device(mesh))
+    module.to(device)
     return module
-
-
-def _reduce_sum(y: torch.Tensor, group) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        import torch.distributed._functional_collectives as funcol
-
-        return funcol.all_reduce(y, "sum", group)
-    dist.all_reduce(y, group=group)
-    return y
 
 
 def _reduce_max(t: torch.Tensor, group) -> torch.Tensor:
@@ -218,8 +219,7 @@ class RowwiseQuantLinear(QuantLinear):
                 f"{tp.full_in} input columns (columns {tp.rank * self.in_features} onwards); pass "
                 "input_layouts=Replicate() when the whole input is given"
             )
-        y = self._local(x)
-        return self._finish(_reduce_sum(y, tp.group), None)
+        return self._finish(tp.reduce(self._local(x)), None)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial product (no bias, no activation)."""
@@ -263,7 +263,7 @@ class RowwiseQuantLinear(QuantLinear):
         y = self._local(x)
         out = tp.output_layout
         if isinstance(out, Replicate):
-            y, bias_slice = _reduce_sum(y, tp.group), None
+            y, bias_slice = tp.reduce(y), None
         else:
             y = DTensor.from_local(y, tp.mesh, [Partial()], run_check=False).redistribute(placements=[out])
             y = y.to_local()

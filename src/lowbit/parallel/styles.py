@@ -29,13 +29,24 @@ class ColwiseParallel(TorchColwiseParallel):
 
 class RowwiseParallel(TorchRowwiseParallel):
     """torch's ``RowwiseParallel``; a ``QuantLinear`` is split along its input features (K) and its outputs are
-    summed across ranks before the bias and activation."""
+    summed across ranks before the bias and activation.
+
+    Args (besides torch's): all_reduce: ``"nccl"`` (default) or ``"symm_mem"`` (:mod:`lowbit.parallel.collectives`).
+    """
+
+    def __init__(self, *, all_reduce: str = "nccl", **kwargs) -> None:
+        super().__init__(**kwargs)
+        from .collectives import ALL_REDUCES
+
+        if all_reduce not in ALL_REDUCES:
+            raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
+        self.all_reduce = all_reduce
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if isinstance(module, QuantLinear):
             return parallelize_quant_linear(module, device_mesh, "rowwise", input_layouts=self.input_layouts,
                                             output_layouts=self.output_layouts,
-                                            use_local_output=self.use_local_output)
+                                            use_local_output=self.use_local_output, all_reduce=self.all_reduce)
         return super()._apply(module, device_mesh)
 
 
