@@ -1,7 +1,9 @@
 """The ``lowbit`` command.
 
 - ``lowbit quantize [MODEL_DIR] --scheme S``: convert a model (default: the bundled all-MiniLM-L6-v2) and
-  report the quality each scheme lost (:mod:`lowbit.eval`).
+  report the quality each scheme lost (:mod:`lowbit.eval`); ``--no-eval`` converts only, ``--devices
+  cuda:0,cuda:1`` (or ``torchrun --nproc-per-node N -m lowbit quantize ...``) converts on several devices at
+  once (:mod:`lowbit.eval.convert_only`).
 - ``lowbit inspect PATH``: formats, shapes, bytes and producer of a checkpoint, from its headers.
 - ``lowbit bench``: the benchmark harness (:mod:`lowbit.bench`): the registered ops (quantize/dequantize,
   W4A16 linear, scaled_mm) by default, the suites as ``lowbit bench e2e|dit|offload [options]``, and
@@ -104,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
         "it wrote. OUT must lie outside MODEL_DIR (the source is only read). Existing OUT/<scheme> "
         "folders and report files are replaced only if the marker shows lowbit wrote them unchanged and "
         "--overwrite is given; anything else there (your own report.txt, another tool's checkpoint) is "
-        "never replaced: the command exits 2 before writing anything.",
+        "never replaced: the command exits 2 before writing anything. Diffusers and bare safetensors folders, "
+        "--no-eval, --devices and torchrun runs convert without evaluation (OUT/report.{txt,json} then list "
+        "what each checkpoint holds); --devices and torchrun split the conversion over several processes.",
     )
     q.add_argument(
         "model_dir", nargs="?", default=None, metavar="MODEL_DIR", help="model directory (default: bundled)"
@@ -160,26 +164,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="rotate: Hadamard block (a power of two; default the activation format's scale block)",
     )
     q.add_argument(
-        "--device", default=None, help="where to quantize and evaluate (default: cuda if available, else cpu)"
+        "--device", default=None,
+        help="where to quantize and evaluate (default: cuda if available, else cpu; under torchrun cuda:LOCAL_RANK)"
     )
     q.add_argument(
         "--include", action="append", default=None, metavar="PATTERN",
-        help="diffusers or bare safetensors folders (converted without evaluation): quantize only the Linear "
+        help="diffusers or bare safetensors folders, and runs without evaluation (--no-eval, --devices): quantize "
+        "only the Linear "
         "weights whose module name matches (glob, or a regular expression after 're:'); repeatable",
     )
     q.add_argument(
         "--exclude", action="append", default=None, metavar="PATTERN",
-        help="diffusers or bare safetensors folders: keep matching weights in full precision; repeatable",
+        help="diffusers or bare safetensors folders, and runs without evaluation: keep matching weights in full "
+        "precision; repeatable",
     )
     q.add_argument(
         "--format", dest="layout", default="auto", metavar="LAYOUT",
-        help="diffusers or bare safetensors folders: checkpoint layout (default auto: the scheme's; e.g. lightx2v)",
+        help="diffusers or bare safetensors folders, and runs without evaluation: checkpoint layout (default auto: "
+        "the scheme's; e.g. lightx2v)",
     )
     q.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the checkpoints and reports an earlier lowbit quantize run wrote in OUT (never anything "
         "else, never inside MODEL_DIR)",
+    )
+    q.add_argument(
+        "--devices", default=None, metavar="DEV[,DEV...]|N",
+        help="convert on several devices at once: comma-separated torch devices (cuda:0,cuda:1; cpu may repeat: "
+        "cpu,cpu) or a count N for cuda:0..cuda:N-1. One process per device (this one takes the first), each "
+        "converting its share of the source shards; the checkpoints are byte for byte the one-device ones. "
+        "Converts without evaluation, transformers models included (see --no-eval). Under torchrun (torchrun "
+        "--nproc-per-node N -m lowbit quantize ...) every process is one rank already, on cuda:LOCAL_RANK: "
+        "leave --devices out",
+    )
+    q.add_argument(
+        "--no-eval", dest="no_eval", action="store_true",
+        help="transformers model directories: convert each scheme only (no evaluation, so no --calib or "
+        "--algorithm; --include, --exclude and --format apply) and report what each checkpoint holds. Implied by "
+        "--devices and by torchrun with more than one process: a model converted on several devices is "
+        "evaluated, if at all, by a run of its own",
     )
     q.add_argument("--json", action="store_true", help="print the report as JSON (progress goes to stderr)")
     q.add_argument("--progress", action="store_true", help="show the converter's progress bar")
@@ -280,6 +304,73 @@ def _quiet_third_party_logs() -> None:
             logger.setLevel(logging.ERROR)
 
 
+def _torchrun_world() -> tuple[int, int] | None:
+    """``(RANK, WORLD_SIZE)`` when torchrun (or another launcher setting them) started more than one process."""
+    import os
+
+    size_text, rank_text = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
+    if not size_text:
+        return None
+    try:
+        size = int(size_text)
+        rank = int(rank_text) if rank_text else 0
+    except ValueError:
+        raise ValueError(f"environment variables RANK={rank_text!r}, WORLD_SIZE={size_text!r} must be integers "
+                         "(as torchrun sets them)") from None
+    if size <= 1:
+        return None
+    if rank_text is None or not 0 <= rank < size:
+        raise ValueError(f"environment variable RANK must be set to 0..{size - 1} when WORLD_SIZE is {size}, "
+                         f"got {rank_text!r}")
+    return rank, size
+
+
+def parse_devices(text: str) -> list[str]:
+    """``--devices``: ``"cuda:0,cuda:1"``, ``"cpu,cpu"`` or a count ``"2"`` (cuda:0..cuda:1) -> device names;
+    ValueError naming the option for an empty list or entry, an unknown device, a GPU given twice (each GPU
+    converts in one process; cpu may repeat), or a GPU this machine lacks."""
+    import torch
+
+    text = text.strip()
+    if not text:
+        raise ValueError("--devices is empty: give devices such as cuda:0,cuda:1 or cpu,cpu, or a count such as 2")
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"--devices {text}: a count of devices must be at least 1")
+        if n > n_gpus:
+            raise ValueError(f"--devices {n}: a count means cuda:0..cuda:{n - 1}, but this machine has {n_gpus} "
+                             "CUDA device(s); name the devices instead (e.g. cpu,cpu)")
+        return [f"cuda:{i}" for i in range(n)]
+    names = [p.strip() for p in text.split(",")]
+    if not all(names):
+        raise ValueError(f"--devices {text!r}: an empty entry (give comma-separated devices such as cuda:0,cuda:1)")
+    devs = []
+    for name in names:
+        try:
+            devs.append(torch.device(name))
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"--devices: {name!r} is not a torch device ({e})") from None
+    out = []
+    for name, d in zip(names, devs):
+        if d.type == "cpu":
+            out.append("cpu")
+            continue
+        if d.type != "cuda":
+            raise ValueError(f"--devices: {name!r}: only cpu and cuda devices convert checkpoints")
+        if d.index is None:
+            raise ValueError(f"--devices: {name!r}: name the GPU by its index (cuda:0, cuda:1, ...)")
+        if str(d) in out:
+            raise ValueError(f"--devices: {d} is given twice; each GPU converts in one process (only cpu may repeat)")
+        out.append(str(d))
+    for d in out:
+        if d != "cpu" and int(d.split(":")[1]) >= n_gpus:
+            raise ValueError(f"--devices: {d} does not exist here ({n_gpus} CUDA device(s)"
+                             + ("" if n_gpus else ": CUDA is not available") + ")")
+    return out
+
+
 def _fail(command: str, message: str) -> int:
     # one line: messages quoted from transformers or torch may span several
     message = " ".join(part.strip() for part in message.splitlines() if part.strip())
@@ -315,19 +406,50 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                      "in Python)")
     from .eval.convert_only import convert_only, source_kind
 
-    if args.model_dir is not None and source_kind(args.model_dir) is not None:
+    try:
+        world = _torchrun_world()
+        devices = None if args.devices is None else parse_devices(args.devices)
+    except ValueError as e:
+        return _fail("quantize", str(e))
+    if devices is not None and world is not None:
+        return _fail("quantize", "--devices starts one process per device; under torchrun every process is one "
+                                 "rank already (on cuda:LOCAL_RANK, or --device): leave --devices out")
+    if devices is not None and args.device is not None:
+        return _fail("quantize", "--device and --devices exclude each other: --devices names every device "
+                                 "(cuda:0,cuda:1), --device the one device of a single process")
+    several = devices is not None or world is not None
+    if several or args.no_eval:
+        why = "--devices" if devices is not None else ("torchrun" if world is not None else "--no-eval")
+        given = [flag for flag, on in (("--calib", args.calib is not None), ("--calib-file", args.calib_file),
+                                       ("--algorithm", args.algorithm != "rtn"),
+                                       ("--smooth-alpha", args.smooth_alpha is not None),
+                                       ("--smooth-online", args.smooth_online),
+                                       ("--rotate-block", args.rotate_block is not None)) if on]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            return _fail("quantize", f"{', '.join(given)} {verb} to evaluated runs; with {why} lowbit quantize "
+                                     "converts only (round to nearest, dynamic activation scales)")
+    if args.model_dir is not None and source_kind(args.model_dir) is not None or several or args.no_eval:
+        rank = world[0] if world is not None else 0
+        if rank != 0:
+            log = lambda s: None  # noqa: E731 - rank 0 speaks for all ranks
         try:
-            report = convert_only(args.model_dir, lbeval.resolve_schemes(args.scheme), args.out,
+            model_dir = args.model_dir if args.model_dir is not None else lbeval.bundled_model_dir()
+            report = convert_only(model_dir, lbeval.resolve_schemes(args.scheme), args.out,
                                   include=args.include, exclude=args.exclude, fmt=args.layout, device=args.device,
-                                  log=log, progress=args.progress, overwrite=args.overwrite)
+                                  log=log, progress=args.progress, overwrite=args.overwrite, transformers=True,
+                                  devices=devices, world=world)
         except (lbeval.ModelDirError, ValueError, FileExistsError) as e:
-            return _fail("quantize", str(e))
-        if args.json:
+            return _fail("quantize", f"rank {rank}: {e}" if rank else str(e))
+        except RuntimeError as e:  # the other ranks' processes could not start
+            return _fail("quantize", f"--devices: {e}" if devices else str(e))
+        if args.json and rank == 0:
             print(json.dumps(report, indent=1))
         return 1 if any(r["status"] != "ok" for r in report["schemes"]) else 0
     if args.include or args.exclude or args.layout != "auto":
         return _fail("quantize", "--include, --exclude and --format apply to diffusers or bare safetensors folders "
-                                 "(converted without evaluation); this is a transformers model directory")
+                                 "(converted without evaluation) and to runs with --no-eval or --devices; this is an "
+                                 "evaluated run of a transformers model directory")
     try:
         algorithm = _algorithm(args)
     except ValueError as e:

@@ -20,10 +20,13 @@ the same source, scheme and format skips the finished shards. The last step rena
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import shutil
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,21 +55,36 @@ from .files import (
     write_json,
 )
 from .layouts import DTYPE_NAMES, NAME_DTYPES, params_from_json, params_to_json
-from .checkpoint import align_prefix, build_skeleton, check_skeleton_shapes, choose_layout, parse_device
+from .checkpoint import align_prefix, build_skeleton, check_skeleton_shapes, choose_layout
+from .distributed import (
+    DEFAULT_TIMEOUT,
+    SYNC_TAG,
+    DistributedConvertError,
+    FileSync,
+    GroupSync,
+    World,
+    assign_shards,
+    check_statuses,
+    check_timeout,
+    on_device,
+    rank_device,
+    resolve_world,
+)
 from .rules import check_patterns, matches, select_linear_weights
 
 MANIFEST = "progress.json"
+RANK_MANIFEST = re.compile(r"progress\.rank\d+\.json")
 _LINEAR_FALLBACK_SKIP = ("*embed*", "*norm*", "*wte*", "*wpe*", "*lm_head*", "*ln_*", "*layernorm*")
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, label: str = "lowbit convert"):
     if not enabled:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="lowbit convert", unit="tensor", file=sys.stderr)
+    return tqdm(total=total, desc=label, unit="tensor", file=sys.stderr)
 
 
 def _fingerprint(source: TensorSource) -> dict[str, list[int]]:
@@ -248,12 +266,232 @@ def _write_shard(
     return out
 
 
+class _Plan:
+    """What every rank of a conversion derives from its arguments and the source, before writing anything."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+def _plan(
+    src_dir: Path,
+    out_dir: Path,
+    scheme: Scheme,
+    dev: torch.device,
+    *,
+    skip,
+    include_p,
+    exclude_p,
+    format: str,
+    overwrite: bool,
+    limit: int,
+    model_class,
+    trust_remote_code: bool,
+) -> _Plan:
+    """Check the source and the output path, select the Linear weights to quantize and the layout."""
+    check_out_dir(out_dir, src_dir)
+    if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
+        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
+    if not src_dir.is_dir():
+        raise FileNotFoundError(f"{src_dir}: source directory not found")
+    cfg_path = src_dir / CONFIG_NAME
+    cfg = read_json(cfg_path, "model config") if (cfg_path.exists() or cfg_path.is_symlink()) else None
+    if cfg is not None:
+        check_unquantized_config(cfg, cfg_path)
+    # only a transformers config (model_type) can be built into a model; diffusers' (_class_name) and none
+    # at all go by the tensor-name rules
+    by_model = cfg is not None and ("model_type" in cfg or model_class is not None)
+    source = TensorSource(src_dir)
+    try:
+        patterns = skip_patterns(skip)
+        if by_model:
+            linears = _linear_weights(src_dir, source, model_class, trust_remote_code)
+        else:
+            shapes = {k: (source.shape(k), source.dtype(k)) for k in source.keys()}
+            linears, _ = select_linear_weights(shapes, lambda o, i: None, include_p, exclude_p)
+        targets: dict[str, tuple[str, str]] = {}
+        unsupported, ignore = [], []
+        for name, (key, out_f, in_f) in linears.items():
+            if is_skipped(name, patterns) or (include_p and not matches(name, include_p)) or matches(name, exclude_p):
+                ignore.append(name)
+                continue
+            why = scheme.unsupported(out_f, in_f)
+            if why is not None:
+                unsupported.append(f"{name} [{out_f}, {in_f}]: {why}")
+                ignore.append(name)
+                continue
+            targets[key] = (name, key[: -len("weight")])
+        if not targets:
+            detail = f"; unsupported shapes: {'; '.join(unsupported)}" if unsupported else ""
+            what = "Linear layers" if by_model else "2-D '.weight' tensors passing the name rules of lowbit.io.rules"
+            raise ValueError(
+                f"convert_checkpoint: no Linear weight in {src_dir} can take scheme {scheme.name} "
+                f"({len(linears)} {what}, skip={list(patterns)}, include={list(include_p)}, "
+                f"exclude={list(exclude_p)}){detail}"
+            )
+        if unsupported:
+            warnings.warn(
+                f"lowbit.convert_checkpoint: {len(unsupported)} layer(s) left unquantized, their shapes do not "
+                f"fit {scheme.name}: " + "; ".join(unsupported),
+                stacklevel=3,
+            )
+        probe = QuantLinear(16, 16, False, scheme=scheme)
+        layout = choose_layout({"probe": probe}, format)
+
+        # fused siblings share one NVFP4 global scale: computed from each member's absmax, one tensor at a time
+        name_to_key = {name: key for key, (name, _) in targets.items()}
+        shared = scheme.shared_global_scale and layout.name != "lightx2v"  # LightX2V: one scale per weight
+        group_of = {n: g for g in (fused_groups(name_to_key) if shared else []) for n in g}
+        cache: dict[tuple[str, ...], torch.Tensor] = {}
+
+        def global_scale(name: str) -> torch.Tensor | None:
+            group = group_of.get(name)
+            if group is None:
+                return None
+            if group not in cache:
+                amax = torch.stack([finite_amax(source.get(name_to_key[n]).to(dev)).float().cpu() for n in group])
+                cache[group] = nvfp4_default_global_scale(amax)
+            return cache[group]
+
+        ident = {
+            "source": str(src_dir.resolve()),
+            "fingerprint": _fingerprint(source),
+            "scheme": scheme.name,
+            "format": layout.name,
+            "skip": list(patterns),
+            "include": list(include_p),
+            "exclude": list(exclude_p),
+            "max_shard_size": limit,
+        }
+        shard_keys: dict[Path, list[str]] = {}
+        for key, f in source.files.items():
+            shard_keys.setdefault(f, []).append(key)
+    except BaseException:
+        source.close()
+        raise
+    return _Plan(
+        src_dir=src_dir, out_dir=out_dir, scheme=scheme, cfg=cfg, source=source, linears=linears, targets=targets,
+        ignore=ignore, layout=layout, global_scale=global_scale, ident=ident,
+        ident_hash=hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest(),
+        shard_keys=dict(sorted(shard_keys.items())),
+        single=source.index is None and len(shard_keys) == 1, limit=limit,
+    )
+
+
+def _progress_files(tmp: Path) -> list[Path]:
+    return sorted(p for p in tmp.glob("progress*.json") if p.name == MANIFEST or RANK_MANIFEST.fullmatch(p.name))
+
+
+def _read_progress(tmp: Path, ident: dict) -> tuple[dict[Path, dict], bool]:
+    """The progress files of ``tmp`` written for this conversion (``ident``), and whether others are there."""
+    ours, stale = {}, False
+    for p in _progress_files(tmp):
+        try:
+            m = read_json(p, "conversion manifest")
+        except (FileNotFoundError, ValueError):
+            stale = True
+            continue
+        if all(m.get(k) == v for k, v in ident.items()) and isinstance(m.get("shards"), dict):
+            ours[p] = m
+        else:
+            stale = True
+    return ours, stale
+
+
+def _done(tmp: Path, manifests: Iterable[dict]) -> dict[str, dict]:
+    """``{output file: manifest entry}`` of the source shards finished with every output part intact, in
+    source-shard then file name order (so the result cannot depend on which rank wrote what, or when)."""
+    by_source: dict[str, dict[str, dict]] = {}
+    for m in manifests:
+        for f, info in m["shards"].items():
+            if isinstance(info, dict) and isinstance(info.get("source"), str):
+                by_source.setdefault(info["source"], {})[f] = info
+    out: dict[str, dict] = {}
+    for src in sorted(by_source):
+        files = by_source[src]
+        if all(_shard_ok(tmp / f, info.get("keys", [])) for f, info in files.items()):
+            out.update((f, files[f]) for f in sorted(files))
+    return out
+
+
+def _convert_shards(
+    plan: _Plan, todo: list[Path], tmp: Path, manifest_path: Path, kept: dict[str, dict], dev: torch.device,
+    progress: bool, done_count: int, total: int, label: str,
+) -> None:
+    """Convert the source shards ``todo`` into ``tmp``, recording each finished one in ``manifest_path`` (after
+    ``kept``, the entries this file held that are still intact)."""
+    manifest: dict[str, Any] = {**plan.ident, "shards": dict(kept)}
+    bar = _progress(total, progress, label)
+    if bar is not None:
+        bar.update(done_count)
+    try:
+        for i, src_file in enumerate(todo):
+            out_name = SINGLE_FILE if plan.single else src_file.name
+            outputs = _convert_shard(plan.shard_keys[src_file], plan.source, plan.targets, plan.scheme, plan.layout,
+                                     dev, plan.global_scale, bar)
+            manifest["shards"].update(_write_shard(src_file, out_name, outputs, tmp, plan.limit))
+            write_json(manifest_path, manifest)
+            if bar is None and progress:
+                print(f"{label}: shard {i + 1}/{len(todo)} {out_name} done", file=sys.stderr)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _finalize(plan: _Plan, tmp: Path, overwrite: bool) -> None:
+    """Merge the progress files, write index, config and extra files into ``tmp`` and publish it."""
+    manifests, _ = _read_progress(tmp, plan.ident)
+    shards = _done(tmp, manifests.values())
+    missing = sorted({f.name for f in plan.shard_keys} - {s["source"] for s in shards.values()})
+    if missing:
+        raise RuntimeError(
+            f"convert_checkpoint: {tmp} lacks the output of source shard(s) {missing[:5]} that every rank reported "
+            "done (was the temp directory changed meanwhile?); rerun to convert them"
+        )
+    # only the finished shards stay: parts of shards a killed run did not finish, files of another conversion
+    # and progress files go, so the directory holds what a run that was never interrupted writes
+    for p in tmp.iterdir():
+        if p.name in shards and p.is_file() and not p.is_symlink():
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    infos = {n: info for s in shards.values() for n, info in s["modules"].items()}
+    stubs = {n: _stub(n, info, plan.scheme) for n, info in infos.items()}
+    ignore = sorted(set(plan.ignore) | {n for n in plan.linears if n not in stubs})
+    layout = choose_layout(stubs, plan.layout.name)
+    if list(shards) != [SINGLE_FILE]:
+        wmap = {k: f for f, s in shards.items() for k in s["keys"]}
+        total_size = sum(s["bytes"] for s in shards.values())
+        write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": wmap})
+    cfg = plan.cfg
+    if cfg is not None:
+        src_dtype = NAME_DTYPES.get(str(cfg.get("dtype", cfg.get("torch_dtype"))).removeprefix("torch."))
+    else:
+        src_dtype = NAME_DTYPES.get(next(iter(infos.values()))["dtype"]) if infos else None
+    config = dict(cfg) if cfg is not None else {}
+    if cfg is None and src_dtype is not None:
+        # a bare folder has no config to say the weights' dtype; load_quantized reads it from here
+        config["dtype"] = DTYPE_NAMES[src_dtype]
+    config["quantization_config"] = layout.config(stubs, ignore, src_dtype)
+    write_json(tmp / CONFIG_NAME, config)
+    for name, data in layout.extra_files(stubs, ignore).items():
+        write_json(tmp / name, data)
+    copy_extra_files(plan.src_dir, tmp)
+    try:
+        publish(tmp, plan.out_dir, overwrite)
+    except BaseException:
+        write_json(tmp / MANIFEST, {**plan.ident, "shards": shards})  # keep the finished shards for a rerun
+        raise
+
+
 def convert_checkpoint(
     src_dir: str | Path,
     out_dir: str | Path,
     scheme: str | Scheme,
     *,
-    device: str | torch.device | None = None,
+    device: str | torch.device | Sequence[str | torch.device] | None = None,
     skip: str | Iterable[str] | None = DEFAULT_SKIP,
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
@@ -263,6 +501,9 @@ def convert_checkpoint(
     max_shard_size: int | str = "5GB",
     model_class: Any = None,
     trust_remote_code: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Path:
     """Quantize the Linear weights of a safetensors model directory into a new checkpoint directory.
 
@@ -274,8 +515,9 @@ def convert_checkpoint(
             outside ``src_dir`` and must not contain it.
         scheme: a name from ``lowbit.SCHEMES`` (or a :class:`Scheme`, e.g. one of
             ``lowbit.io.lightx2v.LIGHTX2V_SCHEMES``).
-        device: where each tensor is quantized (None: CUDA if available, else CPU); ValueError if torch does
-            not know it.
+        device: where each tensor is quantized (None: CUDA if available, else CPU; with several ranks
+            ``cuda:<LOCAL_RANK>``); a list or tuple gives one device per rank. ValueError if torch does not
+            know it.
         skip: fnmatch patterns of module names kept in full precision (default ``lm_head``).
         include: module-name patterns (globs, or regular expressions after ``re:``; :mod:`lowbit.io.rules`):
             only matching Linear weights are quantized. Without a transformers model it also replaces the
@@ -290,179 +532,138 @@ def convert_checkpoint(
         model_class, trust_remote_code: for building the model skeleton (meta device) that says which tensors
             are Linear weights; without transformers, or for diffusers/bare folders, the rules of
             :mod:`lowbit.io.rules` decide.
+        rank, world_size: this process's rank among ``world_size`` processes converting together (both or
+            neither). None: the initialized ``torch.distributed`` process group's, else torchrun's ``RANK`` and
+            ``WORLD_SIZE`` environment variables, else a single process.
+        timeout: without a process group, the seconds a rank may stay silent before the others give up on
+            it (a killed rank, or one never started); a process group's own timeout applies otherwise.
 
     Returns:
-        ``Path(out_dir)``.
+        ``Path(out_dir)`` (on every rank, once rank 0 has published it).
 
     Activation scales are dynamic (no calibration data here); fused q/k/v and gate/up NVFP4 weights share one
     global scale as in :func:`lowbit.quantize_model`, so a checkpoint converted here and a model quantized in
     memory and saved hold the same bytes. The output of a diffusers or bare folder has a config.json holding
     the source's config (if any) and the ``quantization_config``; load it with
     ``lowbit.load_quantized(out_dir, model=<the module>)``.
+
+    Several processes: every rank is called with the same arguments. The source shards are split by bytes
+    (:func:`lowbit.io.distributed.assign_shards`), each rank converts its own on its own device into the
+    shared temp directory (its progress in ``progress.rank<r>.json``), and once all ranks are done (a barrier:
+    the process group's, else files, see :mod:`lowbit.io.distributed`) rank 0 alone writes the index and
+    config and publishes; the result is byte for byte the single-process one, whatever the number of ranks. A
+    failed rank fails every rank (:class:`lowbit.io.distributed.DistributedConvertError` on the others) and
+    nothing is published; a rerun, with any number of ranks, resumes from the finished shards.
     """
     scheme = get_scheme(scheme)
-    dev = (
-        parse_device(device)
-        if device is not None
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    world = resolve_world(rank, world_size)
+    dev = rank_device(device, world)
     include_p = check_patterns(include, "include")
     exclude_p = check_patterns(exclude, "exclude")
     limit = parse_size(max_shard_size)
+    timeout = check_timeout(timeout)
     src_dir, out_dir = Path(src_dir), Path(out_dir)
-    check_out_dir(out_dir, src_dir)
-    if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
-        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
-    if not src_dir.is_dir():
-        raise FileNotFoundError(f"{src_dir}: source directory not found")
-    cfg_path = src_dir / CONFIG_NAME
-    cfg = read_json(cfg_path, "model config") if (cfg_path.exists() or cfg_path.is_symlink()) else None
-    if cfg is not None:
-        check_unquantized_config(cfg, cfg_path)
-    # only a transformers config (model_type) can be built into a model; diffusers' (_class_name) and none
-    # at all go by the tensor-name rules
-    by_model = cfg is not None and ("model_type" in cfg or model_class is not None)
-    source = TensorSource(src_dir)
-    patterns = skip_patterns(skip)
+    opts = dict(skip=skip, include_p=include_p, exclude_p=exclude_p, format=format, overwrite=overwrite, limit=limit,
+                model_class=model_class, trust_remote_code=trust_remote_code)
+    if world.size == 1:
+        with on_device(dev):
+            plan = _plan(src_dir, out_dir, scheme, dev, **opts)
+            tmp = temp_dir_for(out_dir, "convert")
+            try:
+                manifests, stale = _read_progress(tmp, plan.ident) if tmp.is_dir() else ({}, False)
+                if stale and not manifests:
+                    warnings.warn(
+                        f"lowbit.convert_checkpoint: {tmp} is from another conversion; starting over", stacklevel=2
+                    )
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True, exist_ok=True)
+                done = _done(tmp, manifests.values())
+                own = _done(tmp, [manifests[tmp / MANIFEST]]) if tmp / MANIFEST in manifests else {}
+                _run_shards(plan, list(plan.shard_keys), tmp, tmp / MANIFEST, own, done, dev, progress,
+                            "lowbit convert")
+            finally:
+                plan.source.close()
+            _finalize(plan, tmp, overwrite)
+        return out_dir
+    return _convert_ranks(src_dir, out_dir, scheme, world, dev, progress, timeout, opts)
 
-    if by_model:
-        linears = _linear_weights(src_dir, source, model_class, trust_remote_code)
-    else:
-        shapes = {k: (source.shape(k), source.dtype(k)) for k in source.keys()}
-        linears, _ = select_linear_weights(shapes, lambda o, i: None, include_p, exclude_p)
-    targets: dict[str, tuple[str, str]] = {}
-    unsupported, ignore = [], []
-    for name, (key, out_f, in_f) in linears.items():
-        if is_skipped(name, patterns) or (include_p and not matches(name, include_p)) or matches(name, exclude_p):
-            ignore.append(name)
-            continue
-        why = scheme.unsupported(out_f, in_f)
-        if why is not None:
-            unsupported.append(f"{name} [{out_f}, {in_f}]: {why}")
-            ignore.append(name)
-            continue
-        targets[key] = (name, key[: -len("weight")])
-    if not targets:
-        detail = f"; unsupported shapes: {'; '.join(unsupported)}" if unsupported else ""
-        what = "Linear layers" if by_model else "2-D '.weight' tensors passing the name rules of lowbit.io.rules"
-        raise ValueError(
-            f"convert_checkpoint: no Linear weight in {src_dir} can take scheme {scheme.name} "
-            f"({len(linears)} {what}, skip={list(patterns)}, include={list(include_p)}, "
-            f"exclude={list(exclude_p)}){detail}"
-        )
-    if unsupported:
-        warnings.warn(
-            f"lowbit.convert_checkpoint: {len(unsupported)} layer(s) left unquantized, their shapes do not fit "
-            f"{scheme.name}: " + "; ".join(unsupported),
-            stacklevel=2,
-        )
-    probe = QuantLinear(16, 16, False, scheme=scheme)
-    layout = choose_layout({"probe": probe}, format)
 
-    # fused siblings share one NVFP4 global scale: computed from each member's absmax, one tensor at a time
-    name_to_key = {name: key for key, (name, _) in targets.items()}
-    shared = scheme.shared_global_scale and layout.name != "lightx2v"  # LightX2V: one scale per weight
-    group_of = {n: g for g in (fused_groups(name_to_key) if shared else []) for n in g}
-    cache: dict[tuple[str, ...], torch.Tensor] = {}
+def _run_shards(
+    plan: _Plan, mine: list[Path], tmp: Path, manifest_path: Path, own: dict[str, dict], done: dict[str, dict],
+    dev: torch.device, progress: bool, label: str,
+) -> None:
+    """Convert the source shards ``mine`` that ``done`` does not hold yet."""
+    done_sources = {info["source"] for info in done.values()}
+    todo = [f for f in mine if f.name not in done_sources]
+    total = sum(len(plan.shard_keys[f]) for f in mine)
+    done_count = total - sum(len(plan.shard_keys[f]) for f in todo)
+    _convert_shards(plan, todo, tmp, manifest_path, own, dev, progress, done_count, total, label)
 
-    def global_scale(name: str) -> torch.Tensor | None:
-        group = group_of.get(name)
-        if group is None:
-            return None
-        if group not in cache:
-            amax = torch.stack([finite_amax(source.get(name_to_key[n]).to(dev)).float().cpu() for n in group])
-            cache[group] = nvfp4_default_global_scale(amax)
-        return cache[group]
 
-    # resumable temp dir
-    tmp = temp_dir_for(out_dir, "convert")
-    ident = {
-        "source": str(src_dir.resolve()),
-        "fingerprint": _fingerprint(source),
-        "scheme": scheme.name,
-        "format": layout.name,
-        "skip": list(patterns),
-        "include": list(include_p),
-        "exclude": list(exclude_p),
-        "max_shard_size": limit,
-    }
-    manifest: dict[str, Any] = {**ident, "shards": {}}
-    if tmp.exists():
+def _convert_ranks(
+    src_dir: Path, out_dir: Path, scheme: Scheme, world: World, dev: torch.device, progress: bool, timeout: float,
+    opts: dict,
+) -> Path:
+    """One rank of a multi-process conversion (see :func:`convert_checkpoint`)."""
+    sync = GroupSync(world, dev) if world.group else FileSync(temp_dir_for(out_dir, SYNC_TAG), world, timeout)
+    sync.start()
+    status: dict[str, Any] = {"ok": True, "error": None, "ident": None, "world_size": world.size}
+    err: BaseException | None = None
+    plan = tmp = None
+    try:
         try:
-            old = read_json(tmp / MANIFEST, "conversion manifest")
-        except (FileNotFoundError, ValueError):
-            old = None
-        if old is not None and all(old.get(k) == v for k, v in ident.items()):
-            kept = {f: info for f, info in old.get("shards", {}).items() if _shard_ok(tmp / f, info.get("keys", []))}
-            # a source shard counts as done only with all its output parts intact
-            sources = {info.get("source") for info in old.get("shards", {}).values()}
-            broken = {info.get("source") for f, info in old.get("shards", {}).items() if f not in kept}
-            manifest["shards"] = {f: info for f, info in kept.items() if info.get("source") in sources - broken}
+            with on_device(dev):
+                plan = _plan(src_dir, out_dir, scheme, dev, **opts)
+                status["ident"] = plan.ident_hash
+                tmp = temp_dir_for(out_dir, "convert")
+                try:
+                    # no rank deletes anything here: files of another conversion are replaced or, at the end,
+                    # removed by rank 0 once no rank writes any more
+                    tmp.mkdir(parents=True, exist_ok=True)
+                    manifests, stale = _read_progress(tmp, plan.ident)
+                    if stale and world.rank == 0:
+                        warnings.warn(
+                            f"lowbit.convert_checkpoint: {tmp} holds files of another conversion; they are replaced",
+                            stacklevel=3,
+                        )
+                    done = _done(tmp, manifests.values())
+                    path = tmp / f"progress.rank{world.rank}.json"
+                    own = _done(tmp, [manifests[path]]) if path in manifests else {}
+                    owner = assign_shards({f.name: f.stat().st_size for f in plan.shard_keys}, world.size)
+                    mine = [f for f in plan.shard_keys if owner[f.name] == world.rank]
+                    _run_shards(plan, mine, tmp, path, own, done, dev, progress,
+                                f"lowbit convert rank {world.rank}/{world.size}")
+                finally:
+                    plan.source.close()
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised here
+            err = e
+            status.update(ok=False, error=f"{type(e).__name__}: {e}")
+        statuses = sync.exchange(status)
+        if world.rank == 0:
+            problem = check_statuses(statuses, world)
+            if problem is None:
+                try:
+                    with on_device(dev):
+                        _finalize(plan, tmp, opts["overwrite"])
+                    outcome = {"ok": True}
+                except Exception as e:  # noqa: BLE001 - reported to every rank, then raised here
+                    err = e
+                    outcome = {"ok": False, "error": f"rank 0 could not publish: {type(e).__name__}: {e}"}
+            else:
+                outcome = {"ok": False, "error": problem}
         else:
-            warnings.warn(
-                f"lowbit.convert_checkpoint: {tmp} is from another conversion; starting over", stacklevel=2
-            )
-            shutil.rmtree(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-
-    shard_keys: dict[Path, list[str]] = {}
-    for key, f in source.files.items():
-        shard_keys.setdefault(f, []).append(key)
-    single = source.index is None and len(shard_keys) == 1
-    total = sum(len(v) for v in shard_keys.values())
-    done_sources = {info["source"] for info in manifest["shards"].values()}
-    done_count = sum(len(shard_keys.get(src_dir / name, [])) for name in done_sources)
-    bar = _progress(total, progress)
-    if bar is not None:
-        bar.update(done_count)
-    try:
-        for i, (src_file, keys) in enumerate(sorted(shard_keys.items())):
-            if src_file.name in done_sources:
-                continue
-            out_name = SINGLE_FILE if single else src_file.name
-            outputs = _convert_shard(keys, source, targets, scheme, layout, dev, global_scale, bar)
-            manifest["shards"].update(_write_shard(src_file, out_name, outputs, tmp, limit))
-            write_json(tmp / MANIFEST, manifest)
-            if bar is None and progress:
-                print(f"lowbit convert: shard {i + 1}/{len(shard_keys)} {out_name} done", file=sys.stderr)
+            outcome = None
+        outcome = sync.outcome(outcome)
     finally:
-        if bar is not None:
-            bar.close()
-        source.close()
-
-    # finalize: index, config, extra files, then one rename
-    for stray in tmp.glob("*.safetensors"):
-        if stray.name not in manifest["shards"]:  # parts of a shard a killed run did not finish
-            stray.unlink()
-    for stray in tmp.glob(".*.part*.safetensors"):
-        stray.unlink()
-    infos = {n: info for s in manifest["shards"].values() for n, info in s["modules"].items()}
-    stubs = {n: _stub(n, info, scheme) for n, info in infos.items()}
-    ignore = sorted(set(ignore) | {n for n in linears if n not in stubs})
-    layout = choose_layout(stubs, layout.name)
-    if list(manifest["shards"]) != [SINGLE_FILE]:
-        wmap = {k: f for f, s in manifest["shards"].items() for k in s["keys"]}
-        total_size = sum(s["bytes"] for s in manifest["shards"].values())
-        write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": wmap})
-    if cfg is not None:
-        src_dtype = NAME_DTYPES.get(str(cfg.get("dtype", cfg.get("torch_dtype"))).removeprefix("torch."))
-    else:
-        src_dtype = NAME_DTYPES.get(next(iter(infos.values()))["dtype"]) if infos else None
-    config = dict(cfg) if cfg is not None else {}
-    if cfg is None and src_dtype is not None:
-        # a bare folder has no config to say the weights' dtype; load_quantized reads it from here
-        config["dtype"] = DTYPE_NAMES[src_dtype]
-    config["quantization_config"] = layout.config(stubs, ignore, src_dtype)
-    write_json(tmp / CONFIG_NAME, config)
-    for name, data in layout.extra_files(stubs, ignore).items():
-        write_json(tmp / name, data)
-    copy_extra_files(src_dir, tmp)
-    (tmp / MANIFEST).unlink()
-    try:
-        publish(tmp, out_dir, overwrite)
-    except BaseException:
-        write_json(tmp / MANIFEST, manifest)  # keep the finished shards for a rerun
-        raise
+        sync.close()
+    if err is not None:
+        raise err
+    if not outcome.get("ok"):
+        where = f"; the finished shards stay in {tmp} for a rerun" if tmp is not None else ""
+        raise DistributedConvertError(
+            f"convert_checkpoint rank {world.rank} of {world.size}: {outcome.get('error')}; nothing was published"
+            f" at {out_dir}{where}"
+        )
     return out_dir
 
 

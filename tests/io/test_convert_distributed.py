@@ -1,0 +1,324 @@
+"""convert_checkpoint on several ranks: the output directory is byte for byte the single-process one for any
+number of ranks (threads meeting through the file barrier, spawned processes in a gloo group and without one),
+a failed or killed rank publishes nothing and a rerun (with any number of ranks) resumes, and bad rank
+arguments are refused. CPU only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import lowbit
+from lowbit.io import distributed as dist_io
+from lowbit.io.distributed import DistributedConvertError, assign_shards, resolve_world
+
+transformers = pytest.importorskip("transformers")
+
+SCHEME = "w4a16-nvfp4"  # fused q/k/v and gate/up share a global scale: siblings in other ranks' shards
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    d = tmp_path_factory.mktemp("llama") / "model"
+    model.save_pretrained(d, max_shard_size="20KB")
+    (d / "tokenizer_config.json").write_text("{}")
+    assert len(list(d.glob("*.safetensors"))) >= 6
+    return d
+
+
+@pytest.fixture(scope="module")
+def bare_src(tmp_path_factory) -> Path:
+    """Three safetensors files of different sizes, no config.json (the name rules pick the Linears)."""
+    g = torch.Generator().manual_seed(1)
+    d = tmp_path_factory.mktemp("bare") / "dit"
+    d.mkdir()
+    for i, n_blocks in enumerate((1, 3, 2)):
+        t = {}
+        for b in range(n_blocks):
+            for name in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "ffn.net.0.proj"):
+                t[f"blocks.{i}.{b}.{name}.weight"] = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+            t[f"blocks.{i}.{b}.norm1.weight"] = torch.ones(64)
+        save_file(t, str(d / f"part-{i}.safetensors"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory, llama_src, bare_src) -> dict[str, dict[str, str]]:
+    """The single-process conversions' files and digests."""
+    out = tmp_path_factory.mktemp("refs")
+    return {
+        "llama": _tree(lowbit.convert_checkpoint(llama_src, out / "llama", SCHEME, progress=False)),
+        "bare": _tree(lowbit.convert_checkpoint(bare_src, out / "bare", SCHEME, progress=False)),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _one_skeleton_at_a_time(monkeypatch):
+    """transformers builds a model under a process-wide default dtype that it sets and restores: two threads
+    doing so at once can leave it at bfloat16 for the rest of the session. Real ranks are processes; the ranks
+    on threads here take turns for that step."""
+    import lowbit.io.convert as conv
+
+    lock, real = threading.Lock(), conv.build_skeleton
+
+    def one_at_a_time(*a, **kw):
+        with lock:
+            return real(*a, **kw)
+
+    monkeypatch.setattr(conv, "build_skeleton", one_at_a_time)
+    yield
+    assert torch.get_default_dtype() == torch.float32
+
+
+def _threads(world_size: int, fn) -> list[BaseException | None]:
+    """``fn(rank)`` on a thread per rank (named ``rank<r>``); each rank's exception or None."""
+    errors: list[BaseException | None] = [None] * world_size
+
+    def run(r: int) -> None:
+        try:
+            fn(r)
+        except BaseException as e:  # noqa: BLE001
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return errors
+
+
+def _siblings(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+def test_assign_shards_balances_bytes_the_same_on_every_rank():
+    sizes = {"a": 5, "b": 5, "c": 9, "d": 1, "e": 4}
+    assert assign_shards(sizes, 1) == dict.fromkeys(sizes, 0)
+    # largest first onto the least loaded rank; equal sizes in name order, equal loads to the lowest rank
+    assert assign_shards(sizes, 2) == {"c": 0, "a": 1, "b": 1, "e": 0, "d": 1}  # loads 13 and 11
+    assert assign_shards(dict(reversed(sizes.items())), 2) == assign_shards(sizes, 2)
+    got = assign_shards(sizes, 7)  # more ranks than shards: ranks 5 and 6 idle
+    assert sorted(got.values()) == [0, 1, 2, 3, 4]
+
+
+def test_resolve_world_from_arguments_and_torchrun_env(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert resolve_world() == dist_io.World()
+    assert resolve_world(2, 3) == dist_io.World(rank=2, size=3, local_rank=2)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_world() == dist_io.World(rank=3, size=4, local_rank=1)
+    assert resolve_world(0, 2) == dist_io.World(rank=0, size=2, local_rank=0)  # not the env's rank: its LOCAL_RANK neither
+    assert dist_io.rank_device(None, resolve_world()) == torch.device("cpu")
+    assert dist_io.rank_device(["cpu", "cpu:0", "cpu", "meta"], resolve_world()) == torch.device("meta")
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer"):
+        resolve_world()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(ValueError, match="RANK must satisfy"):
+        resolve_world()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"rank": 0}, ValueError, "rank and world_size go together"),
+        ({"world_size": 2}, ValueError, "rank and world_size go together"),
+        ({"rank": 2, "world_size": 2}, ValueError, r"0 <= rank < world_size \(2\)"),
+        ({"rank": -1, "world_size": 2}, ValueError, "0 <= rank < world_size"),
+        ({"rank": 0, "world_size": 0}, ValueError, "world_size must be at least 1"),
+        ({"rank": True, "world_size": 2}, TypeError, "rank must be an int"),
+        ({"rank": 0, "world_size": 2.0}, TypeError, "world_size must be an int"),
+        ({"rank": 0, "world_size": 2, "device": ["cpu"]}, ValueError, r"one per rank \(2\), got 1"),
+        ({"rank": 0, "world_size": 2, "device": ["cpu", "nowhere"]}, ValueError, "device must name a torch device"),
+        ({"timeout": 0}, ValueError, "timeout must be a positive"),
+        ({"timeout": float("nan")}, ValueError, "timeout must be a positive"),
+        ({"timeout": "5"}, TypeError, "timeout must be a number"),
+    ],
+)
+def test_bad_rank_arguments(tmp_path, bare_src, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        lowbit.convert_checkpoint(bare_src, tmp_path / "o", SCHEME, progress=False, **kwargs)
+    assert _siblings(tmp_path) == []  # refused before anything is written
+
+
+# ------------------------------------------------------------------------------------ byte-identical output
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("which", ["llama", "bare"])
+def test_ranks_on_threads_write_the_single_process_bytes(tmp_path, llama_src, bare_src, refs, which, world_size):
+    src = llama_src if which == "llama" else bare_src
+    before = _tree(src)
+    out = tmp_path / "out"
+    errors = _threads(world_size, lambda r: lowbit.convert_checkpoint(
+        src, out, SCHEME, progress=False, rank=r, world_size=world_size, device=["cpu"] * world_size, timeout=30))
+    assert errors == [None] * world_size
+    assert _tree(out) == refs[which]
+    assert _siblings(tmp_path) == ["out"]  # no temp or sync directory left
+    assert _tree(src) == before
+
+
+def _spawn(world_size: int, phases: list, tmp_path: Path, die: tuple[int, int] | None = None) -> list:
+    """Run ``_convert_ranks.rank_main`` in a spawned process per rank; (exit codes, each rank's job errors)."""
+    from _convert_ranks import rank_main
+
+    store = dist_io.host_store(world_size)
+    report = str(tmp_path / "report")
+    procs = dist_io.spawn_workers(
+        rank_main, range(world_size),
+        lambda r: (r, world_size, store.port, phases, report, die[1] if die and die[0] == r else None),
+    )
+    codes = dist_io.stop_workers(procs, wait_s=240)
+    results = []
+    for r in range(world_size):
+        p = Path(f"{report}.rank{r}.json")
+        results.append(json.loads(p.read_text()) if p.exists() else None)
+    return codes, results
+
+
+def _job(src, out, **kw):
+    return {"src_dir": str(src), "out_dir": str(out), "scheme": SCHEME, "device": "cpu", **kw}
+
+
+def test_spawned_ranks_in_a_gloo_group_and_through_files(tmp_path, bare_src, refs):
+    """Two processes: in a gloo group, then with no group (file barrier). The bare folder only: a process
+    converting it never imports transformers (seconds per process); the Llama runs on the thread ranks above."""
+    phases = [(True, [_job(bare_src, tmp_path / "group")]), (False, [_job(bare_src, tmp_path / "files", timeout=60)])]
+    codes, results = _spawn(2, phases, tmp_path)
+    assert codes == [0, 0] and results == [[None, None]] * 2, results
+    assert _tree(tmp_path / "group") == refs["bare"]
+    assert _tree(tmp_path / "files") == refs["bare"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_three_spawned_ranks_in_a_gloo_group(tmp_path, bare_src, refs):
+    codes, results = _spawn(3, [(True, [_job(bare_src, tmp_path / "bare")])], tmp_path)
+    assert codes == [0, 0, 0] and results == [[None]] * 3, results
+    assert _tree(tmp_path / "bare") == refs["bare"]
+
+
+# --------------------------------------------------------------------------------------- failures, resume
+
+
+def test_killed_rank_publishes_nothing_and_a_rerun_resumes(tmp_path, bare_src, monkeypatch):
+    # small output files: a shard's output is written in parts, so the killed rank leaves some behind
+    limit = "5KB"
+    ref = _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False, max_shard_size=limit))
+    out = tmp_path / "out"
+    (tmp_path / "r").mkdir()
+    # rank 1 (shards part-0, then part-2) dies in the middle of its second shard; rank 0 notices its silence
+    codes, results = _spawn(2, [(False, [_job(bare_src, out, timeout=2, max_shard_size=limit)])], tmp_path / "r",
+                            die=(1, 1))
+    assert codes[1] == 9 and results[1] is None
+    assert codes[0] == 0 and "rank 1 failed: silent for 2 s" in results[0][0], results
+    assert "DistributedConvertError" in results[0][0]
+    assert not out.exists()  # nothing at out_dir, so nothing there loads
+    (tmp,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert tmp.name == ".out.lowbit-convert.tmp"  # the sync directory is gone, the shards stay for a rerun
+    assert list(tmp.glob(".part-2.part*.safetensors"))  # what the killed rank had written of its shard
+    progress = {p.name: json.loads(p.read_text()) for p in tmp.glob("progress.rank*.json")}
+    assert {s["source"] for s in progress["progress.rank1.json"]["shards"].values()} == {"part-0.safetensors"}
+
+    # the rerun, on one process, converts only the shard not yet finished
+    import lowbit.io.convert as conv
+
+    real, converted = conv._convert_shard, []
+
+    def count(keys, *a, **kw):
+        converted.append(keys[0])
+        return real(keys, *a, **kw)
+
+    monkeypatch.setattr(conv, "_convert_shard", count)
+    lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, max_shard_size=limit)
+    assert [k.split(".")[1] for k in converted] == ["2"]  # part-2's tensors are blocks.2.*
+    assert _tree(out) == ref
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r", "ref"]
+
+
+def test_failed_rank_fails_every_rank_and_a_rerun_resumes(tmp_path, bare_src, refs, monkeypatch):
+    import lowbit.io.convert as conv
+
+    real = conv._convert_shard
+
+    def fail_on_rank1(*a, **kw):
+        if threading.current_thread().name == "rank1":
+            raise OSError("disk on fire")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(conv, "_convert_shard", fail_on_rank1)
+    out = tmp_path / "out"
+    errors = _threads(2, lambda r: lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, rank=r,
+                                                             world_size=2, timeout=30))
+    assert isinstance(errors[1], OSError)  # the failing rank raises its own error
+    assert isinstance(errors[0], DistributedConvertError)
+    assert "rank 1 failed: OSError: disk on fire" in str(errors[0]) and "nothing was published" in str(errors[0])
+    assert not out.exists()
+    monkeypatch.setattr(conv, "_convert_shard", real)
+    errors = _threads(3, lambda r: lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, rank=r,
+                                                             world_size=3, timeout=30))
+    assert errors == [None] * 3
+    assert _tree(out) == refs["bare"]
+    assert _siblings(tmp_path) == ["out"]
+
+
+def test_ranks_given_different_arguments_publish_nothing(tmp_path, bare_src, refs):
+    out = tmp_path / "out"
+    errors = _threads(2, lambda r: lowbit.convert_checkpoint(
+        bare_src, out, SCHEME if r == 0 else "w8a8-fp8-block", progress=False, rank=r, world_size=2, timeout=30))
+    assert all(isinstance(e, DistributedConvertError) for e in errors), errors
+    assert "convert another source, scheme or options" in str(errors[0])
+    assert not out.exists()
+    # rank 1's shards of the other scheme are replaced by a rerun, and cleared away before publishing
+    with pytest.warns(UserWarning, match="files of another conversion"):
+        errors = _threads(2, lambda r: lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, rank=r,
+                                                                 world_size=2, timeout=30))
+    assert errors == [None, None]
+    assert _tree(out) == refs["bare"]
+
+
+def test_a_rank_that_never_starts_times_out(tmp_path, bare_src):
+    with pytest.raises(DistributedConvertError, match=r"rank 1 failed: silent for 0.5 s .*nothing was published"):
+        lowbit.convert_checkpoint(bare_src, tmp_path / "out", SCHEME, progress=False, rank=0, world_size=2,
+                                  timeout=0.5)
+    assert [p.name for p in tmp_path.iterdir()] == [".out.lowbit-convert.tmp"]  # the finished shards, for a rerun
+    with pytest.raises(DistributedConvertError, match="rank 0 silent for 0.5 s"):
+        lowbit.convert_checkpoint(bare_src, tmp_path / "out", SCHEME, progress=False, rank=1, world_size=2,
+                                  timeout=0.5)
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_refused_on_every_rank(tmp_path, bare_src):
+    out = tmp_path / "out"
+    out.mkdir()
+    errors = _threads(2, lambda r: lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, rank=r,
+                                                             world_size=2, timeout=30))
+    assert all(isinstance(e, FileExistsError) for e in errors), errors
+    assert list(out.iterdir()) == []
