@@ -95,7 +95,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def mlp_checks(rank: int, world: int, device: str, schemes=MLP_SCHEMES, hidden: int = 256, inter: int = 1024,
-               rows=(1, 5, 16, 64), record: bool = False, all_reduce: str = "nccl") -> dict:
+               rows=(1, 5, 16, 64), all_reduce: str = "nccl", exact: bool = False) -> dict:
     """Per scheme: the column-parallel outputs gathered against the one-process layer's (bit for bit; the row
     counts where they differ and the largest difference are recorded), the whole MLP (colwise gate/up, rowwise
     down with a fused GELU) within the all-reduce's rounding, and every rank's output the same tensor."""
@@ -109,7 +109,8 @@ def mlp_checks(rank: int, world: int, device: str, schemes=MLP_SCHEMES, hidden: 
         lowbit.quantize_model(ref, scheme)
         ref.down.activation = "gelu"     # fused in one process; after the reduction when row-parallel
         tp = copy.deepcopy(ref)
-        parallelize(tp, mesh, {"up": "colwise", "gate": "colwise", "down": "rowwise"}, all_reduce=all_reduce)
+        parallelize(tp, mesh, {"up": "colwise", "gate": "colwise", "down": "rowwise"}, all_reduce=all_reduce,
+                    exact=exact)
         assert type(tp.up).__name__ == "ColwiseQuantLinear" and tp.up.out_features == inter // world
         assert type(tp.down).__name__ == "RowwiseQuantLinear" and tp.down.in_features == inter // world
         res = {"colwise_bits_equal": True, "colwise_inexact_rows": [], "colwise_max_diff": 0.0, "rel_err": 0.0,

@@ -26,9 +26,22 @@ from .qtensor import QTensor
 from .rows import nf4_without_double_quant, slice_rows
 from .spec import FORMATS
 
+PLAN_ROWS = "plan_rows"
+"""``QTensor.params`` key of a column shard that plans its kernel launches as the whole weight does: the kernels
+choose their variant and split K from this many rows instead of the shard's own, so every output element is
+computed in the same order as on one GPU (bit for bit). Set by ``lowbit.parallel`` (``exact=True``); never
+written to checkpoints."""
+
 SHARDABLE = ("nvfp4", "mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "fp4_b32", "nf4",
              "bnb_fp4", "int4_awq", "fp8_block")
 """Formats :func:`shard` takes (2-D weights)."""
+
+
+def plan_rows(q) -> int:
+    """The rows the kernels plan a weight's launches for: ``q.params[PLAN_ROWS]`` where a column shard set it,
+    else its own ``N`` (``q`` a QTensor, or anything with ``shape`` and ``params``)."""
+    params = getattr(q, "params", None) or {}
+    return int(params.get(PLAN_ROWS, q.shape[-2] if len(q.shape) >= 2 else q.shape[0]))
 
 
 def shard_align(q: QTensor, dim: int) -> int:
@@ -172,4 +185,4 @@ def _cols(q: QTensor, k0: int, k1: int) -> QTensor:
     return replace(plain, data=data, scale=absmax, shape=shape)
 
 
-__all__ = ["SHARDABLE", "shard", "shard_align", "shard_range", "shard_reason"]
+__all__ = ["PLAN_ROWS", "SHARDABLE", "plan_rows", "shard", "shard_align", "shard_range", "shard_reason"]

@@ -34,6 +34,7 @@ from ..formats.codecs import codebook_table
 from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.registry import formats_with
+from ..formats.shards import plan_rows
 from ..formats.spec import NF4
 from . import _gemm_w4 as k
 from . import interpreting as _interpreting
@@ -114,14 +115,16 @@ def _fit_tile(fmt: str, cfg: dict, group: int) -> dict:
     return cfg
 
 
-def choose_config(m: int, n: int, k_dim: int, fmt: str, group: int = 0, device: torch.device | None = None) -> dict:
+def choose_config(m: int, n: int, k_dim: int, fmt: str, group: int = 0, device: torch.device | None = None,
+                  plan_n: int | None = None) -> dict:
     """The launch configuration for an [m, k] x [n, k]^T problem: CONFIGS[regime(m)] with the format's
-    overrides, BLOCK_K adjusted to the int4 group size, and SPLIT_K."""
+    overrides, BLOCK_K adjusted to the int4 group size, and SPLIT_K (chosen as for ``plan_n`` rows, default
+    ``n``: a column shard splits K as its whole weight does)."""
     name = regime(m)
     cfg = dict(CONFIGS[name])
     cfg.update(FORMAT_CONFIGS.get((fmt, name), {}))
     cfg = _fit_tile(fmt, cfg, group)
-    cfg.setdefault("SPLIT_K", _split_k(m, n, k_dim, cfg, device))
+    cfg.setdefault("SPLIT_K", _split_k(m, plan_n or n, k_dim, cfg, device))
     cfg["regime"] = name
     return cfg
 
@@ -398,7 +401,8 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     if k_dim == 0:
         return out.copy_(_torch_epilogue(torch.zeros(m, n, device=x.device), bias, activation))
     args, consts = _format_args(w, x)
-    cfg = dict(config) if config is not None else choose_config(m, n, k_dim, w.fmt, consts["GROUP"], x.device)
+    cfg = dict(config) if config is not None else choose_config(m, n, k_dim, w.fmt, consts["GROUP"], x.device,
+                                                                plan_rows(w))
     cfg.setdefault("SPLIT_K", 1)
     cfg = _fit_tile(w.fmt, cfg, consts["GROUP"])
     if w.fmt == "nf4":

@@ -53,6 +53,7 @@ from ..formats.codecs import codebook_table
 from ..formats.packing import unpack_fp4, unpack_nibbles_high_first, unswizzle_scales
 from ..formats.qtensor import QTensor
 from ..formats.registry import formats_with
+from ..formats.shards import plan_rows
 from ..formats.spec import NF4
 from . import _gemv_w4 as k
 from . import _gemv_mma as km
@@ -119,11 +120,13 @@ class PreparedW4:
     sig: tuple = field(default=(), repr=False)  # identity and version counters of the source tensors
     plans: dict = field(default_factory=dict, repr=False)  # launch plans under the default TILE
     mma: object = field(default=None, repr=False)  # MmaLayout, made on first use (False: not applicable)
+    plan_n: int = 0              # rows the launches are planned for (lowbit.formats.shards.plan_rows; 0: n)
 
     device: torch.device = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.device = self.words.device
+        self.plan_n = self.plan_n or self.n
 
     @property
     def sk(self) -> int:
@@ -261,7 +264,8 @@ def _sig_of(q: QTensor) -> tuple:
     return (q.fmt, q.shape, q.scale_layout, tensor_version(d), id(sc), tensor_version(sc),
             None if z is None else (id(z), tensor_version(z)),
             None if no is None else (id(no), tensor_version(no)),
-            id(q.global_scale), id(q.nested_scale), id(pts) if isinstance(pts, torch.Tensor) else pts)
+            id(q.global_scale), id(q.nested_scale), id(pts) if isinstance(pts, torch.Tensor) else pts,
+            plan_rows(q))
 
 
 def _prepare(q: QTensor) -> PreparedW4:
@@ -306,7 +310,7 @@ def _prepare(q: QTensor) -> PreparedW4:
         tab = dummy
     return PreparedW4(fmt=fmt, fmt_code=_FMT[fmt], n=n, k=kdim, words=words, scales=scales,
                       words_per_block=wpb, post=post, gs_kind=gs_kind, gs=gs, nested=nested, tab=tab,
-                      sig=_sig_of(q))
+                      sig=_sig_of(q), plan_n=plan_rows(q))
 
 
 # id(w.data) -> (weakref to w.data, PreparedW4). Keyed on w.data, not on the QTensor: torch.compile
@@ -560,9 +564,10 @@ def _mma_nf4_layout(p: PreparedW4) -> MmaLayout:
 
 
 def _mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, post: float, has_bias: bool,
-              act: int, x_dtype: torch.dtype, dev_index: int, cfg: dict, rs_mode: int = 0) -> _Plan:
+              act: int, x_dtype: torch.dtype, dev_index: int, cfg: dict, rs_mode: int = 0,
+              plan_n: int | None = None) -> _Plan:
     """The launch plan of the tensor-core GEMV (static facts only: no tensor is read, so the compiled path can
-    build it from fake tensors)."""
+    build it from fake tensors). K is split as for a weight of ``plan_n`` rows (default ``n``)."""
     nt = 1 if m <= 8 else 2
     kq = kdim // 64
     rg = cfg["rg"]
@@ -573,7 +578,8 @@ def _mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, 
     n_tiles = _cdiv(_cdiv(n, 16), rg)
     cps = cfg.get("ctas_per_sm", TILE["ctas_per_sm"])
     cps = cps if isinstance(cps, int) else cps[nt - 1]
-    split = _split_k(iters, n_tiles, kdim, 8 * nt, _num_sms(dev_index), {**TILE, "ctas_per_sm": cps})
+    split = _split_k(iters, _cdiv(_cdiv(plan_n or n, 16), rg), kdim, 8 * nt, _num_sms(dev_index),
+                     {**TILE, "ctas_per_sm": cps})
     consts = {"FMT": fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt,
               "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind,
               "ROW_SCALE": rs_mode, "CPG": cpg, "XF16": x_dtype == torch.float16,
@@ -593,7 +599,7 @@ def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, 
     plan = lay.plans.get(key)
     if plan is None:
         plan = lay.plans[key] = _mma_plan(m, p.n, p.k, lay.fmt_code, lay.cpg, p.gs_kind, p.post, bias is not None,
-                                          act, x.dtype, dev_index, cfg, rs_mode)
+                                          act, x.dtype, dev_index, cfg, rs_mode, p.plan_n)
     dev = x.device
     ws, cnt, rs = _epilogue_buffers(plan, p.n, row_scale, dev, dev_index)
     args = (x, lay.words, lay.scales, p.gs, rs, _unused(dev, x.dtype) if bias is None else bias, out, ws, cnt,
@@ -645,7 +651,7 @@ class _Plan:
 
 def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim: int, sk: int, m: int,
                x_fp16: bool, has_bias: bool, act: int, device_index: int | None, cfg: dict,
-               rs_mode: int = 0) -> _Plan:
+               rs_mode: int = 0, plan_n: int | None = None) -> _Plan:
     use_fma = m <= cfg["fma_max_m"]
     t = cfg["fma"] if use_fma else cfg["dot"]
     kw = kdim // 8
@@ -655,7 +661,7 @@ def _make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim:
     n_tiles = _cdiv(n, bn)
     sms = _num_sms(device_index) if device_index is not None else 4
     mp = (1 if m == 1 else 2 if m == 2 else 4) if use_fma else 16
-    split = _split_k(iters, n_tiles, kdim, mp, sms, cfg)
+    split = _split_k(iters, _cdiv(plan_n or n, bn), kdim, mp, sms, cfg)
     ips = iters // split
     consts = {"FMT": fmt_code, "WPB": wpb, "IPS": ips, "MP": mp, "BN": bn, "C": c, "STAGES": t["stages"], "SPLIT": split,
               "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs_mode, "POST": post,
@@ -734,7 +740,7 @@ def _check_bias(bias, x: torch.Tensor, n: int) -> torch.Tensor:
 def describe(w: QTensor, m: int) -> str:
     """Which GEMV kernel the default configuration runs for ``w`` at M = ``m`` (what :func:`gemv_w4` chooses,
     for ``lowbit.explain``; it reads no tensor)."""
-    n, kdim = w.shape[-2], w.shape[-1]
+    n, kdim = plan_rows(w), w.shape[-1]
     params = getattr(w, "params", {})
     group = params.get("blocksize") if w.fmt == "nf4" else params.get("group_size")
     if _mma_format(w.fmt, kdim, group) and _mma_regime(n, kdim, m, MMA, w.fmt):
@@ -804,7 +810,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     if (dev_index is not None and x.dtype in _mma_x_dtypes(p.fmt) and mma_config is not False
             and (config is None or mma_config is not None) and not _interpreting()):
         mcfg = MMA if mma_config is None else mma_config
-        if _mma_regime(n, p.k, m, mcfg, p.fmt):
+        if _mma_regime(p.plan_n, p.k, m, mcfg, p.fmt):
             lay = mma_layout(p)
             if lay is not None:
                 _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg, row_scale, rs_mode)
@@ -816,14 +822,14 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         if plan is None:
             plan = p.plans[pk] = _make_plan(p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m,
                                             x.dtype == torch.float16, bias is not None, act, dev_index, TILE,
-                                            rs_mode)
+                                            rs_mode, p.plan_n)
     else:
         pkey = (p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m, x.dtype, bias_dtype, act,
-                dev_index, _cfg_key(config), rs_mode, out_dtype)
+                dev_index, _cfg_key(config), rs_mode, out_dtype, p.plan_n)
         plan = _PLANS.get(pkey)
         if plan is None:
             plan = _make_plan(p.fmt_code, p.words_per_block, p.post, p.gs_kind, n, p.k, p.sk, m,
-                              x.dtype == torch.float16, bias is not None, act, dev_index, config, rs_mode)
+                              x.dtype == torch.float16, bias is not None, act, dev_index, config, rs_mode, p.plan_n)
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[pkey] = plan
@@ -859,13 +865,15 @@ class GemvFacts:
     gs_kind: int
     mma_fmt: int
     cpg: int
+    plan_n: int = 0
+    """Rows the plans are made for (0: ``n``; a column shard's whole weight, see ``lowbit.formats.shards``)."""
 
 
 def facts(p: PreparedW4) -> GemvFacts:
     """The static facts of ``p``; builds its tensor-core layout first (call in eager mode, at load time)."""
     lay = mma_layout(p)
     return GemvFacts(p.fmt, p.fmt_code, p.n, p.k, p.sk, p.words_per_block, p.post, p.gs_kind,
-                     -1 if lay is None else lay.fmt_code, 1 if lay is None else lay.cpg)
+                     -1 if lay is None else lay.fmt_code, 1 if lay is None else lay.cpg, p.plan_n)
 
 
 def mma_rule(f: GemvFacts) -> tuple[tuple, int, int, bool]:
@@ -873,7 +881,8 @@ def mma_rule(f: GemvFacts) -> tuple[tuple, int, int, bool]:
     ``f`` under :data:`MMA`: plain values, so that traced code can apply the rule to a symbolic M."""
     if f.mma_fmt < 0 or _interpreting():
         return (), 1, 0, False
-    return _mma_x_dtypes(f.fmt), MMA["min_m"], MMA["max_m"], _mma_regime(f.n, f.k, 1, {**MMA, "min_m": 1}, f.fmt)
+    return (_mma_x_dtypes(f.fmt), MMA["min_m"], MMA["max_m"],
+            _mma_regime(f.plan_n or f.n, f.k, 1, {**MMA, "min_m": 1}, f.fmt))
 
 
 def uses_mma(f: GemvFacts, m: int, x_dtype: torch.dtype) -> bool:
@@ -889,9 +898,9 @@ def _default_plan(f: GemvFacts, m: int, x_dtype: torch.dtype, has_bias: bool, ac
     (``rs_mode``: its row-scale mode, 0 none, 1 one factor, 3 one divisor)."""
     if uses_mma(f, m, x_dtype):
         return True, _mma_plan(m, f.n, f.k, f.mma_fmt, f.cpg, f.gs_kind, f.post, has_bias, act, x_dtype,
-                               dev_index, MMA, rs_mode)
+                               dev_index, MMA, rs_mode, f.plan_n)
     return False, _make_plan(f.fmt_code, f.wpb, f.post, f.gs_kind, f.n, f.k, f.sk, m, x_dtype == torch.float16,
-                             has_bias, act, dev_index, TILE, rs_mode)
+                             has_bias, act, dev_index, TILE, rs_mode, f.plan_n)
 
 
 class GemvRunner:

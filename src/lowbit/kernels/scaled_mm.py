@@ -17,6 +17,7 @@ import torch
 
 from ..formats.qtensor import QTensor
 from ..formats.registry import formats_with
+from ..formats.shards import plan_rows
 from . import _scaled_mm as k
 from . import cublas_fp8_block as cb
 from .scratch import KeptScratch, split_k_scratch
@@ -442,7 +443,8 @@ def _fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: 
                        {"ROWS_PER_SCALE": 128}, m, n, k_dim, alpha, bias, out, cfg)
     a_args, ac = operand_args(a)
     b_args, bc = operand_args(b)
-    _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, _config(m, False), guard=dropped)
+    _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, _config(m, False), guard=dropped,
+            plan_n=plan_rows(b))
     return out
 
 
@@ -512,7 +514,7 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
     ):
         _fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
         return out
-    _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
+    _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, plan_n=plan_rows(b))
     return out
 
 
@@ -534,7 +536,8 @@ class KernelRoute:
         bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
         self.tiles = _cdiv(m, bm) * _cdiv(n, bn)
         device = a.data.device
-        self.split, self.k_per = _split_k(self.tiles, _cdiv(k_dim, bk), bk, cfg, device)
+        # K is split as for the whole weight when b is a column shard (lowbit.formats.shards.plan_rows)
+        self.split, self.k_per = _split_k(_cdiv(m, bm) * _cdiv(plan_rows(b), bn), _cdiv(k_dim, bk), bk, cfg, device)
         consts = _kernel_consts(ac, bc, cfg, has_alpha, has_bias, k_dim, self.split, guard=False)
         self.launch = Launch(k.scaled_mm_kernel, (self.tiles, self.split), consts, cfg["num_warps"],
                              cfg["num_stages"])
@@ -621,8 +624,8 @@ class QuantInGemm:
 
 
 def traced_quant_in_gemm(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, ws: torch.Tensor,
-                         cnt: torch.Tensor, bias: torch.Tensor | None, pow2: bool, rows_per_scale: int
-                         ) -> torch.Tensor:
+                         cnt: torch.Tensor, bias: torch.Tensor | None, pow2: bool, rows_per_scale: int,
+                         plan_n: int = 0) -> torch.Tensor:
     """fp8_block decode (x ``[M, K]`` contiguous, M <= the first FP8 config's limit; the weight's data and
     scales contiguous) as ``torch.compile`` traces it inside a ``triton_op`` body: the launch of
     :meth:`KernelRoute.quant_in_gemm`, planned from the shapes alone (the grid does not depend on M within
@@ -633,7 +636,7 @@ def traced_quant_in_gemm(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.T
     dev = x.device
     cfg = dict(FP8_CONFIGS[0][1])
     tiles = _cdiv(n, cfg["BN"])  # one row of tiles: M <= BM
-    split, k_per = _split_k(tiles, _cdiv(k_dim, cfg["BK"]), cfg["BK"], cfg, dev)
+    split, k_per = _split_k(_cdiv(plan_n or n, cfg["BN"]), _cdiv(k_dim, cfg["BK"]), cfg["BK"], cfg, dev)
     out = torch.empty((m, n), dtype=x.dtype, device=dev)
     if split > 1 and (ws.numel() < split * cfg["BM"] * n or cnt.numel() < tiles):
         ws = torch.empty(split * cfg["BM"] * n, dtype=torch.float32, device=dev)
@@ -666,12 +669,12 @@ def _kernel_consts(ac: dict, bc: dict, cfg: dict, has_alpha: bool, has_bias: boo
     )
 
 
-def _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, guard=None) -> None:
+def _launch(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, cfg, guard=None, plan_n: int = 0) -> None:
     """The decoding kernel (``scaled_mm_kernel``) into ``out``; with ``guard`` (int32 [1]) every program
-    returns at once unless it is nonzero."""
+    returns at once unless it is nonzero. K is split as for ``plan_n`` weight rows (0: ``n``)."""
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
-    split, k_per = _split_k(tiles, _cdiv(k_dim, bk), bk, cfg, out.device)
+    split, k_per = _split_k(_cdiv(m, bm) * _cdiv(plan_n or n, bn), _cdiv(k_dim, bk), bk, cfg, out.device)
     if split > 1:
         ws, cnt = split_k_scratch(out.device, out.device.index, split * m * n, tiles)
     else:

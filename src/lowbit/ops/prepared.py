@@ -29,6 +29,7 @@ import torch
 
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
+from ..formats.shards import plan_rows
 from . import policy
 from .linear import ACTIVATIONS, apply_activation, check_weight, chunked_gemm, linear, weight_chunks
 from .policy import GEMV_MAX_M
@@ -150,7 +151,8 @@ class PreparedWeight:
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
         ws, cnt = traced_scratch(self.device, idx, *ksm.quant_in_gemm_scratch_size(self.n, self.k))
         mark_static(w.data, w.scale)
-        self.fp8_traced = (w.data, w.scale, ws, cnt, opts.get("scale_fmt") == "ue8m0", int(w.params["block"][0]))
+        self.fp8_traced = (w.data, w.scale, ws, cnt, opts.get("scale_fmt") == "ue8m0", int(w.params["block"][0]),
+                           plan_rows(w))
 
     # ------------------------------------------------------------------ state
 
@@ -465,7 +467,8 @@ class PreparedWeight:
                     t = (*t[:5], None, None)
                 out = torch.ops.lowbit.w4a16_gemv(
                     x2.contiguous(), *t, *self.traced_extra, self.no_bias[x.dtype], bias, f.fmt,
-                    f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code)
+                    f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code,
+                    f.plan_n)
                 return out.reshape(*x.shape[:-1], self.n)
         ft = self.fp8_traced
         if (ft is not None and act_global_scale is None and x.dtype in _SCALED_X_DTYPES and x.shape[-1] == self.k
@@ -473,7 +476,7 @@ class PreparedWeight:
             x2 = x.reshape(-1, self.k)
             m = x2.shape[0]
             if 0 < m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
-                out = torch.ops.lowbit.fp8_block_decode(x2.contiguous(), *ft[:4], bias, ft[4], ft[5])
+                out = torch.ops.lowbit.fp8_block_decode(x2.contiguous(), *ft[:4], bias, ft[4], ft[5], ft[6])
                 return apply_activation(out, self.activation).reshape(*x.shape[:-1], self.n)
         return self.call_general(x, bias, act_global_scale)
 
@@ -625,6 +628,7 @@ def _gemv_body(
     mma_fmt: int,
     cpg: int,
     act: int,
+    plan_n: int = 0,
 ) -> torch.Tensor:
     """``act(x @ W.T + bias)`` for x ``[M, K]`` (M <= 16, contiguous) on a prepared weight's GEMV layouts
     (``lowbit.kernels.gemv_w4``: words, scales, nested absmax, NF4 table, global scale, tensor-core words and
@@ -632,7 +636,7 @@ def _gemv_body(
     facts; the plan is :func:`lowbit.kernels.gemv_w4.gemv_w4`'s default one."""
     from ..kernels import gemv_w4
 
-    f = gemv_w4.GemvFacts(fmt, fmt_code, n, k, sk, wpb, post, gs_kind, mma_fmt, cpg)
+    f = gemv_w4.GemvFacts(fmt, fmt_code, n, k, sk, wpb, post, gs_kind, mma_fmt, cpg, plan_n)
     return gemv_w4.traced_gemv(x, words, scales, nested, tab, gs, mma_words, mma_scales, ws, cnt, rs, no_bias,
                                bias, f, act)
 
@@ -667,13 +671,13 @@ def register_gemv_op():
 
 
 def _fp8_block_decode_body(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, ws: torch.Tensor,
-                           cnt: torch.Tensor, bias: torch.Tensor | None, pow2: bool, rows_per_scale: int
-                           ) -> torch.Tensor:
+                           cnt: torch.Tensor, bias: torch.Tensor | None, pow2: bool, rows_per_scale: int,
+                           plan_n: int = 0) -> torch.Tensor:
     """``x @ W.T + bias`` for x ``[M, K]`` (M <= ``policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M``, contiguous) quantized
     to fp8_block 1x128 inside the GEMM, on an fp8_block weight (:func:`lowbit.kernels.scaled_mm.traced_quant_in_gemm`)."""
     from ..kernels import scaled_mm as ksm
 
-    return ksm.traced_quant_in_gemm(x, w_data, w_scale, ws, cnt, bias, pow2, rows_per_scale)
+    return ksm.traced_quant_in_gemm(x, w_data, w_scale, ws, cnt, bias, pow2, rows_per_scale, plan_n)
 
 
 _FP8_BLOCK_OP = []

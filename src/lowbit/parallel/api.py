@@ -28,20 +28,23 @@ from .styles import ColwiseParallel, RowwiseParallel
 PLAN_STRINGS = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep")
 
 
-def style_of(style: ParallelStyle | str, where: str = "plan", all_reduce: str | None = None) -> ParallelStyle:
+def style_of(style: ParallelStyle | str, where: str = "plan", all_reduce: str | None = None,
+             exact: bool | None = None) -> ParallelStyle:
     """lowbit's style for ``style`` (a plan string, or torch's ColwiseParallel / RowwiseParallel with their
     arguments kept); other ParallelStyles (SequenceParallel, PrepareModuleInput, ...) pass unchanged.
-    ``all_reduce``: given, the row-parallel styles made here sum with it (``"nccl"`` or ``"symm_mem"``)."""
+    ``all_reduce``: given, the row-parallel styles made here sum with it (``"nccl"`` or ``"symm_mem"``);
+    ``exact``: given, the column-parallel styles made here take it."""
     reduce = {} if all_reduce is None else {"all_reduce": all_reduce}
+    ex = {} if exact is None else {"exact": exact}
     if isinstance(style, str):
         if style == "colwise":
-            return ColwiseParallel()
+            return ColwiseParallel(**ex)
         if style == "rowwise":
             return RowwiseParallel(**reduce)
         if style in ("colwise_gather_output", "colwise_rep"):
             from torch.distributed.tensor import Replicate
 
-            return ColwiseParallel(output_layouts=Replicate())
+            return ColwiseParallel(output_layouts=Replicate(), **ex)
         raise ValueError(f"{where}: unknown tensor-parallel style {style!r}; lowbit takes {PLAN_STRINGS} or a "
                          "torch.distributed.tensor.parallel ParallelStyle")
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
@@ -50,7 +53,7 @@ def style_of(style: ParallelStyle | str, where: str = "plan", all_reduce: str | 
         kw = {"input_layouts": style.input_layouts[0], "output_layouts": style.output_layouts[0],
               "use_local_output": style.use_local_output}
         if isinstance(style, TorchColwiseParallel):
-            return ColwiseParallel(**kw)
+            return ColwiseParallel(**kw, **ex)
         return RowwiseParallel(**kw, **reduce)
     if isinstance(style, ParallelStyle):
         return style
@@ -77,15 +80,15 @@ def model_plan(model: nn.Module) -> dict[str, str]:
     return dict(plan)
 
 
-def resolve_plan(model: nn.Module, plan: Mapping[str, Any] | None,
-                 all_reduce: str | None = None) -> list[tuple[str, nn.Module, ParallelStyle]]:
+def resolve_plan(model: nn.Module, plan: Mapping[str, Any] | None, all_reduce: str | None = None,
+                 exact: bool | None = None) -> list[tuple[str, nn.Module, ParallelStyle]]:
     """``[(module name, module, style)]`` for every module the plan matches, in the model's module order.
     ValueError for a pattern that matches nothing or a module matched by two patterns."""
     if plan is None:
         plan = model_plan(model)
     if not isinstance(plan, Mapping):
         raise TypeError(f"plan must be a dict of module pattern -> style, got {type(plan).__name__}")
-    styles = {pattern: style_of(style, f"plan[{pattern!r}]", all_reduce) for pattern, style in plan.items()}
+    styles = {pattern: style_of(style, f"plan[{pattern!r}]", all_reduce, exact) for pattern, style in plan.items()}
     out, seen = [], {}
     hit = dict.fromkeys(styles, False)
     for name, module in model.named_modules():
@@ -103,7 +106,7 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any] | None,
 
 
 def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = None, *,
-                all_reduce: str | None = None) -> nn.Module:
+                all_reduce: str | None = None, exact: bool | None = None) -> nn.Module:
     """Shard ``model`` (in place) for tensor parallelism over the 1-D ``device_mesh`` and return it.
 
     Each rank calls this on the same model (same weights on every rank, e.g. the same seed or the same
@@ -118,6 +121,9 @@ def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = 
         plan: ``{module pattern: style}`` (module docstring); None: the transformers model's own plan.
         all_reduce: how row-parallel QuantLinear layers sum their outputs, ``"nccl"`` or ``"symm_mem"``
             (:mod:`lowbit.parallel.collectives`); None keeps each style's own (default ``"nccl"``).
+        exact: column-parallel QuantLinear layers plan their launches as the whole layer's, for outputs equal to
+            one GPU's bit for bit (``lowbit.parallel.parallelize_quant_linear``); None keeps each style's own
+            (default False).
 
     Raises:
         ValueError: the mesh is not 1-D, the plan names an unknown style or matches nothing, or a matched layer
@@ -131,7 +137,7 @@ def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = 
 
         if all_reduce not in ALL_REDUCES:
             raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
-    targets = resolve_plan(model, plan, all_reduce)
+    targets = resolve_plan(model, plan, all_reduce, exact)
     bad = []
     for name, module, style in targets:
         if isinstance(module, QuantLinear):

@@ -19,14 +19,14 @@ go through DTensor's redistribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..formats.blockscaled import finite_amax, nvfp4_default_global_scale
-from ..formats.shards import shard, shard_range, shard_reason
+from ..formats.shards import PLAN_ROWS, plan_rows, shard, shard_range, shard_reason
 from ..formats.spec import FORMATS
 from ..nn.modules import QuantLinear
 from ..ops.linear import apply_activation
@@ -59,6 +59,8 @@ class TensorParallel:
     """The default placements (see the module docstring): no DTensor on the call path."""
     reduce: Any = None
     """Row-parallel layers: the sum of the partial outputs (:mod:`lowbit.parallel.collectives`)."""
+    exact: bool = False
+    """Column-parallel layers: launches planned as the whole layer's (``parallelize_quant_linear``)."""
 
 
 def _is_shard_last(p, ndim: int | None = None) -> bool:
@@ -93,7 +95,7 @@ def _mesh_device(mesh) -> torch.device:
 
 def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_layouts=None, output_layouts=None,
                              use_local_output: bool = True, sharded: bool = False,
-                             all_reduce: str = "nccl") -> QuantLinear:
+                             all_reduce: str = "nccl", exact: bool = False) -> QuantLinear:
     """Turn ``module`` into this rank's shard (in place) and return it.
 
     Args:
@@ -106,6 +108,11 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
             (defaults: colwise ``Replicate`` in, ``Shard(-1)`` out; rowwise ``Shard(-1)`` in, ``Replicate`` out).
         all_reduce: how a row-parallel layer sums its partial outputs: ``"nccl"`` (the group's all-reduce) or
             ``"symm_mem"`` (one-shot over symmetric memory for small messages; :mod:`lowbit.parallel.collectives`).
+        exact: column-parallel layers plan their kernel launches as the whole layer does (the same kernel
+            variant and the same split of K, ``lowbit.formats.shards.PLAN_ROWS``), so that their outputs equal
+            the one-GPU layer's bit for bit wherever lowbit's own kernels run (cuBLAS routes choose their own
+            kernels per shape). False lets each shard plan for its own size (more programs per GPU for small
+            shards at decode; the outputs differ from one GPU's in fp32 summation order).
 
     Raises:
         ValueError: the weight's format or shape cannot be split into equal shards on its blocks (the rule is
@@ -125,12 +132,17 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
             raise ValueError(f"style must be one of {STYLES}, got {style!r}")
         full_out = module.out_features * (world if colwise else 1)
         full_in = module.in_features * (1 if colwise else world)
+        if colwise and exact and module.weight_data is not None:
+            q = module.weight_qtensor
+            module.set_weight(replace(q, params={**q.params, PLAN_ROWS: plan_rows(q) * world}))
     else:
         why = shard_reason_of(module, style, world)
         if why is not None:
             raise ValueError(f"{style} sharding over {world} ranks: {why}")
         full_out, full_in = module.out_features, module.in_features
         part = shard(module.weight_qtensor, 0 if colwise else 1, rank, world)
+        if colwise and exact:
+            part = replace(part, params={**part.params, PLAN_ROWS: plan_rows(module.weight_qtensor) * world})
         bias = module._buffers.get("bias")
         if colwise:
             module.out_features = part.shape[0]
@@ -149,7 +161,7 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
     device = _mesh_device(mesh)
     reduce = None if colwise else all_reduce_for(all_reduce, group, device)
     tp = TensorParallel(style, mesh, group, rank, world, full_in, full_out, input_layouts, output_layouts,
-                        bool(use_local_output), default_io and bool(use_local_output), reduce)
+                        bool(use_local_output), default_io and bool(use_local_output), reduce, bool(exact))
     module.__class__ = ColwiseQuantLinear if colwise else RowwiseQuantLinear
     if not colwise:
         # the fused activation goes after the reduction: the local product runs without it
@@ -178,7 +190,7 @@ class ColwiseQuantLinear(QuantLinear):
         tp = self.tp
         if not tp.default_io:
             return self._forward_placed(x)
-        if isinstance(x, torch.Tensor) and type(x) is not torch.Tensor and _is_dtensor(x):
+        if _is_dtensor(x):
             x = _to_local(x, tp, [_placements()[1]()])
         return super().forward(x)
 

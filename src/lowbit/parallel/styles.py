@@ -17,13 +17,21 @@ from .layers import parallelize_quant_linear
 
 
 class ColwiseParallel(TorchColwiseParallel):
-    """torch's ``ColwiseParallel``; a ``QuantLinear`` is split along its output features (N)."""
+    """torch's ``ColwiseParallel``; a ``QuantLinear`` is split along its output features (N).
+
+    Args (besides torch's): exact: plan each shard's kernel launches as the whole layer's, so that its outputs
+    equal the one-GPU layer's bit for bit (``lowbit.parallel.parallelize_quant_linear``).
+    """
+
+    def __init__(self, *, exact: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.exact = bool(exact)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if isinstance(module, QuantLinear):
             return parallelize_quant_linear(module, device_mesh, "colwise", input_layouts=self.input_layouts,
                                             output_layouts=self.output_layouts,
-                                            use_local_output=self.use_local_output)
+                                            use_local_output=self.use_local_output, exact=self.exact)
         return super()._apply(module, device_mesh)
 
 
