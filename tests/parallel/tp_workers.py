@@ -289,3 +289,28 @@ def stack_checks(rank: int, world: int, device: str, configs=("bf16", "lowbit:w4
         got = probe_output(par)
         out[config] = {"rel_err": _rel(got, one), "sharded": sharded}
     return out
+
+
+def all_checks(rank: int, world: int, device: str, rows=(1, 5, 16, 64, 300, 2048)) -> dict:
+    """Every check above in one process group (the kernels compile once per rank): the MLP of every scheme with
+    exact and own-size planning, placements, a transformers Llama, CUDA-graph capture with each all-reduce
+    (symmetric memory on CUDA only), and a compiled forward (Inductor on CUDA, aot_eager on CPU)."""
+    out: dict = {}
+
+    def attempt(name, fn, **kw):
+        try:
+            out[name] = fn(rank, world, device, **kw)
+        except Exception:  # noqa: BLE001 (each check reports its own failure; the others still run)
+            out[name] = {"error": traceback.format_exc()[-3000:]}
+
+    attempt("mlp_exact", mlp_checks, rows=rows, hidden=1024, inter=4096, exact=True)
+    attempt("mlp_own", mlp_checks, rows=rows, hidden=1024, inter=4096, exact=False)
+    attempt("layouts", layout_checks)
+    attempt("llama", llama_checks)
+    reduces = ("nccl", "symm_mem") if device == "cuda" else ("nccl",)
+    for reduce in reduces:
+        attempt(f"graph_{reduce}", graph_checks, all_reduce=reduce)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    for scheme in ("w4a16-nvfp4", "w8a8-fp8-block"):
+        attempt(f"compiled_{scheme}", compiled_checks, scheme=scheme, backend=backend)
+    return out

@@ -69,7 +69,7 @@ class Stack(torch.nn.Module):
 
 
 def build_stack(s: DecoderShape, layers: int, max_len: int, config: str, world: int, mesh, device,
-                all_reduce: str = "nccl") -> Stack:
+                all_reduce: str = "nccl", exact: bool = False) -> Stack:
     """The stack for ``config``: each layer made in bf16 from its own seed, quantized, then (``world`` > 1)
     sharded, one layer at a time (the bf16 layer is freed before the next)."""
     import lowbit
@@ -97,7 +97,7 @@ def build_stack(s: DecoderShape, layers: int, max_len: int, config: str, world: 
         else:
             from ..parallel import parallelize
 
-            parallelize(stack, mesh, PLAN, all_reduce=all_reduce)
+            parallelize(stack, mesh, PLAN, all_reduce=all_reduce, exact=exact)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return stack.eval()
@@ -216,13 +216,14 @@ def rank_main(rank: int, world: int, args: dict, out_dir: str, port: int) -> Non
     rows = []
     try:
         for config in args["configs"]:
-            reduces = args["all_reduce"] if (world > 1 and config != "bf16") else ["nccl"]
-            for reduce in reduces:
-                row: dict = {"config": config, "world": world, "all_reduce": reduce if world > 1 else None}
+            variants = args["variants"] if (world > 1 and config != "bf16") else [("nccl", False)]
+            for reduce, exact in variants:
+                row: dict = {"config": config, "world": world, "all_reduce": reduce if world > 1 else None,
+                             "exact": exact if world > 1 else None}
                 try:
                     t0 = time.perf_counter()
                     stack = build_stack(s, args["layers"], args["prefill"] + 64, config, world, mesh, "cuda",
-                                        reduce)
+                                        reduce, exact)
                     row["build_s"] = time.perf_counter() - t0
                     row["weight_gb_per_rank"] = sum(
                         t.numel() * t.element_size() for t in stack.state_dict().values()
@@ -281,7 +282,7 @@ def ratios(rows: list[dict], tp: int) -> list[dict]:
         if r["world"] != tp or r["config"] not in one:
             continue
         base = one[r["config"]]
-        entry = {"config": r["config"], "all_reduce": r["all_reduce"]}
+        entry = {"config": r["config"], "all_reduce": r["all_reduce"], "exact": r.get("exact")}
         for mode in ("decode_graph", "decode_eager", "prefill"):
             a, b = r.get(f"{mode}_ms"), base.get(f"{mode}_ms")
             if a is not None and b:
@@ -293,14 +294,16 @@ def ratios(rows: list[dict], tp: int) -> list[dict]:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'config':24} {'ranks':>5} {'reduce':>8} {'decode graph ms':>15} {'eager ms':>9} "
+    lines = [f"{'config':24} {'ranks':>5} {'reduce':>8} {'exact':>5} {'decode graph ms':>15} {'eager ms':>9} "
              f"{'prefill ms':>10} {'GB/rank':>7} {'rel err':>8}"]
     for r in result["rows"]:
         def cell(k, fmt="{:.3f}"):
             v = r.get(k)
             return "err" if v is None and (f"{k[:-3]}_error" in r or "error" in r) else "-" if v is None else fmt.format(v)
 
-        lines.append(f"{r['config']:24} {r['world']:>5} {str(r.get('all_reduce') or '-'):>8} {cell('decode_graph_ms'):>15} "
+        ex = "-" if r.get("exact") is None else "yes" if r["exact"] else "no"
+        lines.append(f"{r['config']:24} {r['world']:>5} {str(r.get('all_reduce') or '-'):>8} {ex:>5} "
+                     f"{cell('decode_graph_ms'):>15} "
                      f"{cell('decode_eager_ms', '{:.2f}'):>9} {cell('prefill_ms', '{:.1f}'):>10} "
                      f"{cell('weight_gb_per_rank', '{:.2f}'):>7} {cell('rel_err_vs_1gpu', '{:.1e}'):>8}")
     lines.append("")
@@ -309,7 +312,8 @@ def format_table(result: dict) -> str:
     for e in result["ratios"]:
         parts = [f"{m} {e[m]:.3f}" + (" (met)" if e.get(f"{m}_meets") else " (missed)" if m in TARGETS else "")
                  for m in ("decode_graph", "decode_eager", "prefill") if m in e]
-        lines.append(f"  {e['config']:24} {str(e['all_reduce'] or '-'):>8}: " + ", ".join(parts))
+        ex = " exact" if e.get("exact") else ""
+        lines.append(f"  {e['config']:24} {str(e['all_reduce'] or '-'):>8}{ex}: " + ", ".join(parts))
     return "\n".join(lines)
 
 
@@ -321,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8, help="decoder layers in the stack (default 8)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help="comma-separated: bf16, lowbit:<scheme> (default: %(default)s)")
-    p.add_argument("--all-reduce", default="nccl,symm_mem",
-                   help="row-parallel sums to compare on the N-rank run: nccl, symm_mem (default both)")
+    p.add_argument("--variants", default="nccl,symm_mem,nccl+exact",
+                   help="N-rank variants of each quantized config: the row-parallel sum (nccl, symm_mem), '+exact' "
+                   "for column shards planned as the whole layer (default: %(default)s)")
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (default 2048)")
     p.add_argument("--steps", type=int, default=100, help="graph replays per timed window (default 100)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
@@ -340,12 +345,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ..parallel.collectives import ALL_REDUCES
 
-    reduces = [r for r in args.all_reduce.split(",") if r]
-    if not reduces or set(reduces) - set(ALL_REDUCES):
-        print(f"lowbit bench tp: --all-reduce takes {ALL_REDUCES}, got {args.all_reduce!r}", file=sys.stderr)
+    variants = []
+    for v in (v for v in args.variants.split(",") if v):
+        reduce, _, flag = v.partition("+")
+        if reduce not in ALL_REDUCES or flag not in ("", "exact"):
+            print(f"lowbit bench tp: --variants takes {ALL_REDUCES} each with an optional '+exact', got {v!r}",
+                  file=sys.stderr)
+            return 2
+        variants.append((reduce, flag == "exact"))
+    if not variants:
+        print("lowbit bench tp: --variants is empty", file=sys.stderr)
         return 2
     conf = {"shape": args.shape, "layers": args.layers, "configs": [c for c in args.configs.split(",") if c],
-            "prefill": args.prefill, "steps": args.steps, "all_reduce": reduces}
+            "prefill": args.prefill, "steps": args.steps, "variants": variants}
     from .envinfo import header
 
     result: dict = {"suite": "tp", "header": header(), "tp": args.tp, "args": conf, "rows": [], "ratios": []}
