@@ -83,7 +83,14 @@ def convert_only(
     src = Path(model_dir)
     kind = source_kind(src)
     if kind is None and transformers:
+        from ..io.convert import check_unquantized_config
+        from ..io.files import read_json
+
         check_model_dir(src)
+        try:
+            check_unquantized_config(read_json(src / "config.json", "model config"), src / "config.json")
+        except (ValueError, FileNotFoundError) as e:
+            raise ModelDirError(str(e)) from None
         kind = "transformers"
     if kind is None:
         raise ModelDirError(f"{src}: neither a diffusers model folder nor a folder of *.safetensors files")

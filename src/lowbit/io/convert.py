@@ -13,9 +13,15 @@ checkpoint or of its shards. Output files follow the source shards (one per shar
 where a shard's output exceeds ``max_shard_size``).
 
 Resumable: work happens in ``.<out_name>.lowbit-convert.tmp`` next to ``out_dir``; each finished output shard
-is recorded in ``progress.json`` there (after the shard file is fsynced and renamed into place). A rerun with
-the same source, scheme and format skips the finished shards. The last step renames the temp directory to
-``out_dir`` in one operation, so ``out_dir`` never holds a half checkpoint.
+is recorded in ``progress.json`` there (``progress.rank<r>.json`` for rank ``r`` of several; after the shard
+file is fsynced and renamed into place). A rerun with the same source, scheme and format, on any number of
+processes, skips the shards finished by any of them. The last step renames the temp directory to ``out_dir`` in
+one operation, so ``out_dir`` never holds a half checkpoint.
+
+Several processes (``rank``/``world_size``, a ``torch.distributed`` process group or torchrun's environment):
+each rank converts its share of the source shards (by bytes) into the shared temp directory; once all are done
+rank 0 alone writes index and config from every rank's records, in source-shard order, and publishes, so the
+result is the single-process one byte for byte (:mod:`lowbit.io.distributed` says how the ranks meet).
 """
 
 from __future__ import annotations

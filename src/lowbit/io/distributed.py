@@ -265,6 +265,7 @@ class FileSync:
         self.nonce = uuid.uuid4().hex
         self.state: dict[str, Any] = {"rank": world.rank, "world_size": world.size, "nonce": self.nonce,
                                       "ack": None, "state": "working", "beat": 0.0}
+        self.acks: dict[str, str] = {}  # rank 0: the nonces of the ranks whose state it took
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -309,7 +310,7 @@ class FileSync:
         if self.world.rank != 0:
             return None
         out: list[dict | None] = [status] + [None] * (self.world.size - 1)
-        self.acks: dict[str, str] = {}
+        self.acks = {}
         since = time.time()
         waiting = set(range(1, self.world.size))
         n = 0

@@ -1,0 +1,63 @@
+"""benchmarks/convert_throughput.py on CPU: a tiny synthetic Llama converted with one and with two processes,
+the two outputs byte for byte the same, GB/s and the speedup reported in the JSON and the table, the synthetic
+files removed. The GPU run is the same command with ``--size-gb 20 --devices 2``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+pytest.importorskip("transformers")
+
+
+def test_model_dims_reach_the_size(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import convert_throughput as ct
+
+    big = ct.model_dims(20e9)
+    assert big == ct.LLAMA_70B and round(20e9 / ct.layer_bytes(big)) == 12  # 1.71 GB a layer
+    small = ct.model_dims(0.05e9)
+    assert small["hidden_size"] == 512 and small["num_attention_heads"] * ct.HEAD_DIM == 512
+    assert small["intermediate_size"] % 128 == 0 and 0.05e9 >= 4 * ct.layer_bytes(small)
+
+
+def test_cpu_run_checks_identical_outputs_and_cleans_up(tmp_path, monkeypatch, capsys):
+    # in this process (the spawned ranks import the script by name from benchmarks/)
+    monkeypatch.syspath_prepend(str(BENCH))
+    import convert_throughput as ct
+
+    work, out = tmp_path / "work", tmp_path / "convert.json"
+    rc = ct.main(["--size-gb", "0.05", "--devices", "cpu,cpu", "--schemes", "w8a8-fp8-block",
+                  "--workdir", str(work), "--out-json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    result = json.loads(out.read_text())
+    assert result["identical"] == {"w8a8-fp8-block": True}
+    src = result["source"]
+    assert 0.04e9 < src["bytes"] < 0.06e9 and src["shards"] >= 4 and src["hidden_size"] == 512
+    one, two = result["runs"]
+    assert (one["world_size"], two["world_size"]) == (1, 2) and one["ok"] and two["ok"]
+    for run in (one, two):
+        assert run["inner_s"] < run["outer_s"]
+        assert math.isclose(run["inner_gbps"], src["bytes"] / 1e9 / run["inner_s"])
+        assert all(r["startup_s"] > 0 for r in run["ranks"])
+    assert result["speedup"]["w8a8-fp8-block"]["inner"] == pytest.approx(one["inner_s"] / two["inner_s"])
+    assert "w8a8-fp8-block: 2 devices vs 1" in printed and "identical" in printed
+    assert list(work.iterdir()) == []  # the synthetic checkpoint and the outputs are gone
+
+
+def test_bad_arguments(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import convert_throughput as ct
+
+    assert ct.main(["--devices", "cpu,cpu", "--schemes", "w3a3"]) == 2
+    assert "--schemes: unknown ['w3a3']" in capsys.readouterr().err
+    assert ct.main(["--devices", "cuda:0,cuda:0"]) == 2
+    assert "given twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ct.main(["--size-gb", "-1"])
