@@ -88,7 +88,8 @@ def _mixed(model) -> None:
     """lowbit native with one format per layer: swizzled nvfp4 and mxfp8 (column- and row-parallel), nf4 with
     double quantization (a row shard inside a nested block), int4, fp4_b32 and nf4 row-parallel (a fallback)."""
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    plan = {attn.q_proj: ("w4a16-nvfp4", {"scale_layout": "swizzled"}), attn.k_proj: ("w4a16-nf4", {"double_quant": True}),
+    plan = {attn.q_proj: ("w4a16-nvfp4", {"scale_layout": "swizzled"}),
+            attn.k_proj: ("w4a16-nf4", {"double_quant": True}),
             attn.v_proj: ("w8a8-mxfp8", {"scale_layout": "swizzled"}),
             attn.o_proj: ("w4a16-nvfp4", {"scale_layout": "swizzled"}), mlp.gate_proj: ("w4a16-int4", {}),
             mlp.up_proj: ("w4a16-fp4b32", {}), mlp.down_proj: ("w4a16-nf4", {"double_quant": True})}
@@ -202,14 +203,15 @@ def _differences(a, b) -> list[str]:
             if (ta is None) != (tb is None):
                 out.append(f"{name}: tensor-parallel on one side only")
             for attr in ("style", "rank", "world", "full_in", "full_out", "input_layout", "output_layout",
-                         "use_local_output", "default_io"):
+                         "use_local_output", "default_io", "exact", "reduce"):
                 if ta is not None and tb is not None and getattr(ta, attr) != getattr(tb, attr):
                     out.append(f"{name}.tp.{attr}: {getattr(ta, attr)} vs {getattr(tb, attr)}")
             for buf, t in ma._buffers.items():
                 u = mb._buffers.get(buf)
                 if (t is None) != (u is None):
                     out.append(f"{name}.{buf}: None vs a tensor")
-                elif t is not None and (t.dtype != u.dtype or t.shape != u.shape or not torch.equal(_bits(t), _bits(u))):
+                elif t is not None and (t.dtype != u.dtype or t.shape != u.shape
+                                        or not torch.equal(_bits(t), _bits(u))):
                     out.append(f"{name}.{buf}: {t.dtype} {tuple(t.shape)} vs {u.dtype} {tuple(u.shape)}")
     sa, sb = a.state_dict(), b.state_dict()
     if sa.keys() != sb.keys():
@@ -267,10 +269,12 @@ def _plan_of(case: str):
     if case == "ct-mxfp4-own-plan":
         from torch.distributed.tensor import Replicate
 
-        from lowbit.parallel import RowwiseParallel
+        from lowbit.parallel import ColwiseParallel, RowwiseParallel
 
-        # the whole input given to a row-parallel layer; the dense lm_head column-parallel with a gathered output
+        # the whole input given to a row-parallel layer; a column-parallel layer with a gathered output; the
+        # dense lm_head column-parallel with a gathered output
         return {"model.layers.*.mlp.down_proj": RowwiseParallel(input_layouts=Replicate()),
+                "model.layers.*.mlp.up_proj": ColwiseParallel(output_layouts=Replicate()),
                 "lm_head": "colwise_gather_output"}
     return None
 
@@ -286,6 +290,8 @@ def _error(fn) -> str | None:
 def _checks(rank: int, world: int, device: str, root: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from torch.distributed.tensor import Replicate
 
     from lowbit.parallel import parallelize
 
@@ -319,6 +325,15 @@ def _checks(rank: int, world: int, device: str, root: str) -> dict:
             "nested": {n.rpartition(".")[2]: m.weight_nested_scale is not None for n, m in got.named_modules()
                        if isinstance(m, QuantLinear) and m.scheme.weight_format == "nf4"},
         }
+    # exact column shards plan their launches for the whole layer's rows
+    from lowbit.formats.shards import PLAN_ROWS
+    from lowbit.parallel import ColwiseParallel
+
+    exact = lowbit.load_quantized(paths["ct-int4"], device_mesh=mesh,
+                                  tp_plan={"model.layers.*.mlp.up_proj": ColwiseParallel(exact=True,
+                                                                                          output_layouts=Replicate())})
+    up = exact.model.layers[0].mlp.up_proj
+    out["exact_plan_rows"] = [up.tp.exact, up.weight_qtensor.params.get(PLAN_ROWS), up.tp.full_out]
     errors = {}
     odd = paths[UNSHARDABLE]
     with log:
@@ -347,7 +362,7 @@ def _checks(rank: int, world: int, device: str, root: str) -> dict:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sharded_load_equals_parallelize_after_load(results, case):
-    planned = {"down_proj"} if case == "ct-mxfp4-own-plan" else {
+    planned = {"down_proj", "up_proj"} if case == "ct-mxfp4-own-plan" else {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     if case == "ct-nvfp4-dense-o":
         planned.discard("o_proj")  # left dense: torch's RowwiseParallel, a DTensor weight
@@ -379,6 +394,11 @@ def test_nf4_double_quant_kept_on_whole_nested_blocks(results):
         assert not any(res["cases"][case]["nested"]["down_proj"] for res in results), case
     nested = results[1]["cases"]["bnb-nf4-double"]["nested"]
     assert nested["q_proj"] and nested["gate_proj"] and nested["up_proj"]
+
+
+def test_exact_column_shards_plan_for_the_whole_layer(results):
+    for res in results:
+        assert res["exact_plan_rows"] == [True, 512, 512]
 
 
 def test_errors(results):

@@ -360,6 +360,8 @@ def load_quantized(
     model: nn.Module | None = None,
     model_class: Any = None,
     trust_remote_code: bool = False,
+    device_mesh: Any = None,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Load a quantized checkpoint into a model whose quantized Linear layers are :class:`QuantLinear`.
 
@@ -367,6 +369,15 @@ def load_quantized(
     llm-compressor / compressed-tensors (nvfp4-pack-quantized, mxfp4-pack-quantized, mxfp8-quantized,
     pack-quantized int4, float-quantized 128x128 FP8), ModelOpt NVFP4, bitsandbytes NF4 (transformers),
     AutoAWQ GEMM, GPTQ v1/v2 (no act-order) and DeepSeek/HF block FP8.
+
+    With a ``device_mesh`` the model is loaded tensor-parallel (each rank of the mesh calls this): every quantized
+    Linear the plan names as column- or row-parallel is read as this rank's shard only, with safetensors slice
+    reads of each stored tensor (:mod:`lowbit.io.sharded`), and becomes a
+    :class:`~lowbit.parallel.ColwiseQuantLinear` / :class:`~lowbit.parallel.RowwiseQuantLinear`; the plan's other
+    layers (dense Linear, embeddings) get torch's styles after loading, and everything else is loaded whole
+    (replicated). The result equals ``lowbit.parallel.parallelize(load_quantized(path, ...), device_mesh,
+    tp_plan)`` tensor for tensor, without a whole quantized weight ever in memory; the layouts and directions
+    that fall back to reading one module whole (row-parallel nf4 / bnb_fp4) are listed in ``docs/models.md``.
 
     Args:
         path: the checkpoint directory (``config.json`` + ``model.safetensors`` or an index and its shards).
@@ -378,6 +389,10 @@ def load_quantized(
             plain ``nn.Module`` (its config.json has no ``model_type``): pass a fresh instance of that module.
         model_class: the transformers class to build (default: ``config.architectures[0]``, else AutoModel).
         trust_remote_code: passed to transformers for custom architectures.
+        device_mesh: a 1-D ``torch.distributed`` DeviceMesh to load tensor-parallel over (None: one process).
+        tp_plan: ``{module pattern: style}`` as :func:`lowbit.parallel.parallelize` takes it (plan strings
+            ``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"`` or ParallelStyles); None takes a transformers
+            model's own ``config.base_model_tp_plan``. Only with ``device_mesh``.
 
     Returns:
         The model in eval mode.
@@ -387,8 +402,12 @@ def load_quantized(
         ValueError: corrupt/truncated safetensors, malformed or unsupported quantization_config, tensors whose
             shapes do not match the config (checked from the headers on a meta-device model before the model
             is built), missing tensors, pickle-only weights, no ``model_type`` and no ``model``, or an
-            unknown ``device``.
+            unknown ``device``. With ``device_mesh``: a mesh that is not 1-D, a plan that names an unknown style
+            or matches nothing, or planned layers that cannot be split into equal shards on their blocks (every
+            such layer named with the rule it breaks, before any weight is read).
     """
+    if tp_plan is not None and device_mesh is None:
+        raise ValueError("tp_plan is for tensor-parallel loading: pass device_mesh too")
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: checkpoint directory not found")
@@ -423,14 +442,34 @@ def load_quantized(
 
     keymap = align_prefix(source.keys(), model)
     by_model_key = {v: k for k, v in keymap.items()}
+
+    def local_of(name: str) -> dict[str, str]:
+        pre = name + "."
+        return {mk[len(pre) :]: ck for mk, ck in by_model_key.items() if mk.startswith(pre)}
+
+    tp = None
+    if device_mesh is not None:
+        from .sharded import ShardedLoad
+
+        tp = ShardedLoad(model, device_mesh, tp_plan, layout=layout, qc=qc, source=source, dtype=qdtype,
+                         local_of=local_of)
     consumed: set[str] = set()
     linears = linear_layers(model)
     modules = dict(model.named_modules())
     for name, lin in linears.items():
-        pre = name + "."
-        local = {mk[len(pre) :]: ck for mk, ck in by_model_key.items() if mk.startswith(pre)}
+        local = local_of(name)
         qlocal = set(local) - {"bias"}
         if not qlocal or not layout.is_quantized(qlocal):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        if tp is not None and tp.planned(name):
+            try:
+                q = tp.load(name, lin, dtype)
+            except (ValueError, TypeError) as e:
+                files = sorted({str(source.files[local[k]]) for k in qlocal})
+                raise ValueError(f"{', '.join(files)}: module {name!r}: {e}") from None
+            setattr(modules[parent_name] if parent_name else model, child, q)
+            consumed.update(local.values())
             continue
         try:
             loaded = layout.read(name, qlocal, lambda k, _l=local: source.get(_l[k]), qc, qdtype)
@@ -457,7 +496,6 @@ def load_quantized(
             bias_tensor=bias,
             input_global_scale=loaded.input_global_scale,
         )
-        parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, q)
         consumed.update(local.values())
 
@@ -508,6 +546,8 @@ def load_quantized(
     source.close()
     model.to(torch.device(device))
     model.eval()
+    if tp is not None:
+        tp.finish(model)
     return model
 
 

@@ -86,7 +86,8 @@ def from_deepseek_fp8(
     if weight_scale_inv.device != weight.device:
         raise ValueError(f"weight and weight_scale_inv must be on one device, got {weight.device} and "
                          f"{weight_scale_inv.device}")
-    if scale_fmt == "ue8m0" and weight_scale_inv.numel():
+    if scale_fmt == "ue8m0" and weight_scale_inv.numel() and not weight_scale_inv.is_meta:
+        # a meta tensor (the shape-only read that plans a sharded load) has no values: checked when read
         check_pow2_scales(weight_scale_inv, "weight_scale_inv")
     return QTensor(
         data=weight,

@@ -23,6 +23,12 @@ INDEX_FILE = "model.safetensors.index.json"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 WEIGHT_NAMES = (INDEX_FILE, "pytorch_model.bin.index.json", CONFIG_NAME)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+}  # fmt: skip
+"""torch dtypes of the safetensors header's dtype names (the ones lowbit's formats store)."""
 
 
 def read_json(path: Path, what: str = "JSON file") -> dict:
@@ -165,8 +171,33 @@ class TensorSource:
                 f"{path}: cannot read tensor {key!r} (corrupt or truncated file?): {e}"
             ) from None
 
+    def read_slice(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The part ``index`` (one slice per dim, ``slice(None)`` for whole dims) of tensor ``key``, read with
+        safetensors' slice reads: only those bytes of the file are touched, never the whole tensor (how a
+        tensor-parallel rank reads its shard)."""
+        if key not in self.files:
+            raise KeyError(key)
+        path = self.files[key]
+        try:
+            return self._handle(path).get_slice(key)[index]
+        except (ValueError, FileNotFoundError):
+            raise
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for bad data)
+            raise ValueError(
+                f"{path}: cannot read {index} of tensor {key!r} (corrupt or truncated file?): {e}"
+            ) from None
+
     def shape(self, key: str) -> list[int]:
         return list(self._handle(self.files[key]).get_slice(key).get_shape())
+
+    def meta(self, key: str) -> torch.Tensor:
+        """A meta-device tensor with the dtype and shape of ``key``, from the header (no data is read)."""
+        name = self.dtype(key)
+        if name not in SAFETENSORS_DTYPES:
+            raise ValueError(
+                f"{self.files[key]}: tensor {key!r} has safetensors dtype {name}, which lowbit does not read"
+            )
+        return torch.empty(self.shape(key), dtype=SAFETENSORS_DTYPES[name], device="meta")
 
     def dtype(self, key: str) -> str:
         """The safetensors dtype name of ``key`` (``"BF16"``, ``"F32"``, ...), from the header."""

@@ -6,15 +6,19 @@ bit-exact tensor converters of ``lowbit.io``) and back. See ``docs/models.md`` f
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
 
 from .. import __version__
+from ..formats.nf4 import BNB_4BIT_FORMATS, NESTED_BLOCKSIZE
 from ..formats.qtensor import QTensor
+from ..formats.spec import FORMATS
 from ..nn.modules import QTENSOR_FIELDS, QuantLinear
 from ..nn.schemes import SCHEMES, Scheme
 from .awq import from_autoawq, to_autoawq
@@ -24,6 +28,7 @@ from .deepseek import deepseek_quantization_config, from_deepseek_fp8, to_deepse
 from .gptq import V1_OFFSET, from_gptq, to_gptq, word_add
 from . import lightx2v as _lx
 from .modelopt import from_modelopt_nvfp4, to_modelopt_nvfp4
+from .sharded import Axis, ShardInfo, Stored, unnest_absmax
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
@@ -80,6 +85,44 @@ class Layout:
 
     def read(self, name: str, local: set[str], get: Getter, qc: dict, dtype: torch.dtype) -> Loaded:
         raise NotImplementedError
+
+    # sharded loading (lowbit.io.sharded): where one rank's rows or columns of the weight lie in the stored tensors
+
+    def shard_replicated(self, local: set[str]) -> set[str]:
+        """The module-local tensors that are metadata every rank reads whole (scalars, code tables, a stored
+        shape, ``g_idx``), not parts of the weight. Their values are checked before any weight is read."""
+        return set()
+
+    def shard_axes(self, name: str, local: set[str], whole: QTensor, qc: dict) -> Mapping[str, Stored] | None:
+        """For each stored tensor of the weight (``local``: the module's tensors less the replicated ones): which
+        stored dim follows the rows N and which the columns K, and how many rows or columns one stored index covers
+        (:class:`lowbit.io.sharded.Stored`). ``whole`` is the whole weight read with meta tensors (its format,
+        shape and params). None: no slice reads for this weight (it is read whole, then cut)."""
+        return None
+
+    def shard_parts(
+        self, name: str, local: set[str], get: Getter, shard: ShardInfo, qc: dict
+    ) -> tuple[set[str], Getter, dict]:
+        """The tensor names, getter and ``quantization_config`` that :meth:`read` turns into ``shard``, from
+        ``get`` returning this rank's part of each stored tensor (and replicated tensors whole). Layouts whose
+        metadata describes the whole weight (a stored shape, ``g_idx``, bitsandbytes' quant_state, lowbit's
+        per-module shape) rewrite it for the shard here. Default: unchanged."""
+        return local, get, qc
+
+
+def codes_per_entry(fmt: str) -> Fraction:
+    """Elements of a block-scaled format per stored entry of its codes along K (2 per FP4 byte, 4 per 3 FP6
+    bytes, 1 per FP8 code)."""
+    return Fraction(8, FORMATS[fmt].element.bits)
+
+
+def _exact_fp32(scale: torch.Tensor, where: str) -> torch.Tensor:
+    """``scale`` in fp32, checked to convert exactly. A meta tensor (the shape-only read that plans a sharded load)
+    has no values: each rank checks its part when it reads it."""
+    s32 = scale.float()
+    if not s32.is_meta and not torch.equal(s32.to(scale.dtype), scale):
+        raise ValueError(f"{where} does not convert to fp32 exactly")
+    return s32
 
 
 # ---------------------------------------------------------------------------------------------- compressed-tensors
@@ -256,14 +299,48 @@ class CompressedTensorsLayout(Layout):
                         f"{where}: float-quantized FP8 with strategy {wargs.get('strategy')!r} is not supported "
                         "(lowbit reads 128x128 block FP8 only)"
                     )
-                s32 = scale.float()
-                if not torch.equal(s32.to(scale.dtype), scale):
-                    raise ValueError(f"{where}: weight_scale does not convert to fp32 exactly")
+                s32 = _exact_fp32(scale, f"{where}: weight_scale")
                 q = from_deepseek_fp8(weight, s32.contiguous(), dtype=dtype)
         igs = None
         if "input_global_scale" in local and act == "nvfp4":
             igs = get("input_global_scale").float().reshape(1)
         return Loaded(find_scheme(q.fmt, act, where), q, igs)
+
+    def shard_replicated(self, local: set[str]) -> set[str]:
+        return {"weight_global_scale", "input_global_scale", "weight_shape", "weight_g_idx"}
+
+    def shard_axes(self, name, local, whole, qc) -> Mapping[str, Stored]:
+        fmt = whole.fmt
+        if fmt == "int4_awq":
+            # weight_packed [N, ceil(K/8)] (eight columns per int32), weight_scale [N, K/g], zero points [N/8, K/g]
+            g = whole.params["group_size"]
+            return {"weight_packed": Stored(n=Axis(0, 1), k=Axis(1, 8)),
+                    "weight_scale": Stored(n=Axis(0, 1), k=Axis(1, g)),
+                    "weight_zero_point": Stored(n=Axis(0, 8), k=Axis(1, g))}
+        if fmt == "fp8_block":
+            # weight [N, K] float8, weight_scale [N/128, K/128]
+            bn, bk = whole.params["block"]
+            return {"weight": Stored(n=Axis(0, 1), k=Axis(1, 1)), "weight_scale": Stored(n=Axis(0, bn), k=Axis(1, bk))}
+        # nvfp4 / MX: codes [N, K*bits/8] (mxfp8's float8 'weight', else 'weight_packed'), linear scales [N, K/block]
+        data = "weight" if fmt == "mxfp8_e4m3" else "weight_packed"
+        return {data: Stored(n=Axis(0, 1), k=Axis(1, codes_per_entry(fmt))),
+                "weight_scale": Stored(n=Axis(0, 1), k=Axis(1, FORMATS[fmt].block))}
+
+    def shard_parts(self, name, local, get, shard, qc):
+        if shard.whole.fmt != "int4_awq":
+            return local, get, qc
+        g = shard.whole.params["group_size"]
+
+        def shard_get(k: str) -> torch.Tensor:
+            t = get(k)
+            if k == "weight_shape":  # pack-quantized stores the logical shape: the shard's
+                return torch.tensor(list(shard.shape), dtype=t.dtype, device=t.device)
+            if k == "weight_g_idx" and shard.dim == 1:
+                # checked whole (the trivial i // g) when the load was planned: the shard's columns from group 0
+                return t.reshape(-1)[shard.start : shard.stop] - shard.start // g
+            return t
+
+        return local, shard_get, qc
 
 
 # ---------------------------------------------------------------------------------------------- bitsandbytes
@@ -317,6 +394,38 @@ class BitsAndBytesLayout(Layout):
             raise ValueError(f"module {name!r}: bitsandbytes weight shape must be 2-D, got {list(q.shape)}")
         return Loaded(find_scheme(q.fmt, None, f"module {name!r}"), q)
 
+    _WEIGHT_TENSORS = frozenset(("weight", "weight.absmax", "weight.nested_absmax"))
+
+    def shard_replicated(self, local: set[str]) -> set[str]:
+        # quant maps and the quant_state JSON
+        return set(local) - self._WEIGHT_TENSORS
+
+    def shard_axes(self, name, local, whole, qc) -> Mapping[str, Stored]:
+        # the packed codes [N*K/2, 1] and absmax [N*K/blocksize] are the row-major flattening of the weight (K a
+        # multiple of the blocksize); one nested absmax per 256 absmax blocks
+        k, bs = whole.shape[1], whole.params["blocksize"]
+        return {"weight": Stored(n=Axis(0, Fraction(2, k)), flat=True),
+                "weight.absmax": Stored(n=Axis(0, Fraction(bs, k)), flat=True),
+                "weight.nested_absmax": Stored(n=Axis(0, Fraction(bs * NESTED_BLOCKSIZE, k), cover=True), flat=True)}
+
+    def shard_parts(self, name, local, get, shard, qc):
+        # row shards only (a column range of the flattened weight is no slice): the quant_state says the shard's
+        # shape; double quantization stays when the shard starts a nested block, as lowbit.formats.shards keeps it
+        key = next(k for k in local if k.startswith("weight.quant_state."))
+        blob = get(key)
+        meta = json.loads(bytes(blob.cpu().tolist()).decode("utf-8"))
+        meta["shape"] = list(shard.shape)
+        first = shard.start * shard.whole.shape[1] // shard.whole.params["blocksize"]
+        tensors: dict[str, torch.Tensor] = {}
+        if "weight.nested_absmax" in local and first % NESTED_BLOCKSIZE:
+            offset = torch.tensor(float(meta["nested_offset"]), dtype=torch.float32)
+            tensors["weight.absmax"] = unnest_absmax(get("weight.absmax"), get("weight.nested_absmax"), offset, first)
+            for f in ("nested_blocksize", "nested_dtype", "nested_offset"):
+                del meta[f]
+            local = set(local) - {"weight.nested_absmax", "weight.nested_quant_map"}
+        tensors[key] = torch.tensor(list(json.dumps(meta).encode("utf-8")), dtype=torch.uint8, device=blob.device)
+        return local, lambda k: tensors[k] if k in tensors else get(k), qc
+
 
 # ---------------------------------------------------------------------------------------------- AutoAWQ / GPTQ
 
@@ -366,6 +475,12 @@ class AWQLayout(Layout):
         group = qc.get("group_size", qc.get("q_group_size"))
         q = from_autoawq(get("qweight"), get("qzeros"), get("scales"), group_size=group)
         return Loaded(find_scheme("int4_awq", None, f"module {name!r}"), q)
+
+    def shard_axes(self, name, local, whole, qc) -> Mapping[str, Stored]:
+        # qweight [K, N/8] (eight output columns per int32), qzeros [K/g, N/8], scales [K/g, N]
+        g = whole.params["group_size"]
+        return {"qweight": Stored(n=Axis(1, 8), k=Axis(0, 1)), "qzeros": Stored(n=Axis(1, 8), k=Axis(0, g)),
+                "scales": Stored(n=Axis(1, 1), k=Axis(0, g))}
 
 
 class GPTQLayout(Layout):
@@ -418,6 +533,27 @@ class GPTQLayout(Layout):
         q = from_gptq(get("qweight"), qzeros, get("scales"), g_idx)
         return Loaded(find_scheme("int4_awq", None, f"module {name!r}"), q)
 
+    def shard_replicated(self, local: set[str]) -> set[str]:
+        return {"g_idx"}
+
+    def shard_axes(self, name, local, whole, qc) -> Mapping[str, Stored]:
+        # qweight [K/8, N] (eight input rows per int32), qzeros [K/g, N/8], scales [K/g, N]
+        g = whole.params["group_size"]
+        return {"qweight": Stored(n=Axis(1, 1), k=Axis(0, 8)), "qzeros": Stored(n=Axis(1, 8), k=Axis(0, g)),
+                "scales": Stored(n=Axis(1, 1), k=Axis(0, g))}
+
+    def shard_parts(self, name, local, get, shard, qc):
+        if shard.dim == 0:
+            return local, get, qc
+        g = shard.whole.params["group_size"]
+
+        def shard_get(k: str) -> torch.Tensor:
+            t = get(k)
+            # checked whole (the trivial i // g) when the load was planned: the shard's columns from group 0
+            return t[shard.start : shard.stop] - shard.start // g if k == "g_idx" else t
+
+        return local, shard_get, qc
+
 
 # ---------------------------------------------------------------------------------------------- FP8 block (DeepSeek)
 
@@ -466,13 +602,16 @@ class FP8BlockLayout(Layout):
         if scale.dtype == torch.float8_e8m0fnu:  # transformers stores ue8m0 scales as e8m0 bytes
             scale = scale.float()
         elif scale.dtype != torch.float32:
-            s32 = scale.float()
-            if not torch.equal(s32.to(scale.dtype), scale):
-                raise ValueError(f"module {name!r}: weight_scale_inv does not convert to fp32 exactly")
-            scale = s32
+            scale = _exact_fp32(scale, f"module {name!r}: weight_scale_inv")
         fmt8 = "ue8m0" if scale_fmt == "ue8m0" else None
         q = from_deepseek_fp8(get("weight"), scale.contiguous(), dtype=dtype, scale_fmt=fmt8)
         return Loaded(find_scheme("fp8_block", "fp8_block", f"module {name!r}"), q)
+
+    def shard_axes(self, name, local, whole, qc) -> Mapping[str, Stored]:
+        # weight [N, K] float8, weight_scale_inv [N/128, K/128]
+        bn, bk = whole.params["block"]
+        return {"weight": Stored(n=Axis(0, 1), k=Axis(1, 1)),
+                "weight_scale_inv": Stored(n=Axis(0, bn), k=Axis(1, bk))}
 
 
 # ---------------------------------------------------------------------------------------------- ModelOpt NVFP4
@@ -528,6 +667,13 @@ class ModelOptLayout(Layout):
             igs = (1.0 / positive_fp32_scalar(get("input_scale"), f"{name}.input_scale")).reshape(1)
         # ModelOpt NVFP4 quantizes activations to NVFP4 (W4A4)
         return Loaded(find_scheme("nvfp4", "nvfp4", f"module {name!r}"), q, igs)
+
+    def shard_replicated(self, local: set[str]) -> set[str]:
+        return {"weight_scale_2", "input_scale"}
+
+    def shard_axes(self, name, local, whole, qc) -> Mapping[str, Stored]:
+        # weight [N, K/2] (two E2M1 codes per byte), weight_scale [N, K/16] linear
+        return {"weight": Stored(n=Axis(0, 1), k=Axis(1, 2)), "weight_scale": Stored(n=Axis(0, 1), k=Axis(1, 16))}
 
 
 # ---------------------------------------------------------------------------------------------- lowbit native
@@ -642,6 +788,51 @@ class LowbitLayout(Layout):
         )
         return Loaded(scheme, q, igs)
 
+    def shard_replicated(self, local: set[str]) -> set[str]:
+        return {"weight_global_scale", "weight_nested_offset", "input_global_scale"}
+
+    def shard_axes(self, name, local, whole, qc) -> Mapping[str, Stored] | None:
+        # the QuantLinear buffers, as each format lays out its QTensor
+        fmt = whole.fmt
+        if FORMATS[fmt].kind == "blockscaled":
+            # codes [N, K*bits/8]; scales [N, K/block], linear or 128x4-swizzled
+            swizzled = whole.scale_layout == "swizzled"
+            return {"weight_data": Stored(n=Axis(0, 1), k=Axis(1, codes_per_entry(fmt))),
+                    "weight_scale": Stored(n=Axis(0, 1), k=Axis(1, FORMATS[fmt].block), swizzled=swizzled)}
+        if fmt in BNB_4BIT_FORMATS:
+            # bitsandbytes' flattened codes [N*K/2] and absmax [N*K/blocksize]; one nested absmax per 256 blocks
+            k, bs = whole.shape[1], whole.params["blocksize"]
+            return {"weight_data": Stored(n=Axis(0, Fraction(2, k)), flat=True),
+                    "weight_scale": Stored(n=Axis(0, Fraction(bs, k)), flat=True),
+                    "weight_nested_scale": Stored(n=Axis(0, Fraction(bs * NESTED_BLOCKSIZE, k), cover=True), flat=True)}
+        if fmt == "int4_awq":
+            # AutoAWQ's layout: codes [K, N/8], zeros [K/g, N/8], scales [K/g, N]
+            g = whole.params["group_size"]
+            return {"weight_data": Stored(n=Axis(1, 8), k=Axis(0, 1)),
+                    "weight_zeros": Stored(n=Axis(1, 8), k=Axis(0, g)),
+                    "weight_scale": Stored(n=Axis(1, 1), k=Axis(0, g))}
+        if fmt == "fp8_block" and whole.scale_layout == "linear":
+            bn, bk = whole.params["block"]
+            return {"weight_data": Stored(n=Axis(0, 1), k=Axis(1, 1)),
+                    "weight_scale": Stored(n=Axis(0, bn), k=Axis(1, bk))}
+        return None
+
+    def shard_parts(self, name, local, get, shard, qc):
+        # quantization_config.modules[name] describes the whole weight: the shard's shape; nf4 double quantization
+        # stays when a row shard starts a nested block, as lowbit.formats.shards keeps it
+        meta = dict(qc["modules"][name], shape=list(shard.shape))
+        qc = {**qc, "modules": {**qc["modules"], name: meta}}
+        whole = shard.whole
+        if whole.fmt in BNB_4BIT_FORMATS and "weight_nested_scale" in local:
+            first = shard.start * whole.shape[1] // whole.params["blocksize"]
+            if first % NESTED_BLOCKSIZE:
+                absmax = unnest_absmax(get("weight_scale"), get("weight_nested_scale"), get("weight_nested_offset"),
+                                       first)
+                meta["params"] = {**meta.get("params", {}), "double_quant": False}
+                local = set(local) - {"weight_nested_scale", "weight_nested_offset"}
+                return local, lambda k: absmax if k == "weight_scale" else get(k), qc
+        return local, get, qc
+
 
 # ---------------------------------------------------------------------------------------------- LightX2V
 
@@ -678,6 +869,15 @@ class LightX2VLayout(Layout):
             )
         q, igs = _lx.from_lightx2v({k: get(k) for k in local}, kind, dtype=dtype, where=f"module {name!r}")
         return Loaded(_lx.LIGHTX2V_SCHEMES[kind], q, igs)
+
+    def shard_replicated(self, local: set[str]) -> set[str]:
+        return {"weight_global_scale", "input_global_scale", "alpha", "input_absmax"}
+
+    def shard_axes(self, name, local, whole, qc) -> Mapping[str, Stored]:
+        # codes [N, K*bits/8] as bytes, scales 128x4-swizzled [round_up(N, 128), round_up(K/block, 4)]
+        fmt = whole.fmt
+        return {"weight": Stored(n=Axis(0, 1), k=Axis(1, codes_per_entry(fmt))),
+                "weight_scale": Stored(n=Axis(0, 1), k=Axis(1, FORMATS[fmt].block), swizzled=True)}
 
 
 LAYOUTS: dict[str, Layout] = {
