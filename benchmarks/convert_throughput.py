@@ -7,9 +7,11 @@ processes (a gloo group, each rank on its own device), checks that the two outpu
 (SHA-256 of every file) and reports the GB/s of source read and the N-to-1 speedup, as a table and as JSON.
 Two wall times per run: inside the workers from a barrier (every rank started, CUDA initialized, transformers
 imported, the kernels warmed up) to the end of rank 0's publish, and outside, from starting the processes to
-their exit. The synthetic files and the outputs are removed at the end (``--keep`` keeps them).
+their exit. It also reports the GB/s the disk takes for fsynced writes: every output shard is fsynced, so with
+a large output (fp8) ranks sharing one disk can be bound by it. The synthetic files and the outputs are removed
+at the end (``--keep`` keeps them).
 
-On the 2-GPU machine (about 4 minutes for 20 GB on 2 H100s, fast local disk)::
+On the 2-GPU machine (about 3 minutes for 20 GB on 2 H100s with 32 cores and a local disk)::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/convert_throughput.py --size-gb 20 --devices 2 --out-json $OUT/convert.json
 
@@ -143,8 +145,11 @@ def write_source(path: Path, size_gb: float, shard_gb: float | None, device: str
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "dtype": "bfloat16", **dims,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
+    t_sync = time.perf_counter()
+    # the runs that follow must not pay for writing back the source's dirty pages (the first would)
+    os.sync()
     files = sorted(path.glob("*.safetensors"))
-    return {"layers": layers, **dims, "vocab_size": vocab, "shards": len(files),
+    return {"layers": layers, **dims, "vocab_size": vocab, "shards": len(files), "sync_s": time.perf_counter() - t_sync,
             "shard_bytes": [f.stat().st_size for f in files], "bytes": sum(f.stat().st_size for f in files),
             "write_s": time.perf_counter() - t0, "generated_on": device}
 
@@ -220,6 +225,22 @@ def run_conversion(src: Path, out: Path, scheme: str, devices: list[str], work: 
             "outer_s": outer, "ranks": ranks, "exit_codes": codes}
 
 
+def disk_write_gbps(work: Path, nbytes: int) -> float:
+    """GB/s of writing ``nbytes`` to ``work`` with an fsync, as the converter writes each output shard: the
+    bound on a conversion whose output is large (fp8) when the ranks share one disk."""
+    path = work / ".disk-probe"
+    block = os.urandom(1 << 24)
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        for _ in range(max(1, nbytes >> 24)):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return max(1, nbytes >> 24) * len(block) / 1e9 / seconds
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     """SHA-256 of every file under ``root`` (threads: hashlib releases the GIL on large buffers)."""
 
@@ -264,7 +285,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def table(result: dict) -> str:
     gb = result["source"]["bytes"] / 1e9
     lines = [f"source {gb:.2f} GB, {result['source']['shards']} shards, {result['source']['layers']} layers "
-             f"(hidden {result['source']['hidden_size']}); GB/s of source read",
+             f"(hidden {result['source']['hidden_size']}); GB/s of source read; the disk writes "
+             f"{result.get('disk_write_gbps', float('nan')):.2f} GB/s",
              f"{'scheme':16}{'devices':>8}{'inner s':>9}{'GB/s':>8}{'outer s':>9}{'GB/s':>8}  identical"]
     for r in result["runs"]:
         if r["ok"]:
@@ -331,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         result["source"] = write_source(src, args.size_gb, args.shard_gb, gen_device, vocab)
         gb = result["source"]["bytes"] / 1e9
         print(f"  {gb:.2f} GB in {result['source']['shards']} shards, {result['source']['write_s']:.1f} s", flush=True)
+        result["disk_write_gbps"] = disk_write_gbps(work, int(min(2e9, result["source"]["bytes"] / 4)))
+        print(f"  the disk takes {result['disk_write_gbps']:.2f} GB/s of fsynced writes", flush=True)
         configs = [devices[:1]] + ([devices] if len(devices) > 1 else [])
         for scheme in schemes:
             if time.perf_counter() - t_begin > args.budget_s:
