@@ -134,7 +134,8 @@ def test_resolve_world_from_arguments_and_torchrun_env(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert resolve_world() == dist_io.World(rank=3, size=4, local_rank=1)
-    assert resolve_world(0, 2) == dist_io.World(rank=0, size=2, local_rank=0)  # not the env's rank: its LOCAL_RANK neither
+    # not the environment's rank, so not its LOCAL_RANK either
+    assert resolve_world(0, 2) == dist_io.World(rank=0, size=2, local_rank=0)
     assert dist_io.rank_device(None, resolve_world()) == torch.device("cpu")
     assert dist_io.rank_device(["cpu", "cpu:0", "cpu", "meta"], resolve_world()) == torch.device("meta")
     monkeypatch.setenv("WORLD_SIZE", "four")

@@ -65,7 +65,9 @@ def _env_int(name: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer (as torchrun sets it), got {text!r}") from None
+        raise ValueError(
+            f"environment variable {name} must be an integer (as torchrun sets it), got {text!r}"
+        ) from None
 
 
 def _group_world() -> tuple[int, int] | None:
@@ -110,7 +112,9 @@ def resolve_world(rank: int | None = None, world_size: int | None = None) -> Wor
             raise ValueError(f"environment variable WORLD_SIZE is {env_size} but RANK is not set (torchrun sets both)")
         rank, world_size = env_rank or 0, env_size
         if not 0 <= rank < world_size:
-            raise ValueError(f"environment variable RANK must satisfy 0 <= RANK < WORLD_SIZE ({world_size}), got {rank}")
+            raise ValueError(
+                f"environment variable RANK must satisfy 0 <= RANK < WORLD_SIZE ({world_size}), got {rank}"
+            )
         in_group = False
     else:
         return World()
