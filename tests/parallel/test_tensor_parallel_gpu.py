@@ -64,5 +64,7 @@ def test_cuda_graph_capture(results, all_reduce):
 
 @pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w8a8-fp8-block"])
 def test_compiled_inductor(results, scheme):
+    """Inductor fuses the elementwise ops around the projections in fp32 (eager rounds each to bf16), and an
+    activation quantizer turns a few of those one-ulp differences into code flips: close, not equal."""
     res = _ok(results[f"compiled_{scheme}"])
-    assert res["rel"] < 1e-2, res
+    assert res["rel"] < (3e-2 if res["act_quantized"] else 1e-2), res

@@ -271,7 +271,8 @@ def compiled_checks(rank: int, world: int, device: str, scheme: str = "w4a16-nvf
         eager = m(x)
         compiled = torch.compile(m, fullgraph=True, backend=backend)
         got = compiled(x)
-    return {"equal": bool(torch.equal(eager, got)), "rel": _rel(got, eager)}
+    return {"equal": bool(torch.equal(eager, got)), "rel": _rel(got, eager),
+            "act_quantized": not lowbit.SCHEMES[scheme].weight_only}
 
 
 def stack_checks(rank: int, world: int, device: str, configs=("bf16", "lowbit:w4a16-nvfp4", "lowbit:w8a8-fp8-block")):

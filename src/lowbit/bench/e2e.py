@@ -61,7 +61,9 @@ MODES = ("eager", "graph", "compile", "compile-ro", "prefill", "generate", "host
 # ---------------------------------------------------------------------------------------------- the model
 
 
-class _Block(nn.Module):
+class DecoderBlock(nn.Module):
+    """One Llama decoder layer over a static KV cache (the heads it holds are sized from its projections)."""
+
     def __init__(self, s: DecoderShape, dtype: torch.dtype, device) -> None:
         super().__init__()
         kw = {"bias": False, "dtype": dtype, "device": device}
@@ -105,7 +107,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.s = s
         self.embed = nn.Embedding(s.vocab, s.hidden, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(_Block(s, dtype, device) for _ in range(s.layers))
+        self.layers = nn.ModuleList(DecoderBlock(s, dtype, device) for _ in range(s.layers))
         self.norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
         self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False, dtype=dtype, device=device)
         cache = (s.layers, batch, s.kv_heads, max_len, s.head_dim)

@@ -6,7 +6,8 @@ per config (``bf16``, ``lowbit:<scheme>``), split with :func:`lowbit.parallel.pa
 column-parallel, o and down row-parallel) on N ranks, and measures:
 
 - decode step time at batch 1 replayed from a CUDA graph (the all-reduces captured in it), the number the
-  targets use; also eager;
+  targets use; also eager, and the graph of the projections alone (norms, the seven quantized projections with
+  their all-reduces, residual adds: the part of the step lowbit makes, without attention and RoPE);
 - prefill time of ``--prefill`` tokens, eager (GPU-bound at that size);
 - the agreement of the N-rank output with the one-rank output on the same input.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .e2e import DecoderShape, _Block
+from .e2e import DecoderShape, DecoderBlock
 
 SHAPES = {
     "llama3-70b": DecoderShape(8192, 28672, 64, 8, 128, 128256, 80),
@@ -60,10 +61,27 @@ class Stack(torch.nn.Module):
         self.register_buffer("sin", ang.sin().to(dtype), persistent=False)
         self.register_buffer("key_pos", torch.arange(max_len, device=device), persistent=False)
 
+    projections_only = False
+    """Run only each layer's norms, seven projections (with their all-reduces) and residual adds: the part of a
+    decode step lowbit's kernels and the tensor-parallel sums make (attention, RoPE and the KV cache left out;
+    the attention output is replaced by the query projection, which has its shape)."""
+    n_layers: int | None = None
+
     def forward(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        layers = self.layers[: self.n_layers or len(self.layers)]
+        if self.projections_only:
+            for layer in layers:
+                x = layer.attn_norm(h)
+                q = layer.q_proj(x)
+                layer.k_proj(x)
+                layer.v_proj(x)
+                h = h + layer.o_proj(q)
+                x = layer.mlp_norm(h)
+                h = h + layer.down_proj(torch.nn.functional.silu(layer.gate_proj(x)) * layer.up_proj(x))
+            return h
         cos, sin = self.cos[pos], self.sin[pos]
         mask = self.key_pos[None, :] <= pos[:, None]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(layers):
             h = layer(h, cos, sin, pos, mask, self.k_cache[i], self.v_cache[i])
         return h
 
@@ -78,7 +96,7 @@ def build_stack(s: DecoderShape, layers: int, max_len: int, config: str, world: 
     for i in range(layers):
         torch.manual_seed(1000 + i)
         with torch.no_grad():
-            block = _Block(s, torch.bfloat16, device)
+            block = DecoderBlock(s, torch.bfloat16, device)
             for p in block.parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.02)
@@ -186,15 +204,21 @@ def prefill_ms(stack: Stack, world: int, tokens: int) -> float:
     return _slowest(best, world)
 
 
-def probe_output(stack: Stack, tokens: int = 8) -> torch.Tensor:
-    """The stack's output on a fixed input (positions 0..tokens-1), for comparing world sizes."""
+def probe_output(stack: Stack, tokens: int = 8, n_layers: int | None = None) -> torch.Tensor:
+    """The output of the stack's first ``n_layers`` layers (default all) on a fixed input (positions
+    0..tokens-1), for comparing world sizes. Random layers amplify any rounding difference layer after layer
+    (and an activation quantizer turns some into code flips), so the first layer is the one to compare."""
     device = stack.cos.device
     gen = torch.Generator(device=device).manual_seed(9)
     h = torch.randn(1, tokens, stack.s.hidden, dtype=torch.bfloat16, device=device, generator=gen)
     with torch.inference_mode():
         stack.k_cache.zero_()
         stack.v_cache.zero_()
-        return stack(h, torch.arange(tokens, device=device)).float().cpu()
+        stack.n_layers = n_layers
+        try:
+            return stack(h, torch.arange(tokens, device=device)).float().cpu()
+        finally:
+            stack.n_layers = None
 
 
 def _err(e: BaseException) -> str:
@@ -228,14 +252,24 @@ def rank_main(rank: int, world: int, args: dict, out_dir: str, port: int) -> Non
                     row["weight_gb_per_rank"] = sum(
                         t.numel() * t.element_size() for t in stack.state_dict().values()
                         if isinstance(t, torch.Tensor)) / 1e9
-                    out = probe_output(stack)
-                    ref = Path(out_dir, f"probe_{config.replace(':', '_')}.pt")
-                    if world == 1 and rank == 0:
-                        torch.save(out, ref)
-                    elif ref.exists():
-                        want = torch.load(ref)
-                        row["rel_err_vs_1gpu"] = float((out - want).norm() / want.norm())
+                    for tag, n in (("layer0", 1), ("stack", None)):
+                        out = probe_output(stack, n_layers=n)
+                        ref = Path(out_dir, f"probe_{tag}_{config.replace(':', '_')}.pt")
+                        if world == 1 and rank == 0:
+                            torch.save(out, ref)
+                        elif ref.exists():
+                            want = torch.load(ref)
+                            row[f"rel_err_vs_1gpu_{tag}"] = float((out - want).norm() / want.norm())
+
+                    def projections_graph():
+                        stack.projections_only = True
+                        try:
+                            return decode_graph_ms(stack, world, 100, args["steps"])
+                        finally:
+                            stack.projections_only = False
+
                     for mode, fn in (("decode_graph", lambda: decode_graph_ms(stack, world, 100, args["steps"])),
+                                     ("projections_graph", projections_graph),
                                      ("decode_eager", lambda: decode_eager_ms(stack, world, 100, 20)),
                                      ("prefill", lambda: prefill_ms(stack, world, args["prefill"]))):
                         try:
@@ -283,7 +317,7 @@ def ratios(rows: list[dict], tp: int) -> list[dict]:
             continue
         base = one[r["config"]]
         entry = {"config": r["config"], "all_reduce": r["all_reduce"], "exact": r.get("exact")}
-        for mode in ("decode_graph", "decode_eager", "prefill"):
+        for mode in ("decode_graph", "projections_graph", "decode_eager", "prefill"):
             a, b = r.get(f"{mode}_ms"), base.get(f"{mode}_ms")
             if a is not None and b:
                 entry[mode] = a / b
@@ -294,8 +328,8 @@ def ratios(rows: list[dict], tp: int) -> list[dict]:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'config':24} {'ranks':>5} {'reduce':>8} {'exact':>5} {'decode graph ms':>15} {'eager ms':>9} "
-             f"{'prefill ms':>10} {'GB/rank':>7} {'rel err':>8}"]
+    lines = [f"{'config':24} {'ranks':>5} {'reduce':>8} {'exact':>5} {'decode graph ms':>15} {'proj. ms':>8} "
+             f"{'eager ms':>9} {'prefill ms':>10} {'GB/rank':>7} {'err L0':>8} {'err all':>8}"]
     for r in result["rows"]:
         def cell(k, fmt="{:.3f}"):
             v = r.get(k)
@@ -303,15 +337,16 @@ def format_table(result: dict) -> str:
 
         ex = "-" if r.get("exact") is None else "yes" if r["exact"] else "no"
         lines.append(f"{r['config']:24} {r['world']:>5} {str(r.get('all_reduce') or '-'):>8} {ex:>5} "
-                     f"{cell('decode_graph_ms'):>15} "
+                     f"{cell('decode_graph_ms'):>15} {cell('projections_graph_ms'):>8} "
                      f"{cell('decode_eager_ms', '{:.2f}'):>9} {cell('prefill_ms', '{:.1f}'):>10} "
-                     f"{cell('weight_gb_per_rank', '{:.2f}'):>7} {cell('rel_err_vs_1gpu', '{:.1e}'):>8}")
+                     f"{cell('weight_gb_per_rank', '{:.2f}'):>7} {cell('rel_err_vs_1gpu_layer0', '{:.1e}'):>8} "
+                     f"{cell('rel_err_vs_1gpu_stack', '{:.1e}'):>8}")
     lines.append("")
     lines.append(f"ratios {result['tp']} ranks / 1 rank (targets: decode graph <= {TARGETS['decode_graph']}, "
                  f"prefill <= {TARGETS['prefill']}):")
     for e in result["ratios"]:
         parts = [f"{m} {e[m]:.3f}" + (" (met)" if e.get(f"{m}_meets") else " (missed)" if m in TARGETS else "")
-                 for m in ("decode_graph", "decode_eager", "prefill") if m in e]
+                 for m in ("decode_graph", "projections_graph", "decode_eager", "prefill") if m in e]
         ex = " exact" if e.get("exact") else ""
         lines.append(f"  {e['config']:24} {str(e['all_reduce'] or '-'):>8}{ex}: " + ", ".join(parts))
     return "\n".join(lines)

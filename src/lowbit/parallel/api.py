@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwiseParallel
 
 from ..nn.modules import QuantLinear
-from .layers import _mesh_facts, shard_reason_of
+from .layers import mesh_facts, shard_reason_of
 from .styles import ColwiseParallel, RowwiseParallel
 
 PLAN_STRINGS = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep")
@@ -131,7 +131,7 @@ def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _, _, world = _mesh_facts(device_mesh)
+    _, _, world = mesh_facts(device_mesh)
     if all_reduce is not None:
         from .collectives import ALL_REDUCES
 

@@ -81,13 +81,13 @@ def shard_reason_of(module: QuantLinear, style: str, world: int) -> str | None:
     return shard_reason(module.weight_qtensor, 0 if style == "colwise" else 1, world)
 
 
-def _mesh_facts(mesh) -> tuple[Any, int, int]:
+def mesh_facts(mesh) -> tuple[Any, int, int]:
     if getattr(mesh, "ndim", 1) != 1:
         raise ValueError(f"device_mesh must be 1-D (slice a tensor-parallel dimension: mesh['tp']), got {mesh.ndim}-D")
     return mesh.get_group(), mesh.get_local_rank(), mesh.size()
 
 
-def _mesh_device(mesh) -> torch.device:
+def mesh_device(mesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
@@ -119,7 +119,7 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
             named), or the mesh is not 1-D.
     """
     Partial, Replicate, Shard = _placements()
-    group, rank, world = _mesh_facts(mesh)
+    group, rank, world = mesh_facts(mesh)
     colwise = style == "colwise"
     if input_layouts is None:
         input_layouts = Replicate() if colwise else Shard(-1)
@@ -142,7 +142,8 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
         full_out, full_in = module.out_features, module.in_features
         part = shard(module.weight_qtensor, 0 if colwise else 1, rank, world)
         if colwise and exact:
-            part = replace(part, params={**part.params, PLAN_ROWS: plan_rows(module.weight_qtensor) * world})
+            # the whole weight's own plan rows (its N, or more if it is itself a shard planned so)
+            part = replace(part, params={**part.params, PLAN_ROWS: plan_rows(module.weight_qtensor)})
         bias = module._buffers.get("bias")
         if colwise:
             module.out_features = part.shape[0]
@@ -158,7 +159,7 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
         (output_layouts,) = output_layouts
     default_io = (isinstance(input_layouts, Replicate) and _is_shard_last(output_layouts)) if colwise else (
         _is_shard_last(input_layouts) and isinstance(output_layouts, Replicate))
-    device = _mesh_device(mesh)
+    device = mesh_device(mesh)
     reduce = None if colwise else all_reduce_for(all_reduce, group, device)
     tp = TensorParallel(style, mesh, group, rank, world, full_in, full_out, input_layouts, output_layouts,
                         bool(use_local_output), default_io and bool(use_local_output), reduce, bool(exact))
@@ -304,5 +305,5 @@ def _to_local(x, tp: TensorParallel, placements) -> torch.Tensor:
     return x.to_local()
 
 
-__all__ = ["STYLES", "ColwiseQuantLinear", "RowwiseQuantLinear", "TensorParallel", "parallelize_quant_linear",
+__all__ = ["STYLES", "mesh_device", "mesh_facts", "ColwiseQuantLinear", "RowwiseQuantLinear", "TensorParallel", "parallelize_quant_linear",
            "shard_reason_of"]
