@@ -323,7 +323,62 @@ def layer_host() -> list[str]:
     return out + _table(["scheme", "M", "host µs", "`F.linear` host µs", "GPU µs", "`F.linear` GPU µs"], rows)
 
 
-SECTIONS = [e2e, w4a16_gemv, prefill, scaled_mm_graph, scaled_mm_decode, layer_host, quant_kernels]
+def tensor_parallel() -> list[str]:
+    name = "h100x2_tp.json"
+    d = _load(name)
+    h = d["header"]
+    rows = []
+    for r in d["rows"]:
+        variant = "—" if r["world"] == 1 else r["all_reduce"] + (", exact" if r.get("exact") else "")
+        rows.append([f"`{r['config']}`", str(r["world"]), variant, _fmt(r.get("decode_graph_ms"), ".3f"),
+                     _fmt(r.get("projections_graph_ms"), ".3f"), _fmt(r.get("decode_eager_ms"), ".2f"),
+                     _fmt(r.get("prefill_ms"), ".1f"), _fmt(r.get("weight_gb_per_rank"), ".2f"),
+                     _fmt(r.get("rel_err_vs_1gpu_layer0"), ".1e")])
+    ratios = []
+    for e in d["ratios"]:
+        variant = e["all_reduce"] + (", exact" if e.get("exact") else "")
+        ratios.append([f"`{e['config']}`", variant] + [
+            _fmt(e.get(m), ".3f") + ("" if m not in ("decode_graph", "prefill") else
+                                     " (met)" if e.get(f"{m}_meets") else " (missed)")
+            for m in ("decode_graph", "projections_graph", "decode_eager", "prefill")])
+    out = [f"## Tensor parallel: {d['args']['layers']} Llama-3-70B-shaped layers on 1 and {d['tp']} GPUs "
+           "(`lowbit bench tp`)", "",
+           _hdr_method(name, h, extra=d.get("note", "")), "",
+           "Milliseconds per decode step at batch 1 replayed from a CUDA graph (all-reduces captured), the same "
+           "for the projections alone (norms, the seven projections with their all-reduces, residual adds: no "
+           "attention or RoPE), eager decode, and eager prefill of "
+           f"{d['args']['prefill']} tokens; the slowest rank. `err L0`: relative difference of the first "
+           "layer's output from one GPU's.", ""]
+    out += _table(["config", "GPUs", "row-parallel sum", "decode graph ms", "projections ms", "eager ms",
+                   "prefill ms", "GB per GPU", "err L0"], rows)
+    out += ["", f"Time on {d['tp']} GPUs over time on 1 (targets: decode graph <= 0.6, prefill <= 0.55):", ""]
+    out += _table(["config", "variant", "decode graph", "projections graph", "eager decode", "prefill"], ratios)
+    return out
+
+
+def convert_throughput() -> list[str]:
+    name = "h100x2_convert.json"
+    d = _load(name)
+    src = d["source"]
+    rows = [[f"`{r['scheme']}`", str(r["world_size"]), _fmt(r["inner_s"], ".1f"), _fmt(r["inner_gbps"], ".2f"),
+             _fmt(r["outer_s"], ".1f"), _fmt(r["outer_gbps"], ".2f")] for r in d["runs"]]
+    speed = [[f"`{s}`", _fmt(v.get("inner"), ".2f"), _fmt(v.get("outer"), ".2f"), str(d["identical"].get(s))]
+             for s, v in d["speedup"].items()]
+    out = ["## Checkpoint conversion on 1 and 2 GPUs (`benchmarks/convert_throughput.py`)", "",
+           _method(name, gpu=", ".join(d["host"]["gpus"]), date=d["date"][:10], torch=d["host"]["torch"],
+                   extra=f"A synthetic Llama-3-70B-shaped checkpoint of {src['bytes'] / 1e9:.1f} GB in "
+                         f"{src['shards']} shards, read from the page cache; the disk takes "
+                         f"{d['disk_write_gbps']:.2f} GB/s of fsynced writes."), "",
+           "Seconds and GB/s of source read, inside the workers (from a barrier to the end of rank 0's publish) "
+           "and with process start-up.", ""]
+    out += _table(["scheme", "GPUs", "inner s", "inner GB/s", "outer s", "outer GB/s"], rows)
+    out += ["", "Speedup of 2 GPUs over 1 (target: >= 1.8) and byte-identical outputs:", ""]
+    out += _table(["scheme", "inside", "with start-up", "identical"], speed)
+    return out
+
+
+SECTIONS = [e2e, w4a16_gemv, prefill, scaled_mm_graph, scaled_mm_decode, layer_host, quant_kernels,
+            tensor_parallel, convert_throughput]
 
 
 def render() -> str:

@@ -1,7 +1,8 @@
 """benchmarks/: the curated results, docs/performance.md generated from them, and the scripts compile (CPU only).
 
-- benchmarks/results holds one file per benchmark and GPU kind (``h100_<benchmark>.json``, ``h200_...``; JUnit
-  reports: one ``<gpu>_gpu_tests.xml`` per GPU kind, a testsuite per area), no dated runs;
+- benchmarks/results holds one file per benchmark and GPU kind (``h100_<benchmark>.json``, ``h200_...``, and
+  ``h100x2_...`` for a machine of two H100s; JUnit reports: one ``<gpu>_gpu_tests.xml`` per GPU kind, a testsuite
+  per area), no dated runs;
 - ``python benchmarks/make_performance_md.py`` reproduces docs/performance.md from the checked-in JSON, and
   ``--check`` notices a stale page;
 - the W4A16 decode and scaled_mm tables render from a ``lowbit bench`` result as well as from the curated files
@@ -40,9 +41,9 @@ def _load_script(path: Path):
 def test_results_are_curated():
     names = sorted(p.name for p in RESULTS.iterdir() if p.is_file())
     assert names, "benchmarks/results is empty"
-    bad = [n for n in names if not re.fullmatch(r"h[12]00_[a-z0-9_]+\.(json|xml|log)", n)]
+    bad = [n for n in names if not re.fullmatch(r"h[12]00(x[248])?_[a-z0-9_]+\.(json|xml|log)", n)]
     assert not bad, f"not <gpu>_<benchmark>.<ext> (dated or one-off runs belong in git history): {bad}"
-    bad = [n for n in names if n.endswith(".xml") and not re.fullmatch(r"h[12]00_gpu_tests\.xml", n)]
+    bad = [n for n in names if n.endswith(".xml") and not re.fullmatch(r"h[12]00(x[248])?_gpu_tests\.xml", n)]
     assert not bad, f"JUnit reports must be one <gpu>_gpu_tests.xml per GPU kind: {bad}"
 
 
@@ -63,7 +64,7 @@ def test_curated_json_is_from_the_gpu_its_name_says():
 
     recorded = 0
     for path in sorted(RESULTS.glob("*.json")):
-        gpu = "H100" if path.name.startswith("h100_") else "H200"
+        gpu = "H100" if path.name.startswith("h100") else "H200"
         fields = {f for f in _gpu_fields(json.loads(path.read_text(encoding="utf-8"))) if "NVIDIA" in f}
         recorded += bool(fields)
         assert all(gpu in f for f in fields), f"{path.name} records {fields}"
