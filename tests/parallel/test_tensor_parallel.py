@@ -32,6 +32,7 @@ def test_placements_plans_and_errors(tmp_path):
     assert "unknown tensor-parallel style 'diagonal'" in errors["{'up': 'diagonal'}"]
     assert "matches both" in errors["{'up': 'colwise', 'u*': 'rowwise'}"]
     assert "down" in errors["odd"] and "multiple of 16" in errors["odd"]
+    assert "tensor-parallel shards" in errors["save"]
     assert res["untouched"]
 
 

@@ -216,6 +216,13 @@ def layout_checks(rank: int, world: int, device: str) -> dict:
         errors["odd"] = None
     except ValueError as e:
         errors["odd"] = str(e)
+    import tempfile
+
+    try:
+        lowbit.save_quantized(tp, tempfile.mkdtemp(prefix=f"lowbit-tp{rank}-") + "/out")
+        errors["save"] = None
+    except ValueError as e:
+        errors["save"] = str(e)
     res["errors"] = errors
     res["untouched"] = all(torch.equal(before[k], v) for k, v in bad.state_dict().items()) and all(
         type(m) is QuantLinear for m in (bad.up, bad.gate, bad.down)) and type(odd.down) is QuantLinear

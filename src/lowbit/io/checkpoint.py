@@ -145,7 +145,7 @@ def save_quantized(
 
     Raises:
         ValueError: no QuantLinear in the model, a layer with an online input transform (no format stores
-            one), or ``format`` cannot store a layer's scheme.
+            one), a tensor-parallel shard (``lowbit.parallel``), or ``format`` cannot store a layer's scheme.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
     if not isinstance(model, nn.Module):
@@ -154,6 +154,13 @@ def save_quantized(
     if not mods:
         raise ValueError(
             "save_quantized: the model has no QuantLinear layer (run lowbit.quantize_model first)"
+        )
+    shards = [n for n, m in mods.items() if getattr(m, "tp", None) is not None]
+    if shards:
+        # a rank's shard is a part of each weight: written as a checkpoint it would load as a wrong model
+        raise ValueError(
+            f"model: {len(shards)} layer(s) are tensor-parallel shards (first: {shards[0]!r}, "
+            "lowbit.parallel); save the model before parallelizing it (every rank holds only its part)"
         )
     from ..algorithms.rotation import online_transform_layers
 
