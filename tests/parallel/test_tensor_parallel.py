@@ -1,19 +1,27 @@
-"""Tensor parallelism on CPU processes (gloo): every scheme column- and row-parallel, placements, plans,
-errors, a transformers Llama with its own plan, and a compiled forward. The same checks run with NCCL on two
+"""Tensor parallelism on CPU processes (gloo): every scheme column- and row-parallel, placements, plans, errors, a
+transformers Llama with its own plan, a compiled forward and ``lowbit bench tp``'s stack, in one process group of
+2 ranks (each rank pays its imports once), and the schemes again on 4 ranks. The same checks run with NCCL on two
 GPUs in tests/parallel/test_tensor_parallel_gpu.py."""
 
 import pytest
 import torch
 
-from tp_workers import (MLP_SCHEMES, compiled_checks, layout_checks, llama_checks, mlp_checks, spawn_ranks,
-                        stack_checks)
+from tp_workers import MLP_SCHEMES, all_checks, mlp_checks, spawn_ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
-@pytest.mark.parametrize("world, rows", [(2, (1, 16)), (4, (3,))])
-def test_every_scheme_colwise_bit_exact_rowwise_close(world, rows, tmp_path):
-    res = spawn_ranks(mlp_checks, world, "cpu", tmp_path, rows=rows)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return spawn_ranks(all_checks, 2, "cpu", tmp_path_factory.mktemp("tp"), rows=(1, 16), hidden=256, inter=1024)
+
+
+def _ok(part):
+    assert "error" not in part, part.get("error")
+    return part
+
+
+def _check_schemes(res):
     assert set(res) == set(MLP_SCHEMES)
     for scheme, r in res.items():
         assert r["colwise_bits_equal"], scheme
@@ -22,8 +30,16 @@ def test_every_scheme_colwise_bit_exact_rowwise_close(world, rows, tmp_path):
         assert r["rel_err"] < 2e-2, (scheme, r["rel_err"])
 
 
-def test_placements_plans_and_errors(tmp_path):
-    res = spawn_ranks(layout_checks, 2, "cpu", tmp_path)
+def test_every_scheme_colwise_bit_exact_rowwise_close(results):
+    _check_schemes(_ok(results["mlp_exact"]))
+
+
+def test_every_scheme_on_four_ranks(tmp_path):
+    _check_schemes(spawn_ranks(mlp_checks, 4, "cpu", tmp_path, rows=(3,)))
+
+
+def test_placements_plans_and_errors(results):
+    res = _ok(results["layouts"])
     assert res["gathered_equal"] and res["dtensor_in_equal"] and res["dtensor_out"]
     assert res["sequence_parallel_equal"]
     assert res["replicated_in_rel"] < 2e-2 and res["dtensor_out_rel"] < 2e-2
@@ -36,21 +52,22 @@ def test_placements_plans_and_errors(tmp_path):
     assert res["untouched"]
 
 
-def test_transformers_llama_with_its_own_plan(tmp_path):
+def test_transformers_llama_with_its_own_plan(results):
     pytest.importorskip("transformers")
-    res = spawn_ranks(llama_checks, 2, "cpu", tmp_path)
+    res = _ok(results["llama"])
     assert res["sharded"] == 2 * 7
     assert res["rel_err"] < 3e-2
 
 
-def test_compiled_fullgraph(tmp_path):
-    res = spawn_ranks(compiled_checks, 2, "cpu", tmp_path)
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w8a8-fp8-block"])
+def test_compiled_fullgraph(results, scheme):
+    """aot_eager on CPU: the graph traces whole (functional all-reduce, the ops) and computes the eager bits."""
+    res = _ok(results[f"compiled_{scheme}"])
     assert res["equal"], res
 
 
-def test_benchmark_stack_plan(tmp_path):
+def test_benchmark_stack_plan(results):
     """``lowbit bench tp``'s stack and plan on CPU ranks: every projection sharded, the outputs agree."""
-    res = spawn_ranks(stack_checks, 2, "cpu", tmp_path)
-    for config, r in res.items():
+    for config, r in _ok(results["stack"]).items():
         assert r["rel_err"] < 3e-2, (config, r)
         assert r["sharded"] == (0 if config == "bf16" else 2 * 7), (config, r)

@@ -148,16 +148,12 @@ def graph_checks(rank: int, world: int, device: str, all_reduce: str = "nccl", s
     parallelize(m, mesh, {"up": "colwise", "gate": "colwise", "down": "rowwise"}, all_reduce=all_reduce)
     x = torch.randn(1, 1, 1024, dtype=torch.bfloat16, device=device)
     equal = True
+    from lowbit.bench.timing import capture_graph
+
+    out = []
     with torch.inference_mode():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                m(x)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            y = m(x)
+        g = capture_graph(lambda: out.append(m(x)), warm=lambda: m(x))
+        (y,) = out
         for i in range(3):
             x.copy_(torch.randn(1, 1, 1024, generator=torch.Generator().manual_seed(i)).to(device, torch.bfloat16))
             g.replay()
@@ -299,7 +295,8 @@ def stack_checks(rank: int, world: int, device: str, configs=("bf16", "lowbit:w4
     return out
 
 
-def all_checks(rank: int, world: int, device: str, rows=(1, 5, 16, 64, 300, 2048)) -> dict:
+def all_checks(rank: int, world: int, device: str, rows=(1, 5, 16, 64, 300, 2048), hidden: int = 1024,
+               inter: int = 4096) -> dict:
     """Every check above in one process group (the kernels compile once per rank): the MLP of every scheme with
     exact and own-size planning, placements, a transformers Llama, CUDA-graph capture with each all-reduce
     (symmetric memory on CUDA only), and a compiled forward (Inductor on CUDA, aot_eager on CPU)."""
@@ -311,13 +308,16 @@ def all_checks(rank: int, world: int, device: str, rows=(1, 5, 16, 64, 300, 2048
         except Exception:  # noqa: BLE001 (each check reports its own failure; the others still run)
             out[name] = {"error": traceback.format_exc()[-3000:]}
 
-    attempt("mlp_exact", mlp_checks, rows=rows, hidden=1024, inter=4096, exact=True)
-    attempt("mlp_own", mlp_checks, rows=rows, hidden=1024, inter=4096, exact=False)
+    attempt("mlp_exact", mlp_checks, rows=rows, hidden=hidden, inter=inter, exact=True)
+    if device == "cuda":  # on CPU the reference runs: no launch plans to differ
+        attempt("mlp_own", mlp_checks, rows=rows, hidden=hidden, inter=inter, exact=False)
     attempt("layouts", layout_checks)
     attempt("llama", llama_checks)
-    reduces = ("nccl", "symm_mem") if device == "cuda" else ("nccl",)
-    for reduce in reduces:
-        attempt(f"graph_{reduce}", graph_checks, all_reduce=reduce)
+    if device == "cuda":
+        for reduce in ("nccl", "symm_mem"):
+            attempt(f"graph_{reduce}", graph_checks, all_reduce=reduce)
+    else:
+        attempt("stack", stack_checks)
     backend = "inductor" if device == "cuda" else "aot_eager"
     for scheme in ("w4a16-nvfp4", "w8a8-fp8-block"):
         attempt(f"compiled_{scheme}", compiled_checks, scheme=scheme, backend=backend)

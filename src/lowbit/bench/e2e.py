@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .timing import capture_graph
+
 
 @dataclass(frozen=True)
 class DecoderShape:
@@ -221,18 +223,13 @@ def decode_graph(model: Decoder, steps: int, start: int) -> float:
     """Tokens/s of replays of one decode step captured in a CUDA graph (token and position updated in place)."""
     tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     pos = torch.tensor([start], device="cuda")
+    def step():
+        nxt = model(tok, pos).argmax(-1, keepdim=True)
+        tok.copy_(nxt)
+        pos.add_(1)
+
     with torch.inference_mode():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                model(tok, pos)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            nxt = model(tok, pos).argmax(-1, keepdim=True)
-            tok.copy_(nxt)
-            pos.add_(1)
+        g = capture_graph(step, warm=lambda: model(tok, pos))
         for _ in range(2):
             g.replay()
         torch.cuda.synchronize()

@@ -14,6 +14,28 @@ from typing import Any
 COPY_BYTES = 1 << 30  # the copied buffer: >= 1 GiB, so the copy streams from HBM (L2 is 50-60 MB)
 
 
+def capture_graph(body: Callable[[], Any], warm: Callable[[], Any] | None = None, warmups: int = 3,
+                  before_capture: Callable[[], Any] | None = None):
+    """A ``torch.cuda.CUDAGraph`` of ``body()``, captured after ``warmups`` calls of ``warm`` (default ``body``) on a
+    side stream, as capture requires (allocators and kernels warmed outside the graph); ``before_capture`` runs
+    between the two (a barrier across ranks). Call it under ``torch.inference_mode()`` when the model needs it."""
+    import torch
+
+    warm = body if warm is None else warm
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            warm()
+    torch.cuda.current_stream().wait_stream(s)
+    if before_capture is not None:
+        before_capture()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g
+
+
 def graph_ms(fn: Callable[[], Any], repeats: int, calls: int = 1) -> float:
     """Milliseconds per call of ``fn`` replayed from a CUDA graph holding ``calls`` calls (mean over ``repeats``
     replays; warmed up on a side stream first, as capture requires). No launch overhead, no L2 flush: the GPU
@@ -22,17 +44,12 @@ def graph_ms(fn: Callable[[], Any], repeats: int, calls: int = 1) -> float:
 
     import torch
 
+    def body():
+        for _ in range(calls):
+            fn()
+
     with torch.inference_mode():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
+        g = capture_graph(body, warm=fn, warmups=2)
         g.replay()
         torch.cuda.synchronize()
         t0 = time.perf_counter()

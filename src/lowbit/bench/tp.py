@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from .e2e import DecoderShape, DecoderBlock
+from .e2e import DecoderBlock, DecoderShape
+from .timing import capture_graph
 
 SHAPES = {
     "llama3-70b": DecoderShape(8192, 28672, 64, 8, 128, 128256, 80),
@@ -143,18 +144,11 @@ def decode_graph_ms(stack: Stack, world: int, start: int, steps: int) -> float:
     """Milliseconds per decode step replayed from a CUDA graph (slowest rank)."""
     h = torch.randn(1, 1, stack.s.hidden, dtype=torch.bfloat16, device="cuda", generator=None)
     pos = torch.tensor([start], device="cuda")
+    def step():
+        h.copy_(stack(h, pos) * 0.5)   # the next step's input, kept at the same scale
+
     with torch.inference_mode():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                stack(h, pos)
-        torch.cuda.current_stream().wait_stream(s)
-        _barrier(world)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = stack(h, pos)
-            h.copy_(out * 0.5)
+        g = capture_graph(step, warm=lambda: stack(h, pos), before_capture=lambda: _barrier(world))
         for _ in range(3):
             g.replay()
         best = math.inf

@@ -159,32 +159,25 @@ class TensorSource:
         return h
 
     def get(self, key: str) -> torch.Tensor:
-        if key not in self.files:
-            raise KeyError(key)
-        path = self.files[key]
-        try:
-            return self._handle(path).get_tensor(key)
-        except (ValueError, FileNotFoundError):
-            raise
-        except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for bad data)
-            raise ValueError(
-                f"{path}: cannot read tensor {key!r} (corrupt or truncated file?): {e}"
-            ) from None
+        return self._read(key, lambda h: h.get_tensor(key), "tensor")
 
     def read_slice(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The part ``index`` (one slice per dim, ``slice(None)`` for whole dims) of tensor ``key``, read with
         safetensors' slice reads: only those bytes of the file are touched, never the whole tensor (how a
         tensor-parallel rank reads its shard)."""
+        return self._read(key, lambda h: h.get_slice(key)[index], f"{index} of tensor")
+
+    def _read(self, key: str, read, what: str) -> torch.Tensor:
         if key not in self.files:
             raise KeyError(key)
         path = self.files[key]
         try:
-            return self._handle(path).get_slice(key)[index]
+            return read(self._handle(path))
         except (ValueError, FileNotFoundError):
             raise
         except Exception as e:  # noqa: BLE001 (safetensors raises its own error types for bad data)
             raise ValueError(
-                f"{path}: cannot read {index} of tensor {key!r} (corrupt or truncated file?): {e}"
+                f"{path}: cannot read {what} {key!r} (corrupt or truncated file?): {e}"
             ) from None
 
     def shape(self, key: str) -> list[int]:
