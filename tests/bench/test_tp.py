@@ -27,7 +27,7 @@ def test_ratios_and_targets():
     assert abs(nccl["decode_graph"] - 0.65) < 1e-9 and nccl["decode_graph_meets"] is False
     assert abs(nccl["prefill"] - 0.54) < 1e-9 and nccl["prefill_meets"] is True
     assert symm["decode_graph_meets"] is True and symm["prefill_meets"] is False
-    assert "decode_eager_meets" not in nccl and set(TARGETS) == {"decode_graph", "prefill"}
+    assert "decode_eager_meets" not in nccl and set(TARGETS) == {"decode_graph", "compiled_graph", "prefill"}
 
 
 def test_table_shows_errors_and_ratios():

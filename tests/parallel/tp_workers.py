@@ -291,7 +291,13 @@ def stack_checks(rank: int, world: int, device: str, configs=("bf16", "lowbit:w4
         par = build_stack(s, 2, 16, config, world, mesh, device)
         sharded = sum(type(m).__name__ in ("ColwiseQuantLinear", "RowwiseQuantLinear") for m in par.modules())
         got = probe_output(par)
-        out[config] = {"rel_err": _rel(got, one), "sharded": sharded}
+        # the decode step as `lowbit bench tp --compile` compiles it: the whole parallel stack in one graph
+        h, pos = got[:, :1].to(device, torch.bfloat16).contiguous(), torch.tensor([3], device=device)
+        with torch.inference_mode():
+            eager = par(h, pos)
+            compiled = torch.compile(par, fullgraph=True, backend="aot_eager")(h, pos)
+        out[config] = {"rel_err": _rel(got, one), "sharded": sharded,
+                       "compiled_equal": bool(torch.equal(eager, compiled))}
     return out
 
 

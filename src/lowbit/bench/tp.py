@@ -7,7 +7,8 @@ column-parallel, o and down row-parallel) on N ranks, and measures:
 
 - decode step time at batch 1 replayed from a CUDA graph (the all-reduces captured in it), the number the
   targets use; also eager, and the graph of the projections alone (norms, the seven quantized projections with
-  their all-reduces, residual adds: the part of the step lowbit makes, without attention and RoPE);
+  their all-reduces, residual adds: the part of the step lowbit makes, without attention and RoPE), and with
+  ``--compile`` the step compiled by ``torch.compile(fullgraph=True)`` before its capture;
 - prefill time of ``--prefill`` tokens, eager (GPU-bound at that size);
 - the agreement of the N-rank output with the one-rank output on the same input.
 
@@ -39,7 +40,7 @@ SHAPES = {
     "tiny": DecoderShape(512, 1024, 8, 4, 64, 512, 2),
 }
 DEFAULT_CONFIGS = ("bf16", "lowbit:w4a16-nvfp4", "lowbit:w8a8-fp8-block")
-TARGETS = {"decode_graph": 0.6, "prefill": 0.55}
+TARGETS = {"decode_graph": 0.6, "compiled_graph": 0.6, "prefill": 0.55}
 PLAN = {"layers.*.q_proj": "colwise", "layers.*.k_proj": "colwise", "layers.*.v_proj": "colwise",
         "layers.*.o_proj": "rowwise", "layers.*.gate_proj": "colwise", "layers.*.up_proj": "colwise",
         "layers.*.down_proj": "rowwise"}
@@ -140,15 +141,19 @@ def _slowest(value: float, world: int) -> float:
     return float(t.item())
 
 
-def decode_graph_ms(stack: Stack, world: int, start: int, steps: int) -> float:
-    """Milliseconds per decode step replayed from a CUDA graph (slowest rank)."""
+def decode_graph_ms(stack: Stack, world: int, start: int, steps: int, compiled: bool = False) -> float:
+    """Milliseconds per decode step replayed from a CUDA graph (slowest rank); ``compiled``: the step is
+    ``torch.compile(fullgraph=True)``'s (Inductor fuses the elementwise ops around the projections), compiled
+    before the capture."""
     h = torch.randn(1, 1, stack.s.hidden, dtype=torch.bfloat16, device="cuda", generator=None)
     pos = torch.tensor([start], device="cuda")
+    forward = torch.compile(stack, fullgraph=True) if compiled else stack
+
     def step():
-        h.copy_(stack(h, pos) * 0.5)   # the next step's input, kept at the same scale
+        h.copy_(forward(h, pos) * 0.5)   # the next step's input, kept at the same scale
 
     with torch.inference_mode():
-        g = capture_graph(step, warm=lambda: stack(h, pos), before_capture=lambda: _barrier(world))
+        g = capture_graph(step, warm=lambda: forward(h, pos), before_capture=lambda: _barrier(world))
         for _ in range(3):
             g.replay()
         best = math.inf
@@ -262,8 +267,12 @@ def rank_main(rank: int, world: int, args: dict, out_dir: str, port: int) -> Non
                         finally:
                             stack.projections_only = False
 
-                    for mode, fn in (("decode_graph", lambda: decode_graph_ms(stack, world, 100, args["steps"])),
-                                     ("projections_graph", projections_graph),
+                    modes = [("decode_graph", lambda: decode_graph_ms(stack, world, 100, args["steps"])),
+                             ("projections_graph", projections_graph)]
+                    if args.get("compile"):
+                        modes.append(("compiled_graph",
+                                      lambda: decode_graph_ms(stack, world, 100, args["steps"], compiled=True)))
+                    for mode, fn in (*modes,
                                      ("decode_eager", lambda: decode_eager_ms(stack, world, 100, 20)),
                                      ("prefill", lambda: prefill_ms(stack, world, args["prefill"]))):
                         try:
@@ -311,7 +320,7 @@ def ratios(rows: list[dict], tp: int) -> list[dict]:
             continue
         base = one[r["config"]]
         entry = {"config": r["config"], "all_reduce": r["all_reduce"], "exact": r.get("exact")}
-        for mode in ("decode_graph", "projections_graph", "decode_eager", "prefill"):
+        for mode in ("decode_graph", "projections_graph", "compiled_graph", "decode_eager", "prefill"):
             a, b = r.get(f"{mode}_ms"), base.get(f"{mode}_ms")
             if a is not None and b:
                 entry[mode] = a / b
@@ -340,7 +349,8 @@ def format_table(result: dict) -> str:
                  f"prefill <= {TARGETS['prefill']}):")
     for e in result["ratios"]:
         parts = [f"{m} {e[m]:.3f}" + (" (met)" if e.get(f"{m}_meets") else " (missed)" if m in TARGETS else "")
-                 for m in ("decode_graph", "projections_graph", "decode_eager", "prefill") if m in e]
+                 for m in ("decode_graph", "projections_graph", "compiled_graph", "decode_eager", "prefill")
+                 if m in e]
         ex = " exact" if e.get("exact") else ""
         lines.append(f"  {e['config']:24} {str(e['all_reduce'] or '-'):>8}{ex}: " + ", ".join(parts))
     return "\n".join(lines)
@@ -358,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N-rank variants of each quantized config: the row-parallel sum (nccl, symm_mem), '+exact' "
                    "for column shards planned as the whole layer (default: %(default)s)")
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (default 2048)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the decode step compiled (torch.compile fullgraph, then the CUDA graph)")
     p.add_argument("--steps", type=int, default=100, help="graph replays per timed window (default 100)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
     return p
@@ -386,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         print("lowbit bench tp: --variants is empty", file=sys.stderr)
         return 2
     conf = {"shape": args.shape, "layers": args.layers, "configs": [c for c in args.configs.split(",") if c],
-            "prefill": args.prefill, "steps": args.steps, "variants": variants}
+            "prefill": args.prefill, "steps": args.steps, "variants": variants, "compile": args.compile}
     from .envinfo import header
 
     result: dict = {"suite": "tp", "header": header(), "tp": args.tp, "args": conf, "rows": [], "ratios": []}
