@@ -102,6 +102,20 @@ def _rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def register_decode_buffers(module: nn.Module, s: DecoderShape, layers: int, batch: int, kv_heads: int,
+                            max_len: int, dtype: torch.dtype, device) -> None:
+    """The non-persistent buffers a decoder's step reads: the static KV cache ``k_cache`` / ``v_cache``
+    ``[layers, batch, kv_heads, max_len, head_dim]``, the RoPE tables ``cos`` / ``sin`` and ``key_pos``."""
+    cache = (layers, batch, kv_heads, max_len, s.head_dim)
+    module.register_buffer("k_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
+    module.register_buffer("v_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, s.head_dim, 2, device=device, dtype=torch.float32) / s.head_dim))
+    ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+    module.register_buffer("cos", ang.cos().to(dtype), persistent=False)
+    module.register_buffer("sin", ang.sin().to(dtype), persistent=False)
+    module.register_buffer("key_pos", torch.arange(max_len, device=device), persistent=False)
+
+
 class Decoder(nn.Module):
     """Llama-style decoder with a static KV cache of ``max_len`` positions (batch ``batch``)."""
 
@@ -112,14 +126,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderBlock(s, dtype, device) for _ in range(s.layers))
         self.norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
         self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False, dtype=dtype, device=device)
-        cache = (s.layers, batch, s.kv_heads, max_len, s.head_dim)
-        self.register_buffer("k_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
-        inv = 1.0 / (500000.0 ** (torch.arange(0, s.head_dim, 2, device=device, dtype=torch.float32) / s.head_dim))
-        ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("cos", ang.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", ang.sin().to(dtype), persistent=False)
-        self.register_buffer("key_pos", torch.arange(max_len, device=device), persistent=False)
+        register_decode_buffers(self, s, s.layers, batch, s.kv_heads, max_len, dtype, device)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
         """Logits of the last position ``[B, vocab]`` for ``tokens [B, T]`` at positions ``pos [T]``."""

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .e2e import DecoderBlock, DecoderShape
+from .e2e import DecoderBlock, DecoderShape, register_decode_buffers
 from .timing import capture_graph
 
 SHAPES = {
@@ -53,15 +53,7 @@ class Stack(torch.nn.Module):
         super().__init__()
         self.s = s
         self.layers = torch.nn.ModuleList()
-        dtype = torch.bfloat16
-        cache = (layers, 1, s.kv_heads // world, max_len, s.head_dim)
-        self.register_buffer("k_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
-        inv = 1.0 / (500000.0 ** (torch.arange(0, s.head_dim, 2, device=device, dtype=torch.float32) / s.head_dim))
-        ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("cos", ang.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", ang.sin().to(dtype), persistent=False)
-        self.register_buffer("key_pos", torch.arange(max_len, device=device), persistent=False)
+        register_decode_buffers(self, s, layers, 1, s.kv_heads // world, max_len, torch.bfloat16, device)
 
     projections_only = False
     """Run only each layer's norms, seven projections (with their all-reduces) and residual adds: the part of a
