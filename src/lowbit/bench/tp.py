@@ -272,7 +272,7 @@ def rank_main(rank: int, world: int, args: dict, out_dir: str, port: int) -> Non
                         except Exception as e:  # noqa: BLE001 (a mode that fails is recorded, the run goes on)
                             row[f"{mode}_error"] = _err(e)
                     row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-                    del stack
+                    stack = None  # freed before the next config is built
                 except Exception as e:  # noqa: BLE001
                     row["error"] = _err(e)
                     traceback.print_exc()
