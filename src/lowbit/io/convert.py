@@ -7,15 +7,22 @@ name and shape rules of :mod:`lowbit.io.rules` decide from the safetensors heade
 
 Memory bound: one source tensor at a time on ``device`` (the fused q/k/v or gate/up siblings are read one by
 one for their shared NVFP4 global scale), its quantized output, plus the output tensors buffered for the file
-being written, which is flushed before it exceeds ``max_shard_size`` (a single tensor larger than that goes
-alone). So peak memory is about ``max_shard_size`` + twice the largest source tensor, whatever the size of the
-checkpoint or of its shards. Output files follow the source shards (one per shard, split into numbered parts
-where a shard's output exceeds ``max_shard_size``).
+being filled, which is handed to the writer before it exceeds ``max_shard_size`` (a single tensor larger than
+that goes alone), plus at most one finished file the writer is still writing. So peak memory is about
+2 x ``max_shard_size`` + twice the largest source tensor, whatever the size of the checkpoint or of its
+shards. Output files follow the source shards (one per shard, split into numbered parts where a shard's output
+exceeds ``max_shard_size``).
+
+Writing overlaps computing: a finished file (a shard's output, or one numbered part of it) is written and
+fsynced by one background thread per process while the next is quantized, so a process takes about the
+larger of its compute and its writes rather than their sum (ranks sharing one disk otherwise wait for each
+other's writes with their devices idle). At most one write is pending: handing over the next file waits for
+the previous one, and a write's error is raised in the converting thread there or at the end of its shards.
 
 Resumable: work happens in ``.<out_name>.lowbit-convert.tmp`` next to ``out_dir``; each finished output shard
-is recorded in ``progress.json`` there (``progress.rank<r>.json`` for rank ``r`` of several; after the shard
-file is fsynced and renamed into place). A rerun with the same source, scheme and format, on any number of
-processes, skips the shards finished by any of them. The last step renames the temp directory to ``out_dir`` in
+is recorded in ``progress.json`` there (``progress.rank<r>.json`` for rank ``r`` of several; by the writer,
+after the shard's files are fsynced and renamed into place). A rerun with the same source, scheme and format,
+on any number of processes, skips the shards finished by any of them. The last step renames the temp directory to ``out_dir`` in
 one operation, so ``out_dir`` never holds a half checkpoint.
 
 Several processes (``rank``/``world_size``, a ``torch.distributed`` process group or torchrun's environment):
@@ -32,7 +39,9 @@ import re
 import shutil
 import sys
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +90,9 @@ from .rules import check_patterns, matches, select_linear_weights
 MANIFEST = "progress.json"
 RANK_MANIFEST = re.compile(r"progress\.rank\d+\.json")
 _LINEAR_FALLBACK_SKIP = ("*embed*", "*norm*", "*wte*", "*wpe*", "*lm_head*", "*ln_*", "*layernorm*")
+# False: every file is written in the converting thread before the next tensor is read (the sequential
+# reference the tests compare the overlapped writer's bytes with); not a user option, the output is the same
+_OVERLAP_WRITES = True
 
 
 def _progress(total: int, enabled: bool, label: str = "lowbit convert"):
@@ -235,41 +247,112 @@ def _convert_shard(
             bar.update(1)
 
 
+class _Writer:
+    """Writes finished output files in one background thread while the converting thread computes the next.
+
+    ``submit`` first waits for the write before it (raising that write's error, if any, in the caller), so at
+    most one write is pending and at most one finished file is held in memory besides the one being filled.
+    ``close`` waits for the last write and raises its error; ``abort`` (for the caller's own error, interrupts
+    included) waits for the pending write too, so the writer thread never outlives the conversion call and a
+    file that was computed is still written and recorded for a rerun. ``overlap=False`` runs every write in the
+    calling thread, in the same order, with the same bytes.
+    """
+
+    def __init__(self, overlap: bool) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowbit-convert-writer") if overlap else None
+        self._pending: Future | None = None
+
+    def submit(self, fn: Callable[..., None], /, *args: Any) -> None:
+        self.wait()
+        if self._pool is None:
+            fn(*args)
+        else:
+            self._pending = self._pool.submit(fn, *args)
+
+    def wait(self) -> None:
+        """Block until the pending write is done; its error is raised here."""
+        pending = self._pending
+        if pending is None:
+            return
+        futures_wait([pending])  # an interrupt while waiting leaves the write pending, for abort to join
+        self._pending = None
+        pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._shutdown()
+
+    def abort(self, error: BaseException) -> None:
+        """Join the writer after ``error`` stopped the caller; a failed pending write is added to ``error``'s
+        notes (``error`` is what propagates: it is why the conversion stopped)."""
+        pending, self._pending = self._pending, None
+        try:
+            # exception() waits without raising the write's error; an interrupt while waiting still propagates
+            failed = pending.exception() if pending is not None else None
+            if failed is not None and failed is not error:
+                note = ("lowbit.convert_checkpoint: the pending background write failed too: "
+                        f"{type(failed).__name__}: {failed}")
+                if hasattr(error, "add_note"):
+                    error.add_note(note)
+                else:  # Python 3.10
+                    warnings.warn(note, stacklevel=3)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _write_file(tensors: dict[str, torch.Tensor], path: Path, finish: Callable[[], None] | None) -> None:
+    """One writer job: a part file (temp name, fsync, rename), then, for a shard's last part, ``finish``."""
+    save_safetensors(tensors, path)  # looked up here, so tests can make it fail
+    if finish is not None:
+        finish()
+
+
 def _write_shard(
-    src_file: Path, out_name: str, outputs, tmp: Path, limit: int
-) -> dict[str, dict]:
+    src_file: Path, out_name: str, outputs, tmp: Path, limit: int, writer: _Writer,
+    record: Callable[[dict[str, dict]], None],
+) -> None:
     """Write one source shard's outputs as ``out_name`` or, past ``limit`` bytes, as numbered parts; the buffer
-    is flushed before a tensor would take it over ``limit``. Returns the manifest entries of the files."""
+    is handed to ``writer`` before a tensor would take it over ``limit``. Once the last part is on disk the
+    writer renames the parts to their final names and calls ``record`` with their manifest entries."""
     stem = out_name.removesuffix(".safetensors")
     parts: list[tuple[Path, dict]] = []
     buf: dict[str, torch.Tensor] = {}
     infos: dict[str, dict] = {}
     size = 0
 
-    def flush() -> None:
+    def finish(parts: list[tuple[Path, dict]]) -> None:
+        out: dict[str, dict] = {}
+        for i, (path, entry) in enumerate(parts):
+            name = out_name if len(parts) == 1 else f"{stem}-part{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            path.replace(tmp / name)
+            out[name] = entry
+        record(out)
+
+    def flush(last: bool) -> None:
         nonlocal buf, infos, size
         path = tmp / f".{stem}.part{len(parts):05d}.safetensors"
-        save_safetensors(buf, path)
         parts.append((path, {"source": src_file.name, "keys": list(buf), "bytes": size, "modules": infos}))
-        buf, infos, size = {}, {}, 0
+        tensors, buf, infos, size = buf, {}, {}, 0
+        # the part count, hence the final names, is known only once the last part is handed over
+        writer.submit(_write_file, tensors, path, (lambda p=list(parts): finish(p)) if last else None)
 
     for tensors, info in outputs:
         n = sum(tensor_nbytes(v) for v in tensors.values())
         if buf and size + n > limit:
-            flush()
+            flush(last=False)
         buf.update(tensors)
         size += n
         if info is not None:
             infos[info[0]] = info[1]
         del tensors
-    if buf or not parts:
-        flush()
-    out: dict[str, dict] = {}
-    for i, (path, entry) in enumerate(parts):
-        name = out_name if len(parts) == 1 else f"{stem}-part{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        path.replace(tmp / name)
-        out[name] = entry
-    return out
+    flush(last=True)
 
 
 class _Plan:
@@ -430,15 +513,28 @@ def _convert_shards(
     bar = _progress(total, progress, label)
     if bar is not None:
         bar.update(done_count)
+
+    def recorder(i: int, out_name: str) -> Callable[[dict[str, dict]], None]:
+        # runs in the writer thread once the shard's files are on disk: the only place the manifest changes
+        def record(entries: dict[str, dict]) -> None:
+            manifest["shards"].update(entries)
+            write_json(manifest_path, manifest)
+            if bar is None and progress:
+                print(f"{label}: shard {i + 1}/{len(todo)} {out_name} done", file=sys.stderr)
+
+        return record
+
+    writer = _Writer(_OVERLAP_WRITES)
     try:
         for i, src_file in enumerate(todo):
             out_name = SINGLE_FILE if plan.single else src_file.name
             outputs = _convert_shard(plan.shard_keys[src_file], plan.source, plan.targets, plan.scheme, plan.layout,
                                      dev, plan.global_scale, bar)
-            manifest["shards"].update(_write_shard(src_file, out_name, outputs, tmp, plan.limit))
-            write_json(manifest_path, manifest)
-            if bar is None and progress:
-                print(f"{label}: shard {i + 1}/{len(todo)} {out_name} done", file=sys.stderr)
+            _write_shard(src_file, out_name, outputs, tmp, plan.limit, writer, recorder(i, out_name))
+        writer.close()
+    except BaseException as e:
+        writer.abort(e)
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -534,7 +630,9 @@ def convert_checkpoint(
             and quantizes the weights exactly as LightX2V's converter does.
         overwrite: replace an existing ``out_dir``.
         max_shard_size: bound on the output buffered in memory per file (``"5GB"``, ``"500MB"`` or bytes): a
-            source shard whose output is larger is written in numbered parts.
+            source shard whose output is larger is written in numbered parts. A finished file is written in the
+            background while the next is filled, so peak memory is about twice this plus twice the largest
+            source tensor.
         model_class, trust_remote_code: for building the model skeleton (meta device) that says which tensors
             are Linear weights; without transformers, or for diffusers/bare folders, the rules of
             :mod:`lowbit.io.rules` decide.
