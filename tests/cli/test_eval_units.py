@@ -84,7 +84,7 @@ def test_calibrated_w4a4_nvfp4(bundled_dir, tmp_path):
     """--calib: the in-memory path (quantize_model with calibration + save_quantized) writes static NVFP4
     activation scales, and the checkpoint still evaluates to a sane quality."""
     from lowbit.eval import run
-    from lowbit.eval.checkpoint_info import read_header
+    from lowbit.eval.safetensors_header import read_header
 
     report = run(None, "w4a4-nvfp4", tmp_path, calib=8, log=None, plot=False)
     (r,) = report["schemes"]

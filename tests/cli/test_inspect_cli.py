@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import lowbit
-from lowbit.eval.checkpoint_info import inspect_checkpoint, read_header
+from lowbit.eval.checkpoint_info import inspect_checkpoint
+from lowbit.eval.safetensors_header import read_header
 
 from ._helpers import run_cli
 
