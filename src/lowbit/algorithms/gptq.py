@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from ..formats.qtensor import QTensor
+from ..nn.quantize import recording_inputs, warn_layers
 from .grids import GRID_FORMATS, Grid, grid_for
 
 
@@ -303,19 +303,8 @@ def apply_gptq(
 
     for stage in _stages(targets, config.sequential):
         acc = {n: HessianAccumulator(targets[n].in_features, targets[n].weight.device) for n in stage}
-
-        def hook(name):
-            def fn(module, args):
-                acc[name].add(args[0])
-
-            return fn
-
-        handles = [targets[n].register_forward_pre_hook(hook(n)) for n in stage]
-        try:
+        with recording_inputs({n: targets[n] for n in stage}, lambda name, x: acc[name].add(x)):
             run_calibration()
-        finally:
-            for h in handles:
-                h.remove()
         for n in stage:
             lin = targets[n]
             fmt, opts = quantize_options(n, lin)
@@ -338,13 +327,8 @@ def apply_gptq(
             replace(n, build(n, lin, q))
         if log is not None:
             log(f"gptq: {', '.join(stage)}")
-    fallback = {n: w for n, w in how.items() if w != "gptq"}
-    if fallback:
-        warnings.warn(
-            f"lowbit GPTQ: {len(fallback)} layer(s) rounded to nearest instead: "
-            + "; ".join(f"{n} ({w.split(': ', 1)[1]})" for n, w in fallback.items()),
-            stacklevel=3,
-        )
+    fallback = [f"{n} ({w.split(': ', 1)[1]})" for n, w in how.items() if w != "gptq"]
+    warn_layers("lowbit GPTQ", "rounded to nearest instead", fallback, stacklevel=3)
     return how
 
 

@@ -31,13 +31,14 @@ holds one (the saved weights would be ``W R`` without the ``x R`` that goes with
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..nn.quantize import warn_layers
 
 INPUT_TRANSFORM = "input_transform"
 """Name of the :class:`InputTransform` child a layer with an online input transform holds."""
@@ -372,13 +373,8 @@ def apply_rotation(
         w.copy_(w_rot.to(w.dtype))
         attach_input_transform(lin, InputTransform(k, signs, block).to(w.device))
         how[name] = "online"
-    skipped = {n: h for n, h in how.items() if h.startswith("not rotated")}
-    if skipped:
-        warnings.warn(
-            f"lowbit rotate: {len(skipped)} layer(s) keep their input unrotated: "
-            + "; ".join(f"{n} ({h.split(': ', 1)[1]})" for n, h in skipped.items()),
-            stacklevel=3,
-        )
+    skipped = [f"{n} ({h.split(': ', 1)[1]})" for n, h in how.items() if h.startswith("not rotated")]
+    warn_layers("lowbit rotate", "keep their input unrotated", skipped, stacklevel=3)
     return how
 
 

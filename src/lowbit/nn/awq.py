@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .quantize import recording_inputs
+
 N_GRID = 20
 """Grid points for alpha in [0, 1)."""
 MAX_ROWS = 4096
@@ -123,19 +125,11 @@ def _collect_inputs(model: nn.Module, groups: list[AwqGroup], run) -> dict[str, 
     first = {g.linears[0] for g in groups}
     rows: dict[str, list[torch.Tensor]] = {n: [] for n in first}
 
-    def hook(name):
-        def fn(module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
-            rows[name].append(x)
+    def record(name: str, x: torch.Tensor) -> None:
+        rows[name].append(x.detach().reshape(-1, x.shape[-1]).float().cpu())
 
-        return fn
-
-    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in first]
-    try:
+    with recording_inputs({n: modules[n] for n in first}, record):
         run()
-    finally:
-        for h in handles:
-            h.remove()
     out = {}
     for n, xs in rows.items():
         if xs:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -96,17 +97,19 @@ def _batches(calibration: Iterable[Any]):
     yield from calibration
 
 
-def _to(obj: Any, device: torch.device) -> Any:
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it (through dicts, lists and tuples) moved to ``device``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, Mapping):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
+        return type(obj)(to_device(v, device) for v in obj)
     return obj
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (else first buffer; CPU for a model holding neither)."""
     for t in model.parameters():
         return t.device
     for t in model.buffers():
@@ -150,13 +153,13 @@ def run_calibration(model: nn.Module, calibration: Iterable[Any]) -> int:
     _check_calibration(calibration)
     if callable(calibration):
         return _run_callable(model, calibration)
-    device = _model_device(model)
+    device = model_device(model)
     was_training = model.training
     model.eval()
     n = 0
     try:
         for batch in _batches(calibration):
-            batch = _to(batch, device)
+            batch = to_device(batch, device)
             if isinstance(batch, Mapping):
                 model(**batch)
             elif isinstance(batch, (tuple, list)):
@@ -179,20 +182,34 @@ def calibrate_absmax(
     absmax (fp32 scalar over the finite values). Layers that never ran are missing from the result."""
     absmax: dict[str, torch.Tensor] = {}
 
+    def record(name: str, x: torch.Tensor) -> None:
+        a = finite_amax(x).float()
+        absmax[name] = a if name not in absmax else torch.maximum(absmax[name], a)
+
+    with recording_inputs(layers, record):
+        run_calibration(model, calibration)
+    return absmax
+
+
+@contextlib.contextmanager
+def recording_inputs(
+    layers: Mapping[str, nn.Module], record: Callable[[str, torch.Tensor], None]
+) -> Iterator[None]:
+    """While open, every call of a module of ``layers`` first hands its name and its first positional input to
+    ``record`` (forward pre-hooks, removed on exit): how calibration sees each layer's inputs."""
+
     def hook(name):
         def fn(module, args):
-            a = finite_amax(args[0]).float()
-            absmax[name] = a if name not in absmax else torch.maximum(absmax[name], a)
+            record(name, args[0])
 
         return fn
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
     try:
-        run_calibration(model, calibration)
+        yield
     finally:
         for h in handles:
             h.remove()
-    return absmax
 
 
 def activation_global_scale(absmax: torch.Tensor) -> torch.Tensor:
@@ -220,13 +237,17 @@ def _targets(model: nn.Module, scheme: Scheme, patterns: tuple[str, ...], caller
             f"{caller}: no nn.Linear layer can take scheme {scheme.name} "
             f"({len(layers)} Linear layers, skip={list(patterns)}){detail}"
         )
-    if unsupported:
-        warnings.warn(
-            f"lowbit.{caller}: {len(unsupported)} layer(s) left unquantized, their shapes do not fit "
-            f"{scheme.name}: " + "; ".join(unsupported),
-            stacklevel=3,
-        )
+    warn_layers(f"lowbit.{caller}", f"left unquantized, their shapes do not fit {scheme.name}", unsupported,
+                stacklevel=3)
     return targets
+
+
+def warn_layers(prefix: str, what: str, layers: Sequence[str], stacklevel: int) -> None:
+    """One warning about several layers, ``"<prefix>: <n> layer(s) <what>: <layer>; <layer>; ..."`` (none when
+    ``layers`` is empty); ``stacklevel`` counts from the caller, as ``warnings.warn``'s does."""
+    if layers:
+        warnings.warn(f"{prefix}: {len(layers)} layer(s) {what}: " + "; ".join(layers),
+                      stacklevel=stacklevel + 1)
 
 
 def _apply_transforms(model: nn.Module, targets: Mapping[str, nn.Linear], scheme: Scheme, plan: Any,
