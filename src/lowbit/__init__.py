@@ -8,8 +8,9 @@ __version__ = "0.1.0"
 from . import formats, io, nn
 from .api import dequantize, quantize
 from .formats import FORMATS, QTensor, swizzle_scales, unswizzle_scales
-from .io.checkpoint import load_quantized, save_quantized
+from .io.load import load_quantized
 from .io.convert import convert_checkpoint
+from .io.save import save_quantized
 from .nn import SCHEMES, quantize_model
 from .ops import explain, linear, scaled_mm
 

@@ -505,7 +505,7 @@ def test_convert_errors(tmp_path, llama, sharded_src, saved):
 
 @pytest.mark.parametrize("scheme", ["w4a16-nf4", "w4a4-nvfp4", "w4a16-fp4b32"])
 def test_inspect_checkpoint(tmp_path, llama, scheme):
-    from lowbit.io.checkpoint import inspect_checkpoint
+    from lowbit.io.inspection import inspect_checkpoint
 
     q = lowbit.quantize_model(copy.deepcopy(llama), scheme, calibration=[IDS])
     out = lowbit.save_quantized(q, tmp_path / "c")
