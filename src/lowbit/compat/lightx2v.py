@@ -230,15 +230,16 @@ def _mm(a_fmt, b_fmt, mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn
     return scaled_mm(qa, qb, alpha, bias, torch.bfloat16)
 
 
-def _check_fp4_operands(mat_a, mat_b, fn: str) -> tuple[int, int, int]:
-    _check_input(mat_a, torch.uint8, "a", fn, "two FP4 E2M1 codes per byte")
-    _check_input(mat_b, torch.uint8, "b", fn, "two FP4 E2M1 codes per byte")
+def _check_operands(mat_a, mat_b, what: str, fn: str) -> tuple[int, int, int]:
+    """``(m, n, columns)`` of two uint8 operands of the same encoding (``what``) and the same column count."""
+    _check_input(mat_a, torch.uint8, "a", fn, what)
+    _check_input(mat_b, torch.uint8, "b", fn, what)
     if mat_a.shape[1] != mat_b.shape[1]:
         raise ValueError(
             f"{fn}: a and b shapes cannot be multiplied ({mat_a.shape[0]}x{mat_a.shape[1]} and "
             f"{mat_b.shape[0]}x{mat_b.shape[1]})"
         )
-    return mat_a.shape[0], mat_b.shape[0], mat_a.shape[1] * 2
+    return mat_a.shape[0], mat_b.shape[0], mat_a.shape[1]
 
 
 def cutlass_scaled_nvfp4_mm(
@@ -260,7 +261,8 @@ def cutlass_scaled_nvfp4_mm(
     ``k % 32 == 0`` and ``n % 32 == 0`` (upstream's CUTLASS alignment).
     """
     fn = "cutlass_scaled_nvfp4_mm"
-    m, n, k = _check_fp4_operands(mat_a, mat_b, fn)
+    m, n, cols = _check_operands(mat_a, mat_b, "two FP4 E2M1 codes per byte", fn)
+    k = cols * 2
     _check_alignment(k, n, 32, 32, mat_a, mat_b, fn)
     _check_scales(scales_a, scales_b, m, n, k, 16, torch.float8_e4m3fn, fn)
     return _mm("nvfp4", "nvfp4", mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
@@ -277,17 +279,23 @@ def cutlass_scaled_mxfp4_mm(
     """MXFP4 x MXFP4: as :func:`cutlass_scaled_nvfp4_mm` with float8_e8m0fnu scales
     ``[round_up(m|n, 128), round_up(k/32, 4)]``; ``k % 128 == 0`` and ``n % 128 == 0``."""
     fn = "cutlass_scaled_mxfp4_mm"
-    m, n, k = _check_fp4_operands(mat_a, mat_b, fn)
+    m, n, cols = _check_operands(mat_a, mat_b, "two FP4 E2M1 codes per byte", fn)
+    k = cols * 2
     _check_alignment(k, n, 128, 128, mat_a, mat_b, fn)
     _check_scales(scales_a, scales_b, m, n, k, 32, torch.float8_e8m0fnu, fn)
     return _mm("mxfp4", "mxfp4", mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
 
 
-def _check_mx_k(k: int, fn: str) -> None:
+def _mxfp8_act_mm(b_fmt, mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn) -> torch.Tensor:
+    """The GEMMs with an MXFP8 activation: upstream's ``k % 16`` / ``n % 128`` alignment, ``k % 32`` for the
+    E8M0 scale blocks, then the scales."""
+    _check_alignment(k, n, 16, 128, mat_a, mat_b, fn)
     if k % 32:
         raise ValueError(
             f"{fn}: Expected k to be divisible by 32 (one E8M0 scale per 32 elements), but got k: {k}."
         )
+    _check_scales(scales_a, scales_b, m, n, k, 32, torch.float8_e8m0fnu, fn)
+    return _mm("mxfp8_e4m3", b_fmt, mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
 
 
 def cutlass_scaled_mxfp8_mm(
@@ -302,18 +310,8 @@ def cutlass_scaled_mxfp8_mm(
     scales ``[round_up(m|n, 128), round_up(k/32, 4)]``; ``k % 16 == 0`` (and ``% 32`` for the scale blocks),
     ``n % 128 == 0``. Returns bfloat16 ``[m, n]``."""
     fn = "cutlass_scaled_mxfp8_mm"
-    _check_input(mat_a, torch.uint8, "a", fn, "FP8 E4M3 bytes")
-    _check_input(mat_b, torch.uint8, "b", fn, "FP8 E4M3 bytes")
-    if mat_a.shape[1] != mat_b.shape[1]:
-        raise ValueError(
-            f"{fn}: a and b shapes cannot be multiplied ({mat_a.shape[0]}x{mat_a.shape[1]} and "
-            f"{mat_b.shape[0]}x{mat_b.shape[1]})"
-        )
-    m, n, k = mat_a.shape[0], mat_b.shape[0], mat_a.shape[1]
-    _check_alignment(k, n, 16, 128, mat_a, mat_b, fn)
-    _check_mx_k(k, fn)
-    _check_scales(scales_a, scales_b, m, n, k, 32, torch.float8_e8m0fnu, fn)
-    return _mm("mxfp8_e4m3", "mxfp8_e4m3", mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
+    m, n, k = _check_operands(mat_a, mat_b, "FP8 E4M3 bytes", fn)
+    return _mxfp8_act_mm("mxfp8_e4m3", mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
 
 
 def cutlass_scaled_mxfp6_mxfp8_mm(
@@ -337,10 +335,7 @@ def cutlass_scaled_mxfp6_mxfp8_mm(
             f"{fn}: a and b shapes cannot be multiplied ({mat_a.shape[0]}x{mat_a.shape[1]} MXFP8 and "
             f"{mat_b.shape[0]}x{mat_b.shape[1]} MXFP6: b must have 3k/4 = {3 * k / 4:g} columns)"
         )
-    _check_alignment(k, n, 16, 128, mat_a, mat_b, fn)
-    _check_mx_k(k, fn)
-    _check_scales(scales_a, scales_b, m, n, k, 32, torch.float8_e8m0fnu, fn)
-    return _mm("mxfp8_e4m3", "mxfp6_e3m2", mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
+    return _mxfp8_act_mm("mxfp6_e3m2", mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
 
 
 __all__ = [
