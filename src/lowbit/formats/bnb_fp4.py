@@ -87,17 +87,10 @@ def check_bnb_fp4_qtensor(q: QTensor) -> tuple[int, int, bool]:
 
 
 def dequantize_bnb_fp4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode a bnb_fp4 QTensor: ``BNB_FP4[code] * absmax[block]`` in fp32, then cast to ``dtype``; bitsandbytes
+    """Decode a bnb_fp4 QTensor (from :func:`quantize_bnb_fp4`) into a ``dtype`` (float32, bfloat16 or float16)
+    tensor of shape ``q.shape``: ``BNB_FP4[code] * absmax[block]`` in fp32, then cast; bitsandbytes
     ``dequantize_4bit(..., quant_type="fp4")`` on CPU bit for bit (the conversions and the logical shape as
-    ``formats.nf4.dequantize_nf4`` describes).
-
-    Args:
-        q: QTensor from :func:`quantize_bnb_fp4`.
-        dtype: float32, bfloat16 or float16.
-
-    Returns:
-        ``dtype`` tensor of shape ``q.shape``.
-    """
+    ``formats.nf4.dequantize_nf4`` describes)."""
     check_bnb_fp4_qtensor(q)
     return dequantize_bnb_4bit(q, dtype)
 

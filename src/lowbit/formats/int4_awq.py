@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_2d
 from .codecs import true_div
 from .qtensor import QTensor
 
@@ -76,15 +77,6 @@ def _check_nibble_values(values: torch.Tensor, name: str) -> None:
         )
 
 
-def _check_words(words: torch.Tensor, name: str) -> None:
-    if not isinstance(words, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(words).__name__}")
-    if words.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32 (8 nibbles per word), got {words.dtype}")
-    if words.dim() != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {tuple(words.shape)}")
-
-
 def pack_awq(intweight: torch.Tensor) -> torch.Tensor:
     """Pack 4-bit values along the last dim in AutoAWQ's interleaved order.
 
@@ -117,7 +109,7 @@ def unpack_awq(qweight: torch.Tensor) -> torch.Tensor:
     Returns:
         int32 ``[rows, cols]`` with values in ``[0, 15]``, in natural column order.
     """
-    _check_words(qweight, "qweight")
+    check_2d(qweight, "qweight", torch.int32)
     rows, words = qweight.shape
     # scalar shifts, no index tensor: nothing is copied from the host (safe inside CUDA graph capture)
     nibbles = torch.stack([(qweight >> (4 * AWQ_REVERSE_ORDER[j])) & 0xF for j in range(8)], dim=-1)
@@ -166,7 +158,7 @@ def unpack_int4_sequential(words: torch.Tensor, n: int, dim: int = -1) -> torch.
     Returns:
         int32 tensor with ``n`` values in ``[0, 15]`` along ``dim``.
     """
-    _check_words(words, "words")
+    check_2d(words, "words", torch.int32)
     if dim not in (0, 1, -1, -2):
         raise ValueError(f"dim must be 0, 1, -1 or -2, got {dim}")
     w = words.t() if dim in (0, -2) else words

@@ -236,24 +236,18 @@ def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weig
         )
     scale = _expect(tensors, f"{prefix}.absmax", torch.uint8 if nested else torch.float32, nblocks)
     params = {"blocksize": blocksize, "double_quant": nested}
-    if not nested:
-        return QTensor(
-            data=data.clone(),
-            scale=scale.detach().clone(),
-            fmt=fmt,
-            shape=shape,
-            dtype=dtype,
-            params=params,
-        )
-    nested_map = _expect(tensors, f"{prefix}.nested_quant_map", torch.float32, 256)
-    if not torch.equal(nested_map.detach().cpu(), dynamic_map()):
-        raise ValueError(
-            f"{prefix}.nested_quant_map is not bitsandbytes' default signed dynamic map; "
-            "lowbit cannot represent a custom map"
-        )
-    nested_scale = _expect(tensors, f"{prefix}.nested_absmax", torch.float32, -(-nblocks // NESTED_BLOCKSIZE))
-    # bitsandbytes rounds the JSON number to fp32 the same way (QuantState.from_dict)
-    nested_offset = torch.tensor(float(offset), dtype=torch.float32, device=scale.device)
+    nested_scale = nested_offset = None
+    if nested:
+        nested_map = _expect(tensors, f"{prefix}.nested_quant_map", torch.float32, 256)
+        if not torch.equal(nested_map.detach().cpu(), dynamic_map()):
+            raise ValueError(
+                f"{prefix}.nested_quant_map is not bitsandbytes' default signed dynamic map; "
+                "lowbit cannot represent a custom map"
+            )
+        n_nested = -(-nblocks // NESTED_BLOCKSIZE)
+        nested_scale = _expect(tensors, f"{prefix}.nested_absmax", torch.float32, n_nested).detach().clone()
+        # bitsandbytes rounds the JSON number to fp32 the same way (QuantState.from_dict)
+        nested_offset = torch.tensor(float(offset), dtype=torch.float32, device=scale.device)
     return QTensor(
         data=data.clone(),
         scale=scale.detach().clone(),
@@ -261,7 +255,7 @@ def from_bnb_state_dict(tensors: Mapping[str, torch.Tensor], prefix: str = "weig
         shape=shape,
         dtype=dtype,
         params=params,
-        nested_scale=nested_scale.detach().clone(),
+        nested_scale=nested_scale,
         nested_offset=nested_offset,
     )
 
