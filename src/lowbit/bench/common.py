@@ -1,4 +1,5 @@
-"""Helpers the op modules share: inputs, weight copies rotated out of L2, tolerance checks, optional baselines.
+"""Helpers the op modules share (inputs, weight copies rotated out of L2, tolerance checks, optional baselines)
+and the command-line benchmarks (``--modes`` and ``--device``, errors in result rows).
 
 Nothing here runs at import; torch is imported by the callers anyway (``lowbit`` needs it).
 """
@@ -6,6 +7,7 @@ Nothing here runs at import; torch is imported by the callers anyway (``lowbit``
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -121,3 +123,27 @@ def optional(build: Callable[[], Callable[[], Any]], package: str) -> Baseline:
 
 def on_cuda(device: str) -> bool:
     return torch.device(device).type == "cuda"
+
+
+def short_error(e: BaseException) -> str:
+    """``"<ExceptionType>: <first line of the message, at most 300 characters>"``, as result rows hold errors."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def modes_and_device(prog: str, modes: str, known: Sequence[str], device: str,
+                     cuda_only: Sequence[str]) -> tuple[list[str], torch.device] | None:
+    """A benchmark command's ``--modes`` (comma-separated, each one of ``known``) and ``--device``; the modes
+    of ``cuda_only`` are dropped off CUDA. None after printing why to stderr: an unknown mode, or CUDA asked
+    for on a machine without it."""
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [m for m in chosen if m not in known]
+    if bad:
+        print(f"{prog}: unknown modes {bad}; known: {', '.join(known)}", file=sys.stderr)
+        return None
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU (or --device cpu with --shape tiny)", file=sys.stderr)
+        return None
+    if dev.type != "cuda":
+        chosen = [m for m in chosen if m not in cuda_only]
+    return chosen, dev

@@ -37,6 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .common import modes_and_device, short_error
+from .timing import sync
+
 
 @dataclass(frozen=True)
 class DiTShape:
@@ -190,22 +193,17 @@ def weight_bytes(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_eager(fn: Callable[[], Any], device, repeats: int, warmup: int = 2) -> float:
     """Milliseconds of one call: the best of ``repeats`` synchronized calls after ``warmup``."""
     with torch.inference_mode():
         for _ in range(warmup):
             fn()
-        _sync(device)
+        sync(device)
         best = math.inf
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             best = min(best, time.perf_counter() - t0)
     return best * 1e3
 
@@ -226,16 +224,12 @@ def time_compiled(model: nn.Module, inputs: tuple, device, repeats: int) -> dict
     with torch.inference_mode():
         t0 = time.perf_counter()
         fn(*inputs)
-        _sync(device)
+        sync(device)
         compile_s = time.perf_counter() - t0
     return {"ms": time_eager(lambda: fn(*inputs), device, repeats), "compile_s": compile_s}
 
 
 # ---------------------------------------------------------------------------------------------- the run
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def _quality(out: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -254,7 +248,7 @@ def run_config(config: str, s: DiTShape, args: argparse.Namespace, device, refer
     try:
         model = apply_config(build_dit(s, device), config)
     except Exception as e:  # noqa: BLE001 - a config that cannot be built is reported, the run goes on
-        row["errors"]["build"] = _err(e)
+        row["errors"]["build"] = short_error(e)
         return row
     row["weight_gb"] = weight_bytes(model) / 1e9
     for i, tokens in enumerate(args.tokens):
@@ -263,7 +257,7 @@ def run_config(config: str, s: DiTShape, args: argparse.Namespace, device, refer
         try:
             inputs = make_inputs(s, tokens, device)
         except Exception as e:  # noqa: BLE001 (out of memory at a large token count)
-            row["errors"][f"{tokens}/inputs"] = _err(e)
+            row["errors"][f"{tokens}/inputs"] = short_error(e)
             continue
 
         def attempt(name: str, fn: Callable[[], Any], _tokens=tokens, _cell=cell) -> None:
@@ -272,7 +266,7 @@ def run_config(config: str, s: DiTShape, args: argparse.Namespace, device, refer
             try:
                 _cell[name] = fn()
             except Exception as e:  # noqa: BLE001
-                row["errors"][f"{_tokens}/{name}"] = _err(e)
+                row["errors"][f"{_tokens}/{name}"] = short_error(e)
             gc.collect()
 
         if i == 0:
@@ -285,7 +279,7 @@ def run_config(config: str, s: DiTShape, args: argparse.Namespace, device, refer
                     row["quality"] = {"tokens": tokens, **_quality(out, reference[tokens])}
                 del out
             except Exception as e:  # noqa: BLE001
-                row["errors"][f"{tokens}/quality"] = _err(e)
+                row["errors"][f"{tokens}/quality"] = short_error(e)
         attempt("eager", lambda _in=inputs: time_eager(lambda: model(*_in), device, args.repeats))
         attempt("graph", lambda _in=inputs: time_graph(lambda: model(*_in), args.repeats))
         attempt("compile", lambda _in=inputs: time_compiled(model, _in, device, args.repeats))
@@ -375,20 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
-    if bad:
-        print(f"lowbit dit: unknown modes {bad}; known: {', '.join(MODES)}", file=sys.stderr)
-        return 2
     if args.repeats < 1 or (args.blocks is not None and args.blocks < 1):
         print("lowbit dit: --repeats and --blocks must be >= 1", file=sys.stderr)
         return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("lowbit dit: needs a CUDA GPU (or --device cpu with --shape tiny)", file=sys.stderr)
+    parsed = modes_and_device("lowbit dit", args.modes, MODES, args.device, cuda_only=("graph",))
+    if parsed is None:
         return 2
-    if device.type != "cuda":
-        args.modes = [m for m in args.modes if m != "graph"]  # CUDA graphs need CUDA
+    args.modes, device = parsed
     s = SHAPES[args.shape]
     if args.blocks is not None:
         s = DiTShape(**{**asdict(s), "blocks": args.blocks})

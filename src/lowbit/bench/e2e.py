@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .timing import capture_graph
+from .common import modes_and_device, short_error
+from .timing import capture_graph, replay_seconds, sync
 
 
 @dataclass(frozen=True)
@@ -217,11 +218,6 @@ def weight_bytes(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 REPEATS = 3
 """Timed windows per decode mode; the best is reported (the lent machines' host CPUs are shared and noisy)."""
 
@@ -237,14 +233,7 @@ def decode_graph(model: Decoder, steps: int, start: int) -> float:
 
     with torch.inference_mode():
         g = capture_graph(step, warm=lambda: model(tok, pos))
-        for _ in range(2):
-            g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            g.replay()
-        torch.cuda.synchronize()
-    return steps / (time.perf_counter() - t0)
+        return 1.0 / replay_seconds(g, steps, warm_replays=2)
 
 
 def decode_compiled(model: Decoder, steps: int, start: int, mode: str | None, n_layers: int, device) -> dict:
@@ -265,7 +254,7 @@ def decode_compiled(model: Decoder, steps: int, start: int, mode: str | None, n_
             if mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
             tok = fn(tok, pos).clone()
-        _sync(device)
+        sync(device)
         compile_s = time.perf_counter() - t0
         best = 0.0
         for _ in range(REPEATS):
@@ -276,7 +265,7 @@ def decode_compiled(model: Decoder, steps: int, start: int, mode: str | None, n_
                     torch.compiler.cudagraph_mark_step_begin()
                 tok = fn(tok, pos).clone()
                 pos += 1
-            _sync(device)
+            sync(device)
             best = max(best, steps / (time.perf_counter() - t0))
     return {"tok_s": best, "compile_s": compile_s, "layers": n_layers}
 
@@ -286,12 +275,12 @@ def prefill_ms(model: Decoder, tokens: int, device, repeats: int = 3) -> float:
     pos = torch.arange(tokens, device=device)
     with torch.inference_mode():
         model(ids, pos)
-        _sync(device)
+        sync(device)
         best = math.inf
         for _ in range(repeats):
             t0 = time.perf_counter()
             model(ids, pos)
-            _sync(device)
+            sync(device)
             best = min(best, time.perf_counter() - t0)
     return best * 1e3
 
@@ -302,12 +291,12 @@ def host_us_per_call(fn: Callable[[], Any], device, calls: int = 200) -> float:
     with torch.inference_mode():
         for _ in range(10):
             fn()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         t = time.perf_counter() - t0
-        _sync(device)
+        sync(device)
     return t / calls * 1e6
 
 
@@ -351,7 +340,7 @@ def interleaved_rounds(configs: list[str], build: Callable[[str], Any], warm: Ca
                 warm(model)
                 out[config] = []
             except Exception as e:  # noqa: BLE001 - reported per config, the others still run
-                out[config] = _err(e)
+                out[config] = short_error(e)
                 del models[config]
         for _ in range(rounds):
             for config, model in models.items():
@@ -370,7 +359,7 @@ def interleaved_rounds(configs: list[str], build: Callable[[str], Any], warm: Ca
         try:
             models[config] = build(config)
         except Exception as e:  # noqa: BLE001
-            out[config] = _err(e)
+            out[config] = short_error(e)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
@@ -389,11 +378,11 @@ def generate_rounds(s: DecoderShape, configs: list[str], new_tokens: int, device
     kw = {"do_sample": False, "pad_token_id": 0}
 
     def timed(model, n: int) -> float:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
 
     def warm(model) -> None:
@@ -424,12 +413,12 @@ def eager_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, 
         tok = torch.zeros(1, 1, dtype=torch.long, device=device)
         pos = torch.tensor([start], device=device)
         with torch.inference_mode():
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
                 tok = model(tok, pos).argmax(-1, keepdim=True)
                 pos += 1
-            _sync(device)
+            sync(device)
         return steps / (time.perf_counter() - t0)
 
     def warm(model) -> None:
@@ -438,15 +427,11 @@ def eager_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, 
         with torch.inference_mode():
             for _ in range(2):
                 model(tok, pos)
-        _sync(device)
+        sync(device)
 
     raw = interleaved_rounds(configs, lambda c: apply_config(build_decoder(s, max_len, device), c), warm, window,
                              int(_bf16_bytes(s) * 1.15) + (2 << 30), device, rounds)
     return {c: v if isinstance(v, str) else max(v) for c, v in raw.items()}
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 def run_config(config: str, s: DecoderShape, args: argparse.Namespace, device) -> dict:
@@ -456,7 +441,7 @@ def run_config(config: str, s: DecoderShape, args: argparse.Namespace, device) -
     try:
         model = apply_config(build_decoder(s, max_len, device), config)
     except Exception as e:  # noqa: BLE001 - a config that cannot be built is reported, the run goes on
-        row["errors"]["build"] = _err(e)
+        row["errors"]["build"] = short_error(e)
         return row
     row["weight_gb"] = weight_bytes(model) / 1e9
 
@@ -466,7 +451,7 @@ def run_config(config: str, s: DecoderShape, args: argparse.Namespace, device) -
         try:
             row[name] = fn()
         except Exception as e:  # noqa: BLE001
-            row["errors"][name] = _err(e)
+            row["errors"][name] = short_error(e)
         gc.collect()
 
     start = args.prefill
@@ -584,17 +569,10 @@ def main(argv: list[str] | None = None) -> int:
         except CompareError as e:
             print(f"lowbit e2e: --compare {e}", file=sys.stderr)
             return 2
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
-    if bad:
-        print(f"lowbit e2e: unknown modes {bad}; known: {', '.join(MODES)}", file=sys.stderr)
+    parsed = modes_and_device("lowbit e2e", args.modes, MODES, args.device, cuda_only=("graph", "compile-ro"))
+    if parsed is None:
         return 2
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("lowbit e2e: needs a CUDA GPU (or --device cpu with --shape tiny)", file=sys.stderr)
-        return 2
-    if device.type != "cuda":
-        args.modes = [m for m in args.modes if m not in ("graph", "compile-ro")]
+    args.modes, device = parsed
     s = SHAPES[args.shape]
     if args.layers is not None:
         s = DecoderShape(**{**asdict(s), "layers": args.layers})

@@ -40,8 +40,6 @@ def graph_ms(fn: Callable[[], Any], repeats: int, calls: int = 1) -> float:
     """Milliseconds per call of ``fn`` replayed from a CUDA graph holding ``calls`` calls (mean over ``repeats``
     replays; warmed up on a side stream first, as capture requires). No launch overhead, no L2 flush: the GPU
     time of a call inside a model's graph."""
-    import time
-
     import torch
 
     def body():
@@ -50,13 +48,32 @@ def graph_ms(fn: Callable[[], Any], repeats: int, calls: int = 1) -> float:
 
     with torch.inference_mode():
         g = capture_graph(body, warm=fn, warmups=2)
+        return replay_seconds(g, repeats) / calls * 1e3
+
+
+def replay_seconds(g, replays: int, warm_replays: int = 1) -> float:
+    """Seconds per replay of a captured CUDA graph ``g``: the mean of ``replays`` synchronized replays, after
+    ``warm_replays`` untimed ones."""
+    import time
+
+    import torch
+
+    for _ in range(warm_replays):
         g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / replays
+
+
+def sync(device) -> None:
+    """Wait for the work queued on ``device`` (nothing to wait for off CUDA)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            g.replay()
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats / calls * 1e3
 
 
 @dataclass(frozen=True)
