@@ -39,11 +39,11 @@ def test_op_lists_derive_from_the_registry():
 
 def test_kernel_lists_derive_from_the_registry():
     pytest.importorskip("triton")
-    from lowbit.kernels import gemm_w4, gemv_w4
+    from lowbit.kernels import gemm_w4, gemv_prepack
     from lowbit.kernels import scaled_mm as kernel_scaled_mm
 
-    assert gemv_w4.FORMATS == formats_with("gemv_w4") == ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
-    assert gemm_w4.FORMATS == formats_with("gemm_w4") == gemv_w4.FORMATS
+    assert gemv_prepack.FORMATS == formats_with("gemv_w4") == ("nvfp4", "mxfp4", "fp4_b32", "nf4", "int4_awq")
+    assert gemm_w4.FORMATS == formats_with("gemm_w4") == gemv_prepack.FORMATS
     assert kernel_scaled_mm.FORMATS == formats_with("scaled_mm")
 
 

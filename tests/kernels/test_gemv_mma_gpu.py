@@ -11,6 +11,8 @@ import lowbit
 from lowbit.formats.int4_awq import pack_awq
 from lowbit.formats.qtensor import QTensor
 from lowbit.kernels import gemv_w4 as G
+from lowbit.kernels.gemv_mma_layout import mma_layout
+from lowbit.kernels.gemv_prepack import prepare_w4
 from lowbit.testing import linear_oracle
 
 pytestmark = pytest.mark.gpu
@@ -49,8 +51,8 @@ def _adversarial(fmt, n, k, seed):
 def test_mma_random_weights(fmt, n, k, m):
     w = torch.randn(n, k, device="cuda") * 0.05
     q = lowbit.quantize(w, fmt)
-    p = G.prepare_w4(q)
-    assert G.mma_layout(p) is not None
+    p = prepare_w4(q)
+    assert mma_layout(p) is not None
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     _check(G.gemv_w4(x, p, mma_config=ALL_M), _reference(x, q), f"{fmt} {n}x{k} M={m}")
 
@@ -105,12 +107,12 @@ def test_mma_repeated_calls_identical_and_graph_capturable():
 def test_mma_not_used_where_it_does_not_apply():
     # K not a multiple of 64, MXFP4 scale codes above 191, fp16 x: the FMA kernels run, still correct
     q = lowbit.quantize(torch.randn(256, 96, device="cuda"), "nvfp4")
-    assert G.mma_layout(G.prepare_w4(q)) is None
+    assert mma_layout(prepare_w4(q)) is None
     x = torch.randn(2, 96, device="cuda", dtype=torch.bfloat16)
     _check(G.gemv_w4(x, q), _reference(x, q), "K=96")
     q = _adversarial("mxfp4", 64, 256, seed=3)
     q.scale.view(torch.uint8)[0, 0] = 200
-    assert G.mma_layout(G.prepare_w4(q)) is None
+    assert mma_layout(prepare_w4(q)) is None
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     _check(G.gemv_w4(x, q), _reference(x, q), "E8M0 code 200")
 
@@ -122,10 +124,10 @@ def test_default_routes_m1_by_weight_size():
     q_small = lowbit.quantize(torch.randn(1024, 4096, device="cuda") * 0.05, "nvfp4")
     q_big = lowbit.quantize(torch.randn(4096, 8192, device="cuda") * 0.05, "mxfp4")
     for q, want_mma in ((q_small, False), (q_big, True)):
-        p = G.prepare_w4(q)
+        p = prepare_w4(q)
         x = torch.randn(1, q.shape[1], device="cuda", dtype=torch.bfloat16)
         _check(G.gemv_w4(x, p, mma_config=cfg), _reference(x, q), f"{q.shape} M=1")
-        used_mma = any(key[0] == 1 for key in G.mma_layout(p).plans)
+        used_mma = any(key[0] == 1 for key in mma_layout(p).plans)
         assert used_mma == want_mma, f"{q.shape}: tensor-core GEMV used at M=1: {used_mma}"
 
 
@@ -135,10 +137,10 @@ def test_graph_capture_of_split_k_launches_has_no_memset():
     from lowbit.kernels import scratch as _scratch
 
     q = lowbit.quantize(torch.randn(1024, 8192, device="cuda") * 0.05, "nvfp4")   # few row tiles: split-K
-    p = G.prepare_w4(q)
+    p = prepare_w4(q)
     xs = [torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)]
     eager = [G.gemv_w4(x, p) for x in xs]
-    plans = list(p.plans.values()) + list(G.mma_layout(p).plans.values())
+    plans = list(p.plans.values()) + list(mma_layout(p).plans.values())
     assert len(plans) == len(xs) and all(plan.split > 1 for plan in plans), [plan.split for plan in plans]
     dev = torch.cuda.current_device()
     chunk, start, _ = _scratch._GRAPH_POOL[dev]
@@ -185,8 +187,8 @@ def _int4(n, k, group, seed, adversarial=False):
 @pytest.mark.parametrize("m", [1, 2, 7, 9, 16])
 def test_mma_int4_random_weights(n, k, group, m, dtype):
     q = _int4(n, k, group, seed=n + k + group + m)
-    p = G.prepare_w4(q)
-    lay = G.mma_layout(p)
+    p = prepare_w4(q)
+    lay = mma_layout(p)
     assert lay is not None and lay.cpg == group // 64
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     got = G.gemv_w4(x, p, mma_config=ALL_M)
@@ -220,7 +222,7 @@ def test_mma_int4_bias_activation_split_k(act, m):
 def test_mma_int4_not_used_for_small_groups():
     # a 64-column chunk must lie in one group: group 32 runs the FMA / dot kernels, still correct
     q = _int4(256, 512, 32, seed=1)
-    assert G.mma_layout(G.prepare_w4(q)) is None
+    assert mma_layout(prepare_w4(q)) is None
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     _check(G.gemv_w4(x, q, mma_config=ALL_M), _reference(x, q), "int4 g32")
 
@@ -249,8 +251,8 @@ def test_mma_nf4_random_weights(n, k, blocksize, dq, m, dtype):
     """NF4 levels are rounded to the mma operand type (bf16: 8 significant bits) and the fp32 absmax is applied
     per chunk after the mmas: a relative error of a few 1e-3 against the fp32 dequantization."""
     q = _nf4(n, k, blocksize, dq, seed=n + k + blocksize + m)
-    p = G.prepare_w4(q)
-    lay = G.mma_layout(p)
+    p = prepare_w4(q)
+    lay = mma_layout(p)
     assert lay is not None and lay.cpg == blocksize // 64
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     got = G.gemv_w4(x, p, mma_config=ALL_M)
@@ -293,8 +295,8 @@ def test_mma_nf4_bias_activation_split_k(act, m):
 
 def test_mma_nf4_graph_capture_and_not_used_for_blocksize_32():
     q = _nf4(4096, 4096, 64, False, seed=3)
-    p = G.prepare_w4(q)
-    G.mma_layout(p)
+    p = prepare_w4(q)
+    mma_layout(p)
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
     first = G.gemv_w4(x, p)
     graph = torch.cuda.CUDAGraph()
@@ -304,6 +306,6 @@ def test_mma_nf4_graph_capture_and_not_used_for_blocksize_32():
     torch.cuda.synchronize()
     assert torch.equal(out, first)
     q32 = _nf4(256, 512, 32, False, seed=1)
-    assert G.mma_layout(G.prepare_w4(q32)) is None
+    assert mma_layout(prepare_w4(q32)) is None
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     _check(G.gemv_w4(x, q32, mma_config=ALL_M), _reference(x, q32), "nf4 b32", rel=4e-3)

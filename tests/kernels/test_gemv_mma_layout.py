@@ -1,4 +1,4 @@
-"""The tensor-core GEMV's pre-layout (``gemv_w4.mma_layout``), checked on CPU: every E2M1 code and scale lands
+"""The tensor-core GEMV's pre-layout (``gemv_mma_layout.mma_layout``), checked on CPU: every E2M1 code and scale lands
 where the kernel's decode (``_gemv_mma``) reads it. The kernel itself is GPU-only (inline PTX mma.sync): see
 test_gemv_mma_gpu.py."""
 
@@ -7,19 +7,21 @@ import torch
 
 import lowbit
 from lowbit.formats.packing import unpack_fp4
+from lowbit.kernels import gemv_mma_layout as L
 from lowbit.kernels import gemv_w4 as G
+from lowbit.kernels.gemv_prepack import prepare_w4
 
 
 def _decoded_codes(words: torch.Tensor, h: int, c: int) -> torch.Tensor:
     w = words.to(torch.int64) & 0xFFFFFFFF
-    pos = G._MMA_BITS[(h, c)]
+    pos = L._MMA_BITS[(h, c)]
     return sum(((w >> pos[b]) & 1) << b for b in range(4))     # [G, KQ, 32, 4]
 
 
 @pytest.mark.parametrize("fmt,n,k", [("nvfp4", 40, 128), ("mxfp4", 16, 192), ("nvfp4", 33, 64)])
 def test_layout_round_trip(fmt, n, k):
     q = lowbit.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), fmt)
-    lay = G.mma_layout(G.prepare_w4(q))
+    lay = L.mma_layout(prepare_w4(q))
     n16 = -(-n // 16)
     assert lay.words.shape == (n16, k // 64, 32, 4) and lay.words.dtype == torch.int32
     codes = torch.zeros(16 * n16, k, dtype=torch.int64)
@@ -28,12 +30,12 @@ def test_layout_round_trip(fmt, n, k):
     kq = torch.arange(k // 64)[None, :, None, None]
     lane = torch.arange(32)[None, None, :, None]
     i = torch.arange(4)[None, None, None, :]
-    for (h, c) in G._MMA_BITS:
+    for (h, c) in L._MMA_BITS:
         rows = 16 * rg + 8 * h + lane // 4
         cols = 64 * kq + 16 * (lane % 4) + 4 * i + c
         assert torch.equal(_decoded_codes(lay.words, h, c), codes[rows, cols]), (h, c)
     # the 32 bit positions are a permutation: every bit of a word is one element's
-    bits = sorted(b for pos in G._MMA_BITS.values() for b in pos)
+    bits = sorted(b for pos in L._MMA_BITS.values() for b in pos)
     assert bits == list(range(32))
     sc = torch.zeros(16 * n16, q.scale.shape[1], dtype=torch.int64)
     sc[:n] = q.scale.view(torch.uint8).to(torch.int64)
@@ -45,12 +47,12 @@ def test_layout_round_trip(fmt, n, k):
 
 
 def test_layout_not_made_where_the_kernel_does_not_apply():
-    assert G.mma_layout(G.prepare_w4(lowbit.quantize(torch.randn(32, 96), "nvfp4"))) is None       # K % 64
+    assert L.mma_layout(prepare_w4(lowbit.quantize(torch.randn(32, 96), "nvfp4"))) is None       # K % 64
     # NF4 blocks of 32 columns: a 64-column chunk would span two absmax blocks
-    assert G.mma_layout(G.prepare_w4(lowbit.quantize(torch.randn(32, 128), "nf4", blocksize=32))) is None
+    assert L.mma_layout(prepare_w4(lowbit.quantize(torch.randn(32, 128), "nf4", blocksize=32))) is None
     q = lowbit.quantize(torch.randn(32, 128), "mxfp4")
     q.scale.view(torch.uint8)[3, 1] = 192
-    assert G.mma_layout(G.prepare_w4(q)) is None
+    assert L.mma_layout(prepare_w4(q)) is None
 
 
 def test_describe_names_the_kernel_the_default_runs():
@@ -88,7 +90,7 @@ def test_int4_layout_round_trip(n, k, group):
 
     q = lowbit.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(k), dtype=torch.float32).half(),
                         "int4_awq", group_size=group)
-    lay = G.mma_layout(G.prepare_w4(q))
+    lay = L.mma_layout(prepare_w4(q))
     n16 = -(-n // 16)
     assert lay.words.shape == (n16, k // 64, 32, 4) and lay.cpg == group // 64
     assert lay.scales.shape == (n16, k // group, 8, 2) and lay.scales.dtype == torch.int32
@@ -100,11 +102,11 @@ def test_int4_layout_round_trip(n, k, group):
     kq = torch.arange(k // 64)[None, :, None, None]
     lane = torch.arange(32)[None, None, :, None]
     i = torch.arange(4)[None, None, None, :]
-    for (h, c), pos in G._MMA_INT4_BITS.items():
+    for (h, c), pos in L._MMA_INT4_BITS.items():
         rows = 16 * rg + 8 * h + lane // 4
         cols = 64 * kq + 16 * (lane % 4) + 4 * i + c
         assert torch.equal((w >> pos) & 0xF, codes[rows, cols]), (h, c)
-    assert sorted(b for pos in G._MMA_INT4_BITS.values() for b in range(pos, pos + 4)) == list(range(32))
+    assert sorted(b for pos in L._MMA_INT4_BITS.values() for b in range(pos, pos + 4)) == list(range(32))
     s_bits = torch.zeros(16 * n16, k // group, dtype=torch.int64)
     s_bits[:n] = q.scale.t().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
     zeros = torch.zeros(16 * n16, k // group, dtype=torch.int64)
@@ -171,7 +173,7 @@ def test_nf4_layout_and_table_decode(n, k, blocksize, dq, dtype):
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
     x[0, :blocksize] = 0                                               # a zero block
     q = quantize_nf4(x, blocksize=blocksize, double_quant=dq)
-    lay = G.mma_layout(G.prepare_w4(q))
+    lay = L.mma_layout(prepare_w4(q))
     n16 = -(-n // 16)
     assert lay.words.shape == (n16, k // 64, 32, 4) and lay.cpg == blocksize // 64
     assert lay.scales.shape == (n16, k // blocksize, 8, 2) and lay.scales.dtype == torch.int32
@@ -193,7 +195,7 @@ def test_nf4_layout_and_table_decode(n, k, blocksize, dq, dtype):
             cols = 64 * kq + 16 * (lane % 4) + 4 * i + c
             got = (regs[j] >> (16 * e)) & 0xFFFF
             assert torch.equal(got, levels[codes[rows, cols]]), (j, e)
-    assert sorted(b for pos in G._MMA_NF4_BITS.values() for b in range(pos, pos + 4)) == list(range(32))
+    assert sorted(b for pos in L._MMA_NF4_BITS.values() for b in range(pos, pos + 4)) == list(range(32))
     absmax = torch.zeros(16 * n16, k // blocksize, dtype=torch.float32)
     absmax[:n] = nf4_absmax(q).reshape(n, k // blocksize)
     bits = absmax.view(torch.int32)

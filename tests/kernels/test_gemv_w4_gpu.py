@@ -11,6 +11,7 @@ import torch
 
 import lowbit
 from lowbit.kernels import gemv_w4 as G
+from lowbit.kernels.gemv_prepack import prepare_w4
 from lowbit.testing import linear_oracle
 
 pytestmark = pytest.mark.gpu
@@ -132,8 +133,8 @@ def test_cuda_graph_capture():
     bias = torch.randn(8192, device="cuda", dtype=torch.bfloat16)
     x1 = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     x16 = torch.randn(16, 8192, device="cuda", dtype=torch.bfloat16)
-    G.prepare_w4(q1)
-    G.prepare_w4(q16)
+    prepare_w4(q1)
+    prepare_w4(q16)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm up (compile) outside the capture
@@ -156,8 +157,8 @@ def test_cuda_graph_capture():
 
 def test_prepare_cache_and_inputs():
     q = _weight("int4_awq-g64", 4096, 4096)
-    p = G.prepare_w4(q)
-    assert G.prepare_w4(q) is p and G.prepare_w4(p) is p
+    p = prepare_w4(q)
+    assert prepare_w4(q) is p and prepare_w4(p) is p
     x = torch.randn(3, 4096, device="cuda", dtype=torch.float16)
     ref = G.gemv_w4(x, q)
     assert torch.equal(G.gemv_w4(x, p), ref)

@@ -33,6 +33,7 @@ SCRIPT = textwrap.dedent(
     from lowbit.formats.packing import swizzle_scales
     from lowbit.formats.qtensor import QTensor
     from lowbit.kernels import gemv_w4 as G
+    from lowbit.kernels.gemv_prepack import prepare_w4
     from lowbit.testing import linear_oracle
 
     t_start = time.time()
@@ -167,11 +168,11 @@ SCRIPT = textwrap.dedent(
     assert G.gemv_w4(torch.empty(0, K, dtype=torch.bfloat16), q).shape == (0, N)
     # the prepared layout is cached and re-made after an in-place update of the QTensor
     q = awq_case(64)
-    p1 = G.prepare_w4(q)
-    assert G.prepare_w4(q) is p1
+    p1 = prepare_w4(q)
+    assert prepare_w4(q) is p1
     check(q, 1, torch.float16, what="awq g64")
     q.scale.mul_(2.0)
-    assert G.prepare_w4(q) is not p1
+    assert prepare_w4(q) is not p1
     check(q, 1, torch.float16, what="awq g64 after in-place update")
     print(f"interpreter checks passed ({n_calls} calls, {time.time() - t_start:.1f} s)")
     """

@@ -21,25 +21,25 @@ def h100_sms(monkeypatch):
 
 
 def _facts(q):
-    from lowbit.kernels import gemv_w4
+    from lowbit.kernels import gemv_prepack, gemv_runners
 
-    p = gemv_w4._prepare(q)  # layout only, no cache
-    lay_fmt = gemv_w4._FMT["nvfp4"] if q.fmt == "nvfp4" else -1
-    return gemv_w4.GemvFacts(p.fmt, p.fmt_code, p.n, p.k, p.sk, p.words_per_block, p.post, p.gs_kind, lay_fmt, 1,
-                             p.plan_n)
+    p = gemv_prepack._prepare(q)  # layout only, no cache
+    lay_fmt = gemv_prepack.FMT_CODES["nvfp4"] if q.fmt == "nvfp4" else -1
+    return gemv_runners.GemvFacts(p.fmt, p.fmt_code, p.n, p.k, p.sk, p.words_per_block, p.post, p.gs_kind, lay_fmt,
+                                  1, p.plan_n)
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_gemv_shard_planned_as_the_whole_weight(m, h100_sms):
-    from lowbit.kernels import gemv_w4
+    from lowbit.kernels import gemv_runners
 
     w = lowbit.quantize(torch.randn(8192, 8192), "nvfp4")
     half = shard(w, 0, 0, 2)
     exact = replace(half, params={**half.params, PLAN_ROWS: 8192})
     assert plan_rows(w) == 8192 and plan_rows(half) == 4096 and plan_rows(exact) == 8192
-    full_mma, full = gemv_w4._default_plan(_facts(w), m, torch.bfloat16, False, 0, 0)
-    own_mma, own = gemv_w4._default_plan(_facts(half), m, torch.bfloat16, False, 0, 0)
-    ex_mma, ex = gemv_w4._default_plan(_facts(exact), m, torch.bfloat16, False, 0, 0)
+    full_mma, full = gemv_runners._default_plan(_facts(w), m, torch.bfloat16, False, 0, 0)
+    own_mma, own = gemv_runners._default_plan(_facts(half), m, torch.bfloat16, False, 0, 0)
+    ex_mma, ex = gemv_runners._default_plan(_facts(exact), m, torch.bfloat16, False, 0, 0)
     assert (ex_mma, ex.split, ex.consts) == (full_mma, full.split, full.consts)
     assert ex.ints[1] == 4096 and ex.grid[0] * 2 == full.grid[0]   # the shard's own rows, half the tiles
     assert own.split > full.split   # planned for its own size, K would be split more ways

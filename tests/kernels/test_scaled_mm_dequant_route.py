@@ -9,7 +9,7 @@ import torch
 import lowbit
 from lowbit.formats import blockscaled as ref
 from lowbit.ops import policy
-from lowbit.ops.scaled_mm import scaled_mm_reference
+from lowbit.ops import scaled_mm_reference
 
 triton = pytest.importorskip("triton")
 
@@ -39,10 +39,12 @@ def _rel(got, want):
 @pytest.mark.parametrize("layout", ["linear", "swizzled"])
 @pytest.mark.parametrize("chunk_rows", [None, 128])
 def test_dequant_route_matches_the_reference(km, monkeypatch, convention, layout, chunk_rows):
+    from lowbit.kernels import scaled_mm_routes
+
     m, n, k = 40, 384, 256
     a, b = _pair(m, n, k, convention, layout)
     if chunk_rows is not None:  # several chunks of 128 weight rows
-        monkeypatch.setattr(km, "DEQUANT_CHUNK_BYTES", chunk_rows * 2 * k)
+        monkeypatch.setattr(scaled_mm_routes, "DEQUANT_CHUNK_BYTES", chunk_rows * 2 * k)
     alpha = torch.tensor([0.75])
     bias = torch.randn(n).to(torch.bfloat16)
     for args in ((None, None), (alpha, bias)):
@@ -56,9 +58,11 @@ def test_dequant_route_matches_the_reference(km, monkeypatch, convention, layout
 
 def test_dequant_route_products_are_exact_in_bf16(km):
     """Each decoded element (E2M1 x E4M3) is a bf16 value: decoding to bf16 loses nothing."""
+    from lowbit.kernels import scaled_mm_routes
+
     a, b = _pair(8, 128, 128, "vllm", "linear")
     for q in (a, b):
-        plain, _, _ = km._without_global(q)
+        plain, _, _ = scaled_mm_routes._without_global(q)
         d32 = ref.dequantize_nvfp4(plain, torch.float32)
         assert torch.equal(d32.to(torch.bfloat16).float(), d32)
 

@@ -151,16 +151,16 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
         x3 = torch.randn(1, m, 512, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(layer(x3), _want(layer, x3.reshape(m, 512)).reshape(1, m, 256)), (scheme, m)
     if layer.scheme.act_format in ("nvfp4", "mxfp4"):  # the GEMV route at decode: its runner
-        assert type(layer._prepared.scaled_runners.get((1, torch.bfloat16, not bias))).__name__ == "_GemvRouteDecode"
+        assert type(layer._prepared.scaled_runners.get((1, torch.bfloat16, not bias))).__name__ == "GemvRouteDecode"
     if layer.scheme.act_format == "mxfp8_e4m3":  # lowbit's decoding GEMM at every M here: the MX runner
-        assert type(layer._prepared.scaled_runners.get((1, torch.bfloat16, not bias))).__name__ == "_MXDecode"
+        assert type(layer._prepared.scaled_runners.get((1, torch.bfloat16, not bias))).__name__ == "MXDecode"
     if layer.scheme.act_format == "fp8_block":
         runners = layer._prepared.scaled_runners
         assert (1, torch.bfloat16, not bias) in runners, "the decode runner was not made"
         from lowbit.kernels import cublas_fp8_block
 
         if scheme == "w8a8-fp8-block" and cublas_fp8_block._unavailable(0) is None:
-            assert type(runners.get((100, torch.bfloat16, not bias))).__name__ == "_Fp8BlockCublas"
+            assert type(runners.get((100, torch.bfloat16, not bias))).__name__ == "Fp8BlockCublas"
         if scheme in ("w8a8-fp8-block", "w4a8-mxfp4"):  # decode: the activation quantized in the GEMM, one launch
             for m in (1, 2, 16):
                 assert type(runners.get((m, torch.bfloat16, not bias))).__name__ == "QuantInGemm", m

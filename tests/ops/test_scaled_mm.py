@@ -19,8 +19,10 @@ import lowbit
 from lowbit.formats.qtensor import QTensor
 from lowbit.ops import PAIRS, policy, scaled_linear, scaled_mm_reference
 
-# the package re-exports the function ``scaled_mm``, which shadows the module attribute of the same name
-smm = sys.modules["lowbit.ops.scaled_mm"]
+# the modules behind lowbit.ops (the package re-exports functions that shadow the module attributes of the same
+# name)
+smm_dispatch = sys.modules["lowbit.ops.scaled_mm_dispatch"]
+smm_op = sys.modules["lowbit.ops.scaled_mm_op"]
 
 M, N, K = 33, 136, 320  # M, N not multiples of 128 (swizzle padding, partial 128x128 blocks); K = 2.5 x 128
 
@@ -655,10 +657,10 @@ def test_scaled_linear_non_contiguous_x():
 
 def test_explain_cpu(operands):
     a, b = operands[VIDS[0]]
-    text = smm.explain_scaled_mm(a, b)
+    text = smm_dispatch.explain_scaled_mm(a, b)
     assert text.startswith(f"lowbit.scaled_mm fp8_block x fp8_block [M={M}, K={K}] x [N={N}, K={K}] on cpu")
     assert "reference" in text
-    plan = smm.plan_scaled_mm(a, b, backend="torch")
+    plan = smm_dispatch.plan_scaled_mm(a, b, backend="torch")
     assert (plan.path, plan.backend, plan.m, plan.n, plan.k, plan.kind) == (
         "reference",
         "torch",
@@ -667,11 +669,11 @@ def test_explain_cpu(operands):
         K,
         "fp8_block",
     )
-    plan = smm.plan_scaled_mm(a, b, backend="triton")
+    plan = smm_dispatch.plan_scaled_mm(a, b, backend="triton")
     assert plan.path == "unavailable" and plan.error is ValueError
-    assert "raises ValueError" in smm.explain_scaled_mm(a, b, backend="triton")
+    assert "raises ValueError" in smm_dispatch.explain_scaled_mm(a, b, backend="triton")
     with pytest.raises(ValueError, match=r"the activation a needs block \(1, 128\)"):
-        smm.explain_scaled_mm(b, a)
+        smm_dispatch.explain_scaled_mm(b, a)
 
 
 def _stand_in(reason=None, calls=None, routes=()):
@@ -777,8 +779,8 @@ def test_kernel_module_lookup():
 
 
 def _op_args(a, b, alpha=None, bias=None, out_dtype=torch.bfloat16, backend="auto"):
-    a_t, a_meta = smm._flatten(a)
-    b_t, b_meta = smm._flatten(b)
+    a_t, a_meta = smm_op.flatten(a)
+    b_t, b_meta = smm_op.flatten(b)
     return (
         *a_t,
         a.fmt,
@@ -798,8 +800,8 @@ def _op_args(a, b, alpha=None, bias=None, out_dtype=torch.bfloat16, backend="aut
 @pytest.mark.parametrize("vid", VIDS)
 def test_flatten_round_trip(operands, vid):
     for q in operands[vid]:
-        tensors, meta = smm._flatten(q)
-        r = smm._unflatten(*tensors, q.fmt, list(q.shape), meta)
+        tensors, meta = smm_op.flatten(q)
+        r = smm_op._unflatten(*tensors, q.fmt, list(q.shape), meta)
         assert (r.fmt, r.shape, r.dtype, r.scale_layout) == (q.fmt, q.shape, q.dtype, q.scale_layout)
         assert r.params.keys() == q.params.keys()
         for k, v in q.params.items():
@@ -810,7 +812,7 @@ def test_flatten_round_trip(operands, vid):
 def test_flatten_rejects_unencodable_params(operands):
     q = replace(operands[VIDS[7]][0], params={"scale_rounding": "a;b"})
     with pytest.raises(TypeError, match="cannot pass the QTensor param"):
-        smm._flatten(q)
+        smm_op.flatten(q)
 
 
 @pytest.mark.parametrize("vid", [VIDS[0], VIDS[4], VIDS[5], VIDS[11], VIDS[16]])
@@ -940,10 +942,10 @@ def test_compile_reports_validation_errors(fresh_dynamo):
 def test_scaled_linear_op_opcheck():
     w = _q("fp8_block", (32, 256), block=(128, 128))
     x = _x((5, 256), torch.bfloat16)
-    w_t, w_meta = smm._flatten(w)
+    w_t, w_meta = smm_op.flatten(w)
     act_tensors: list = []
     act_meta = ";".join(
-        smm._encode(k, v, act_tensors) for k, v in sorted({"scale_fmt": "ue8m0", "block": (1, 128)}.items())
+        smm_op.encode(k, v, act_tensors) for k, v in sorted({"scale_fmt": "ue8m0", "block": (1, 128)}.items())
     )
     args = (
         x,

@@ -31,6 +31,7 @@ from lowbit.ops import scaled_linear, scaled_mm_reference
 
 pytestmark = pytest.mark.gpu
 smm = sys.modules["lowbit.ops.scaled_mm"]
+smm_dispatch = sys.modules["lowbit.ops.scaled_mm_dispatch"]
 policy = sys.modules["lowbit.ops.policy"]
 
 REL_FRO, REL_MAX = 1e-3, 1e-2
@@ -117,7 +118,7 @@ def _check(name, m, n, k, alpha=None, with_bias=False, out_dtype=torch.bfloat16)
     w = _weight(wf, wo, n, k)
     _, a = _act(af, ao, m, k)
     bias = _bias(n) if with_bias else None
-    plan = smm.plan_scaled_mm(a, w)
+    plan = smm_dispatch.plan_scaled_mm(a, w)
     assert plan.path == "scaled_mm", str(plan)
     before = {key: t.clone() for key, t in a.tensors().items()}
     out = lowbit.scaled_mm(a, w, alpha, bias, out_dtype)
@@ -159,11 +160,11 @@ def test_out_dtypes_and_bias_dtypes(name, out_dtype):
 def test_empty_and_dispatch():
     w = _weight("nvfp4", (), 4096, 4096)
     a = lowbit.quantize(torch.empty(0, 4096, device="cuda", dtype=torch.bfloat16), "nvfp4", backend="torch")
-    assert smm.plan_scaled_mm(a, w).path == "empty"
+    assert smm_dispatch.plan_scaled_mm(a, w).path == "empty"
     assert lowbit.scaled_mm(a, w).shape == (0, 4096)
     _, a = _act("nvfp4", (), 4, 4096)
-    assert smm.plan_scaled_mm(a, w, backend="torch").path == "reference"
-    plan = smm.plan_scaled_mm(a, w)
+    assert smm_dispatch.plan_scaled_mm(a, w, backend="torch").path == "reference"
+    plan = smm_dispatch.plan_scaled_mm(a, w)
     module = policy.kernel_module(smm.KERNEL_MODULE)
     if module is None:
         assert plan.path == "unavailable" and plan.error is RuntimeError
@@ -456,6 +457,7 @@ def test_fp8_block_warp_specialized_per_row_weight_scales():
     ws config falls back to the one-partition kernel, which takes a vector of weight scales per K tile."""
     _need_kernel()
     from lowbit.kernels import scaled_mm as ks
+    from lowbit.kernels.scaled_mm_launch import launch_fp8_block_tma
 
     m, n, k = 1000, 2112, 1600
     g = torch.Generator(device="cuda").manual_seed(21)
@@ -465,9 +467,9 @@ def test_fp8_block_warp_specialized_per_row_weight_scales():
     outs = []
     for cfg in (WS_CONFIG, ks.ONE_PARTITION_CONFIG):
         out = torch.empty(m, n, device="cuda", dtype=torch.float32)
-        ks._fp8_block_tma([a.data, a.scale, None, None, *a.scale.stride()],
-                          [w.data, w.scale, None, None, *w.scale.stride()],
-                          {"ROWS_PER_SCALE": 1}, m, n, k, None, None, out, cfg)
+        launch_fp8_block_tma([a.data, a.scale, None, None, *a.scale.stride()],
+                             [w.data, w.scale, None, None, *w.scale.stride()],
+                             {"ROWS_PER_SCALE": 1}, m, n, k, None, None, out, cfg)
         _assert_close(out, ref, f"per-row weight scales {cfg}")
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
@@ -491,7 +493,7 @@ def test_decode_gemv_route(name, m, out_dtype):
     w = _weight(wf, wo, 6144, 4096)
     _, a = _act(af, ao, m, 4096, seed=11)
     assert policy.scaled_route(a, w, None, out_dtype) == "gemv"
-    plan = smm.plan_scaled_mm(a, w)
+    plan = smm_dispatch.plan_scaled_mm(a, w)
     assert plan.path == "scaled_mm" and "GEMV" in plan.reason, str(plan)
     bias = _bias(6144)
     for alpha in (None, 0.375):
@@ -529,14 +531,14 @@ def test_decode_split_k(name, m):
     """Small M splits K over programs (the last program of a tile reduces the partials); repeated calls reuse
     the arrival counters, so a second call must give the same result."""
     _need_kernel()
-    from lowbit.kernels import scaled_mm as ks
+    from lowbit.kernels.scaled_mm_launch import config_for, split_k
 
     af, ao, wf, wo = PAIR[name]
     n, k = 2112, 7168
     w = _weight(wf, wo, n, k)
     _, a = _act(af, ao, m, k, seed=21)
-    cfg = ks._config(m, name == "fp8_block")
-    split, _ = ks._split_k(-(-m // cfg["BM"]) * -(-n // cfg["BN"]), k // 128, 128, cfg, a.data.device)
+    cfg = config_for(m, name == "fp8_block")
+    split, _ = split_k(-(-m // cfg["BM"]) * -(-n // cfg["BN"]), k // 128, 128, cfg, a.data.device)
     assert split > 1
     bias = _bias(n)
     ref = scaled_mm_reference(a, w, 0.5, bias, torch.float32, dequant_backend="torch")
@@ -599,7 +601,7 @@ def test_cublas_route(case):
     if km.cublas_unsupported(a, w, bias, out_dtype) is None:
         _assert_close(km.scaled_mm(a, w, alpha_t, bias, out_dtype, "cublas"), ref, f"route cublas {case}")
     if expected:
-        assert "cuBLASLt" in str(smm.plan_scaled_mm(a, w))  # the plan's wording assumes no bias, a bf16 output
+        assert "cuBLASLt" in str(smm_dispatch.plan_scaled_mm(a, w))  # the plan's wording assumes no bias, a bf16 output
     elif km.cublas_unsupported(a, w, bias, out_dtype) is not None:
         with pytest.raises(ValueError, match="route 'cublas'"):
             km.scaled_mm(a, w, alpha_t, bias, out_dtype, "cublas")
@@ -621,7 +623,7 @@ def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
     monkeypatch.setenv("LOWBIT_CUBLAS_FP8_BLOCK", "0")
     assert "LOWBIT_CUBLAS_FP8_BLOCK=0" in km.cublas_unsupported(a, w, None, torch.bfloat16)
     assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "kernel"
-    assert "cuBLASLt" not in str(smm.plan_scaled_mm(a, w))
+    assert "cuBLASLt" not in str(smm_dispatch.plan_scaled_mm(a, w))
 
 
 # ------------------------------------------------------------------------ FP8 re-encoding (fold route)
@@ -645,7 +647,7 @@ def test_fold_route_matches_reference_and_decoding_kernel(name, m):
     _, a = _act(af, ao, m, k, seed=3)
     routed = m >= policy.FOLD_MIN_M
     assert (policy.scaled_route(a, w, None, torch.bfloat16, km) == "fold") == routed
-    assert ("E4M3" in str(smm.plan_scaled_mm(a, w))) == routed
+    assert ("E4M3" in str(smm_dispatch.plan_scaled_mm(a, w))) == routed
     alpha = torch.tensor([0.75], device="cuda") if i % 2 else None
     bias = _bias(n) if i != 1 else None
     ref = scaled_mm_reference(a, w, alpha, bias, torch.float32, dequant_backend="torch")

@@ -38,7 +38,8 @@ import torch
 from .. import api
 from ..formats.fp8_block import BLOCK_SIZE, act_quant_groups, expected_scale_shape
 from ..formats.qtensor import QTensor
-from ..ops.scaled_mm import OUT_DTYPES, scaled_mm
+from ..ops.scaled_mm import scaled_mm
+from ..ops.scaled_mm_checks import OUT_DTYPES
 
 
 _MAX_ACT_BLOCK = 1 << 20

@@ -47,6 +47,12 @@ def scratch_per_call() -> bool:
     return _per_call_scratch_depth > 0
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the launchers' host arithmetic (``triton.cdiv`` is a constexpr function: microseconds per
+    host call, several per launch)."""
+    return -(-a // b)
+
+
 def tensor_version(t) -> int:
     """``t._version``, or -1 for an inference tensor (``torch.inference_mode``), which has no version counter:
     caches of layouts derived from a tensor key on it to notice in-place updates."""

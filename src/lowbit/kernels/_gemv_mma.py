@@ -4,7 +4,7 @@ Why: the CUDA-core FMA kernel spends about 4.5 instructions per weight at M = 1 
 per extra row of x, so it is issue-bound from M = 2 on. Here one ``mma.sync`` multiplies 256 weights by up to
 8 rows of x; the decode is about 2 instructions per weight whatever M is.
 
-Layout (made once by ``gemv_w4.mma_layout``): W ``[N, K]`` is cut into 16-row groups and 64-column chunks.
+Layout (made once by ``gemv_mma_layout.mma_layout``): W ``[N, K]`` is cut into 16-row groups and 64-column chunks.
 Lane ``(g, t) = (lane // 4, lane % 4)`` of a warp owns, in a chunk at column ``c0``, the 16 weights of rows
 ``g`` and ``g + 8`` at columns ``c0 + 16 t .. c0 + 16 t + 15`` (one NVFP4 scale block per row), as four int32
 words ``i = 0..3`` (columns ``c0 + 16 t + 4 i + 0..3`` of both rows), stored ``[N/16, K/64, 32 lanes, 4]`` so a
@@ -27,7 +27,7 @@ multiplied (no shared memory, no barrier in the loop). A cp.async pipeline of th
 memory, a two-iteration register prefetch and warps split over the row groups were each slower (28672x8192
 NVFP4 at M = 1: 44-53 us against 42 us; at M = 16: 58-92 us against 52 us).
 
-int4 and NF4 (bitsandbytes) put whole nibbles in the words (``gemv_w4._MMA_INT4_BITS`` / ``_MMA_NF4_BITS``):
+int4 and NF4 (bitsandbytes) put whole nibbles in the words (``gemv_mma_layout._MMA_INT4_BITS`` / ``_MMA_NF4_BITS``):
 int4 decodes to ``(MAGIC + q) - (MAGIC + z)``, NF4 to its table level (prmt lookups, see ``_nf4_word``); both
 multiply each chunk's mma result by the row's scale (int4 group scale, NF4 fp32 absmax) into the accumulators,
 so a chunk must lie in one group / block.
@@ -193,7 +193,7 @@ _INT4_ASM_F16_2 = tl.constexpr(one_line(_mma_int4_asm(2, True)))
 # mma operand type: bf16 for bf16 x, fp16 for fp16 x) is split into its low bytes and its high bytes, 4
 # registers each; a prmt indexes 8 bytes with the 3 low bits of a nibble, so each byte comes from two prmts
 # (levels 0-7, levels 8-15) and a select on the nibble's bit 3 (a byte mask made by prmt's sign-replicate
-# mode). Nibble placement (see gemv_w4._MMA_NF4_BITS): the low half-word holds the nibbles of A registers 0
+# mode). Nibble placement (see gemv_mma_layout._MMA_NF4_BITS): the low half-word holds the nibbles of A registers 0
 # and 1 (row g, then row g + 8, columns c = 0, 1), the high half-word those of registers 2 and 3 (c = 2, 3).
 def _level_bits(fp16: bool) -> list:
     out = []

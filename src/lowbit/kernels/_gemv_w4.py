@@ -1,7 +1,7 @@
 """Triton kernels of the weight-only 4-bit GEMV (decode regime, M <= 16): ``out = act(x @ W.T + bias)``.
 
 The weight arrives as int32 words ``[N, K/8]`` (8 consecutive K elements per word, see
-``gemv_w4.prepare_w4``) plus per-block scales. A program owns ``BN`` output rows and a range of K
+``gemv_prepack.prepare_w4``) plus per-block scales. A program owns ``BN`` output rows and a range of K
 iterations (split-K). ``tl.range(num_stages=STAGES)`` pipelines the word tile through shared memory with
 cp.async, so ``STAGES - 1`` tiles are in flight while one is decoded. A chunk (16 bytes, 32 elements) never
 straddles two scale blocks; the scales are loaded one iteration ahead of their use (raw bytes into

@@ -16,15 +16,9 @@ from .linear import (
     linear_reference,
     plan_linear,
 )
-from .scaled_mm import (
-    PAIRS,
-    ScaledMMPlan,
-    explain_scaled_mm,
-    plan_scaled_mm,
-    scaled_linear,
-    scaled_mm,
-    scaled_mm_reference,
-)
+from .scaled_mm import scaled_linear, scaled_mm
+from .scaled_mm_checks import PAIRS
+from .scaled_mm_dispatch import ScaledMMPlan, explain_scaled_mm, plan_scaled_mm, scaled_mm_reference
 
 __all__ = [
     "ACTIVATIONS", "GEMV_MAX_M", "PAIRS", "SUPPORTED_FORMATS", "LinearPlan", "ScaledMMPlan", "explain",

@@ -4,9 +4,11 @@ A :class:`PreparedWeight` is made when a ``QuantLinear`` gets its weight (constr
 ``load_state_dict``) and remade when one of the weight's tensors is replaced or changed in place. It holds
 
 - the weight as a QTensor, validated once;
-- the kernel layouts (``lowbit.kernels.gemv_w4.prepare_w4`` and the tensor-core layout) and their static facts;
+- the kernel layouts (``lowbit.kernels.gemv_prepack.prepare_w4`` and the tensor-core layout) and their static
+  facts;
 - per (rows M, x dtype, bias or not) a runner with the launch plan, the compiled kernel and every argument
-  but x and the output (``lowbit.kernels.gemv_w4.GemvRunner``).
+  but x and the output (``lowbit.kernels.gemv_runners.GemvRunner``; for activation-quantized schemes the
+  runners of :mod:`lowbit.ops.prepared_runners`).
 
 A call then checks x cheaply (dtype, last dim, device, alignment), looks its runner up and launches. The
 dispatch rules are those of :func:`lowbit.ops.linear.linear` / :func:`lowbit.ops.scaled_mm.scaled_linear`:
@@ -14,7 +16,7 @@ where no runner applies (fp32 x, M above the GEMV regime, the ``torch`` backend,
 those functions unchanged, so every path gives the same bits as before.
 
 Under ``torch.compile`` the W4A16 GEMV regime is the ``torch.library.triton_op`` ``lowbit::w4a16_gemv``
-(:func:`register_gemv_op`), whose body launches the same kernels through ``wrap_triton``: Inductor traces into it
+(:func:`lowbit.ops.triton_ops.register_gemv_op`), whose body launches the same kernels through ``wrap_triton``: Inductor traces into it
 and launches the kernels from its generated code, with the layouts as graph inputs. Other regimes and
 schemes stay one opaque custom op each (``lowbit::linear_w4a16``, ``lowbit::scaled_linear``).
 """
@@ -33,6 +35,8 @@ from ..formats.shards import plan_rows
 from . import policy
 from .linear import ACTIVATIONS, apply_activation, check_weight, chunked_gemm, linear, weight_chunks
 from .policy import GEMV_MAX_M
+from .prepared_runners import Fp8BlockCublas, Fp8BlockDecode, GemvRouteDecode, MXDecode
+from .triton_ops import register_fp8_block_op, register_gemv_op
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
 _SCALED_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -79,7 +83,7 @@ class PreparedWeight:
         self._dev = w.data.get_device()  # an int, cheaper to compare per call than a torch.device
         self._bias_ok = None
         self.versions = _trackable(w) if layouts else ()
-        self.gemv = None          # lowbit.kernels.gemv_w4.PreparedW4 when the GEMV regime has runners
+        self.gemv = None          # lowbit.kernels.gemv_prepack.PreparedW4 when the GEMV regime has runners
         self.facts = None         # its GemvFacts
         self.gemv_tensors: tuple = ()
         self.runners: dict = {}
@@ -89,7 +93,7 @@ class PreparedWeight:
         self._quantizers: dict = {}  # x dtype -> (activation quantize function, its kwargs)
         self._pairs_checked: set = set()
         self._routes: dict = {}      # (M, x dtype, bias dtype) -> (route, target) of the scaled GEMM
-        self.scaled_runners: dict = {}  # (M, x dtype, bias is None) -> _Fp8BlockDecode
+        self.scaled_runners: dict = {}  # (M, x dtype, bias is None) -> Fp8BlockDecode
         self.fp8_traced: tuple | None = None  # fp8_block decode under torch.compile (see traced_call)
         ready = layouts and policy.kernels_ready(self.device, backend)
         if weight_only:
@@ -106,6 +110,9 @@ class PreparedWeight:
 
     def _prepare_gemv(self) -> None:
         from ..kernels import gemv_w4
+        from ..kernels.gemv_mma_layout import mma_layout
+        from ..kernels.gemv_prepack import dummy_tensor, prepare_w4
+        from ..kernels.gemv_runners import facts, mma_rule, traced_scratch_size
 
         if gemv_w4.supports(self.w) is not None:
             return
@@ -115,9 +122,9 @@ class PreparedWeight:
 
         if policy.DEQUANT_GEMM_MIN_M is not None and slice_rows_reason(self.w) is None:
             self._dequant_min_m = policy.dequant_gemm_min_m(self.w.fmt)
-        p = gemv_w4.prepare_w4(self.w)
-        self.facts = gemv_w4.facts(p)   # builds the tensor-core layout too
-        lay = gemv_w4.mma_layout(p)
+        p = prepare_w4(self.w)
+        self.facts = facts(p)   # builds the tensor-core layout too
+        lay = mma_layout(p)
         dummy = p.nested if lay is None else None
         self.gemv = p
         self.gemv_tensors = (p.words, p.scales, p.nested, p.tab, p.gs,
@@ -127,10 +134,10 @@ class PreparedWeight:
         from ..kernels.scratch import mark_static, traced_scratch
 
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        ws, cnt = traced_scratch(self.device, idx, *gemv_w4.traced_scratch_size(self.n, self.k))
-        self.traced_extra = (ws, cnt, gemv_w4.dummy_tensor(self.device, torch.float32))
-        self.no_bias = {dt: gemv_w4.dummy_tensor(self.device, dt) for dt in _X_DTYPES}
-        self.mma_rule = gemv_w4.mma_rule(self.facts)
+        ws, cnt = traced_scratch(self.device, idx, *traced_scratch_size(self.n, self.k))
+        self.traced_extra = (ws, cnt, dummy_tensor(self.device, torch.float32))
+        self.no_bias = {dt: dummy_tensor(self.device, dt) for dt in _X_DTYPES}
+        self.mma_rule = mma_rule(self.facts)
         # fixed addresses for torch.compile: CUDA-graph trees would otherwise copy every layout into graph-owned
         # memory on each replay (they are not module parameters); guarded, so a re-prepared layer recompiles
         mark_static(*{id(t): t for t in (*self.gemv_tensors, *self.traced_extra, *self.no_bias.values())}.values())
@@ -186,7 +193,7 @@ class PreparedWeight:
                     return out
         elif self._scaled_ready:
             if self.scaled_runners and act_global_scale is None:
-                # the decode fast path of activation-quantized schemes (see _Fp8BlockDecode)
+                # the decode fast path of activation-quantized schemes (see Fp8BlockDecode)
                 shape = x.shape
                 if (shape[-1] == self.k and (bias is None or bias is self._bias_ok)
                         and x.get_device() == self._dev):
@@ -211,7 +218,8 @@ class PreparedWeight:
         if backend == "torch":
             return None
         from ..api import quantizer
-        from .scaled_mm import check_operands, run_checked
+        from .scaled_mm_checks import check_operands
+        from .scaled_mm_dispatch import run_checked
 
         k = self.k
         flat = x.dim() == 2
@@ -257,10 +265,10 @@ class PreparedWeight:
     def _add_scaled_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict, name: str, route: Any,
                            bias: torch.Tensor | None) -> None:
         """Keep a runner for calls like this one when the activation is quantized by the fp8_block kernel (block
-        1x128): :class:`_Fp8BlockDecode` where the GEMM is lowbit's decoding kernel (``name`` "kernel*", the
-        ``KernelRoute`` ``route``), :class:`_Fp8BlockCublas` where it is cuBLASLt's block-scaled GEMM."""
+        1x128): :class:`Fp8BlockDecode` where the GEMM is lowbit's decoding kernel (``name`` "kernel*", the
+        ``KernelRoute`` ``route``), :class:`Fp8BlockCublas` where it is cuBLASLt's block-scaled GEMM."""
         from ..kernels import blockscaled, fp8_block
-        from ..kernels.scaled_mm import operand_args
+        from ..kernels.scaled_mm_launch import operand_args
 
         if name == "gemv":
             self._add_gemv_route_runner(x, a, fn, kwargs, bias)
@@ -282,7 +290,7 @@ class PreparedWeight:
                 return
             from ..kernels.cublas_fp8_block import PreparedMM
 
-            run = _Fp8BlockCublas(plan, PreparedMM(self.w.data, self.w.scale, x.dtype), self.device)
+            run = Fp8BlockCublas(plan, PreparedMM(self.w.data, self.w.scale, x.dtype), self.device)
         else:
             run = None
             if m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
@@ -292,7 +300,7 @@ class PreparedWeight:
                 if plan.scale_storage is not None or plan.launch is None or plan.batched:
                     return
                 a_args, _ = operand_args(a)
-                run = _Fp8BlockDecode(plan, route, tuple(a_args[3:7]), self.device)
+                run = Fp8BlockDecode(plan, route, tuple(a_args[3:7]), self.device)
         if len(self.scaled_runners) >= _MAX_RUNNERS:
             self.scaled_runners.clear()
         if bias is not None:
@@ -301,11 +309,13 @@ class PreparedWeight:
 
     def _add_gemv_route_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict,
                                bias: torch.Tensor | None) -> None:
-        """Keep a :class:`_GemvRouteDecode` for decode calls like this one: bf16 x, nvfp4 activations with a
+        """Keep a :class:`GemvRouteDecode` for decode calls like this one: bf16 x, nvfp4 activations with a
         global scale derived per call (vLLM's or LightX2V's convention) or mxfp4 activations, linear scales,
         the ``"gemv"`` route of ``lowbit.kernels.scaled_mm`` (the activation decoded exactly to bf16, then the
         W4A16 GEMV on the 4-bit weight)."""
-        from ..kernels import blockscaled, gemv_w4
+        from ..kernels import blockscaled
+        from ..kernels.gemv_prepack import prepare_w4
+        from ..kernels.gemv_runners import GemvRunner
 
         if x.dtype != torch.bfloat16 or kwargs.get("scale_layout", "linear") != "linear":
             return
@@ -332,20 +342,20 @@ class PreparedWeight:
         if decode.launch is None or decode.launch.compiled is None:
             return
         m, k = x.shape
-        gemv = gemv_w4.GemvRunner(gemv_w4.prepare_w4(self.w), m, torch.bfloat16, bias is not None, 0, rs_mode)
+        gemv = GemvRunner(prepare_w4(self.w), m, torch.bfloat16, bias is not None, 0, rs_mode)
         if len(self.scaled_runners) >= _MAX_RUNNERS:
             self.scaled_runners.clear()
         if bias is not None:
             self._bias_ok = bias
-        self.scaled_runners[(m, x.dtype, bias is None)] = _GemvRouteDecode(
+        self.scaled_runners[(m, x.dtype, bias is None)] = GemvRouteDecode(
             keep, decode.launch, gemv, m, k, block, a2.data.shape[-1], self.device)
 
     def _add_mx_runner(self, x: torch.Tensor, a: QTensor, kwargs: dict, route: Any,
                        bias: torch.Tensor | None) -> None:
-        """Keep an :class:`_MXDecode` for calls like this one (MX activations, linear scales, lowbit's decoding
+        """Keep an :class:`MXDecode` for calls like this one (MX activations, linear scales, lowbit's decoding
         GEMM): the quantize kernel's launch is taken from one more quantize of ``x`` (the same bits as ``a``)."""
         from ..kernels import blockscaled
-        from ..kernels.scaled_mm import operand_args
+        from ..kernels.scaled_mm_launch import operand_args
 
         if set(kwargs) - {"fmt", "scale_rounding", "scale_layout"} or kwargs.get("scale_layout", "linear") != "linear":
             return
@@ -360,7 +370,7 @@ class PreparedWeight:
             self.scaled_runners.clear()
         if bias is not None:
             self._bias_ok = bias
-        self.scaled_runners[(x.shape[0], x.dtype, bias is None)] = _MXDecode(
+        self.scaled_runners[(x.shape[0], x.dtype, bias is None)] = MXDecode(
             keep[0], x.shape[0], x.shape[1], a.data.dtype, route, tuple(a_args[3:7]), self.device)
 
     def _route(self, a, bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[str, Any]:
@@ -394,11 +404,11 @@ class PreparedWeight:
         if run is None:
             if torch.cuda.is_current_stream_capturing() or self._backend() == "torch":
                 return None  # made outside a capture only (its buffers must not live in the graph's pool)
-            from ..kernels import gemv_w4
+            from ..kernels.gemv_runners import GemvRunner
 
             if len(self.runners) >= _MAX_RUNNERS:
                 self.runners.clear()
-            run = self.runners[key] = gemv_w4.GemvRunner(self.gemv, m, x.dtype, bias is not None, self.act_code)
+            run = self.runners[key] = GemvRunner(self.gemv, m, x.dtype, bias is not None, self.act_code)
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         out = run(x2, bias)
@@ -458,7 +468,7 @@ class PreparedWeight:
             if 0 < m <= GEMV_MAX_M:
                 t = self.gemv_tensors
                 # only the layouts of the kernel that runs become graph inputs (each input costs the compiled
-                # code a guard and a size check per call); the rule is gemv_w4.uses_mma's, in comparisons that
+                # code a guard and a size check per call); the rule is gemv_runners.uses_mma's, in comparisons that
                 # a symbolic M traces through (bucket guards, as the op's own plan adds)
                 dtypes, lo, hi, m1 = self.mma_rule
                 if x.dtype in dtypes and lo <= m <= hi and (m > 1 or m1):
@@ -481,219 +491,6 @@ class PreparedWeight:
         return self.call_general(x, bias, act_global_scale)
 
 
-class _Fp8BlockDecode:
-    """``run(x, bias) -> out``: the decode call of a layer whose activations are quantized to fp8_block
-    (block 1x128) and whose GEMM is lowbit's decoding kernel (``lowbit.kernels.scaled_mm.KernelRoute``), at one
-    M, x dtype and bias presence. It makes the launches :func:`lowbit.ops.scaled_linear` makes (the
-    activation's quantize kernel, then the GEMM) with everything but x, the outputs and the scratch fixed, so
-    it gives the same bits; ``x`` is ``[M, K]`` contiguous and 16-byte aligned (the caller checks)."""
-
-    __slots__ = ("qlaunch", "data_shape", "scale_shape", "m", "k", "n_mblocks", "route", "a_strides", "device")
-
-    def __init__(self, plan: Any, route: Any, a_strides: tuple, device: torch.device) -> None:
-        self.qlaunch = plan.launch
-        self.data_shape, self.scale_shape = tuple(plan.data_shape), tuple(plan.scale_shape)
-        self.m, self.k, self.n_mblocks = plan.m, plan.kdim, plan.n_mblocks
-        self.route, self.a_strides, self.device = route, a_strides, device
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        data = torch.empty(self.data_shape, dtype=torch.float8_e4m3fn, device=self.device)
-        scale = torch.empty(self.scale_shape, dtype=torch.float32, device=self.device)
-        k = self.k
-        self.qlaunch(True, x, data, scale, self.m, k, 0, k, self.n_mblocks)
-        return self.route.run(data, scale, scale, self.a_strides, None, bias)
-
-
-class _GemvRouteDecode:
-    """``run(x, bias) -> out``: the decode call of an nvfp4/mxfp4 weight with nvfp4 (global scale derived per
-    call) or mxfp4 activations at one M, bf16 x and bias presence, as ``lowbit.kernels.scaled_mm``'s ``"gemv"``
-    route makes it: [the absmax pass,] the activation's quantize kernel, its exact decode to bf16 (without the
-    global scale), then the W4A16 GEMV dividing by the global scale, each launch kept from the general path's
-    first call, so the same bits."""
-
-    __slots__ = ("amax_launch", "qlaunch", "decode", "gemv", "m", "k", "cols", "cols4", "n_groups", "width",
-                 "nvfp4", "device", "dev_index")
-
-    def __init__(self, launches: list, decode: Any, gemv: Any, m: int, k: int, block: int, width: int,
-                 device: torch.device) -> None:
-        self.nvfp4 = block == 16
-        self.amax_launch = launches[0] if self.nvfp4 else None
-        self.qlaunch = launches[-1]
-        self.decode, self.gemv = decode, gemv
-        self.m, self.k, self.width = m, k, width
-        self.cols = k // block
-        self.cols4 = -(-self.cols // 4) * 4
-        self.n_groups = m * self.cols
-        self.device = device
-        self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        dev, idx, m, k = self.device, self.dev_index, self.m, self.k
-        data = torch.empty((m, self.width), dtype=torch.uint8, device=dev)
-        scale = torch.empty((m, self.cols), dtype=torch.uint8, device=dev)
-        if self.nvfp4:
-            # lowbit.kernels.blockscaled.quantize_nvfp4 with the default global scale: absmax bits, then the
-            # quantize kernel derives 2688 / amax into gs and quantizes with it
-            amax = torch.zeros(1, dtype=torch.int32, device=dev)
-            self.amax_launch.run(idx, x, amax, m * k)
-            gs = torch.empty(1, dtype=torch.float32, device=dev)
-            self.qlaunch.run(idx, x, data, scale, gs, amax, self.n_groups, self.cols, self.cols4)
-        else:
-            gs = None
-            self.qlaunch.run(idx, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
-        xd = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
-        self.decode.run(idx, data, scale, scale, xd.view(torch.int16), self.n_groups, self.cols, self.cols4)
-        return self.gemv(xd, bias, gs)
-
-
-class _MXDecode:
-    """``run(x, bias) -> out``: the decode call of a layer whose activations are quantized to an MX format
-    (linear scales) and whose GEMM is lowbit's decoding kernel (``KernelRoute``), at one M, x dtype and bias
-    presence: the quantize kernel's launch as ``lowbit.kernels.blockscaled.quantize_mx`` makes it (into fresh
-    data and scale buffers), then the GEMM, so the same bits as :func:`lowbit.ops.scaled_linear`."""
-
-    __slots__ = ("qlaunch", "m", "k", "width", "cols", "cols4", "n_groups", "data_dtype", "route", "a_strides",
-                 "device", "dev_index")
-
-    def __init__(self, qlaunch: Any, m: int, k: int, data_dtype: torch.dtype, route: Any, a_strides: tuple,
-                 device: torch.device) -> None:
-        self.qlaunch, self.m, self.k = qlaunch, m, k
-        self.data_dtype = data_dtype
-        # the quantize kernel's buffers (lowbit.kernels.blockscaled._data_buffer / _scale_buffer): uint8 rows as
-        # wide as the activation's data rows (K bytes for 8-bit elements, viewed as the FP8 dtype after; K * bits
-        # / 8 for the packed ones), one E8M0 byte per 32 columns
-        self.width = a_strides[0]
-        self.cols = k // 32
-        self.cols4 = -(-self.cols // 4) * 4
-        self.n_groups = m * self.cols
-        self.route, self.a_strides, self.device = route, a_strides, device
-        self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        data = torch.empty((self.m, self.width), dtype=torch.uint8, device=self.device)
-        scale = torch.empty((self.m, self.cols), dtype=torch.uint8, device=self.device)
-        self.qlaunch.run(self.dev_index, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
-        if self.data_dtype != torch.uint8:
-            data = data.view(self.data_dtype)
-        return self.route.run(data, scale, scale, self.a_strides, None, bias)
-
-
-class _Fp8BlockCublas:
-    """``run(x, bias) -> out``: the call of a layer whose activations are quantized to fp8_block (block 1x128)
-    and whose GEMM is cuBLASLt's block-scaled one (``lowbit.kernels.cublas_fp8_block``), at one M, x dtype and
-    bias presence: the quantize kernel writes the scales M-major (the values the general path computes and then
-    copies into that layout), then the prepared cuBLAS call, so the same bits with one launch less."""
-
-    __slots__ = ("qlaunch", "data_shape", "scale_shape", "m", "k", "n_mblocks", "mm", "device")
-
-    def __init__(self, plan: Any, mm: Any, device: torch.device) -> None:
-        self.qlaunch = plan.launch
-        self.data_shape, self.scale_shape = tuple(plan.data_shape), tuple(plan.scale_shape)
-        self.m, self.k, self.n_mblocks = plan.m, plan.kdim, plan.n_mblocks
-        self.mm, self.device = mm, device
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        m, k = self.m, self.k
-        data = torch.empty(self.data_shape, dtype=torch.float8_e4m3fn, device=self.device)
-        scale = torch.empty_strided(self.scale_shape, (1, m), dtype=torch.float32, device=self.device)
-        self.qlaunch(True, x, data, scale, m, k, 0, k, self.n_mblocks)
-        return self.mm(data, scale, bias)
-
-
-# ---------------------------------------------------------------------------------------------- triton op
-
-
-def _gemv_body(
-    x: torch.Tensor,
-    words: torch.Tensor | None,
-    scales: torch.Tensor | None,
-    nested: torch.Tensor | None,
-    tab: torch.Tensor | None,
-    gs: torch.Tensor,
-    mma_words: torch.Tensor | None,
-    mma_scales: torch.Tensor | None,
-    ws: torch.Tensor,
-    cnt: torch.Tensor,
-    rs: torch.Tensor,
-    no_bias: torch.Tensor,
-    bias: torch.Tensor | None,
-    fmt: str,
-    fmt_code: int,
-    n: int,
-    k: int,
-    sk: int,
-    wpb: int,
-    post: float,
-    gs_kind: int,
-    mma_fmt: int,
-    cpg: int,
-    act: int,
-    plan_n: int = 0,
-) -> torch.Tensor:
-    """``act(x @ W.T + bias)`` for x ``[M, K]`` (M <= 16, contiguous) on a prepared weight's GEMV layouts
-    (``lowbit.kernels.gemv_w4``: words, scales, nested absmax, NF4 table, global scale, tensor-core words and
-    scales), its split-K scratch and placeholders (:func:`lowbit.kernels.gemv_w4.traced_gemv`) and its static
-    facts; the plan is :func:`lowbit.kernels.gemv_w4.gemv_w4`'s default one."""
-    from ..kernels import gemv_w4
-
-    f = gemv_w4.GemvFacts(fmt, fmt_code, n, k, sk, wpb, post, gs_kind, mma_fmt, cpg, plan_n)
-    return gemv_w4.traced_gemv(x, words, scales, nested, tab, gs, mma_words, mma_scales, ws, cnt, rs, no_bias,
-                               bias, f, act)
-
-
-_GEMV_OP = []
-
-
-def _static_launch_compiled_kernels() -> None:
-    """Let Inductor launch the op's kernels with its static launcher (``static_launch_user_defined_triton_kernels``,
-    as it launches its own kernels) instead of Triton's Python launcher: tens of microseconds less host time per
-    GEMV in compiled code without CUDA graphs. A process-wide Inductor setting; lowbit leaves it alone when
-    ``$TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS`` is set or ``policy.STATIC_LAUNCH_COMPILED_KERNELS``
-    is False. Kernels the static launcher cannot take still go through Triton (Inductor falls back)."""
-    if not policy.STATIC_LAUNCH_COMPILED_KERNELS or "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS" in os.environ:
-        return
-    import torch._inductor.config as inductor_config
-
-    if hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
-        inductor_config.static_launch_user_defined_triton_kernels = True
-
-
-def register_gemv_op():
-    """Define the ``lowbit::w4a16_gemv`` triton_op (once; defining it imports triton, so it happens when a
-    weight is first prepared for the CUDA kernels, never at import)."""
-    if not _GEMV_OP:
-        _static_launch_compiled_kernels()
-        # declared without mutated arguments: the op's only writes besides its output are to the layer's split-K
-        # scratch (its counters are reset before the kernels exit); under torch.compile the body is traced and
-        # the wrapped kernels' own analysis records those writes
-        _GEMV_OP.append(torch.library.triton_op("lowbit::w4a16_gemv", _gemv_body, mutates_args=()))
-    return _GEMV_OP[0]
-
-
-def _fp8_block_decode_body(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, ws: torch.Tensor,
-                           cnt: torch.Tensor, bias: torch.Tensor | None, pow2: bool, rows_per_scale: int,
-                           plan_n: int = 0) -> torch.Tensor:
-    """``x @ W.T + bias`` for x ``[M, K]`` (M <= ``policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M``, contiguous) quantized
-    to fp8_block 1x128 inside the GEMM, on an fp8_block weight (:func:`lowbit.kernels.scaled_mm.traced_quant_in_gemm`)."""
-    from ..kernels import scaled_mm as ksm
-
-    return ksm.traced_quant_in_gemm(x, w_data, w_scale, ws, cnt, bias, pow2, rows_per_scale, plan_n)
-
-
-_FP8_BLOCK_OP = []
-
-
-def register_fp8_block_op():
-    """Define the ``lowbit::fp8_block_decode`` triton_op (once, when an fp8_block weight is first prepared for
-    the CUDA kernels; never at import). Its only writes besides the output are to the split-K scratch, as for
-    ``lowbit::w4a16_gemv``."""
-    if not _FP8_BLOCK_OP:
-        _static_launch_compiled_kernels()
-        _FP8_BLOCK_OP.append(torch.library.triton_op("lowbit::fp8_block_decode", _fp8_block_decode_body,
-                                                     mutates_args=()))
-    return _FP8_BLOCK_OP[0]
-
-
 def prepare(w: QTensor, scheme: Any, activation: str | None = None, backend: str | None = None,
             layouts: bool = True) -> PreparedWeight:
     """A :class:`PreparedWeight` for ``w`` under a ``lowbit.nn.Scheme`` (``layouts=False``: no kernel layouts
@@ -702,4 +499,4 @@ def prepare(w: QTensor, scheme: Any, activation: str | None = None, backend: str
                           act_options=dict(scheme.act_options), backend=backend, layouts=layouts)
 
 
-__all__ = ["PreparedWeight", "prepare", "register_fp8_block_op", "register_gemv_op"]
+__all__ = ["PreparedWeight", "prepare"]

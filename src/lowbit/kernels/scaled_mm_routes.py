@@ -1,0 +1,228 @@
+"""The routes of ``lowbit.kernels.scaled_mm`` that do not run lowbit's decoding GEMM as it is: each one's
+capability check (``*_unsupported``: None where the pair can take it, else why not; ``lowbit.ops.policy`` routes
+with them) and its implementation.
+
+- ``"gemv"``: the activation decoded to bf16 exactly, then the W4A16 GEMV (``lowbit.kernels.gemv_w4``);
+- ``"dequant"``: nvfp4 x nvfp4 decoded to bf16 exactly, then cuBLAS's bf16 GEMM;
+- ``"fold"``: mxfp4 re-encoded exactly as E4M3, then an FP8 GEMM (cuBLASLt's or the TMA kernel), with the
+  decoding kernel as a guarded exact fallback;
+- ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (:mod:`lowbit.kernels.cublas_fp8_block`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..formats.qtensor import QTensor
+from ..formats.shards import plan_rows
+from . import cublas_fp8_block as cb
+from . import interpreting as _interpreting
+from .scaled_mm_launch import config_for, launch_fp8_block_tma, launch_decoding, operand_args, tma_ready
+
+
+_GEMV_ACTIVATIONS = ("nvfp4", "mxfp4", "fp8_rowwise")
+
+
+def gemv_unsupported(a: QTensor, b: QTensor) -> str | None:
+    """None when this pair can run through ``lowbit.kernels.gemv_w4`` (the ``"gemv"`` route), else why not.
+
+    At small M the GEMM streams the 4-bit weight and the GEMV streams it faster. The activation is decoded
+    to bf16 first, exactly: an E2M1 value times its E4M3 or E8M0 block scale, or an E4M3 value, is a bf16
+    value. What its scales leave over (nvfp4's global scale, fp8_rowwise's per-token scale, alpha) is one
+    fp32 factor per row in the GEMV's epilogue, so the result is the block-scaled product up to fp32
+    accumulation order, as in the GEMM."""
+    from . import gemv_w4
+
+    if a.shape[0] > gemv_w4.MAX_M:
+        return f"M = {a.shape[0]} > {gemv_w4.MAX_M} (the GEMV's rows)"
+    if b.fmt not in ("nvfp4", "mxfp4") or a.fmt not in _GEMV_ACTIVATIONS:
+        return f"the GEMV takes nvfp4/mxfp4 weights with {'/'.join(_GEMV_ACTIVATIONS)} activations"
+    if _interpreting():
+        return "the GEMV route is for the GPU"
+    return gemv_w4.supports(b)
+
+
+def scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
+    from . import blockscaled, gemv_w4
+
+    factor = divisor = None
+    if a.fmt == "fp8_rowwise":
+        x = a.data.to(torch.bfloat16)
+        factor = a.scale.reshape(-1)
+    else:
+        plain, g, divides = _without_global(a)
+        if a.fmt == "nvfp4":
+            x = blockscaled.dequantize_nvfp4(plain, torch.bfloat16)
+            if divides:
+                divisor = g
+            else:
+                factor = g
+        else:
+            x = blockscaled.dequantize_mx(plain, torch.bfloat16)
+    if alpha is not None:
+        if divisor is not None:
+            factor, divisor = alpha / divisor, None
+        else:
+            factor = alpha if factor is None else factor * alpha
+    return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, divide_by=divisor, out_dtype=out_dtype)
+
+
+def dequant_unsupported(a: QTensor, b: QTensor) -> str | None:
+    """None when this pair can run the ``"dequant"`` route (:func:`dequant_mm`), else why not.
+
+    An nvfp4 value without its global scale, an E2M1 element times its E4M3 block scale, has at most 6
+    significant bits and an exponent inside bf16's range: both operands decode to bf16 exactly, and cuBLAS's
+    bf16 GEMM with fp32 accumulation then computes the block-scaled product up to accumulation order, as the
+    decoding kernel does. (E2M1 x E4M3 does not fit E4M3, so the FP8 tensor cores cannot take it exactly.)"""
+    if a.fmt != "nvfp4" or b.fmt != "nvfp4":
+        return "the dequant route takes nvfp4 x nvfp4 pairs"
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        return "the dequant route takes 2-D operands"
+    if _interpreting():
+        return "the dequant route is for the GPU"
+    return None
+
+
+def _without_global(q: QTensor) -> tuple[QTensor, torch.Tensor | None, bool]:
+    """(q without its per-tensor scale, that scale as fp32 [1] or None, whether it divides (a global
+    multiplier) rather than multiplies (torchao's per_tensor_scale))."""
+    pts = q.params.get("per_tensor_scale")
+    plain = dataclasses.replace(
+        q, global_scale=None, params={key: v for key, v in q.params.items() if key != "per_tensor_scale"})
+    if pts is not None:
+        return plain, torch.as_tensor(pts, dtype=torch.float32, device=q.data.device).reshape(1), False
+    if q.global_scale is not None:
+        return plain, q.global_scale.reshape(1).to(device=q.data.device, dtype=torch.float32), True
+    return plain, None, False
+
+
+DEQUANT_CHUNK_BYTES = 64 << 20
+"""Largest decoded weight chunk and fp32 partial product the ``"dequant"`` route holds at once."""
+
+
+def _mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` of bf16 operands as the fp32 accumulator cuBLAS computes (``mm`` with ``out_dtype``), or
+    rounded to bf16 first where this torch has no such ``mm`` (one more rounding, inside the GEMM tolerance)."""
+    kind = x.device.type
+    if _MM_DTYPE.get(kind, True):
+        try:
+            return torch.mm(x, w.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_DTYPE[kind] = False
+    return torch.mm(x, w.t()).float()
+
+
+_MM_DTYPE: dict = {}  # device type -> whether mm takes out_dtype there
+
+
+def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
+    """The ``"dequant"`` route: ``a`` decoded exactly to bf16, ``b`` a chunk of rows at a time (at most
+    :data:`DEQUANT_CHUNK_BYTES` of decoded weight or fp32 partial product), each chunk through cuBLAS's bf16
+    GEMM with fp32 accumulation, then the decoding kernel's epilogue in its order (1 / global multiplier or
+    per_tensor_scale of a, of b, alpha, bias) and one rounding to ``out_dtype``."""
+    from ..formats.rows import ROW_ALIGN, slice_rows, slice_rows_reason
+    from . import blockscaled
+
+    pa, ga, ga_div = _without_global(a)
+    pb, gb, gb_div = _without_global(b)
+    m, k_dim = a.shape
+    n = b.shape[0]
+    x = blockscaled.dequantize_nvfp4(pa, torch.bfloat16)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    align = ROW_ALIGN.get(b.fmt, 128)
+    rows = max(align, min(DEQUANT_CHUNK_BYTES // (2 * k_dim), DEQUANT_CHUNK_BYTES // (4 * max(m, 1))))
+    rows = rows // align * align
+    if rows >= n or slice_rows_reason(pb) is not None:
+        rows = n
+    inv_a = None if ga is None else (torch.div(1.0, ga) if ga_div else ga)
+    inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        wq = pb if (n0, n1) == (0, n) else slice_rows(pb, n0, n1)
+        acc = _mm_fp32(x, blockscaled.dequantize_nvfp4(wq, torch.bfloat16))
+        if inv_a is not None:
+            acc.mul_(inv_a)
+        if inv_b is not None:
+            acc.mul_(inv_b)
+        if alpha is not None:
+            acc.mul_(alpha.reshape(1).to(torch.float32))
+        if bias is not None:
+            acc.add_(bias[n0:n1].to(torch.float32))
+        out[:, n0:n1] = acc
+    return out
+
+
+_FOLD_ACTIVATIONS = ("mxfp4", "fp8_rowwise", "fp8_block")
+
+
+def fold_unsupported(a: QTensor, b: QTensor) -> str | None:
+    """None when this pair can run on the FP8 tensor cores through ``mxfp4_as_fp8_block`` (the ``"fold"``
+    route), else why not.
+
+    An E2M1 value times a power of two is exact in E4M3 while the exponent stays in range, so MXFP4 data
+    becomes E4M3 values with one fp32 scale per 128x128 block (the weight) or per row and 128 columns (an
+    mxfp4 activation) and the same fp32 value per element (``lowbit.formats.blockscaled.mxfp4_as_fp8_block``).
+    The operands are re-encoded on every call by a memory-bound kernel (the weight is read at 4 bits and
+    written at 8: the FP8 copy is a per-call scratch, never kept), and the product is the fp8_block GEMM of
+    DeepSeek-V3 weights (cuBLASLt's where :mod:`lowbit.kernels.cublas_fp8_block` takes it, else the TMA kernel).
+    A block the re-encoding cannot hold (a NaN scale, or a nonzero MX block more than
+    ``lowbit.formats.blockscaled.FOLD_WINDOW`` (11) binades below the largest of its 128x128 or 1x128 block)
+    sets a device flag, and the decoding kernel, launched behind the GEMM with that flag as its guard,
+    recomputes the whole output: the result is the block-scaled product up to fp32 accumulation order either
+    way, without a host synchronization."""
+    if b.fmt != "mxfp4" or a.fmt not in _FOLD_ACTIVATIONS:
+        return f"the FP8 re-encoding takes mxfp4 weights with {'/'.join(_FOLD_ACTIVATIONS)} activations"
+    if _interpreting():
+        return "the FP8 re-encoding feeds the TMA kernel, which is for the GPU"
+    return None
+
+
+def fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: bool | None = None) -> torch.Tensor:
+    from . import blockscaled
+
+    m, k_dim = a.shape
+    n = b.shape[0]
+    device = a.data.device
+    # an mxfp4 activation is re-encoded into a fresh, aligned tensor
+    why = cb.unsupported(m, n, k_dim, device, a.fmt == "mxfp4" or cb.aligned(a.data), bias, out_dtype)
+    if cublas and why is not None:
+        raise ValueError(f"cublas=True: {why}")
+    use_cublas = why is None and cublas is not False
+    dropped = torch.zeros(1, dtype=torch.int32, device=device)
+    # 128x128 weight blocks: one scale per weight tile, so the promotion is one FMA per accumulator element
+    wb = blockscaled.mxfp4_fold(b, (128, 128), dropped, cublas_scales=use_cublas)
+    if a.fmt == "mxfp4":
+        wa = blockscaled.mxfp4_fold(a, (1, 128), dropped, cublas_scales=use_cublas)
+        a_data, a_scale = wa.data, wa.scale
+    else:
+        a_data, a_scale = a.data, a.scale
+    if use_cublas:
+        out = cb.mm(a_data, a_scale, wb.data, wb.scale, alpha, bias, out_dtype, b_scale_zero_padded=True)
+    else:
+        if not tma_ready(a_data):
+            a_data = a_data.clone(memory_format=torch.contiguous_format)
+        # fp8_rowwise: one scale per row serves every K tile (K-tile stride 0)
+        s0, s1 = a_scale.stride(0), 0 if a.fmt == "fp8_rowwise" else a_scale.stride(1)
+        out = torch.empty((m, n), dtype=out_dtype, device=device)
+        launch_fp8_block_tma([a_data, a_scale, None, None, s0, s1],
+                       [wb.data, wb.scale, None, None, wb.scale.stride(0), wb.scale.stride(1)],
+                       {"ROWS_PER_SCALE": 128}, m, n, k_dim, alpha, bias, out, cfg)
+    a_args, ac = operand_args(a)
+    b_args, bc = operand_args(b)
+    launch_decoding(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, config_for(m, False), guard=dropped,
+            plan_n=plan_rows(b))
+    return out
+
+
+def cublas_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
+    """None when this fp8_block pair can run on cuBLASLt's block-scaled FP8 GEMM (the ``"cublas"`` route;
+    :mod:`lowbit.kernels.cublas_fp8_block`), else why not."""
+    if a.fmt != "fp8_block" or b.fmt != "fp8_block" or tuple(b.params.get("block", ())) != (128, 128):
+        return "cuBLAS takes fp8_block activations with 128x128-block fp8_block weights"
+    if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
+        return "cuBLAS takes E4M3 data"
+    m, k_dim = a.shape
+    return cb.unsupported(m, b.shape[0], k_dim, a.data.device, cb.aligned(a.data) and cb.aligned(b.data), bias,
+                          out_dtype)

@@ -1,0 +1,132 @@
+"""The decode runners of prepared layers whose activations are quantized (``PreparedWeight.scaled_runners``):
+each makes, for one M, x dtype and bias presence, the launches :func:`lowbit.ops.scaled_linear` makes (the
+activation's quantize kernel, then the GEMM) with everything but x, the outputs and the scratch fixed once, so
+it gives the same bits with less host work per call. ``x`` is ``[M, K]`` contiguous and 16-byte aligned and
+``bias`` None or ``[N]`` of the output dtype, contiguous and aligned (the caller checks; nothing is checked
+here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Fp8BlockDecode:
+    """``run(x, bias) -> out``: the decode call of a layer whose activations are quantized to fp8_block
+    (block 1x128) and whose GEMM is lowbit's decoding kernel (``lowbit.kernels.scaled_mm.KernelRoute``), at one
+    M, x dtype and bias presence. It makes the launches :func:`lowbit.ops.scaled_linear` makes (the
+    activation's quantize kernel, then the GEMM) with everything but x, the outputs and the scratch fixed, so
+    it gives the same bits; ``x`` is ``[M, K]`` contiguous and 16-byte aligned (the caller checks)."""
+
+    __slots__ = ("qlaunch", "data_shape", "scale_shape", "m", "k", "n_mblocks", "route", "a_strides", "device")
+
+    def __init__(self, plan: Any, route: Any, a_strides: tuple, device: torch.device) -> None:
+        self.qlaunch = plan.launch
+        self.data_shape, self.scale_shape = tuple(plan.data_shape), tuple(plan.scale_shape)
+        self.m, self.k, self.n_mblocks = plan.m, plan.kdim, plan.n_mblocks
+        self.route, self.a_strides, self.device = route, a_strides, device
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        data = torch.empty(self.data_shape, dtype=torch.float8_e4m3fn, device=self.device)
+        scale = torch.empty(self.scale_shape, dtype=torch.float32, device=self.device)
+        k = self.k
+        self.qlaunch(True, x, data, scale, self.m, k, 0, k, self.n_mblocks)
+        return self.route.run(data, scale, scale, self.a_strides, None, bias)
+
+
+class GemvRouteDecode:
+    """``run(x, bias) -> out``: the decode call of an nvfp4/mxfp4 weight with nvfp4 (global scale derived per
+    call) or mxfp4 activations at one M, bf16 x and bias presence, as ``lowbit.kernels.scaled_mm``'s ``"gemv"``
+    route makes it: [the absmax pass,] the activation's quantize kernel, its exact decode to bf16 (without the
+    global scale), then the W4A16 GEMV dividing by the global scale, each launch kept from the general path's
+    first call, so the same bits."""
+
+    __slots__ = ("amax_launch", "qlaunch", "decode", "gemv", "m", "k", "cols", "cols4", "n_groups", "width",
+                 "nvfp4", "device", "dev_index")
+
+    def __init__(self, launches: list, decode: Any, gemv: Any, m: int, k: int, block: int, width: int,
+                 device: torch.device) -> None:
+        self.nvfp4 = block == 16
+        self.amax_launch = launches[0] if self.nvfp4 else None
+        self.qlaunch = launches[-1]
+        self.decode, self.gemv = decode, gemv
+        self.m, self.k, self.width = m, k, width
+        self.cols = k // block
+        self.cols4 = -(-self.cols // 4) * 4
+        self.n_groups = m * self.cols
+        self.device = device
+        self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        dev, idx, m, k = self.device, self.dev_index, self.m, self.k
+        data = torch.empty((m, self.width), dtype=torch.uint8, device=dev)
+        scale = torch.empty((m, self.cols), dtype=torch.uint8, device=dev)
+        if self.nvfp4:
+            # lowbit.kernels.blockscaled.quantize_nvfp4 with the default global scale: absmax bits, then the
+            # quantize kernel derives 2688 / amax into gs and quantizes with it
+            amax = torch.zeros(1, dtype=torch.int32, device=dev)
+            self.amax_launch.run(idx, x, amax, m * k)
+            gs = torch.empty(1, dtype=torch.float32, device=dev)
+            self.qlaunch.run(idx, x, data, scale, gs, amax, self.n_groups, self.cols, self.cols4)
+        else:
+            gs = None
+            self.qlaunch.run(idx, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
+        xd = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
+        self.decode.run(idx, data, scale, scale, xd.view(torch.int16), self.n_groups, self.cols, self.cols4)
+        return self.gemv(xd, bias, gs)
+
+
+class MXDecode:
+    """``run(x, bias) -> out``: the decode call of a layer whose activations are quantized to an MX format
+    (linear scales) and whose GEMM is lowbit's decoding kernel (``KernelRoute``), at one M, x dtype and bias
+    presence: the quantize kernel's launch as ``lowbit.kernels.blockscaled.quantize_mx`` makes it (into fresh
+    data and scale buffers), then the GEMM, so the same bits as :func:`lowbit.ops.scaled_linear`."""
+
+    __slots__ = ("qlaunch", "m", "k", "width", "cols", "cols4", "n_groups", "data_dtype", "route", "a_strides",
+                 "device", "dev_index")
+
+    def __init__(self, qlaunch: Any, m: int, k: int, data_dtype: torch.dtype, route: Any, a_strides: tuple,
+                 device: torch.device) -> None:
+        self.qlaunch, self.m, self.k = qlaunch, m, k
+        self.data_dtype = data_dtype
+        # the quantize kernel's buffers (lowbit.kernels.blockscaled._data_buffer / _scale_buffer): uint8 rows as
+        # wide as the activation's data rows (K bytes for 8-bit elements, viewed as the FP8 dtype after; K * bits
+        # / 8 for the packed ones), one E8M0 byte per 32 columns
+        self.width = a_strides[0]
+        self.cols = k // 32
+        self.cols4 = -(-self.cols // 4) * 4
+        self.n_groups = m * self.cols
+        self.route, self.a_strides, self.device = route, a_strides, device
+        self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        data = torch.empty((self.m, self.width), dtype=torch.uint8, device=self.device)
+        scale = torch.empty((self.m, self.cols), dtype=torch.uint8, device=self.device)
+        self.qlaunch.run(self.dev_index, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
+        if self.data_dtype != torch.uint8:
+            data = data.view(self.data_dtype)
+        return self.route.run(data, scale, scale, self.a_strides, None, bias)
+
+
+class Fp8BlockCublas:
+    """``run(x, bias) -> out``: the call of a layer whose activations are quantized to fp8_block (block 1x128)
+    and whose GEMM is cuBLASLt's block-scaled one (``lowbit.kernels.cublas_fp8_block``), at one M, x dtype and
+    bias presence: the quantize kernel writes the scales M-major (the values the general path computes and then
+    copies into that layout), then the prepared cuBLAS call, so the same bits with one launch less."""
+
+    __slots__ = ("qlaunch", "data_shape", "scale_shape", "m", "k", "n_mblocks", "mm", "device")
+
+    def __init__(self, plan: Any, mm: Any, device: torch.device) -> None:
+        self.qlaunch = plan.launch
+        self.data_shape, self.scale_shape = tuple(plan.data_shape), tuple(plan.scale_shape)
+        self.m, self.k, self.n_mblocks = plan.m, plan.kdim, plan.n_mblocks
+        self.mm, self.device = mm, device
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        m, k = self.m, self.k
+        data = torch.empty(self.data_shape, dtype=torch.float8_e4m3fn, device=self.device)
+        scale = torch.empty_strided(self.scale_shape, (1, m), dtype=torch.float32, device=self.device)
+        self.qlaunch(True, x, data, scale, m, k, 0, k, self.n_mblocks)
+        return self.mm(data, scale, bias)
