@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import lowbit
 from lowbit.bench.offload import WanStack, bench_block_offload

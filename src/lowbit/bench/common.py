@@ -130,20 +130,18 @@ def short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def modes_and_device(prog: str, modes: str, known: Sequence[str], device: str,
-                     cuda_only: Sequence[str]) -> tuple[list[str], torch.device] | None:
-    """A benchmark command's ``--modes`` (comma-separated, each one of ``known``) and ``--device``; the modes
-    of ``cuda_only`` are dropped off CUDA. None after printing why to stderr: an unknown mode, or CUDA asked
-    for on a machine without it."""
-    chosen = [m.strip() for m in modes.split(",") if m.strip()]
-    bad = [m for m in chosen if m not in known]
+def modes_and_device(args: Any, prog: str, known: Sequence[str], cuda_only: Sequence[str]) -> torch.device | None:
+    """The torch device of a benchmark command's ``args.device``; ``args.modes`` (comma-separated, each one of
+    ``known``) becomes the list of modes, less those of ``cuda_only`` off CUDA. None after printing why to
+    stderr: an unknown mode, or CUDA asked for on a machine without it."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in known]
     if bad:
         print(f"{prog}: unknown modes {bad}; known: {', '.join(known)}", file=sys.stderr)
         return None
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print(f"{prog}: needs a CUDA GPU (or --device cpu with --shape tiny)", file=sys.stderr)
         return None
-    if dev.type != "cuda":
-        chosen = [m for m in chosen if m not in cuda_only]
-    return chosen, dev
+    args.modes = modes if device.type == "cuda" else [m for m in modes if m not in cuda_only]
+    return device

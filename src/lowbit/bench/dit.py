@@ -372,10 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or (args.blocks is not None and args.blocks < 1):
         print("lowbit dit: --repeats and --blocks must be >= 1", file=sys.stderr)
         return 2
-    parsed = modes_and_device("lowbit dit", args.modes, MODES, args.device, cuda_only=("graph",))
-    if parsed is None:
+    device = modes_and_device(args, "lowbit dit", MODES, cuda_only=("graph",))
+    if device is None:
         return 2
-    args.modes, device = parsed
     s = SHAPES[args.shape]
     if args.blocks is not None:
         s = DiTShape(**{**asdict(s), "blocks": args.blocks})

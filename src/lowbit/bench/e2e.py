@@ -569,10 +569,9 @@ def main(argv: list[str] | None = None) -> int:
         except CompareError as e:
             print(f"lowbit e2e: --compare {e}", file=sys.stderr)
             return 2
-    parsed = modes_and_device("lowbit e2e", args.modes, MODES, args.device, cuda_only=("graph", "compile-ro"))
-    if parsed is None:
+    device = modes_and_device(args, "lowbit e2e", MODES, cuda_only=("graph", "compile-ro"))
+    if device is None:
         return 2
-    args.modes, device = parsed
     s = SHAPES[args.shape]
     if args.layers is not None:
         s = DecoderShape(**{**asdict(s), "layers": args.layers})

@@ -9,7 +9,7 @@ import torch
 from ...nn.modules import QuantLinear
 from ..awq import from_autoawq, to_autoawq
 from ..sharded import Axis, Stored
-from .base import Layout, Loaded, find_scheme
+from .base import Layout, Loaded, find_scheme, single_group_size
 
 
 class AWQLayout(Layout):
@@ -17,24 +17,16 @@ class AWQLayout(Layout):
 
     name = "awq"
     quant_method = "awq"
-
-    def unsupported(self, m: QuantLinear) -> str | None:
-        return (
-            None
-            if m.scheme.weight_format == "int4_awq"
-            else f"AutoAWQ stores int4, not {m.scheme.weight_format}"
-        )
+    weight_formats = ("int4_awq",)
+    stores = "AutoAWQ stores int4"
 
     def export(self, m: QuantLinear) -> dict[str, torch.Tensor]:
         return to_autoawq(m.weight_qtensor)
 
     def config(self, mods, ignore, dtype) -> dict:
-        sizes = {m.group_size for m in mods.values()}
-        if len(sizes) != 1:
-            raise ValueError(f"AutoAWQ checkpoints have one group size; these layers use {sorted(sizes)}")
         return {
             "bits": 4,
-            "group_size": sizes.pop(),
+            "group_size": single_group_size(mods, "AutoAWQ"),
             "modules_to_not_convert": sorted(ignore) or None,
             "quant_method": "awq",
             "version": "gemm",

@@ -48,10 +48,16 @@ class Layout:
 
     name = ""
     quant_method = ""
+    weight_formats: tuple[str, ...] = ()
+    """The weight formats the layout stores; :meth:`unsupported` refuses the others, saying :attr:`stores`."""
+    stores = ""
+    """What the layout stores, as its refusal of another weight format says it (``"AutoAWQ stores int4"``)."""
 
     def unsupported(self, m: QuantLinear) -> str | None:
         """Why this layout cannot store ``m`` (None if it can)."""
-        raise NotImplementedError
+        if m.scheme.weight_format not in self.weight_formats:
+            return f"{self.stores}, not {m.scheme.weight_format}"
+        return None
 
     def export(self, m: QuantLinear) -> dict[str, torch.Tensor]:
         """Module-local tensors (bias excluded; it is written as ``<mod>.bias`` by the caller)."""
@@ -93,6 +99,15 @@ class Layout:
         metadata describes the whole weight (a stored shape, ``g_idx``, bitsandbytes' quant_state, lowbit's
         per-module shape) rewrite it for the shard here. Default: unchanged."""
         return local, get, qc
+
+
+def single_group_size(mods: Mapping[str, QuantLinear], producer: str) -> int:
+    """The group size every int4 module of ``mods`` has (ValueError naming ``producer``, whose
+    ``quantization_config`` holds one group size, when they differ)."""
+    sizes = {m.group_size for m in mods.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"{producer} checkpoints have one group size; these layers use {sorted(sizes)}")
+    return sizes.pop()
 
 
 def codes_per_entry(fmt: str) -> Fraction:

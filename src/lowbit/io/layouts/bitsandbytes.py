@@ -20,13 +20,8 @@ class BitsAndBytesLayout(Layout):
 
     name = "bitsandbytes"
     quant_method = "bitsandbytes"
-
-    def unsupported(self, m: QuantLinear) -> str | None:
-        return (
-            None
-            if m.scheme.weight_format in ("nf4", "bnb_fp4")
-            else f"bitsandbytes stores nf4 or bnb_fp4 here, not {m.scheme.weight_format}"
-        )
+    weight_formats = ("nf4", "bnb_fp4")
+    stores = "bitsandbytes stores nf4 or bnb_fp4 here"
 
     def export(self, m: QuantLinear) -> dict[str, torch.Tensor]:
         return to_bnb_state_dict(m.weight_qtensor, "weight")

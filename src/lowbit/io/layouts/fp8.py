@@ -17,10 +17,12 @@ class FP8BlockLayout(Layout):
 
     name = "fp8"
     quant_method = "fp8"
+    weight_formats = ("fp8_block",)
+    stores = "the FP8 block layout stores fp8_block weights"
 
     def unsupported(self, m: QuantLinear) -> str | None:
-        if m.scheme.weight_format != "fp8_block":
-            return f"the FP8 block layout stores fp8_block weights, not {m.scheme.weight_format}"
+        if (why := super().unsupported(m)) is not None:
+            return why
         if tuple(m._meta.get("params", {}).get("block", (128, 128))) != (128, 128):
             return "the FP8 block layout stores 128x128 blocks"
         return None

@@ -9,7 +9,7 @@ import torch
 from ...nn.modules import QuantLinear
 from ..gptq import V1_OFFSET, from_gptq, to_gptq, word_add
 from ..sharded import Axis, Stored
-from .base import Layout, Loaded, find_scheme
+from .base import Layout, Loaded, find_scheme, single_group_size
 
 
 class GPTQLayout(Layout):
@@ -17,24 +17,18 @@ class GPTQLayout(Layout):
 
     name = "gptq"
     quant_method = "gptq"
-
-    def unsupported(self, m: QuantLinear) -> str | None:
-        if m.scheme.weight_format != "int4_awq":
-            return f"GPTQ stores int4, not {m.scheme.weight_format}"
-        return None
+    weight_formats = ("int4_awq",)
+    stores = "GPTQ stores int4"
 
     def export(self, m: QuantLinear) -> dict[str, torch.Tensor]:
         return to_gptq(m.weight_qtensor)
 
     def config(self, mods, ignore, dtype) -> dict:
-        sizes = {m.group_size for m in mods.values()}
-        if len(sizes) != 1:
-            raise ValueError(f"GPTQ checkpoints have one group size; these layers use {sorted(sizes)}")
         return {
             "bits": 4,
             "checkpoint_format": "gptq",
             "desc_act": False,
-            "group_size": sizes.pop(),
+            "group_size": single_group_size(mods, "GPTQ"),
             "modules_in_block_to_quantize": None,
             "quant_method": "gptq",
             "sym": False,

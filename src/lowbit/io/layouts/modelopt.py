@@ -18,13 +18,8 @@ class ModelOptLayout(Layout):
 
     name = "modelopt"
     quant_method = "modelopt"
-
-    def unsupported(self, m: QuantLinear) -> str | None:
-        return (
-            None
-            if m.scheme.weight_format == "nvfp4"
-            else f"ModelOpt NVFP4 stores nvfp4, not {m.scheme.weight_format}"
-        )
+    weight_formats = ("nvfp4",)
+    stores = "ModelOpt NVFP4 stores nvfp4"
 
     def export(self, m: QuantLinear) -> dict[str, torch.Tensor]:
         return to_modelopt_nvfp4(m.weight_qtensor, m.input_global_scale)
