@@ -7,8 +7,8 @@ the child's resident memory every 50 ms: anonymous (RssAnon: what the process al
 file-backed (RssFile: pages of the memory-mapped safetensors it reads, which the kernel reclaims under memory
 pressure like any page cache, so they bound nothing). Prints and writes (``--json``) the checkpoint size,
 MemTotal, the peaks, the bound the converter states (``max_shard_size`` buffered per file being written, plus the
-one pending write, plus twice the largest source tensor) over the anonymous memory of the child right after its
-imports, and the time. The files are removed at the end.
+one pending write, plus twice the largest source tensor, plus the CPU reference quantizer's working copies: up to
+three fp32 copies of that tensor) over the anonymous memory of the child right after its imports, and the time. The files are removed at the end.
 
     python benchmarks/experiments/convert_larger_than_ram.py --scheme w8a8-fp8-block --max-shard-size 1GB
 
@@ -151,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         limit = parse_size(args.max_shard_size)
         largest = INTER * HIDDEN * 2
         baseline = facts["baseline_kb"] * 1024
-        bound = baseline + 2 * limit + 2 * largest
+        # the CPU reference quantizers hold up to three fp32 copies of the tensor they quantize
+        working = 3 * INTER * HIDDEN * 4
+        bound = baseline + 2 * limit + 2 * largest + working
         result = {
             "checkpoint_bytes": size, "mem_total_bytes": total_mem, "layers": layers, "scheme": args.scheme,
             "max_shard_size": limit, "largest_tensor_bytes": largest, "baseline_rss_bytes": baseline,
+            "quantizer_working_bytes": working,
             "peak_anon_bytes": peak["RssAnon"] * 1024, "peak_file_backed_bytes": peak["RssFile"] * 1024,
             "peak_rss_bytes": max(peak["VmRSS"], peak["VmHWM"]) * 1024,
             "stated_bound_bytes": bound, "within_bound": peak["RssAnon"] * 1024 <= bound,

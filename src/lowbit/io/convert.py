@@ -10,7 +10,11 @@ one for their shared NVFP4 global scale), its quantized output, plus the output 
 being filled, which is handed to the writer before it exceeds ``max_shard_size`` (a single tensor larger than
 that goes alone), plus at most one finished file the writer is still writing. So peak memory is about
 2 x ``max_shard_size`` + twice the largest source tensor, whatever the size of the checkpoint or of its
-shards. Output files follow the source shards (one per shard, split into numbered parts where a shard's output
+shards, plus the quantizer's working memory for one tensor: on a GPU that is device memory; on the CPU the
+reference quantizers hold up to three fp32 copies of the tensor (measured on a 25.3 GB machine converting a
+29.1 GB checkpoint to w8a8-fp8-block with ``max_shard_size="1GB"``: 4.0 GB of anonymous memory at the peak,
+``benchmarks/experiments/convert_larger_than_ram.py``; the safetensors files are memory-mapped, and the pages
+read count as the process's file-backed resident memory, which the kernel reclaims like any page cache). Output files follow the source shards (one per shard, split into numbered parts where a shard's output
 exceeds ``max_shard_size``).
 
 Writing overlaps computing: a finished file (a shard's output, or one numbered part of it) is written and
