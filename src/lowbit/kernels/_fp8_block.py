@@ -44,6 +44,23 @@ def _canonical_f32_bits(v):
 
 
 @triton.jit
+def _batched_tile(M, K, n_mblocks, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] tile of a program of the grid (B * n_mblocks, cdiv(K, BLOCK_K)) over [B, M, K]:
+    (pid_k, rows m, columns, row mask, tile mask, batch index and rows as int64)."""
+    pid = tl.program_id(0)
+    b = pid // n_mblocks
+    pid_m = pid - b * n_mblocks
+    pid_k = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = m < M
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    b64 = b.to(tl.int64)
+    m64 = m.to(tl.int64)
+    return pid_k, m, cols, row_ok, mask, b64, m64
+
+
+@triton.jit
 def quantize_rowwise_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, MIN_SCALE_BITS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp8_rowwise (``lowbit.formats.fp8_rowwise``): x [M, K] (last dim contiguous) -> codes [M, K]
@@ -84,16 +101,7 @@ def quantize_1x128_kernel(
     COLUMN_SCALES the MN-major TMA-aligned storage ``[B, G, Mp]`` (Mp = round_up(M, 4)) at
     ``(b*G + g)*Mp + m``, whose padding rows m in [M, Mp) are written as 0 (BLOCK_M is a multiple of 4).
     """
-    pid = tl.program_id(0)
-    b = pid // n_mblocks
-    pid_m = pid - b * n_mblocks
-    pid_k = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = m < M
-    mask = row_ok[:, None] & (cols < K)[None, :]
-    b64 = b.to(tl.int64)
-    m64 = m.to(tl.int64)
+    pid_k, m, cols, row_ok, mask, b64, m64 = _batched_tile(M, K, n_mblocks, BLOCK_M, BLOCK_K)
     x_row = b64 * stride_xb + m64 * stride_xm
     x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
@@ -159,16 +167,7 @@ def dequantize_fp8_block_kernel(
     The scale of (b, m, k) is at ``b*stride_sb + (m // ROWS_PER_SCALE)*stride_sm + (k // 128)*stride_sg``
     (any layout: row-major, column-major, 128x128). OUT_KIND: 0 fp32, 1 bf16, 2 fp16.
     """
-    pid = tl.program_id(0)
-    b = pid // n_mblocks
-    pid_m = pid - b * n_mblocks
-    pid_k = tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = m < M
-    mask = row_ok[:, None] & (cols < K)[None, :]
-    b64 = b.to(tl.int64)
-    m64 = m.to(tl.int64)
+    pid_k, m, cols, row_ok, mask, b64, m64 = _batched_tile(M, K, n_mblocks, BLOCK_M, BLOCK_K)
     off = (b64 * M + m64)[:, None] * K + cols[None, :]
     codes = tl.load(q_ptr + off, mask=mask, other=0.0)
 

@@ -42,18 +42,13 @@ to the activation dtype (relative error <= 2^-9). All multiplies are packed bf16
 import triton
 import triton.language as tl
 
-from .device import e2m1_pairs, e8m0_to, mul_groups, settled, swizzled_offsets
+from .device import e2m1_pairs, e8m0_to, load_nc, mul_groups, settled, sub_groups, swizzled_offsets
 
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
 FMT_FP4_B32 = tl.constexpr(2)
 FMT_NF4 = tl.constexpr(3)
 FMT_INT4 = tl.constexpr(4)
-
-ACT_NONE = tl.constexpr(0)
-ACT_GELU = tl.constexpr(1)
-ACT_GELU_TANH = tl.constexpr(2)
-ACT_SILU = tl.constexpr(3)
 
 
 @triton.jit
@@ -76,29 +71,10 @@ def _u4_pairs(b, DT: tl.constexpr):
 
 
 @triton.jit
-def _sub_groups(v, z):
-    """v [R, C] minus z [R, G], as ``mul_groups``."""
-    R: tl.constexpr = v.shape[0]
-    C: tl.constexpr = v.shape[1]
-    G: tl.constexpr = z.shape[1]
-    if G == 1:
-        out = v - z
-    else:
-        out = tl.reshape(tl.reshape(v, (R, G, C // G)) - z[:, :, None], (R, C))
-    return out
-
-
-@triton.jit
 def _lut16(table_ptr, idx, ON_GPU: tl.constexpr):
-    """``table_ptr[idx]`` (16-bit entries, returned as int16) for a 32-byte read-only table (one L1 sector).
-
-    On the GPU an elementwise inline-asm ``ld.global.nc`` (the interpreter cannot run asm: ``tl.load``)."""
+    """``table_ptr[idx]`` (16-bit entries, returned as int16) for a 32-byte read-only table (one L1 sector)."""
     ptrs = table_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + idx
-    if ON_GPU:
-        return tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs], dtype=tl.int16,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.load(ptrs)
+    return load_nc(ptrs, "ld.global.nc.b16 $0, [$1];", "=h,l", tl.int16, ON_GPU)
 
 
 @triton.jit
@@ -211,7 +187,7 @@ def _decode_tile(b, sa, sb, offset_ptr, lut_ptr, dmap_ptr,
             z = ((sa >> 16) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
         else:
             z = ((sa >> 16) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        return mul_groups(_sub_groups(_u4_pairs(b, DT), z), s)
+        return mul_groups(sub_groups(_u4_pairs(b, DT), z), s)
     else:
         # element 2i is the high nibble
         v = _join16(_lut16(lut_ptr, b >> 4, ON_GPU), _lut16(lut_ptr, b & 15, ON_GPU), DT)

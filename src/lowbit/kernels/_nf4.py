@@ -14,7 +14,7 @@ possible; the launcher also passes ``enable_fp_fusion=False``.
 import triton
 import triton.language as tl
 
-from .device import nan_mask
+from .device import load_nc, nan_mask
 
 QNAN_BIT = tl.constexpr(0x00400000)
 X86_DEFAULT_NAN = tl.constexpr(-4194304)  # 0xFFC00000 as int32
@@ -64,15 +64,6 @@ def _lut(table_ptr, idx, ON_GPU: tl.constexpr):
             "=f,r,l", [idx, table_ptr], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return tl.load(table_ptr + idx)
-
-
-@triton.jit
-def _ld_i32(ptrs, ON_GPU: tl.constexpr):
-    if ON_GPU:
-        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.load(ptrs)
 
 
 @triton.jit
@@ -136,7 +127,8 @@ def _nf4_tile(
     elif V == 4:
         word = _ld_u16(bytes_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + ch, ON_GPU)
     else:
-        word = _ld_i32(bytes_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ch, ON_GPU)
+        word = load_nc(bytes_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ch, "ld.global.nc.b32 $0, [$1];",
+                       "=r,l", tl.int32, ON_GPU)
     # element 2k of a chunk is the high nibble of byte k
     shift = 8 * (e // 2) + 4 * (1 - e % 2)
     codes = (word[:, None] >> shift[None, :]) & 0xF

@@ -14,13 +14,11 @@ from ..formats.packing import swizzled_scale_shape
 from ..formats.qtensor import QTensor
 from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleRounding
 from . import _blockscaled as k
+from . import cdiv
 from . import _mx_fold
 from ._launch import KernelCall, Launch, launch
 from . import interpreting as _interpreting
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
 _ELEM_KIND = {"e4m3": k.ELEM_E4M3, "e5m2": k.ELEM_E5M2}
 
@@ -131,7 +129,7 @@ def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, 
     n_groups = m * cols
     if n_groups:
         block_g = _block_g(group)
-        ran = launch(k.quantize_blockscaled_kernel, (_cdiv(n_groups, block_g),), (
+        ran = launch(k.quantize_blockscaled_kernel, (cdiv(n_groups, block_g),), (
                 x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
                 n_groups, cols, -(-cols // 4) * 4,
             ),
@@ -164,7 +162,7 @@ def _finite_absmax_bits(x: torch.Tensor, keep: list | None = None) -> torch.Tens
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     if flat.numel():
         per_program = _ABSMAX_CHUNK * _ABSMAX_CHUNKS
-        ran = launch(k.finite_absmax_kernel, (_cdiv(flat.numel(), per_program),), (
+        ran = launch(k.finite_absmax_kernel, (cdiv(flat.numel(), per_program),), (
                 flat, out, flat.numel(),
             ),
             CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4,
@@ -278,7 +276,7 @@ def _dequantize_call(q: QTensor, elem, group, scale_kind, dtype) -> KernelCall:
         block_g = _block_g(group)
         gscale = q.global_scale
         scale = q.scale if scale_kind == k.SCALE_FP32 else q.scale.view(torch.uint8)
-        call = Launch(k.dequantize_blockscaled_kernel, (_cdiv(n_groups, block_g),),
+        call = Launch(k.dequantize_blockscaled_kernel, (cdiv(n_groups, block_g),),
                         dict(BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind, HAS_GSCALE=gscale is not None,
                              SWIZZLED=swizzled, OUT_KIND=out_kind, **_elem_args(elem)), TILE["warps"])
         args = (q.data.view(torch.uint8).contiguous(), scale.contiguous(), gscale if gscale is not None else scale,
@@ -364,7 +362,7 @@ def mxfp4_fold(q: QTensor, block: tuple[int, int], dropped_flag: torch.Tensor, c
         out_scale = alloc(scale_rows, tiles4, dtype=torch.float32, device=device)[:, :tiles]
     if rows and kdim:
         words = data.view(torch.int32)
-        launch(_mx_fold.mxfp4_as_fp8_block_kernel, (_cdiv(rows, FOLD_BLOCK_R), tiles), (
+        launch(_mx_fold.mxfp4_as_fp8_block_kernel, (cdiv(rows, FOLD_BLOCK_R), tiles), (
                 words, scale, out.view(torch.int32), out_scale, dropped_flag, rows, kdim, words.stride(0),
                 scale.stride(0) if not swizzled else 0, -(-(kdim // 32) // 4) * 4, kdim // 4,
                 out_scale.stride(0), out_scale.stride(1),

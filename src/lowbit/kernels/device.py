@@ -109,16 +109,48 @@ def e8m0_to(code, DT: tl.constexpr):
 
 
 @triton.jit
-def mul_groups(v, s):
-    """v [R, C] times s [R, G]: G == 1 broadcasts, else each scale covers C / G consecutive columns."""
+def _per_group(v, s, SUBTRACT: tl.constexpr):
+    """v [R, C] times (SUBTRACT: minus) s [R, G]: G == 1 broadcasts, else each entry of s covers C / G
+    consecutive columns."""
     R: tl.constexpr = v.shape[0]
     C: tl.constexpr = v.shape[1]
     G: tl.constexpr = s.shape[1]
     if G == 1:
-        out = v * s
+        if SUBTRACT:
+            out = v - s
+        else:
+            out = v * s
     else:
-        out = tl.reshape(tl.reshape(v, (R, G, C // G)) * s[:, :, None], (R, C))
+        if SUBTRACT:
+            out = tl.reshape(tl.reshape(v, (R, G, C // G)) - s[:, :, None], (R, C))
+        else:
+            out = tl.reshape(tl.reshape(v, (R, G, C // G)) * s[:, :, None], (R, C))
     return out
+
+
+@triton.jit
+def mul_groups(v, s):
+    """v [R, C] times s [R, G]: G == 1 broadcasts, else each scale covers C / G consecutive columns."""
+    return _per_group(v, s, False)
+
+
+@triton.jit
+def sub_groups(v, z):
+    """v [R, C] minus z [R, G], grouped as in :func:`mul_groups`."""
+    return _per_group(v, z, True)
+
+
+@triton.jit
+def load_nc(ptrs, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, DT: tl.constexpr, ON_GPU: tl.constexpr):
+    """One element per pointer through the read-only path. On the GPU the elementwise inline-asm load ``ASM``
+    (an ``ld.global.nc`` of ``$1`` into ``$0``; ``CONSTRAINTS`` ``"=<reg>,l"``, result dtype ``DT``): inline asm
+    takes the register layout of its consumers, where a ``tl.load`` gather would impose its own and cost a layout
+    conversion. The interpreter cannot run inline asm: ``tl.load(ptrs)`` (the pointer's dtype)."""
+    if ON_GPU:
+        # inline_asm_elementwise takes a dtype, not a constexpr: DT.value
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [ptrs], dtype=DT.value, is_pure=True, pack=1)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit

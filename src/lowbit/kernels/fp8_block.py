@@ -25,6 +25,7 @@ from triton.runtime.jit import JITFunction
 from ..formats import fp8_block as ref
 from ..formats.qtensor import QTensor
 from . import _fp8_block as k
+from . import cdiv
 
 SCALE_LAYOUTS = ("linear", "column_major")
 _TILE_K = (1024, 512, 256, 128)
@@ -39,17 +40,13 @@ DIRECT_LAUNCH = True
 """Launch cached compiled kernels without Triton's per-call binding (tests turn it off to compare)."""
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _tile_k(kdim: int) -> int:
     """The widest tile (1024 .. 128 columns) that wastes the fewest masked columns on K."""
     best, waste = 128, None
     for bk in _TILE_K:
         if bk > 128 and bk > 2 * kdim:
             continue
-        w = _cdiv(kdim, bk) * bk - kdim
+        w = cdiv(kdim, bk) * bk - kdim
         if waste is None or w < waste:
             best, waste = bk, w
     return best
@@ -146,12 +143,12 @@ def _quant_plan(x: torch.Tensor, block, scale_fmt, scale_layout) -> _QPlan:
     if block == (128, 128):
         n = x.shape[0]
         p.m, p.n_mblocks, p.batched = n, 1, False
-        p.scale_shape = (_cdiv(n, 128), _cdiv(kdim, 128))
-        grid = (_cdiv(n, 128), _cdiv(kdim, 128), 1)
+        p.scale_shape = (cdiv(n, 128), cdiv(kdim, 128))
+        grid = (cdiv(n, 128), cdiv(kdim, 128), 1)
         p.launch = _Launch(k.quantize_128x128_kernel, grid, {"POW2_SCALE": pow2}, num_warps=8) \
             if n and kdim else None
         return p
-    groups = _cdiv(kdim, 128)
+    groups = cdiv(kdim, 128)
     batched = column and x.dim() == 3
     b = x.shape[0] if batched else 1
     m = x.shape[1] if batched else x.shape[:-1].numel()
@@ -165,8 +162,8 @@ def _quant_plan(x: torch.Tensor, block, scale_fmt, scale_layout) -> _QPlan:
     bm = max(1, min(64, _TILE_BYTES // x.element_size() // bk, triton.next_power_of_2(max(m, 1))))
     if column:
         bm = max(bm, 4)  # the program holding row M-1 also zeroes the padding rows up to round_up(M, 4)
-    p.n_mblocks = _cdiv(m, bm)
-    grid = (b * p.n_mblocks, _cdiv(kdim, bk), 1)
+    p.n_mblocks = cdiv(m, bm)
+    grid = (b * p.n_mblocks, cdiv(kdim, bk), 1)
     consts = {"BLOCK_M": bm, "BLOCK_K": bk, "POW2_SCALE": pow2, "COLUMN_SCALES": column}
     p.launch = _Launch(k.quantize_1x128_kernel, grid, consts) if m and kdim and b else None
     return p
@@ -289,8 +286,8 @@ def _dequant_plan(q: QTensor, dtype: torch.dtype) -> _DPlan:
         p.flatten_scale = len(shape) > 2
     bk = _tile_k(kdim)
     bm = max(1, min(64, _DEQ_TILE // bk, triton.next_power_of_2(max(m, 1))))
-    p.m, p.n_mblocks = m, _cdiv(m, bm)
-    grid = (b * p.n_mblocks, _cdiv(kdim, bk), 1)
+    p.m, p.n_mblocks = m, cdiv(m, bm)
+    grid = (b * p.n_mblocks, cdiv(kdim, bk), 1)
     consts = {"BLOCK_M": bm, "BLOCK_K": bk, "ROWS_PER_SCALE": rps, "OUT_KIND": _OUT_KIND[dtype]}
     p.launch = _Launch(k.dequantize_fp8_block_kernel, grid, consts) if b and m and kdim else None
     return p

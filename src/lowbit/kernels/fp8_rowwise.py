@@ -11,11 +11,9 @@ import torch
 from ..formats import fp8_rowwise as ref
 from ..formats.qtensor import QTensor
 from . import _fp8_block as k
+from . import cdiv
 from ._launch import launch
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
 MIN_SCALE_BITS = int(torch.tensor(ref.MIN_SCALE, dtype=torch.float32).view(torch.int32).item())
 BLOCK_M = 4
@@ -37,7 +35,7 @@ def quantize_fp8_rowwise(x: torch.Tensor) -> QTensor:
     data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
     if rows:
-        launch(k.quantize_rowwise_kernel, (_cdiv(rows, BLOCK_M),), (
+        launch(k.quantize_rowwise_kernel, (cdiv(rows, BLOCK_M),), (
                 x2, data, scale, rows, kdim, x2.stride(0) if rows > 1 else kdim,
             ),
             MIN_SCALE_BITS=MIN_SCALE_BITS, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,

@@ -37,13 +37,12 @@ from ..formats.registry import formats_with
 from ..formats.shards import plan_rows
 from ..formats.spec import NF4
 from . import _gemm_w4 as k
+from . import cdiv
 from . import interpreting as _interpreting
 from ._launch import launch
 from . import tensor_version
+from .w4_checks import int4_awq_group, nf4_blocksize
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
 FORMATS = formats_with("gemm_w4")  # nvfp4, mxfp4, fp4_b32, nf4, int4_awq
 _FMT_ID = {"nvfp4": 0, "mxfp4": 1, "fp4_b32": 2, "nf4": 3, "int4_awq": 4}
@@ -130,11 +129,11 @@ def choose_config(m: int, n: int, k_dim: int, fmt: str, group: int = 0, device: 
 
 
 def _split_k(m: int, n: int, k_dim: int, cfg: dict, device) -> int:
-    tiles = _cdiv(m, cfg["BLOCK_M"]) * _cdiv(n, cfg["BLOCK_N"])
+    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     sms = _sm_count(device if device is not None else torch.device("cuda"))
     if 2 * tiles > sms:
         return 1
-    k_tiles = _cdiv(k_dim, cfg["BLOCK_K"])
+    k_tiles = cdiv(k_dim, cfg["BLOCK_K"])
     return _nonempty_split(k_tiles, min(SPLIT_K_MAX, sms // tiles, k_tiles // SPLIT_K_MIN_TILES))
 
 
@@ -142,7 +141,7 @@ def _nonempty_split(k_tiles: int, split: int) -> int:
     """The largest split <= ``split`` whose every slice of ceil(k_tiles / split) K tiles is non-empty (the
     kernel computes the first tile of its slice unconditionally)."""
     split = max(1, min(split, k_tiles))
-    while split > 1 and (split - 1) * _cdiv(k_tiles, split) >= k_tiles:
+    while split > 1 and (split - 1) * cdiv(k_tiles, split) >= k_tiles:
         split -= 1
     return split
 
@@ -157,20 +156,15 @@ def supports(w) -> str | None:
         return f"w must be a 2-D [N, K] weight, got shape {tuple(w.shape)}"
     n, k_dim = w.shape
     if w.fmt == "nf4":
-        try:
-            ref_nf4.check_nf4_qtensor(w)
-        except (TypeError, ValueError) as e:
-            return str(e)
+        _, why = nf4_blocksize(w)
+        if why is not None:
+            return why
         if k_dim % 2:
             return f"nf4: K = {k_dim} is odd (packed bytes would straddle rows)"
     elif w.fmt == "int4_awq":
-        try:
-            _, _, group = ref_awq.check_int4_awq(w)
-        except (TypeError, ValueError) as e:
-            return str(e)
-        if not ref_awq.decodes_in_fp16(w):
-            return (f"int4_awq: the kernel decodes (q - z) * s in float16; these {w.scale.dtype} scales "
-                    f"(convention {ref_awq.int4_awq_convention(w)!r}) decode in {w.scale.dtype}")
+        group, why = int4_awq_group(w)
+        if why is not None:
+            return why
         if group % 16:
             return f"int4_awq: group_size {group} is not a multiple of 16"
     else:
@@ -408,13 +402,13 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     if w.fmt == "nf4":
         consts["NF4_MODE"] = _nf4_mode(k_dim, consts["GROUP"], cfg["BLOCK_K"])
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    split = _nonempty_split(_cdiv(k_dim, bk), cfg["SPLIT_K"])
+    split = _nonempty_split(cdiv(k_dim, bk), cfg["SPLIT_K"])
     has_bias = bias is not None
     b = bias.contiguous() if has_bias else out
     act = ACTIVATIONS[activation]
     on_gpu = not _interpreting()
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (_cdiv(m, bm) * _cdiv(n, bn), split)
+    grid = (cdiv(m, bm) * cdiv(n, bn), split)
     x_tma = cfg.get("X_TMA", X_TMA) and _tma_ok(x)
     x_desc = TensorDescriptor.from_tensor(x, block_shape=[bm, bk]) if x_tma else x
     launch(k.gemm_w4_kernel, grid, (
@@ -426,7 +420,7 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
     )
     if split > 1:
         rm, rn = 32, 128
-        launch(k.split_k_reduce_kernel, (_cdiv(m, rm), _cdiv(n, rn)), (
+        launch(k.split_k_reduce_kernel, (cdiv(m, rm), cdiv(n, rn)), (
                 target, args[7], b, out, m, n, out.stride(0),
             ),
             SPLIT_K=split, BLOCK_M=rm, BLOCK_N=rn, GSCALE_MODE=consts["GSCALE_MODE"], HAS_BIAS=has_bias,

@@ -38,6 +38,7 @@ from ..formats.spec import NF4
 from . import _gemv_w4 as k
 from . import scratch_per_call, tensor_version
 from .device import GS_DIVIDE, GS_MULTIPLY, GS_NONE
+from .w4_checks import int4_awq_group, nf4_blocksize
 
 
 FORMATS = formats_with("gemv_w4")  # nvfp4, mxfp4, fp4_b32, nf4, int4_awq
@@ -103,20 +104,15 @@ def why_not(w: QTensor) -> str | None:
             if w.global_scale is not None and w.global_scale.numel() != 1:
                 return "nvfp4: global_scale must hold one value"
     elif w.fmt == "nf4":
-        try:
-            _, blocksize, _ = ref_nf4.check_nf4_qtensor(w)
-        except (TypeError, ValueError) as e:
-            return str(e)
+        blocksize, why = nf4_blocksize(w)
+        if why is not None:
+            return why
         if kdim % blocksize:
             return f"nf4: K ({kdim}) must be a multiple of the blocksize ({blocksize}) so no block spans two rows"
     else:
-        try:
-            _, _, g = ref_awq.check_int4_awq(w)
-        except (TypeError, ValueError) as e:
-            return str(e)
-        if not ref_awq.decodes_in_fp16(w):
-            return (f"int4_awq: the kernel decodes (q - z) * s in float16; these {w.scale.dtype} scales "
-                    f"(convention {ref_awq.int4_awq_convention(w)!r}) decode in {w.scale.dtype}")
+        g, why = int4_awq_group(w)
+        if why is not None:
+            return why
         if g % 32:
             return f"int4_awq: group_size must be a multiple of 32 (a 32-weight chunk in one group), got {g}"
     return None

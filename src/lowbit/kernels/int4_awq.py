@@ -13,12 +13,10 @@ import torch
 from ..formats import int4_awq as ref
 from ..formats.qtensor import QTensor
 from . import _int4_awq as k
+from . import cdiv
 from . import interpreting as _interpreting
 from ._launch import KernelCall, Launch
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
 # elements per program, widest column tile (powers of two) and warps: best of
 # benchmarks/experiments/sweep_dequant_tile.py on an H200 (bf16 out, 8192^2 / 28672x8192: 3.20 / 3.52 TB/s
@@ -62,7 +60,7 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
     if out_features * in_features:
         ti, tc = _tiles(group_size, out_kind)
         outw = out_features // 8
-        nc = _cdiv(outw, tc)
+        nc = cdiv(outw, tc)
         qweight, qzeros, scales = (_rows_unit_stride(t) for t in (q.data, q.zeros, q.scale))
         call = Launch(k.dequantize_int4_awq_kernel, (nc * (in_features // ti),),
                         dict(GROUP=group_size, TI=ti, TC=tc, OUT_KIND=out_kind, ON_GPU=not _interpreting()),

@@ -20,12 +20,10 @@ from ..formats import nf4 as ref
 from ..formats.codecs import codebook_table
 from ..formats.qtensor import QTensor
 from . import _nf4 as k
+from . import cdiv
 from . import interpreting as _interpreting
 from ._launch import KernelCall, Launch
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a constexpr function: microseconds per host call
 
 # elements per program (power of two) and warps: best of benchmarks/experiments/sweep_dequant_tile.py on an
 # H200 (bf16 out, 8192^2 / 28672x8192: 3.10 / 3.39 TB/s against 2.91 / 3.17 for 4096 elements)
@@ -88,7 +86,7 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
         else:
             nested = offset = scale
         block = TILE["elems"]
-        call = Launch(k.dequantize_nf4_kernel, (_cdiv(n, block),),
+        call = Launch(k.dequantize_nf4_kernel, (cdiv(n, block),),
                         dict(BLOCKSIZE=blocksize, BLOCK=block, V=vec, DOUBLE_QUANT=double_quant, OUT_KIND=out_kind,
                              ON_GPU=not _interpreting()), TILE["warps"], enable_fp_fusion=False)
         args = (data, scale, nested, offset, lut, dmap, None, n)

@@ -1,5 +1,6 @@
 """What ``lowbit.ops.linear`` and ``lowbit.ops.scaled_mm`` share: kernel lookup, the common dispatch rules, the
-plan's one-line form, and passing a QTensor through a ``torch.library`` custom op.
+check of the activation x, the plan's common fields and one-line form, and passing a QTensor through a
+``torch.library`` custom op.
 
 A QTensor is not a tensor, so each custom op takes it flattened into its tensors plus ``meta``: the
 QTensor's non-tensor fields as ``key=T:value`` items joined by ';' (T: b bool, i int, f float, s str, n None,
@@ -15,6 +16,7 @@ import functools
 import importlib
 import importlib.util
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from types import ModuleType
 from typing import Any
@@ -71,6 +73,43 @@ def decide_common(backend: str, device: torch.device, empty: bool) -> tuple[str,
     if no_triton:
         return "unavailable", RuntimeError, ("no_triton", no_triton)
     return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an operator does for one call: the fields ``lowbit.ops.LinearPlan`` and ``lowbit.ops.ScaledMMPlan``
+    share (each adds what describes its operands and the exception class of an ``"unavailable"`` call).
+
+    Attributes:
+        path: the path the call takes (each operator lists its own); ``"unavailable"``: the call raises.
+        reason: one sentence saying why.
+        backend: the resolved backend (``"auto"``, ``"triton"`` or ``"torch"``).
+        device: the operands' device (as a string).
+        m, n, k: the product's M (activation rows), N (output features) and K.
+    """
+
+    path: str
+    reason: str
+    backend: str
+    device: str
+    m: int
+    n: int
+    k: int
+
+
+def check_x(x: Any, w: QTensor, op: str, dtypes: tuple, dtype_names: str) -> None:
+    """TypeError / ValueError (messages prefixed with ``op``) unless ``x`` is a tensor of one of ``dtypes``
+    (``dtype_names`` in words) whose last dim is the weight's K."""
+    k = w.shape[-1]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{op}: x must be {dtype_names}, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"{op}: K mismatch: x.shape[-1] must equal w.shape[-1] = {k} (w is [N, K] = "
+            f"{tuple(w.shape)}), got x.shape = {tuple(x.shape)}"
+        )
 
 
 def plan_str(op: str, operands: str, plan: Any) -> str:

@@ -76,15 +76,7 @@ _WEIGHT_FIELDS = ("data", "scale", "global_scale", "zeros", "nested_scale", "nes
 def _check(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, activation: str | None) -> tuple[int, int]:
     """Raise TypeError/ValueError naming the broken rule; returns ``(N, K)``. Runs on every call: kept cheap."""
     n, k = check_weight(w)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"lowbit.linear: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in X_DTYPES:
-        raise TypeError(f"lowbit.linear: x must be bfloat16 or float16 (W4A16), got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(
-            f"lowbit.linear: K mismatch: x.shape[-1] must equal w.shape[-1] = {k} (w is [N, K] = "
-            f"{tuple(w.shape)}), got x.shape = {tuple(x.shape)}"
-        )
+    _plumbing.check_x(x, w, "lowbit.linear", X_DTYPES, "bfloat16 or float16 (W4A16)")
     if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"lowbit.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
     device = x.device
@@ -168,28 +160,19 @@ def linear_reference(
 
 
 @dataclass(frozen=True)
-class LinearPlan:
-    """What :func:`linear` does for one call.
+class LinearPlan(_plumbing.Plan):
+    """What :func:`linear` does for one call: the fields every plan has (path, reason, backend, device, m, n, k;
+    ``lowbit.ops._plumbing.Plan``), then the weight format and the exception class.
+
+    ``path`` is ``"reference"``, ``"gemv_w4"``, ``"gemm_w4"``, ``"dequant_gemm"``, ``"empty"`` (M == 0: nothing
+    launched) or ``"unavailable"`` (:func:`linear` raises ``error`` with ``reason`` as its message); ``device``
+    is x's; m, n, k are the rows of x, the output features and the input features.
 
     Attributes:
-        path: ``"reference"``, ``"gemv_w4"``, ``"gemm_w4"``, ``"dequant_gemm"``, ``"empty"`` (M == 0:
-            nothing launched) or
-            ``"unavailable"`` (:func:`linear` raises ``error`` with ``reason`` as its message).
-        reason: one sentence saying why.
-        backend: the resolved backend (``"auto"``, ``"triton"`` or ``"torch"``).
-        device: x's device (as a string).
-        m, n, k: rows of x, output features, input features.
         fmt: the weight format.
         error: the exception class :func:`linear` raises (only for ``"unavailable"``).
     """
 
-    path: str
-    reason: str
-    backend: str
-    device: str
-    m: int
-    n: int
-    k: int
     fmt: str
     error: type[Exception] | None = None
 

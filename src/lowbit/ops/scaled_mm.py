@@ -70,7 +70,7 @@ import torch
 
 from ..api import resolve_backend
 from ..formats.qtensor import QTensor
-from . import policy
+from . import _plumbing, policy
 from .scaled_mm_checks import PAIRS, check_arguments, check_bias, check_out_dtype, normalize_alpha, pairs_for
 from .scaled_mm_dispatch import run_checked, run_scaled_linear
 from .scaled_mm_op import encode, flatten
@@ -180,15 +180,7 @@ def scaled_linear(
             f"lowbit.scaled_linear: w must be a 2-D weight [N, K], got logical shape {tuple(w.shape)}"
         )
     n, k = w.shape
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"lowbit.scaled_linear: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in X_DTYPES:
-        raise TypeError(f"lowbit.scaled_linear: x must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(
-            f"lowbit.scaled_linear: K mismatch: x.shape[-1] must equal w.shape[-1] = {k} (w is [N, K] = "
-            f"{tuple(w.shape)}), got x.shape = {tuple(x.shape)}"
-        )
+    _plumbing.check_x(x, w, "lowbit.scaled_linear", X_DTYPES, "bfloat16, float16 or float32")
     if not isinstance(act_format, str) or (act_format, w.fmt) not in PAIRS:
         allowed = pairs_for(w.fmt, "a")
         raise ValueError(

@@ -59,27 +59,19 @@ def scaled_mm_reference(
 
 
 @dataclass(frozen=True)
-class ScaledMMPlan:
-    """What :func:`scaled_mm` does for one call.
+class ScaledMMPlan(_plumbing.Plan):
+    """What :func:`lowbit.ops.scaled_mm.scaled_mm` does for one call: the fields every plan has (path, reason,
+    backend, device, m, n, k; ``lowbit.ops._plumbing.Plan``), then the pair and the exception class.
+
+    ``path`` is ``"reference"``, ``"scaled_mm"`` (the Triton kernel module), ``"empty"`` (M, N or K is 0: nothing
+    launched) or ``"unavailable"`` (``scaled_mm`` raises ``error`` with ``reason``); m, n, k are the rows of a,
+    the rows of b and the shared K.
 
     Attributes:
-        path: ``"reference"``, ``"scaled_mm"`` (the Triton kernel module), ``"empty"`` (M, N or K is 0:
-            nothing launched) or ``"unavailable"`` (:func:`scaled_mm` raises ``error`` with ``reason``).
-        reason: one sentence saying why.
-        backend: the resolved backend.
-        device: the operands' device (as a string).
-        m, n, k: rows of a, rows of b, shared K.
-        pair: ``"<a.fmt> x <b.fmt>"``; kind: the pair kind (a value of :data:`PAIRS`).
-        error: the exception class :func:`scaled_mm` raises (only for ``"unavailable"``).
+        pair: ``"<a.fmt> x <b.fmt>"``; kind: the pair kind (a value of ``lowbit.ops.PAIRS``).
+        error: the exception class ``scaled_mm`` raises (only for ``"unavailable"``).
     """
 
-    path: str
-    reason: str
-    backend: str
-    device: str
-    m: int
-    n: int
-    k: int
     pair: str
     kind: str
     error: type[Exception] | None = None
