@@ -14,7 +14,8 @@ since the machine has no git history::
 Writes ``$OUT/gpu_tests_<path>.xml`` (one pytest and report per test path), ``$OUT/quant_kernels_<date>.json``
 (the quantize/dequantize ops), ``$OUT/w4a16_gemv.json``, ``w4a16_gemm.json``, ``scaled_mm.json``,
 ``qlinear.json`` (the ``ops`` step: the other registered ops, one ``python -m lowbit.bench`` each) and
-``$OUT/e2e.json`` / ``dit.json`` / ``offload.json`` / ``tp.json`` (the suites, ``lowbit bench e2e|dit|offload|tp``); the
+``$OUT/e2e.json`` / ``dit.json`` / ``offload.json`` / ``tp.json`` / ``gptq.json`` (the suites, ``lowbit bench
+e2e|dit|offload|tp|gptq``); the
 results tables are printed last. Every one is a ``lowbit bench`` result that ``lowbit bench compare`` reads.
 Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
 start (lowbit's own cases always run and are written to the JSON before any baseline).
@@ -147,7 +148,7 @@ GPU_TEST_PATHS = [
     "tests/kernels/test_nf4_int4_gpu.py", "tests/kernels/test_gemm_w4_gpu.py", "tests/kernels/test_blockscaled_gpu.py",
     "tests/kernels/test_fp8_block_gpu.py", "tests/kernels/test_fp8_rowwise_gpu.py", "tests/ops/test_scaled_mm_gpu.py",
     "tests/nn/test_prepared_gpu.py", "tests/kernels/test_int4_conventions.py", "tests/integrations/test_diffusers_gpu.py",
-    "tests/nn/test_offload.py", "tests/bench",
+    "tests/nn/test_offload.py", "tests/algorithms/test_gptq_gpu.py", "tests/bench",
 ]
 
 
@@ -194,12 +195,14 @@ def main() -> int:
     ap.add_argument("--dit-args", default="", help="arguments of `lowbit dit` for the dit step")
     ap.add_argument("--offload-args", default="", help="arguments of `lowbit bench offload`")
     ap.add_argument("--tp-args", default="", help="arguments of `lowbit bench tp` (needs 2+ GPUs)")
+    ap.add_argument("--gptq-args", default="", help="arguments of `lowbit bench gptq`")
     ap.add_argument("--bench-timeout-s", type=float, default=300.0, help="time limit of the dit and offload steps")
     args = ap.parse_args()
     what = set(args.what or ["tests", "bench"])
-    steps = {"tests", "bench", "ops", "install", "e2e", "dit", "offload", "tp"}
+    steps = {"tests", "bench", "ops", "install", "e2e", "dit", "offload", "tp", "gptq"}
     if what - steps:
-        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e, dit, offload, tp or install")
+        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e, dit, offload, tp, gptq or "
+                 "install")
 
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "tmp")
     os.makedirs(out_dir, exist_ok=True)
@@ -219,6 +222,8 @@ def main() -> int:
         run_module("offload", out_dir, args.offload_args, args.bench_timeout_s)
     if "tp" in what:
         run_module("tp", out_dir, args.tp_args, args.bench_timeout_s)
+    if "gptq" in what:
+        run_module("gptq", out_dir, args.gptq_args, args.bench_timeout_s)
     if "bench" not in what:
         if tests_summary:
             print(tests_summary)

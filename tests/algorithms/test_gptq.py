@@ -194,3 +194,39 @@ def test_bad_arguments_name_the_argument():
 def test_stage_of():
     assert stage_of("encoder.layer.3.attention.self.query") == "encoder.layer.3"
     assert stage_of("pooler.dense") == "pooler.dense"
+
+
+def _assert_same_result(a, b) -> None:
+    (qa, va), (qb, vb) = a, b
+    assert torch.equal(va, vb)
+    for field in ("data", "scale", "global_scale", "zeros"):
+        assert _same(getattr(qa, field), getattr(qb, field)), field
+
+
+@pytest.mark.parametrize(("fmt", "opts"), CASES, ids=IDS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_block_graph_buffers_give_the_eager_loop_bits(fmt, opts, act_order, monkeypatch):
+    """The CUDA-graph runner's static buffers (per-column states filled per chunk, fitted or gathered; block
+    weights, errors, codes), run here without capture: the eager loop's result bit for bit, with a tail
+    block shorter than the lazy block left to the eager loop."""
+    from lowbit.algorithms import gptq
+
+    w, _, H = _layer(seed=3, out=24, k=384)
+    config = GPTQ(act_order=act_order, block_size=128)
+    eager = gptq_quantize(w, H, fmt, config=config, **opts)
+    monkeypatch.setattr(gptq, "_graphs_apply", lambda device, cols, bs: cols >= bs)
+    made = []
+    real = gptq._BlockGraphs
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(gptq, "_BlockGraphs", spy)
+    _assert_same_result(gptq_quantize(w, H, fmt, config=config, **opts), eager)
+    assert len(made) == 1 and not made[0].capture and made[0].codes1 is not None
+    # 384 = 3 blocks of 128 columns; with block_size 160 the last block (64 columns) runs eagerly
+    config = GPTQ(act_order=act_order, block_size=160)
+    if -(-160 // grid_for(w, fmt, **opts).group) * grid_for(w, fmt, **opts).group == 160:
+        _assert_same_result(gptq_quantize(w, H, fmt, config=config, **opts),
+                            (monkeypatch.undo() or gptq_quantize(w, H, fmt, config=config, **opts)))

@@ -24,7 +24,7 @@ import torch
 from ..api import quantize
 from ..formats.blockscaled import layout_scales, quantize_blockscaled
 from ..formats.bnb_fp4 import encode_bnb_fp4
-from ..formats.codecs import codebook_table, decode_e8m0, decode_minifloat, encode_minifloat, true_div
+from ..formats.codecs import decode_codebook, decode_e8m0, decode_minifloat, encode_minifloat, true_div
 from ..formats.int4_awq import pack_awq
 from ..formats.nf4 import ABSMAX_FLOOR, BNB_4BIT_FORMATS, encode_nf4
 from ..formats.packing import pack_fp4, pack_nibbles_high_first
@@ -43,6 +43,8 @@ class Grid:
 
     fmt: str
     group: int
+    round_reads: tuple[int, ...] = (0, 1)
+    """The positions of a state that :meth:`round` reads (the others may be passed as None)."""
 
     def __init__(self, template: QTensor) -> None:
         # the reference's QTensor of the original weight: its layout, params and global scale are kept
@@ -71,6 +73,8 @@ def _col(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class _BlockscaledFP4(Grid):
     """E2M1 elements with one scale code per group (nvfp4, mxfp4): a state is (the group's scale codes, the
     multiplier the reference quantizes with, the step it decodes with)."""
+
+    round_reads = (1, 2)
 
     def round(self, x, state):
         _, mult, step = state
@@ -155,7 +159,7 @@ class _BNB4(Grid):
         super().__init__(template)
         self.fmt = template.fmt
         self.group = int(template.params["blocksize"])
-        self.table = codebook_table(BNB_4BIT_FORMATS[self.fmt])
+        self.spec = BNB_4BIT_FORMATS[self.fmt]
         self.encode = encode_nf4 if self.fmt == "nf4" else encode_bnb_fp4
 
     def fit(self, w):
@@ -165,8 +169,7 @@ class _BNB4(Grid):
     def round(self, x, state):
         absmax, rcp = state
         codes = self.encode((x * _col(rcp, x)).clamp(-1, 1))
-        table = self.table.to(x.device)
-        return codes, table[codes.to(torch.int64)] * _col(absmax, x)
+        return codes, decode_codebook(codes, self.spec) * _col(absmax, x)
 
     def assemble(self, codes, states):
         absmax = torch.stack([st[0] for st in states], dim=1).reshape(-1)

@@ -53,6 +53,8 @@ for _suite in (
           "against all on the GPU (lowbit bench offload --help)"),
     Suite("tp", "lowbit.bench.tp", "Llama-3-70B-shaped layer stack on 1 and N GPUs (tensor parallel): decode "
           "and prefill time ratios (lowbit bench tp --help)"),
+    Suite("gptq", "lowbit.bench.gptq", "GPTQ of a Llama-3-8B-shaped decoder layer: time per scheme and run mode, "
+          "error against round-to-nearest (lowbit bench gptq --help)"),
 ):
     register_suite(_suite, replace=True)
 

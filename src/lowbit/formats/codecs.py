@@ -56,6 +56,21 @@ def _positive_midpoints(spec: MinifloatSpec) -> torch.Tensor:
     return (mag[:-1] + mag[1:]) / 2
 
 
+def _table(table: str, spec, device: torch.device) -> torch.Tensor:
+    """One of the tables above (``"minifloat"``, ``"midpoints"``, ``"codebook"``) on ``device``; callers only
+    read it."""
+    if device.type == "cpu":
+        return _TABLE_FNS[table](spec)
+    return _on_device(table, spec, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _on_device(table: str, spec, device: torch.device) -> torch.Tensor:
+    # cached: a CPU table's .to(device) per call is a synchronous host-to-device copy, which costs more than
+    # the op itself on a GPU and cannot run inside a CUDA-graph capture
+    return _TABLE_FNS[table](spec).to(device)
+
+
 def _check_float(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -72,7 +87,7 @@ def encode_minifloat(x: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
         m = spec.max_normal
         codes = xf.clamp(-m, m).to(spec.torch_dtype).view(torch.uint8)
         return torch.where(xf.isnan(), torch.full_like(codes, _FP8_CANONICAL_NAN), codes)
-    mids = _positive_midpoints(spec).to(xf.device)
+    mids = _table("midpoints", spec, xf.device)
     mag = xf.abs()
     idx = torch.bucketize(mag, mids, right=False)
     # bucketize sends a value equal to a midpoint to the lower code; RNE wants the even one
@@ -84,7 +99,7 @@ def encode_minifloat(x: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
 
 def decode_minifloat(codes: torch.Tensor, spec: MinifloatSpec) -> torch.Tensor:
     """fp32 values of uint8 ``codes`` (only the low ``spec.bits`` bits are read)."""
-    table = minifloat_table(spec).to(codes.device)
+    table = _table("minifloat", spec, codes.device)
     return table[(codes.to(torch.int64) & ((1 << spec.bits) - 1))]
 
 
@@ -178,26 +193,31 @@ def codebook_table(spec: CodebookSpec) -> torch.Tensor:
     return torch.tensor(spec.levels, dtype=torch.float32)
 
 
-def encode_codebook(x: torch.Tensor, spec: CodebookSpec) -> torch.Tensor:
+def encode_codebook(x: torch.Tensor, spec: CodebookSpec, *, check_nan: bool = True) -> torch.Tensor:
     """Nearest level of ``spec`` for fp32 ``x`` (already normalised to [-1, 1]); ties go to the lower level.
 
     This is bitsandbytes' rule (CPU ``bucketize`` on midpoints, CUDA ``x > midpoint`` tree). Levels are
     searched in ascending order; where two codes share a value (bnb FP4's +0 and -0), the lower code wins.
+    ``check_nan=False`` is for callers that have replaced NaN already: the check reads a value back to the
+    host (a device synchronisation).
     """
     _check_float(x)
     xf = x.float()
     # a meta tensor (a shape-only quantize) has no values to check
-    if not xf.is_meta and torch.isnan(xf).any():
+    if check_nan and not xf.is_meta and torch.isnan(xf).any():
         raise ValueError(f"x contains NaN, which the {spec.name} codebook cannot encode")
-    table = codebook_table(spec).to(xf.device)
+    table = _table("codebook", spec, xf.device)
     sorted_vals, order = torch.sort(table, stable=True)
     mids = (sorted_vals[:-1] + sorted_vals[1:]) / 2
     pos = torch.bucketize(xf, mids, right=False)
     return order[pos].to(torch.uint8)
 
 
+_TABLE_FNS = {"minifloat": minifloat_table, "midpoints": _positive_midpoints, "codebook": codebook_table}
+
+
 def decode_codebook(codes: torch.Tensor, spec: CodebookSpec) -> torch.Tensor:
-    return codebook_table(spec).to(codes.device)[codes.to(torch.int64) & 0xF]
+    return _table("codebook", spec, codes.device)[codes.to(torch.int64) & 0xF]
 
 
 __all__ = [

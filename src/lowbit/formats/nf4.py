@@ -239,7 +239,7 @@ def _check_nf4_input(x: torch.Tensor, blocksize: int, double_quant: bool, fmt: s
 
 def encode_nf4(scaled: torch.Tensor) -> torch.Tensor:
     nan = scaled.isnan()
-    codes = encode_codebook(torch.where(nan, torch.zeros_like(scaled), scaled), NF4)
+    codes = encode_codebook(torch.where(nan, torch.zeros_like(scaled), scaled), NF4, check_nan=False)
     return torch.where(nan, torch.full_like(codes, _NAN_CODE), codes)
 
 
