@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--smooth-online", action="store_true",
         help="smoothquant: also smooth layers whose input no norm or Linear can take the scales from (BERT's "
         "post-norm layers) with an online per-channel scale; costs time per call, and such a model is "
-        "evaluated in memory (no checkpoint stores online transforms)",
+        "written in lowbit's native layout (the one that stores online transforms)",
     )
     q.add_argument(
         "--rotate-block", type=int, default=None, metavar="B",

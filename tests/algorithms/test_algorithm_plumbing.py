@@ -127,7 +127,7 @@ def tiny_src(tmp_path_factory):
     return src
 
 
-def test_report_names_the_algorithm_and_measures_online_models_in_memory(tiny_src, tmp_path):
+def test_report_names_the_algorithm_and_saves_online_models_natively(tiny_src, tmp_path):
     from lowbit.eval import run
 
     out = tmp_path / "out"
@@ -136,12 +136,16 @@ def test_report_names_the_algorithm_and_measures_online_models_in_memory(tiny_sr
     assert report["algorithm"] == "smoothquant(online=True)+gptq"
     w4a4, w4a16 = report["schemes"]
     assert w4a4["status"] == w4a16["status"] == "ok", (w4a4.get("error"), w4a16.get("error"))
-    # BERT's LayerNorm outputs are also its residual stream: those layers smooth online, so no checkpoint
-    assert w4a4["algorithm_label"] == "sq-online+gptq" and w4a4["checkpoint"] is None
+    # BERT's LayerNorm outputs are also its residual stream: those layers smooth online, which only lowbit's
+    # native layout stores; the row is measured on the checkpoint loaded back
+    assert w4a4["algorithm_label"] == "sq-online+gptq"
+    qc = json.loads((out / "w4a4-nvfp4" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "lowbit" and w4a4["producer"].startswith("lowbit")
     # query, key, value, intermediate, output and pooler: every layer but the folded output projection
-    assert "evaluated in memory" in w4a4["method"] and w4a4["online_transform_layers"] == 6
-    assert not (out / "w4a4-nvfp4").exists()
-    assert w4a4["transform_cos_min"] > 0.99999 and w4a4["bits_per_weight"] == pytest.approx(4.5, abs=0.01)
+    assert "lowbit-native" in w4a4["method"] and w4a4["online_transform_layers"] == 6
+    assert sum("input_transform" in m for m in qc["modules"].values()) == 6
+    # 4.5 bits of codes and block scales, plus the checkpoint's per-layer scalars and transform scale vectors
+    assert w4a4["transform_cos_min"] > 0.99999 and 4.5 <= w4a4["bits_per_weight"] < 4.55
     assert all(x["isolated_sqnr_db"] > 5 for x in w4a4["layers"])  # compared with the transformed float layer
     # a weight-only scheme runs what applies to it, and is written and loaded back as usual
     assert w4a16["algorithm_label"] == "gptq" and (out / "w4a16-nvfp4" / "config.json").is_file()
@@ -155,5 +159,6 @@ def test_cli_rotate_runs_without_calibration(tiny_src, tmp_path):
                                "--out", str(tmp_path / "o"), "--json")
     assert rc == 0, err
     (row,) = json.loads(stdout)["schemes"]
-    assert row["algorithm"] == "rotate" and row["checkpoint"] is None and row["status"] == "ok"
+    assert row["algorithm"] == "rotate" and row["status"] == "ok"
+    assert (tmp_path / "o" / "w4a4-mxfp4" / "config.json").is_file()
     assert json.loads(stdout)["calibration_sentences"] == 0

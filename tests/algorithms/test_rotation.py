@@ -167,9 +167,42 @@ def test_rotate_argument_errors():
         lowbit.quantize_model(copy.deepcopy(m), "w4a4-nvfp4", skip=(), algorithm=Rotate(block_size=256))
 
 
-def test_save_quantized_refuses_online_transforms(tmp_path):
-    m, _, calib = outlier_layer()
-    q = lowbit.quantize_model(m, "w4a4-nvfp4", skip=(), algorithm="rotate")
-    with pytest.raises(ValueError, match="transform their input online"):
-        lowbit.save_quantized(q, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("algorithm", [Rotate(), Rotate(random_signs=False, block_size=32)], ids=["signs", "plain"])
+def test_online_transforms_round_trip_through_the_native_checkpoint(tmp_path, algorithm):
+    """save_quantized writes a QuantLinear's online transform (scale vector and Hadamard block) in the native
+    layout ("auto" picks it), refuses ecosystem formats that have no place for it, and load_quantized rebuilds
+    it: the loaded model computes the in-memory model's output bit for bit."""
+    import json
+
+    m, x, _ = outlier_layer()
+    q = lowbit.quantize_model(m, "w4a4-nvfp4", skip=(), algorithm=algorithm)
+    with pytest.raises(ValueError, match="format 'compressed-tensors' cannot store the online input transforms"):
+        lowbit.save_quantized(q, tmp_path / "ct", format="compressed-tensors")
+    assert not (tmp_path / "ct").exists()
+    lowbit.save_quantized(q, tmp_path / "out")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    spec = qc["modules"]["fc"]["input_transform"]
+    assert qc["quant_method"] == "lowbit" and spec["hadamard_block"] == q.fc.input_transform.block
+    assert spec["scale"] is (q.fc.input_transform.scale is not None)
+    back = lowbit.load_quantized(tmp_path / "out", model=outlier_layer()[0])
+    assert back.fc.input_transform.block == q.fc.input_transform.block
+    with torch.no_grad():
+        assert torch.equal(back(x), q(x))
+
+
+def test_bad_stored_input_transforms_are_refused(tmp_path):
+    import json
+
+    m, _, _ = outlier_layer()
+    q = lowbit.quantize_model(m, "w4a4-nvfp4", skip=(), algorithm=Rotate())
+    lowbit.save_quantized(q, tmp_path / "out")
+    cfg_path = tmp_path / "out" / "config.json"
+    good = json.loads(cfg_path.read_text())
+    for bad, match in [({"scale": True, "hadamard_block": 24}, "power of two"),
+                       ({"scale": "yes", "hadamard_block": 16}, "must be"),
+                       ({"scale": False, "hadamard_block": None}, "neither a scale nor a rotation")]:
+        cfg = json.loads(json.dumps(good))
+        cfg["quantization_config"]["modules"]["fc"]["input_transform"] = bad
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=match):
+            lowbit.load_quantized(tmp_path / "out", model=outlier_layer()[0])

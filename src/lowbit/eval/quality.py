@@ -168,8 +168,8 @@ def run(
     ``"smoothquant"``, ``"rotate"``, their options objects or a combination, see
     :mod:`lowbit.algorithms.pipeline`). Smoothing and rotation apply to the schemes that quantize
     activations; weight-only schemes run the rest of ``algorithm`` (each report row names what ran). A model
-    left with online input transforms (online smoothing, rotations not folded) cannot be written as a
-    checkpoint: it is evaluated in memory, and its row says so.
+    left with online input transforms (online smoothing, rotations not folded) is written in lowbit's native
+    layout, the one that stores them, and its row says so.
 
     ``out_dir`` must lie outside ``model_dir``; outputs of an earlier run there are replaced only with
     ``overwrite``, anything else there never (:mod:`lowbit.eval.outdir`).
@@ -255,7 +255,7 @@ def run(
             "algorithm_label": label(alg),
         }
         t = time.perf_counter()
-        in_memory = layer_ref = None
+        layer_ref = None
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -277,16 +277,12 @@ def run(
                            f"algorithm={describe(alg)!r})")
                     online = online_transform_layers(model)
                     if online:
-                        # no checkpoint format stores an online input transform: measured in memory
-                        in_memory = model
-                        entry["checkpoint"] = None
+                        # only lowbit's native layout stores online input transforms ("auto" picks it)
                         entry["online_transform_layers"] = len(online)
-                        entry["method"] = (f"{how}, evaluated in memory ({len(online)} layers transform their "
-                                           "input online, which no checkpoint stores)")
-                    else:
-                        save_quantized(model, ckpts[name], source_dir=src, overwrite=target.replace[name])
-                        target.record_checkpoint(name)
-                        entry["method"] = f"{how} + save_quantized"
+                    save_quantized(model, ckpts[name], source_dir=src, overwrite=target.replace[name])
+                    target.record_checkpoint(name)
+                    entry["method"] = f"{how} + save_quantized" + (
+                        f" (lowbit-native: {len(online)} layers transform their input online)" if online else "")
                     del model
                 else:
                     convert_checkpoint(
@@ -301,13 +297,11 @@ def run(
                     entry["method"] = "convert_checkpoint"
                 t_convert = time.perf_counter() - t
                 t = time.perf_counter()
-                quant = in_memory if in_memory is not None else load_quantized(ckpts[name], device=dev)
+                quant = load_quantized(ckpts[name], device=dev)
                 metrics = evaluate(ref, quant, encoder, batches, topics, device=dev, layer_ref=layer_ref)
-                info = memory_info(quant) if in_memory is not None else None
-                del quant, in_memory, layer_ref
+                del quant, layer_ref
             entry["warnings"] = sorted({str(w.message) for w in caught if "lowbit" in str(w.message)})
-            if info is None:
-                info = inspect_checkpoint(ckpts[name])
+            info = inspect_checkpoint(ckpts[name])
             entry.update(
                 status="ok",
                 producer=info["producer"],
@@ -380,27 +374,6 @@ def calibration_sentences(evalset: Any, calib: int | None, calib_file: str | Pat
     if needs and not sentences:
         raise ValueError(f"--algorithm {needs[0]} needs calibration sentences (--calib N > 0 or --calib-file)")
     return sentences
-
-
-def memory_info(model: torch.nn.Module) -> dict[str, Any]:
-    """What :func:`inspect_checkpoint` reports of a checkpoint, for a quantized model in memory: bytes of its
-    tensors (input transforms included), quantized layers and their bits per weight (scales included)."""
-    from ..nn import QuantLinear
-
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    n = sum(m.in_features * m.out_features for m in layers)
-    return {
-        "producer": "lowbit (in memory)",
-        "total_bytes": total,
-        "quantized_layers": len(layers),
-        "quantized_bits_per_weight": 8 * sum(m.weight_nbytes for m in layers) / n if n else None,
-    }
 
 
 def _check_source(src: Path) -> dict[str, Any]:

@@ -50,10 +50,20 @@ def _resolve_layout(format: str) -> str:
 
 def choose_layout(mods: Mapping[str, QuantLinear], format: str = "auto") -> Layout:
     """The layout ``save_quantized`` uses for these modules (ValueError if ``format`` cannot store them all)."""
+    from ..algorithms.rotation import input_transform_of
+
     name = _resolve_layout(format)
+    online = [n for n, m in mods.items() if input_transform_of(m) is not None]
     if name == "auto":
         wanted = {m.scheme.checkpoint for m in mods.values()}
-        name = wanted.pop() if len(wanted) == 1 else "lowbit"
+        # only the native layout stores an online input transform (no ecosystem format has one)
+        name = wanted.pop() if len(wanted) == 1 and not online else "lowbit"
+    if online and name != "lowbit":
+        raise ValueError(
+            f"format {name!r} cannot store the online input transforms of {len(online)} layer(s) (first: "
+            f"{online[0]!r}: smoothing scales or a Hadamard rotation applied to the input at run time, "
+            "lowbit.algorithms); format='lowbit' (or 'auto') stores them"
+        )
     layout = LAYOUTS[name]
     bad = [
         f"{n} ({m.scheme.name}): {why}" for n, m in mods.items() if (why := layout.unsupported(m)) is not None

@@ -166,6 +166,10 @@ def load_quantized(
             continue
         parent_name, _, child = name.rpartition(".")
         if tp is not None and tp.planned(name):
+            if (qc.get("modules") or {}).get(name, {}).get("input_transform") is not None:
+                # a row shard sees part of K: the transform (and a rotation's blocks) would have to be split too
+                raise ValueError(f"{where}: module {name!r} transforms its input online (lowbit.algorithms), "
+                                 "which tensor-parallel loading does not support; load it whole")
             try:
                 q = tp.load(name, lin, dtype)
             except (ValueError, TypeError) as e:
@@ -199,6 +203,10 @@ def load_quantized(
             bias_tensor=bias,
             input_global_scale=loaded.input_global_scale,
         )
+        if loaded.input_transform is not None:
+            from ..algorithms.rotation import attach_input_transform
+
+            attach_input_transform(q, loaded.input_transform)
         setattr(modules[parent_name] if parent_name else model, child, q)
         consumed.update(local.values())
 

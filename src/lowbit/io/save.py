@@ -74,8 +74,9 @@ def checkpoint_tensors(
     are the model's QuantLinear layers by name.
 
     Everything that makes the model unsavable raises ValueError here, before anything is written:
-    tensor-parallel shards, layers with an online input transform, a ``format`` that cannot store a layer's
-    scheme, a bad ``max_shard_size``, tensors on the meta device.
+    tensor-parallel shards, a float layer with an online input transform, a ``format`` that cannot store a
+    layer's scheme or a QuantLinear's online input transform (only ``"lowbit"`` does), a bad ``max_shard_size``,
+    tensors on the meta device.
     """
     shards = [n for n, m in mods.items() if getattr(m, "tp", None) is not None]
     if shards:
@@ -86,14 +87,12 @@ def checkpoint_tensors(
         )
     from ..algorithms.rotation import online_transform_layers
 
-    online = online_transform_layers(model)
+    online = [n for n in online_transform_layers(model) if n not in mods]
     if online:
-        # the weights of such a layer are only right together with its transform of the input
+        # the native layout stores a QuantLinear's transform with its weight; a float layer's has no place
         raise ValueError(
-            f"model: {len(online)} layer(s) transform their input online (first: {online[0]!r}: smoothing "
-            "with online scales or a Hadamard rotation, lowbit.algorithms); no checkpoint format stores that "
-            "transform, so it cannot be saved; use it in memory, or quantize with algorithms that fold "
-            "everything into the weights (SmoothQuant(online=False))"
+            f"model: {len(online)} layer(s) that are not QuantLinear transform their input online (first: "
+            f"{online[0]!r}, lowbit.algorithms); no checkpoint format stores that transform on a float layer"
         )
     layout = choose_layout(mods, format)
     parse_size(max_shard_size)  # a bad size fails here, before anything is written
@@ -124,7 +123,7 @@ def save_quantized(
         model: a model holding :class:`QuantLinear` layers (transformers models get their config written).
         out_dir: the directory to create. It must not exist unless ``overwrite``.
         format: ``"auto"`` (each scheme's ecosystem format, see ``lowbit.SCHEMES[...].checkpoint``; mixed schemes
-            go to ``"lowbit"``), ``"compressed-tensors"``, ``"bitsandbytes"``, ``"awq"``, ``"gptq"``, ``"fp8"``
+            and models with online input transforms go to ``"lowbit"``), ``"compressed-tensors"``, ``"bitsandbytes"``, ``"awq"``, ``"gptq"``, ``"fp8"``
             (DeepSeek/HF), ``"modelopt"`` or ``"lowbit"`` (native).
         source_dir: a model directory whose non-weight files (tokenizer, generation config, sentence-transformers
             modules, README) are copied alongside; ``out_dir`` must lie outside it and must not contain it.
@@ -136,8 +135,10 @@ def save_quantized(
         ``Path(out_dir)``.
 
     Raises:
-        ValueError: no QuantLinear in the model, a layer with an online input transform (no format stores
-            one), a tensor-parallel shard (``lowbit.parallel``), or ``format`` cannot store a layer's scheme.
+        ValueError: no QuantLinear in the model, a tensor-parallel shard (``lowbit.parallel``), ``format``
+            cannot store a layer's scheme, or a layer transforms its input online (``lowbit.algorithms``:
+            online smoothing, rotations) and ``format`` is not ``"lowbit"``/``"auto"``, or the layer is not a
+            QuantLinear.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
     if not isinstance(model, nn.Module):

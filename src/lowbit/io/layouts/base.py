@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -29,6 +31,8 @@ class Loaded:
     scheme: Scheme
     weight: QTensor
     input_global_scale: torch.Tensor | None = None
+    input_transform: Any = None
+    """An online ``lowbit.algorithms.rotation.InputTransform`` of the layer's input (lowbit-native only)."""
 
 
 def find_scheme(weight_format: str, act_format: str | None, where: str) -> Scheme:

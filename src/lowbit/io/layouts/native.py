@@ -49,6 +49,35 @@ def params_from_json(params: Mapping[str, Any]) -> dict:
     return out
 
 
+def _input_transform(name: str, meta: Mapping[str, Any], local: set[str], get, k: int):
+    """The online InputTransform ``quantization_config.modules[name].input_transform`` describes, or None."""
+    spec = meta.get("input_transform")
+    if spec is None:
+        return None
+    where = f"quantization_config.modules[{name!r}].input_transform"
+    if not isinstance(spec, dict) or set(spec) != {"scale", "hadamard_block"} or not isinstance(spec["scale"], bool):
+        raise ValueError(f"{where} must be {{'scale': bool, 'hadamard_block': int or null}}, got {spec!r}")
+    block = spec["hadamard_block"]
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int)):
+        raise ValueError(f"{where}.hadamard_block must be an int or null, got {block!r}")
+    if not spec["scale"] and block is None:
+        raise ValueError(f"{where} holds neither a scale nor a rotation")
+    scale = None
+    if spec["scale"]:
+        if "input_transform.scale" not in local:
+            raise ValueError(f"module {name!r}: {where} has a scale but the checkpoint has no "
+                             f"{name}.input_transform.scale tensor")
+        scale = get("input_transform.scale")
+        if not scale.is_floating_point():
+            raise ValueError(f"module {name!r}: input_transform.scale must be floating point, got {scale.dtype}")
+    from ...algorithms.rotation import InputTransform
+
+    try:
+        return InputTransform(k, scale, block)
+    except ValueError as e:
+        raise ValueError(f"module {name!r}: {where}: {e}") from None
+
+
 class LowbitLayout(Layout):
     """lowbit-native: the ``QuantLinear`` buffers as they are (``weight_data``, ``weight_scale``, ...), with
     each module's scheme, original dtype, scale layout and format options in ``quantization_config.modules``.
@@ -71,6 +100,8 @@ class LowbitLayout(Layout):
         return out
 
     def config(self, mods, ignore, dtype) -> dict:
+        from ...algorithms.rotation import input_transform_of
+
         modules = {}
         for name, m in mods.items():
             meta = m._meta
@@ -81,6 +112,10 @@ class LowbitLayout(Layout):
                 "scale_layout": meta.get("scale_layout", "linear"),
                 "params": params_to_json(meta.get("params", {})),
             }
+            t = input_transform_of(m)
+            if t is not None:
+                # the scale vector is the tensor <name>.input_transform.scale of the state dict
+                modules[name]["input_transform"] = {"scale": t.scale is not None, "hadamard_block": t.block}
         return {
             "format": "lowbit-native",
             "ignore": sorted(ignore),
@@ -126,7 +161,7 @@ class LowbitLayout(Layout):
             params=params_from_json(meta.get("params", {})),
             **tensors,
         )
-        return Loaded(scheme, q, igs)
+        return Loaded(scheme, q, igs, _input_transform(name, meta, local, get, shape[1]))
 
     def shard_replicated(self, local: set[str]) -> set[str]:
         return {"weight_global_scale", "weight_nested_offset", "input_global_scale"}
