@@ -73,3 +73,24 @@ def test_benchmark_stack_plan(results):
         assert r["sharded"] == (0 if config == "bf16" else 2 * 7), (config, r)
         if config != "bf16":  # torch's DTensor layers are not what this checks
             assert r["compiled_equal"], (config, r)
+
+
+def test_rowwise_refuses_an_online_input_transform():
+    """A row shard sees part of K; an online transform (scale vector, Hadamard blocks) spans all of it: refused
+    before any mesh is touched."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    import lowbit
+    from lowbit.parallel.layers import parallelize_quant_linear
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "algorithms"))
+    from outlier_layer import outlier_layer
+
+    m, _, _ = outlier_layer()
+    q = lowbit.quantize_model(copy.deepcopy(m), "w4a4-nvfp4", skip=(), algorithm="rotate")
+    with pytest.raises(ValueError, match="row-parallel QuantLinear cannot transform its input online"):
+        parallelize_quant_linear(q.fc, None, "rowwise")

@@ -116,8 +116,15 @@ def parallelize_quant_linear(module: QuantLinear, mesh, style: str, *, input_lay
 
     Raises:
         ValueError: the weight's format or shape cannot be split into equal shards on its blocks (the rule is
-            named), or the mesh is not 1-D.
+            named), the mesh is not 1-D, or a row-parallel layer transforms its input online.
     """
+    from ..algorithms.rotation import input_transform_of
+
+    if style == "rowwise" and input_transform_of(module) is not None:
+        # a row shard sees part of K, while the transform (scale vector, Hadamard blocks) spans all of it
+        raise ValueError("module: a row-parallel QuantLinear cannot transform its input online (smoothing "
+                         "scales or a rotation from lowbit.algorithms); keep this layer whole or fold the "
+                         "transform into its weights")
     Partial, Replicate, Shard = _placements()
     group, rank, world = mesh_facts(mesh)
     colwise = style == "colwise"
