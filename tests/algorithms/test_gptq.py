@@ -209,20 +209,20 @@ def test_block_graph_buffers_give_the_eager_loop_bits(fmt, opts, act_order, monk
     """The CUDA-graph runner's static buffers (per-column states filled per chunk, fitted or gathered; block
     weights, errors, codes), run here without capture: the eager loop's result bit for bit, with a tail
     block shorter than the lazy block left to the eager loop."""
-    from lowbit.algorithms import gptq
+    from lowbit.algorithms import gptq_graphs
 
     w, _, H = _layer(seed=3, out=24, k=384)
     config = GPTQ(act_order=act_order, block_size=128)
     eager = gptq_quantize(w, H, fmt, config=config, **opts)
-    monkeypatch.setattr(gptq, "_graphs_apply", lambda device, cols, bs: cols >= bs)
+    monkeypatch.setattr(gptq_graphs, "graphs_apply", lambda device, cols, bs: cols >= bs)
     made = []
-    real = gptq._BlockGraphs
+    real = gptq_graphs.BlockGraphs
 
     def spy(*args, **kwargs):
         made.append(real(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(gptq, "_BlockGraphs", spy)
+    monkeypatch.setattr(gptq_graphs, "BlockGraphs", spy)
     _assert_same_result(gptq_quantize(w, H, fmt, config=config, **opts), eager)
     assert len(made) == 1 and not made[0].capture and made[0].codes1 is not None
     # 384 = 3 blocks of 128 columns; with block_size 160 the last block (64 columns) runs eagerly

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.algorithms import GPTQ, HessianAccumulator, gptq, gptq_quantize
+from lowbit.algorithms import GPTQ, HessianAccumulator, gptq_graphs, gptq_quantize
 
 from test_gptq import CASES, IDS, _assert_same_result  # this folder's cases
 
@@ -33,16 +33,16 @@ def test_graph_replay_equals_eager_loop(fmt, opts, act_order, monkeypatch):
     w, x, H = _layer(seed=1)
     config = GPTQ(act_order=act_order)
     made = []
-    real = gptq._BlockGraphs
+    real = gptq_graphs.BlockGraphs
 
     def spy(*args, **kwargs):
         made.append(real(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(gptq, "_BlockGraphs", spy)
+    monkeypatch.setattr(gptq_graphs, "BlockGraphs", spy)
     graphed = gptq_quantize(w, H, fmt, config=config, **opts)
     assert len(made) == 1 and made[0].capture and len(made[0].graphs) == 128 // made[0].G
-    monkeypatch.setattr(gptq, "USE_CUDA_GRAPHS", False)
+    monkeypatch.setattr(gptq_graphs, "USE_CUDA_GRAPHS", False)
     eager = gptq_quantize(w, H, fmt, config=config, **opts)
     _assert_same_result(graphed, eager)
     q, values = graphed

@@ -25,7 +25,6 @@ pass per stage.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -36,6 +35,8 @@ from torch import nn
 
 from ..formats.qtensor import QTensor
 from ..nn.quantize import recording_inputs, warn_layers
+from . import gptq_graphs
+from .gptq_graphs import column_step, few_threads
 from .grids import GRID_FORMATS, Grid, grid_for
 
 
@@ -194,8 +195,8 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ) -> tup
     # a group never straddles two lazy blocks: its scales are fitted on weights that are all up to date
     bs = -(-config.block_size // G) * G
     graphs = None
-    if _graphs_apply(W.device, cols, bs):
-        graphs = _BlockGraphs(grid, rows, bs, W.device, states, group_of, capture=W.device.type == "cuda")
+    if gptq_graphs.graphs_apply(W.device, cols, bs):
+        graphs = gptq_graphs.BlockGraphs(grid, rows, bs, W.device, states, group_of, capture=W.device.type == "cuda")
     for i1 in range(0, cols, bs):
         i2 = min(i1 + bs, cols)
         if graphs is not None and i2 - i1 == bs:
@@ -206,147 +207,13 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ) -> tup
             Err1 = torch.zeros_like(W1)
             # contiguous, as the graph runner's copy: the CPU's rank-1 update rounds by the rows' alignment
             U1 = U[i1:i2, i1:i2].contiguous()
-            with _few_threads(W.device):
+            with few_threads(W.device):
                 codes = _columns(grid, W1, Err1, U1, Q, codes, states, group_of, i1, perm is None)
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
     return grid.assemble(codes, states), Q
-
-
-USE_CUDA_GRAPHS = True
-"""On CUDA, replay the column loop of each full lazy block from CUDA graphs (:class:`_BlockGraphs`): the same
-kernels on the same data, so the same bits, without the host cost of launching the ~30 small kernels of every
-column one by one. False: launch them eagerly (what the CPU always does)."""
-
-
-def _graphs_apply(device: torch.device, cols: int, bs: int) -> bool:
-    return (USE_CUDA_GRAPHS and device.type == "cuda" and cols >= bs
-            and not torch.cuda.is_current_stream_capturing())
-
-
-class _BlockGraphs:
-    """The column loop of a full lazy block of ``bs`` columns as CUDA graphs, one per group-sized chunk
-    (``bs / group`` graphs, captured on first use): a chunk's columns all read their scales from static
-    per-column state buffers, which are filled before each replay, from a fresh fit (groups fitted as the loop
-    reaches them) or gathered from the static groups (act-order). Block weights, errors, rounded values and
-    codes live in static buffers; the loop's operations are :func:`_columns`' own, so the result equals the
-    eager loop's bit for bit."""
-
-    def __init__(self, grid, rows: int, bs: int, device: torch.device, states: list, group_of: list[int],
-                 capture: bool = True) -> None:
-        # capture=False runs each chunk's body directly: the same buffers and order, without CUDA (tests)
-        self.capture = capture
-        self.grid, self.rows, self.bs, self.G = grid, rows, bs, grid.group
-        f32 = dict(dtype=torch.float32, device=device)
-        self.W1 = torch.zeros(rows, bs, **f32)
-        self.Err1 = torch.zeros(rows, bs, **f32)
-        self.U1 = torch.zeros(bs, bs, **f32)
-        self.Q1 = torch.zeros(rows, bs, **f32)
-        self.codes1 = None
-        self.bufs = None
-        self.states, self.group_of = states, group_of
-        self.group_idx = torch.tensor(group_of, dtype=torch.int64, device=device)
-        self.stacked = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-
-    def _fill(self, o: int, j0: int, fit_here: bool) -> None:
-        """State buffers for the chunk of block columns ``o .. o + G`` (weight columns from ``j0``)."""
-        reads, G = self.grid.round_reads, self.G
-        if fit_here:
-            g = self.group_of[j0]
-            self.states[g] = self.grid.fit(self.W1[:, o:o + G])
-            parts = {k: self.states[g][k].unsqueeze(0).expand(G, self.rows) for k in reads}
-        else:
-            if self.stacked is None:  # static groups: every state is known before the loop
-                self.stacked = {k: torch.stack([st[k] for st in self.states]) for k in reads}
-            idx = self.group_idx[j0:j0 + G]
-            parts = {k: self.stacked[k].index_select(0, idx) for k in reads}
-        if self.bufs is None:
-            self.bufs = {k: torch.empty_like(v, memory_format=torch.contiguous_format) for k, v in parts.items()}
-        for k, v in parts.items():
-            self.bufs[k].copy_(v)
-
-    def _state(self, c: int) -> tuple:
-        n = max(self.grid.round_reads) + 1
-        return tuple(self.bufs[k][c] if k in self.bufs else None for k in range(n))
-
-    def _chunk(self, o: int) -> None:
-        """The eager body of one chunk (what each graph holds)."""
-        W1, U1 = self.W1, self.U1
-        for c in range(self.G):
-            i = o + c
-            w = W1[:, i]
-            code, q = self.grid.round(w, self._state(c))
-            self.codes1[:, i] = code
-            self.Q1[:, i] = q
-            err = (w - q) / U1[i, i]
-            W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
-            self.Err1[:, i] = err
-
-    def _replay(self, o: int) -> None:
-        if not self.capture:
-            if self.codes1 is None:
-                code, _ = self.grid.round(self.W1[:, 0].clone(), self._state(0))
-                self.codes1 = torch.zeros(self.rows, self.bs, dtype=code.dtype, device=self.W1.device)
-            self._chunk(o)
-            return
-        graph = self.graphs.get(o)
-        if graph is None:
-            if self.codes1 is None:
-                # the codes' dtype; also loads every kernel of a column once, outside any capture
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    code, _ = self.grid.round(self.W1[:, 0].clone(), self._state(0))
-                    scratch = self.W1[:, :2].clone()
-                    scratch.addr_(code.float(), self.U1[0, :2], alpha=-1)
-                torch.cuda.current_stream().wait_stream(side)
-                self.codes1 = torch.zeros(self.rows, self.bs, dtype=code.dtype, device=self.W1.device)
-            graph = torch.cuda.CUDAGraph()
-            # a capture records without running: the chunk runs by the replay that follows
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._chunk(o)
-            self.graphs[o] = graph
-        graph.replay()
-
-    def run_block(self, W: torch.Tensor, U: torch.Tensor, Q: torch.Tensor, i1: int, fit_here: bool) -> torch.Tensor:
-        """Round the block of columns ``i1 .. i1 + bs`` of ``W`` (its rounded values into ``Q``); returns the
-        block's scaled errors ``[rows, bs]`` (valid until the next call)."""
-        i2 = i1 + self.bs
-        self.W1.copy_(W[:, i1:i2])
-        self.Err1.zero_()
-        self.U1.copy_(U[i1:i2, i1:i2])
-        with _few_threads(self.W1.device):  # on the CPU (tests): the eager loop's one thread, so its BLAS
-            for o in range(0, self.bs, self.G):
-                self._fill(o, i1 + o, fit_here)
-                self._replay(o)
-        Q[:, i1:i2] = self.Q1
-        return self.Err1
-
-    def store_codes(self, codes: torch.Tensor | None, cols: int, i1: int) -> torch.Tensor:
-        """``codes`` (created on the first block) with the last block's codes at columns ``i1 .. i1 + bs``."""
-        if codes is None:
-            codes = torch.zeros(self.rows, cols, dtype=self.codes1.dtype, device=self.codes1.device)
-        codes[:, i1:i1 + self.bs] = self.codes1
-        return codes
-
-
-@contextlib.contextmanager
-def _few_threads(device: torch.device):
-    """One intra-op thread on the CPU for the column loop: its ops are a few hundred elements each, and
-    splitting those over threads costs far more than it saves (tens of times more on a busy machine)."""
-    if device.type != "cpu":
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def _columns(grid, W1, Err1, U1, Q, codes, states, group_of, i1, fit_here):
@@ -359,15 +226,11 @@ def _columns(grid, W1, Err1, U1, Q, codes, states, group_of, i1, fit_here):
         g = group_of[j]
         if fit_here and j % G == 0:
             states[g] = grid.fit(W1[:, i:i + G])
-        w = W1[:, i]
-        c, q = grid.round(w, states[g])
+        c, q = column_step(grid, W1, U1, Err1, i, states[g])
         if codes is None:
             codes = torch.zeros(rows, Q.shape[1], dtype=c.dtype, device=Q.device)
         codes[:, j] = c
         Q[:, j] = q
-        err = (w - q) / U1[i, i]
-        W1[:, i:].addr_(err, U1[i, i:], alpha=-1)
-        Err1[:, i] = err
     return codes
 
 

@@ -14,7 +14,7 @@ activations have). Per scheme and mode it reports:
 - the layer's relative output error on held-out sequences, GPTQ against round-to-nearest.
 
 Modes: ``graphs`` (the default GPU path: each lazy block's column loop replayed from CUDA graphs) and
-``eager`` (the same loop launched op by op, ``lowbit.algorithms.gptq.USE_CUDA_GRAPHS = False``). Target: a
+``eager`` (the same loop launched op by op, ``lowbit.algorithms.gptq_graphs.USE_CUDA_GRAPHS = False``). Target: a
 layer in at most 10 s on an H100. One JSON + a table.
 """
 
@@ -114,7 +114,7 @@ def _rel_err(ref: Stack, model: nn.Module, held: list[torch.Tensor]) -> float:
 
 def run_scheme(scheme: str, s: DecoderShape, calib, held, device, mode: str, config) -> dict:
     import lowbit
-    from ..algorithms import gptq as gptq_module
+    from ..algorithms import gptq_graphs as gptq_module
 
     ref = build(s, device)
     row: dict = {"scheme": scheme, "mode": mode}
