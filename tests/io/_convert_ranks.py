@@ -18,10 +18,11 @@ def rank_main(rank: int, world_size: int, port: int, phases: list, report: str, 
     job's error (or None) goes to ``report`` (a JSON list per rank)."""
     import lowbit
     import lowbit.io.convert as conv
+    import lowbit.io.convert_writer as writer
     from lowbit.io.distributed import join_group, leave_group
 
     if die_after is not None:
-        real_convert, real_save, calls = conv._convert_shard, conv.save_safetensors, []
+        real_convert, real_save, calls = conv._convert_shard, writer.save_safetensors, []
 
         def counting(keys, source, *a, **kw):
             calls.append(source.files[keys[0]].name.removesuffix(".safetensors"))
@@ -33,7 +34,7 @@ def rank_main(rank: int, world_size: int, port: int, phases: list, report: str, 
                 os._exit(9)
 
         conv._convert_shard = counting
-        conv.save_safetensors = dying
+        writer.save_safetensors = dying
     results = []
     for group, jobs in phases:
         if group:

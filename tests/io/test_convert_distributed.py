@@ -77,15 +77,15 @@ def _one_skeleton_at_a_time(monkeypatch):
     """transformers builds a model under a process-wide default dtype that it sets and restores: two threads
     doing so at once can leave it at bfloat16 for the rest of the session. Real ranks are processes; the ranks
     on threads here take turns for that step."""
-    import lowbit.io.convert as conv
+    import lowbit.io.convert_plan as plan
 
-    lock, real = threading.Lock(), conv.build_skeleton
+    lock, real = threading.Lock(), plan.build_skeleton
 
     def one_at_a_time(*a, **kw):
         with lock:
             return real(*a, **kw)
 
-    monkeypatch.setattr(conv, "build_skeleton", one_at_a_time)
+    monkeypatch.setattr(plan, "build_skeleton", one_at_a_time)
     yield
     assert torch.get_default_dtype() == torch.float32
 

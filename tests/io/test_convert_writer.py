@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 
 import lowbit
 import lowbit.io.convert as conv
+import lowbit.io.convert_plan as plan
+import lowbit.io.convert_writer as writer
 from lowbit.io.distributed import DistributedConvertError
 
 SCHEME = "w4a16-nvfp4"
@@ -66,11 +68,11 @@ def llama_src(tmp_path_factory) -> Path:
 
 
 class _Saves:
-    """conv.save_safetensors, recording which thread wrote which file (and slowed down when asked)."""
+    """writer.save_safetensors, recording which thread wrote which file (and slowed down when asked)."""
 
     def __init__(self, monkeypatch, delay: float = 0.0) -> None:
-        self.real, self.delay, self.calls = conv.save_safetensors, delay, []
-        monkeypatch.setattr(conv, "save_safetensors", self)
+        self.real, self.delay, self.calls = writer.save_safetensors, delay, []
+        monkeypatch.setattr(writer, "save_safetensors", self)
 
     def __call__(self, tensors, path, metadata=None):
         self.calls.append((threading.current_thread().name, path.name))
@@ -126,13 +128,13 @@ def test_overlapped_writes_give_the_sequential_bytes(tmp_path, bare_src, monkeyp
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_overlapped_writes_give_the_sequential_bytes_for_a_transformers_model(tmp_path, llama_src, monkeypatch,
                                                                                world_size):
-    lock, real = threading.Lock(), conv.build_skeleton
+    lock, real = threading.Lock(), plan.build_skeleton
 
     def one_at_a_time(*a, **kw):  # transformers' default-dtype switch is process-wide: rank threads take turns
         with lock:
             return real(*a, **kw)
 
-    monkeypatch.setattr(conv, "build_skeleton", one_at_a_time)
+    monkeypatch.setattr(plan, "build_skeleton", one_at_a_time)
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
     _convert(llama_src, tmp_path / "ref")
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
@@ -158,7 +160,7 @@ def test_failed_write_fails_the_conversion_and_a_rerun_resumes(tmp_path, bare_sr
             raise OSError(f"no space left writing {path.name}")
         saves.real(tensors, path, metadata)
 
-    monkeypatch.setattr(conv, "save_safetensors", broken)
+    monkeypatch.setattr(writer, "save_safetensors", broken)
     out = tmp_path / "out"
     with pytest.raises(OSError, match=rf"no space left writing \.{failing}\.part00000"):
         lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
@@ -176,7 +178,7 @@ def test_failed_write_fails_the_conversion_and_a_rerun_resumes(tmp_path, bare_sr
         converted.append(source.files[keys[0]].name)
         return real(keys, source, *a, **kw)
 
-    monkeypatch.setattr(conv, "save_safetensors", saves.real)
+    monkeypatch.setattr(writer, "save_safetensors", saves.real)
     monkeypatch.setattr(conv, "_convert_shard", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
     assert converted == [f"part-{i}.safetensors" for i in range(4) if f"part-{i}.safetensors" not in before]
@@ -187,20 +189,20 @@ def test_failed_write_fails_the_conversion_and_a_rerun_resumes(tmp_path, bare_sr
 def test_failed_write_on_one_rank_fails_every_rank(tmp_path, bare_src, monkeypatch):
     owner = conv.assign_shards({f.name: f.stat().st_size for f in sorted(bare_src.glob("*.safetensors"))}, 2)
     victim = next(n for n, r in owner.items() if r == 1).removesuffix(".safetensors")
-    real = conv.save_safetensors
+    real = writer.save_safetensors
 
     def broken(tensors, path, metadata=None):
         if path.name.startswith(f".{victim}."):
             raise OSError("disk on fire")
         real(tensors, path, metadata)
 
-    monkeypatch.setattr(conv, "save_safetensors", broken)
+    monkeypatch.setattr(writer, "save_safetensors", broken)
     out = tmp_path / "out"
     errors = _convert(bare_src, out, 2)
     assert isinstance(errors[1], OSError) and "disk on fire" in str(errors[1])
     assert isinstance(errors[0], DistributedConvertError) and "rank 1 failed: OSError: disk on fire" in str(errors[0])
     assert not out.exists() and _writer_threads() == []
-    monkeypatch.setattr(conv, "save_safetensors", real)
+    monkeypatch.setattr(writer, "save_safetensors", real)
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
     assert _convert(bare_src, out, 3) == [None] * 3  # the rerun (sequential writes, three ranks) completes
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
@@ -214,7 +216,7 @@ def test_at_most_one_write_is_pending_and_writes_overlap_compute(tmp_path, bare_
     lock = threading.Lock()
     state = {"handed": 0, "finished": 0, "writing": False}
     outstanding, computed_while_writing = [], []
-    real_submit = conv._Writer.submit
+    real_submit = writer.ShardWriter.submit
 
     def submit(self, fn, *args):
         def job(*a):
@@ -245,8 +247,8 @@ def test_at_most_one_write_is_pending_and_writes_overlap_compute(tmp_path, bare_
             computed_while_writing.append(state["writing"])
             yield item
 
-    monkeypatch.setattr(conv._Writer, "submit", submit)
-    monkeypatch.setattr(conv, "save_safetensors", slow_save)
+    monkeypatch.setattr(writer.ShardWriter, "submit", submit)
+    monkeypatch.setattr(writer, "save_safetensors", slow_save)
     monkeypatch.setattr(conv, "_convert_shard", watched)
     lowbit.convert_checkpoint(bare_src, tmp_path / "out", SCHEME, progress=False, max_shard_size="5KB")
     assert len(outstanding) == len(saves.calls) > 8
@@ -264,7 +266,7 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
     ref = _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
     started, finished = threading.Event(), threading.Event()
-    real_save = conv.save_safetensors
+    real_save = writer.save_safetensors
 
     def slow_save(tensors, path, metadata=None):
         started.set()
@@ -281,7 +283,7 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
             raise error("compute failed")
         return real_convert(keys, source, *a, **kw)
 
-    monkeypatch.setattr(conv, "save_safetensors", slow_save)
+    monkeypatch.setattr(writer, "save_safetensors", slow_save)
     monkeypatch.setattr(conv, "_convert_shard", failing)
     out = tmp_path / "out"
     with pytest.raises(error, match="compute failed"):
@@ -298,7 +300,7 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
         calls.append(source.files[keys[0]].name)
         return real_convert(keys, source, *a, **kw)
 
-    monkeypatch.setattr(conv, "save_safetensors", real_save)
+    monkeypatch.setattr(writer, "save_safetensors", real_save)
     monkeypatch.setattr(conv, "_convert_shard", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
     assert calls == ["part-1.safetensors", "part-2.safetensors", "part-3.safetensors"]  # part-0 was kept
@@ -322,7 +324,7 @@ def test_compute_error_and_a_failed_pending_write_raise_the_compute_error(tmp_pa
             raise RuntimeError("compute failed")
         return real_convert(*a, **kw)
 
-    monkeypatch.setattr(conv, "save_safetensors", broken)
+    monkeypatch.setattr(writer, "save_safetensors", broken)
     monkeypatch.setattr(conv, "_convert_shard", failing)
     with pytest.raises(RuntimeError, match="compute failed") as info:
         lowbit.convert_checkpoint(bare_src, tmp_path / "out", SCHEME, progress=False)

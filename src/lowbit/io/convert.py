@@ -5,6 +5,12 @@ meta device, says which tensors are Linear weights), or a diffusers model folder
 ``_class_name`` and no ``model_type``) or a bare folder of ``*.safetensors`` files (no config.json), where the
 name and shape rules of :mod:`lowbit.io.rules` decide from the safetensors headers.
 
+This module runs a conversion: each source shard's tensors quantized one at a time (:func:`_convert_shard`),
+the ranks of a multi-process conversion, and the last step (index, config, publishing). What it runs on lives
+beside it: the plan derived from the arguments and the source (:mod:`lowbit.io.convert_plan`), the background
+writer of the output files (:mod:`lowbit.io.convert_writer`) and the progress records that make a conversion
+resumable (:mod:`lowbit.io.convert_progress`).
+
 Memory bound: one source tensor at a time on ``device`` (the fused q/k/v or gate/up siblings are read one by
 one for their shared NVFP4 global scale), its quantized output, plus the output tensors buffered for the file
 being filled, which is handed to the writer before it exceeds ``max_shard_size`` (a single tensor larger than
@@ -17,17 +23,9 @@ reference quantizers hold up to three fp32 copies of the tensor (measured on a 2
 read count as the process's file-backed resident memory, which the kernel reclaims like any page cache). Output files follow the source shards (one per shard, split into numbered parts where a shard's output
 exceeds ``max_shard_size``).
 
-Writing overlaps computing: a finished file (a shard's output, or one numbered part of it) is written and
-fsynced by one background thread per process while the next is quantized, so a process takes about the
-larger of its compute and its writes rather than their sum (ranks sharing one disk otherwise wait for each
-other's writes with their devices idle). At most one write is pending: handing over the next file waits for
-the previous one, and a write's error is raised in the converting thread there or at the end of its shards.
-
-Resumable: work happens in ``.<out_name>.lowbit-convert.tmp`` next to ``out_dir``; each finished output shard
-is recorded in ``progress.json`` there (``progress.rank<r>.json`` for rank ``r`` of several; by the writer,
-after the shard's files are fsynced and renamed into place). A rerun with the same source, scheme and format,
-on any number of processes, skips the shards finished by any of them. The last step renames the temp directory to ``out_dir`` in
-one operation, so ``out_dir`` never holds a half checkpoint.
+Resumable: a rerun with the same source, scheme and format, on any number of processes, skips the shards
+finished by any of them (:mod:`lowbit.io.convert_progress`). The last step renames the temp directory to
+``out_dir`` in one operation, so ``out_dir`` never holds a half checkpoint.
 
 Several processes (``rank``/``world_size``, a ``torch.distributed`` process group or torchrun's environment):
 each rank converts its share of the source shards (by bytes) into the shared temp directory; once all are done
@@ -37,44 +35,24 @@ result is the single-process one byte for byte (:mod:`lowbit.io.distributed` say
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 import shutil
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..api import quantize
-from ..formats.blockscaled import finite_amax, nvfp4_default_global_scale
 from ..nn.modules import QuantLinear
-from ..nn.quantize import DEFAULT_SKIP, fused_groups, is_skipped, linear_layers, skip_patterns
+from ..nn.quantize import DEFAULT_SKIP
 from ..nn.schemes import Scheme, get_scheme
 from . import lightx2v as _lx
-from .files import (
-    CONFIG_NAME,
-    INDEX_FILE,
-    SINGLE_FILE,
-    TensorSource,
-    check_out_dir,
-    copy_extra_files,
-    parse_size,
-    publish,
-    read_json,
-    safetensors_keys,
-    save_safetensors,
-    temp_dir_for,
-    tensor_nbytes,
-    write_json,
-)
-from .layouts import DTYPE_NAMES, NAME_DTYPES, params_from_json, params_to_json
-from .checkpoint import align_prefix, build_skeleton, check_skeleton_shapes, choose_layout
+from .checkpoint import choose_layout
+from .convert_plan import ConversionPlan, check_source, check_unquantized_config, plan_conversion
+from .convert_progress import MANIFEST, finished_shards, progress_bar, read_progress
+from .convert_writer import ShardWriter, write_shard
 from .distributed import (
     DEFAULT_TIMEOUT,
     SYNC_TAG,
@@ -89,108 +67,23 @@ from .distributed import (
     rank_device,
     resolve_world,
 )
-from .rules import check_patterns, matches, select_linear_weights
+from .files import (
+    CONFIG_NAME,
+    INDEX_FILE,
+    SINGLE_FILE,
+    TensorSource,
+    copy_extra_files,
+    parse_size,
+    publish,
+    temp_dir_for,
+    write_json,
+)
+from .layouts import DTYPE_NAMES, NAME_DTYPES, params_from_json, params_to_json
+from .rules import check_patterns
 
-MANIFEST = "progress.json"
-RANK_MANIFEST = re.compile(r"progress\.rank\d+\.json")
-_LINEAR_FALLBACK_SKIP = ("*embed*", "*norm*", "*wte*", "*wpe*", "*lm_head*", "*ln_*", "*layernorm*")
 # False: every file is written in the converting thread before the next tensor is read (the sequential
 # reference the tests compare the overlapped writer's bytes with); not a user option, the output is the same
 _OVERLAP_WRITES = True
-
-
-def _progress(total: int, enabled: bool, label: str = "lowbit convert"):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=label, unit="tensor", file=sys.stderr)
-
-
-def _fingerprint(source: TensorSource) -> dict[str, list[int]]:
-    out = {}
-    for f in sorted(set(source.files.values())):
-        st = f.stat()
-        out[f.name] = [st.st_size, int(st.st_mtime)]
-    return out
-
-
-def check_unquantized_config(cfg: dict, where: Path) -> None:
-    """ValueError unless ``cfg`` (a parsed config.json) describes an unquantized model: a source that is
-    already quantized cannot be quantized again, and a quantization_config of another type is not a config."""
-    qc = cfg.get("quantization_config")
-    if qc is None:
-        return
-    if not isinstance(qc, dict):
-        raise ValueError(  # noqa: TRY004 (a malformed file, reported as bad input)
-            f"{where}: quantization_config must be a JSON object, got {type(qc).__name__} {qc!r:.60}; "
-            "a model with any quantization_config is already quantized: convert an unquantized model"
-        )
-    raise ValueError(
-        f"{where}: the source is already quantized (quant_method {qc.get('quant_method')!r}); "
-        "convert an unquantized model"
-    )
-
-
-def check_source(src_dir: str | Path, model_class: Any = None, trust_remote_code: bool = False) -> None:
-    """Check an unquantized safetensors model directory: config.json against its safetensors headers.
-
-    The config's model is built on the meta device (nothing allocated, whatever its dimensions) and every
-    checkpoint tensor it has is compared by shape with the safetensors header; a mismatch, a quantized source
-    or a malformed config is a ValueError naming the file. Without transformers only config.json is checked.
-    """
-    src_dir = Path(src_dir)
-    check_unquantized_config(read_json(src_dir / CONFIG_NAME, "model config"), src_dir / CONFIG_NAME)
-    try:
-        skeleton = build_skeleton(src_dir, model_class, trust_remote_code, meta=True)
-    except ImportError:
-        return
-    source = TensorSource(src_dir)
-    try:
-        check_skeleton_shapes(skeleton, source, align_prefix(source.keys(), skeleton))
-    finally:
-        source.close()
-
-
-def _linear_weights(
-    src_dir: Path, source: TensorSource, model_class, trust_remote_code
-) -> dict[str, tuple[str, int, int]]:
-    """``{module name: (checkpoint key of its weight, out_features, in_features)}`` for every nn.Linear."""
-    try:
-        # meta: only names and shapes are read, and a config with huge dimensions allocates nothing
-        skeleton = build_skeleton(src_dir, model_class, trust_remote_code, meta=True)
-    except ImportError:
-        skeleton = None
-    if skeleton is None:
-        warnings.warn(
-            "lowbit.convert_checkpoint: transformers is not installed; treating every 2-D '*.weight' tensor "
-            f"outside {_LINEAR_FALLBACK_SKIP} as a Linear weight",
-            stacklevel=3,
-        )
-        out = {}
-        for key in list(source.files):
-            shape = source.shape(key)
-            if key.endswith(".weight") and len(shape) == 2 and not is_skipped(key, _LINEAR_FALLBACK_SKIP):
-                out[key[: -len(".weight")]] = (key, shape[0], shape[1])
-        return out
-    keymap = align_prefix(source.keys(), skeleton)
-    check_skeleton_shapes(skeleton, source, keymap)
-    by_model = {v: k for k, v in keymap.items()}
-    out = {}
-    for name, lin in linear_layers(skeleton).items():
-        key = by_model.get(f"{name}.weight")
-        if key is None:
-            continue  # tied or absent (e.g. lm_head tied to the embeddings)
-        shape = source.shape(key)
-        if shape != [lin.out_features, lin.in_features]:
-            raise ValueError(
-                f"{source.files[key]}: {key!r} has shape {shape} but config.json's model has Linear "
-                f"[{lin.out_features}, {lin.in_features}] (checkpoint and config.json do not match)"
-            )
-        out[name] = (key, lin.out_features, lin.in_features)
-    return out
 
 
 def _stub(name: str, info: dict, scheme: Scheme) -> QuantLinear:
@@ -251,270 +144,14 @@ def _convert_shard(
             bar.update(1)
 
 
-class _Writer:
-    """Writes finished output files in one background thread while the converting thread computes the next.
-
-    ``submit`` first waits for the write before it (raising that write's error, if any, in the caller), so at
-    most one write is pending and at most one finished file is held in memory besides the one being filled.
-    ``close`` waits for the last write and raises its error; ``abort`` (for the caller's own error, interrupts
-    included) waits for the pending write too, so the writer thread never outlives the conversion call and a
-    file that was computed is still written and recorded for a rerun. ``overlap=False`` runs every write in the
-    calling thread, in the same order, with the same bytes.
-    """
-
-    def __init__(self, overlap: bool) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowbit-convert-writer") if overlap else None
-        self._pending: Future | None = None
-
-    def submit(self, fn: Callable[..., None], /, *args: Any) -> None:
-        self.wait()
-        if self._pool is None:
-            fn(*args)
-        else:
-            self._pending = self._pool.submit(fn, *args)
-
-    def wait(self) -> None:
-        """Block until the pending write is done; its error is raised here."""
-        pending = self._pending
-        if pending is None:
-            return
-        futures_wait([pending])  # an interrupt while waiting leaves the write pending, for abort to join
-        self._pending = None
-        pending.result()
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._shutdown()
-
-    def abort(self, error: BaseException) -> None:
-        """Join the writer after ``error`` stopped the caller; a failed pending write is added to ``error``'s
-        notes (``error`` is what propagates: it is why the conversion stopped)."""
-        pending, self._pending = self._pending, None
-        try:
-            # exception() waits without raising the write's error; an interrupt while waiting still propagates
-            failed = pending.exception() if pending is not None else None
-            if failed is not None and failed is not error:
-                note = ("lowbit.convert_checkpoint: the pending background write failed too: "
-                        f"{type(failed).__name__}: {failed}")
-                if hasattr(error, "add_note"):
-                    error.add_note(note)
-                else:  # Python 3.10
-                    warnings.warn(note, stacklevel=3)
-        finally:
-            self._shutdown()
-
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def _write_file(tensors: dict[str, torch.Tensor], path: Path, finish: Callable[[], None] | None) -> None:
-    """One writer job: a part file (temp name, fsync, rename), then, for a shard's last part, ``finish``."""
-    save_safetensors(tensors, path)  # looked up here, so tests can make it fail
-    if finish is not None:
-        finish()
-
-
-def _write_shard(
-    src_file: Path, out_name: str, outputs, tmp: Path, limit: int, writer: _Writer,
-    record: Callable[[dict[str, dict]], None],
-) -> None:
-    """Write one source shard's outputs as ``out_name`` or, past ``limit`` bytes, as numbered parts; the buffer
-    is handed to ``writer`` before a tensor would take it over ``limit``. Once the last part is on disk the
-    writer renames the parts to their final names and calls ``record`` with their manifest entries."""
-    stem = out_name.removesuffix(".safetensors")
-    parts: list[tuple[Path, dict]] = []
-    buf: dict[str, torch.Tensor] = {}
-    infos: dict[str, dict] = {}
-    size = 0
-
-    def finish(parts: list[tuple[Path, dict]]) -> None:
-        out: dict[str, dict] = {}
-        for i, (path, entry) in enumerate(parts):
-            name = out_name if len(parts) == 1 else f"{stem}-part{i + 1:05d}-of-{len(parts):05d}.safetensors"
-            path.replace(tmp / name)
-            out[name] = entry
-        record(out)
-
-    def flush(last: bool) -> None:
-        nonlocal buf, infos, size
-        path = tmp / f".{stem}.part{len(parts):05d}.safetensors"
-        parts.append((path, {"source": src_file.name, "keys": list(buf), "bytes": size, "modules": infos}))
-        tensors, buf, infos, size = buf, {}, {}, 0
-        # the part count, hence the final names, is known only once the last part is handed over
-        writer.submit(_write_file, tensors, path, (lambda p=list(parts): finish(p)) if last else None)
-
-    for tensors, info in outputs:
-        n = sum(tensor_nbytes(v) for v in tensors.values())
-        if buf and size + n > limit:
-            flush(last=False)
-        buf.update(tensors)
-        size += n
-        if info is not None:
-            infos[info[0]] = info[1]
-        del tensors
-    flush(last=True)
-
-
-class _Plan:
-    """What every rank of a conversion derives from its arguments and the source, before writing anything."""
-
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-
-
-def _plan(
-    src_dir: Path,
-    out_dir: Path,
-    scheme: Scheme,
-    dev: torch.device,
-    *,
-    skip,
-    include_p,
-    exclude_p,
-    format: str,
-    overwrite: bool,
-    limit: int,
-    model_class,
-    trust_remote_code: bool,
-) -> _Plan:
-    """Check the source and the output path, select the Linear weights to quantize and the layout."""
-    check_out_dir(out_dir, src_dir)
-    if (out_dir.exists() or out_dir.is_symlink()) and not overwrite:
-        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True to replace it)")
-    if not src_dir.is_dir():
-        raise FileNotFoundError(f"{src_dir}: source directory not found")
-    cfg_path = src_dir / CONFIG_NAME
-    cfg = read_json(cfg_path, "model config") if (cfg_path.exists() or cfg_path.is_symlink()) else None
-    if cfg is not None:
-        check_unquantized_config(cfg, cfg_path)
-    # only a transformers config (model_type) can be built into a model; diffusers' (_class_name) and none
-    # at all go by the tensor-name rules
-    by_model = cfg is not None and ("model_type" in cfg or model_class is not None)
-    source = TensorSource(src_dir)
-    try:
-        patterns = skip_patterns(skip)
-        if by_model:
-            linears = _linear_weights(src_dir, source, model_class, trust_remote_code)
-        else:
-            shapes = {k: (source.shape(k), source.dtype(k)) for k in source.keys()}
-            linears, _ = select_linear_weights(shapes, lambda o, i: None, include_p, exclude_p)
-        targets: dict[str, tuple[str, str]] = {}
-        unsupported, ignore = [], []
-        for name, (key, out_f, in_f) in linears.items():
-            if is_skipped(name, patterns) or (include_p and not matches(name, include_p)) or matches(name, exclude_p):
-                ignore.append(name)
-                continue
-            why = scheme.unsupported(out_f, in_f)
-            if why is not None:
-                unsupported.append(f"{name} [{out_f}, {in_f}]: {why}")
-                ignore.append(name)
-                continue
-            targets[key] = (name, key[: -len("weight")])
-        if not targets:
-            detail = f"; unsupported shapes: {'; '.join(unsupported)}" if unsupported else ""
-            what = "Linear layers" if by_model else "2-D '.weight' tensors passing the name rules of lowbit.io.rules"
-            raise ValueError(
-                f"convert_checkpoint: no Linear weight in {src_dir} can take scheme {scheme.name} "
-                f"({len(linears)} {what}, skip={list(patterns)}, include={list(include_p)}, "
-                f"exclude={list(exclude_p)}){detail}"
-            )
-        if unsupported:
-            warnings.warn(
-                f"lowbit.convert_checkpoint: {len(unsupported)} layer(s) left unquantized, their shapes do not "
-                f"fit {scheme.name}: " + "; ".join(unsupported),
-                stacklevel=3,
-            )
-        probe = QuantLinear(16, 16, False, scheme=scheme)
-        layout = choose_layout({"probe": probe}, format)
-
-        # fused siblings share one NVFP4 global scale: computed from each member's absmax, one tensor at a time
-        name_to_key = {name: key for key, (name, _) in targets.items()}
-        shared = scheme.shared_global_scale and layout.name != "lightx2v"  # LightX2V: one scale per weight
-        group_of = {n: g for g in (fused_groups(name_to_key) if shared else []) for n in g}
-        cache: dict[tuple[str, ...], torch.Tensor] = {}
-
-        def global_scale(name: str) -> torch.Tensor | None:
-            group = group_of.get(name)
-            if group is None:
-                return None
-            if group not in cache:
-                amax = torch.stack([finite_amax(source.get(name_to_key[n]).to(dev)).float().cpu() for n in group])
-                cache[group] = nvfp4_default_global_scale(amax)
-            return cache[group]
-
-        ident = {
-            "source": str(src_dir.resolve()),
-            "fingerprint": _fingerprint(source),
-            "scheme": scheme.name,
-            "format": layout.name,
-            "skip": list(patterns),
-            "include": list(include_p),
-            "exclude": list(exclude_p),
-            "max_shard_size": limit,
-        }
-        shard_keys: dict[Path, list[str]] = {}
-        for key, f in source.files.items():
-            shard_keys.setdefault(f, []).append(key)
-    except BaseException:
-        source.close()
-        raise
-    return _Plan(
-        src_dir=src_dir, out_dir=out_dir, scheme=scheme, cfg=cfg, source=source, linears=linears, targets=targets,
-        ignore=ignore, layout=layout, global_scale=global_scale, ident=ident,
-        ident_hash=hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest(),
-        shard_keys=dict(sorted(shard_keys.items())),
-        single=source.index is None and len(shard_keys) == 1, limit=limit,
-    )
-
-
-def _progress_files(tmp: Path) -> list[Path]:
-    return sorted(p for p in tmp.glob("progress*.json") if p.name == MANIFEST or RANK_MANIFEST.fullmatch(p.name))
-
-
-def _read_progress(tmp: Path, ident: dict) -> tuple[dict[Path, dict], bool]:
-    """The progress files of ``tmp`` written for this conversion (``ident``), and whether others are there."""
-    ours, stale = {}, False
-    for p in _progress_files(tmp):
-        try:
-            m = read_json(p, "conversion manifest")
-        except (FileNotFoundError, ValueError):
-            stale = True
-            continue
-        if all(m.get(k) == v for k, v in ident.items()) and isinstance(m.get("shards"), dict):
-            ours[p] = m
-        else:
-            stale = True
-    return ours, stale
-
-
-def _done(tmp: Path, manifests: Iterable[dict]) -> dict[str, dict]:
-    """``{output file: manifest entry}`` of the source shards finished with every output part intact, in
-    source-shard then file name order (so the result cannot depend on which rank wrote what, or when)."""
-    by_source: dict[str, dict[str, dict]] = {}
-    for m in manifests:
-        for f, info in m["shards"].items():
-            if isinstance(info, dict) and isinstance(info.get("source"), str):
-                by_source.setdefault(info["source"], {})[f] = info
-    out: dict[str, dict] = {}
-    for src in sorted(by_source):
-        files = by_source[src]
-        if all(_shard_ok(tmp / f, info.get("keys", [])) for f, info in files.items()):
-            out.update((f, files[f]) for f in sorted(files))
-    return out
-
-
 def _convert_shards(
-    plan: _Plan, todo: list[Path], tmp: Path, manifest_path: Path, kept: dict[str, dict], dev: torch.device,
+    plan: ConversionPlan, todo: list[Path], tmp: Path, manifest_path: Path, kept: dict[str, dict], dev: torch.device,
     progress: bool, done_count: int, total: int, label: str,
 ) -> None:
     """Convert the source shards ``todo`` into ``tmp``, recording each finished one in ``manifest_path`` (after
     ``kept``, the entries this file held that are still intact)."""
     manifest: dict[str, Any] = {**plan.ident, "shards": dict(kept)}
-    bar = _progress(total, progress, label)
+    bar = progress_bar(total, progress, label)
     if bar is not None:
         bar.update(done_count)
 
@@ -528,13 +165,13 @@ def _convert_shards(
 
         return record
 
-    writer = _Writer(_OVERLAP_WRITES)
+    writer = ShardWriter(_OVERLAP_WRITES)
     try:
         for i, src_file in enumerate(todo):
             out_name = SINGLE_FILE if plan.single else src_file.name
             outputs = _convert_shard(plan.shard_keys[src_file], plan.source, plan.targets, plan.scheme, plan.layout,
                                      dev, plan.global_scale, bar)
-            _write_shard(src_file, out_name, outputs, tmp, plan.limit, writer, recorder(i, out_name))
+            write_shard(src_file, out_name, outputs, tmp, plan.limit, writer, recorder(i, out_name))
         writer.close()
     except BaseException as e:
         writer.abort(e)
@@ -544,10 +181,10 @@ def _convert_shards(
             bar.close()
 
 
-def _finalize(plan: _Plan, tmp: Path, overwrite: bool) -> None:
+def _finalize(plan: ConversionPlan, tmp: Path, overwrite: bool) -> None:
     """Merge the progress files, write index, config and extra files into ``tmp`` and publish it."""
-    manifests, _ = _read_progress(tmp, plan.ident)
-    shards = _done(tmp, manifests.values())
+    manifests, _ = read_progress(tmp, plan.ident)
+    shards = finished_shards(tmp, manifests.values())
     missing = sorted({f.name for f in plan.shard_keys} - {s["source"] for s in shards.values()})
     if missing:
         raise RuntimeError(
@@ -675,18 +312,18 @@ def convert_checkpoint(
                 model_class=model_class, trust_remote_code=trust_remote_code)
     if world.size == 1:
         with on_device(dev):
-            plan = _plan(src_dir, out_dir, scheme, dev, **opts)
+            plan = plan_conversion(src_dir, out_dir, scheme, dev, **opts)
             tmp = temp_dir_for(out_dir, "convert")
             try:
-                manifests, stale = _read_progress(tmp, plan.ident) if tmp.is_dir() else ({}, False)
+                manifests, stale = read_progress(tmp, plan.ident) if tmp.is_dir() else ({}, False)
                 if stale and not manifests:
                     warnings.warn(
                         f"lowbit.convert_checkpoint: {tmp} is from another conversion; starting over", stacklevel=2
                     )
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True, exist_ok=True)
-                done = _done(tmp, manifests.values())
-                own = _done(tmp, [manifests[tmp / MANIFEST]]) if tmp / MANIFEST in manifests else {}
+                done = finished_shards(tmp, manifests.values())
+                own = finished_shards(tmp, [manifests[tmp / MANIFEST]]) if tmp / MANIFEST in manifests else {}
                 _run_shards(plan, list(plan.shard_keys), tmp, tmp / MANIFEST, own, done, dev, progress,
                             "lowbit convert")
             finally:
@@ -697,7 +334,7 @@ def convert_checkpoint(
 
 
 def _run_shards(
-    plan: _Plan, mine: list[Path], tmp: Path, manifest_path: Path, own: dict[str, dict], done: dict[str, dict],
+    plan: ConversionPlan, mine: list[Path], tmp: Path, manifest_path: Path, own: dict[str, dict], done: dict[str, dict],
     dev: torch.device, progress: bool, label: str,
 ) -> None:
     """Convert the source shards ``mine`` that ``done`` does not hold yet."""
@@ -721,22 +358,22 @@ def _convert_ranks(
     try:
         try:
             with on_device(dev):
-                plan = _plan(src_dir, out_dir, scheme, dev, **opts)
+                plan = plan_conversion(src_dir, out_dir, scheme, dev, **opts)
                 status["ident"] = plan.ident_hash
                 tmp = temp_dir_for(out_dir, "convert")
                 try:
                     # no rank deletes anything here: files of another conversion are replaced or, at the end,
                     # removed by rank 0 once no rank writes any more
                     tmp.mkdir(parents=True, exist_ok=True)
-                    manifests, stale = _read_progress(tmp, plan.ident)
+                    manifests, stale = read_progress(tmp, plan.ident)
                     if stale and world.rank == 0:
                         warnings.warn(
                             f"lowbit.convert_checkpoint: {tmp} holds files of another conversion; they are replaced",
                             stacklevel=3,
                         )
-                    done = _done(tmp, manifests.values())
+                    done = finished_shards(tmp, manifests.values())
                     path = tmp / f"progress.rank{world.rank}.json"
-                    own = _done(tmp, [manifests[path]]) if path in manifests else {}
+                    own = finished_shards(tmp, [manifests[path]]) if path in manifests else {}
                     owner = assign_shards({f.name: f.stat().st_size for f in plan.shard_keys}, world.size)
                     mine = [f for f in plan.shard_keys if owner[f.name] == world.rank]
                     _run_shards(plan, mine, tmp, path, own, done, dev, progress,
@@ -773,13 +410,6 @@ def _convert_ranks(
             f" at {out_dir}{where}"
         )
     return out_dir
-
-
-def _shard_ok(path: Path, keys: list[str]) -> bool:
-    try:
-        return path.is_file() and set(safetensors_keys(path)) == set(keys)
-    except (ValueError, OSError):
-        return False
 
 
 __all__ = ["check_source", "check_unquantized_config", "convert_checkpoint"]
