@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowbit.bench import e2e
+from lowbit.bench import decoder, e2e
 from lowbit.nn import QuantLinear
 
 
@@ -24,7 +24,7 @@ def _plain_forward(m: e2e.Decoder, ids: torch.Tensor) -> torch.Tensor:
         q = layer.q_proj(x).view(1, t, s.heads, s.head_dim).transpose(1, 2)
         k = layer.k_proj(x).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
         v = layer.v_proj(x).view(1, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        q, k = e2e._rope(q, cos, sin), e2e._rope(k, cos, sin)
+        q, k = decoder._rope(q, cos, sin), decoder._rope(k, cos, sin)
         rep = s.heads // s.kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         a = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(h.dtype)

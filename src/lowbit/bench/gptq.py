@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .e2e import SHAPES, DecoderShape
+from .decoder import SHAPES, DecoderShape
 
 DEFAULT_SCHEMES = ("w4a16-nvfp4", "w4a16-int4", "w4a16-mxfp4", "w4a16-nf4")
 TARGET_S = 10.0

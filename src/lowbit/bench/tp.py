@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .e2e import DecoderBlock, DecoderShape, register_decode_buffers
+from .decoder import DecoderBlock, DecoderShape, register_decode_buffers
 from .timing import capture_graph
 
 SHAPES = {

@@ -1,0 +1,138 @@
+"""The decoder the model-level benchmarks time: a Llama-shaped model with random weights (no downloads) over a
+static KV cache.
+
+:class:`DecoderShape` sizes it (:data:`SHAPES`: Llama-3-8B, and a tiny one for CPU tests);
+:class:`DecoderBlock` is one layer (RMSNorm, RoPE, SDPA over the cache with a position mask, SwiGLU MLP), its
+heads sized from its projections so that a tensor-parallel rank can hold its share of them
+(:mod:`lowbit.bench.tp`); :func:`register_decode_buffers` adds the cache and the RoPE tables; :class:`Decoder`
+and :func:`build_decoder` make the whole model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+@dataclass(frozen=True)
+class DecoderShape:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layers: int
+
+
+
+SHAPES = {
+    "llama3-8b": DecoderShape(4096, 14336, 32, 8, 128, 128256, 32),
+    "tiny": DecoderShape(128, 256, 4, 2, 32, 512, 2),
+}
+
+
+
+class DecoderBlock(nn.Module):
+    """One Llama decoder layer over a static KV cache (the heads it holds are sized from its projections)."""
+
+    def __init__(self, s: DecoderShape, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, **kw)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, **kw)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, **kw)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, **kw)
+        self.gate_proj = nn.Linear(s.hidden, s.intermediate, **kw)
+        self.up_proj = nn.Linear(s.hidden, s.intermediate, **kw)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, **kw)
+        self.attn_norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
+        self.mlp_norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
+        self.s = s
+
+    def forward(self, h, cos, sin, pos, mask, k_cache, v_cache):
+        s = self.s
+        b, t, _ = h.shape
+        x = self.attn_norm(h)
+        # heads sized from the projections: a tensor-parallel rank holds its share of them
+        q = self.q_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k_cache.index_copy_(2, pos, k.to(k_cache.dtype))
+        v_cache.index_copy_(2, pos, v.to(v_cache.dtype))
+        a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
+        x = self.mlp_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+
+def _rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+
+def register_decode_buffers(module: nn.Module, s: DecoderShape, layers: int, batch: int, kv_heads: int,
+                            max_len: int, dtype: torch.dtype, device) -> None:
+    """The non-persistent buffers a decoder's step reads: the static KV cache ``k_cache`` / ``v_cache``
+    ``[layers, batch, kv_heads, max_len, head_dim]``, the RoPE tables ``cos`` / ``sin`` and ``key_pos``."""
+    cache = (layers, batch, kv_heads, max_len, s.head_dim)
+    module.register_buffer("k_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
+    module.register_buffer("v_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, s.head_dim, 2, device=device, dtype=torch.float32) / s.head_dim))
+    ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
+    module.register_buffer("cos", ang.cos().to(dtype), persistent=False)
+    module.register_buffer("sin", ang.sin().to(dtype), persistent=False)
+    module.register_buffer("key_pos", torch.arange(max_len, device=device), persistent=False)
+
+
+
+class Decoder(nn.Module):
+    """Llama-style decoder with a static KV cache of ``max_len`` positions (batch ``batch``)."""
+
+    def __init__(self, s: DecoderShape, max_len: int, batch: int = 1, dtype=torch.bfloat16, device="cuda") -> None:
+        super().__init__()
+        self.s = s
+        self.embed = nn.Embedding(s.vocab, s.hidden, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderBlock(s, dtype, device) for _ in range(s.layers))
+        self.norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False, dtype=dtype, device=device)
+        register_decode_buffers(self, s, s.layers, batch, s.kv_heads, max_len, dtype, device)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
+        """Logits of the last position ``[B, vocab]`` for ``tokens [B, T]`` at positions ``pos [T]``."""
+        h = self.embed(tokens)
+        cos, sin = self.cos[pos], self.sin[pos]
+        mask = self.key_pos[None, :] <= pos[:, None]
+        for i, layer in enumerate(self.layers[: n_layers or len(self.layers)]):
+            h = layer(h, cos, sin, pos, mask, self.k_cache[i], self.v_cache[i])
+        return self.lm_head(self.norm(h[:, -1]))
+
+
+
+def build_decoder(s: DecoderShape, max_len: int, device="cuda", seed: int = 0) -> Decoder:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        m = Decoder(s, max_len, device=device)
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    return m.eval()
+
+
+
+def bf16_model_bytes(s: DecoderShape) -> int:
+    """Bytes of the bf16 transformers model of shape ``s`` (each config's model is built in bf16 first)."""
+    attn = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2
+    per_layer = attn + 3 * s.hidden * s.intermediate + 2 * s.hidden
+    return 2 * (2 * s.vocab * s.hidden + s.layers * per_layer + s.hidden)
+
+
+__all__ = [
+    "SHAPES", "Decoder", "DecoderBlock", "DecoderShape", "bf16_model_bytes", "build_decoder",
+    "register_decode_buffers",
+]

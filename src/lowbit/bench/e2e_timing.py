@@ -1,0 +1,191 @@
+"""How the end-to-end benchmark times a decoder: decode steps replayed from a manually captured CUDA graph or
+``torch.compile``d (default mode and reduce-overhead), eager decode with every config's model built together
+and timed in interleaved rounds (:func:`interleaved_rounds`, which transformers' ``generate()`` uses too), the
+prefill time, and the host time of one call."""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .common import short_error
+from .decoder import Decoder, DecoderShape, bf16_model_bytes, build_decoder
+from .e2e_configs import apply_config
+from .timing import capture_graph, replay_seconds, sync
+
+REPEATS = 3
+"""Timed windows per decode mode; the best is reported (the lent machines' host CPUs are shared and noisy)."""
+
+
+
+def decode_graph(model: Decoder, steps: int, start: int) -> float:
+    """Tokens/s of replays of one decode step captured in a CUDA graph (token and position updated in place)."""
+    tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    pos = torch.tensor([start], device="cuda")
+    def step():
+        nxt = model(tok, pos).argmax(-1, keepdim=True)
+        tok.copy_(nxt)
+        pos.add_(1)
+
+    with torch.inference_mode():
+        g = capture_graph(step, warm=lambda: model(tok, pos))
+        return 1.0 / replay_seconds(g, steps, warm_replays=2)
+
+
+
+def decode_compiled(model: Decoder, steps: int, start: int, mode: str | None, n_layers: int, device) -> dict:
+    """Tokens/s of a ``torch.compile``d decode step over the first ``n_layers`` layers, and compile seconds."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def step(tok, pos):
+        return model(tok, pos, n_layers).argmax(-1, keepdim=True)
+
+    fn = torch.compile(step, mode=mode, fullgraph=True)
+    tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+    pos = torch.tensor([start], device=device)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for _ in range(3):
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            tok = fn(tok, pos).clone()
+        sync(device)
+        compile_s = time.perf_counter() - t0
+        best = 0.0
+        for _ in range(REPEATS):
+            pos.fill_(start)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                if mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                tok = fn(tok, pos).clone()
+                pos += 1
+            sync(device)
+            best = max(best, steps / (time.perf_counter() - t0))
+    return {"tok_s": best, "compile_s": compile_s, "layers": n_layers}
+
+
+
+def prefill_ms(model: Decoder, tokens: int, device, repeats: int = 3) -> float:
+    ids = torch.randint(0, model.s.vocab, (1, tokens), device=device)
+    pos = torch.arange(tokens, device=device)
+    with torch.inference_mode():
+        model(ids, pos)
+        sync(device)
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids, pos)
+            sync(device)
+            best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+
+def host_us_per_call(fn: Callable[[], Any], device, calls: int = 200) -> float:
+    """CPU microseconds per call of ``fn``, issued back to back without synchronizing (the GPU queue absorbs
+    the kernels: at M = 1 they take less time than the host)."""
+    with torch.inference_mode():
+        for _ in range(10):
+            fn()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t = time.perf_counter() - t0
+        sync(device)
+    return t / calls * 1e6
+
+
+
+def interleaved_rounds(configs: list[str], build: Callable[[str], Any], warm: Callable[[Any], None],
+                       measure: Callable[[Any], Any], need_bytes: int, device, rounds: int = 3
+                       ) -> dict[str, list | str]:
+    """Measure every config in interleaved rounds: the configs' models are built together, as many as the
+    device holds beside ``need_bytes`` free for the next build (bf16's stays for every group), warmed up, then
+    each round runs ``measure(model)`` for each model in turn, so a drifting host CPU weighs on all of them
+    alike. Returns config -> the list of its measurements (one per round), or the error that stopped it."""
+    out: dict[str, list | str] = {}
+    models: dict = {}
+    cuda = torch.device(device).type == "cuda"
+
+    def run_group() -> None:
+        for config, model in list(models.items()):
+            if config in out:
+                continue
+            try:
+                warm(model)
+                out[config] = []
+            except Exception as e:  # noqa: BLE001 - reported per config, the others still run
+                out[config] = short_error(e)
+                del models[config]
+        for _ in range(rounds):
+            for config, model in models.items():
+                out[config].append(measure(model))
+        for config in [c for c in models if c != "bf16"]:
+            del models[config]
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+    for config in configs:
+        if cuda and len(models) > ("bf16" in models):
+            free, _total = torch.cuda.mem_get_info(device)
+            if free < need_bytes:  # the next build would not fit beside this group: measure it, then free it
+                run_group()
+        try:
+            models[config] = build(config)
+        except Exception as e:  # noqa: BLE001
+            out[config] = short_error(e)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    run_group()
+    models.clear()
+    gc.collect()
+    return out
+
+
+
+def eager_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, start: int, device,
+                 rounds: int = 3) -> dict[str, float | str]:
+    """Eager decode tokens/s of the decoder per config in :func:`interleaved_rounds` (one window of ``steps``
+    steps per round and config, the best kept): the eager ratios of separate builds moved by a third between
+    lent machines, so the configs share the machine state instead."""
+
+    def window(model) -> float:
+        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        pos = torch.tensor([start], device=device)
+        with torch.inference_mode():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = model(tok, pos).argmax(-1, keepdim=True)
+                pos += 1
+            sync(device)
+        return steps / (time.perf_counter() - t0)
+
+    def warm(model) -> None:
+        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        pos = torch.tensor([start], device=device)
+        with torch.inference_mode():
+            for _ in range(2):
+                model(tok, pos)
+        sync(device)
+
+    raw = interleaved_rounds(configs, lambda c: apply_config(build_decoder(s, max_len, device), c), warm, window,
+                             int(bf16_model_bytes(s) * 1.15) + (2 << 30), device, rounds)
+    return {c: v if isinstance(v, str) else max(v) for c, v in raw.items()}
+
+
+__all__ = [
+    "REPEATS", "decode_compiled", "decode_graph", "eager_rounds", "host_us_per_call", "interleaved_rounds",
+    "prefill_ms",
+]
