@@ -3,10 +3,10 @@ before it writes anything.
 
 - :func:`check_source` / :func:`check_unquantized_config`: an unquantized safetensors model directory, its
   config.json matching its headers;
-- :func:`plan_conversion`: the output path checked, the Linear weights to quantize chosen (from the config's
-  model built on the meta device, or by the name and shape rules of :mod:`lowbit.io.rules` for a diffusers or
-  bare folder), the checkpoint layout, the shared NVFP4 global scale of fused siblings, and the identity of the
-  conversion that a resumed run must match (:class:`ConversionPlan`).
+- :func:`plan_conversion`: the output path checked, the Linear weights to quantize chosen (from the
+  config's model built on the meta device, or by the name and shape rules of :mod:`lowbit.io.rules` for a
+  diffusers or bare folder), the checkpoint layout, the shared NVFP4 global scale of fused siblings, and the
+  identity of the conversion that a resumed run must match (:class:`ConversionPlan`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..formats.blockscaled import finite_amax, nvfp4_default_global_scale
+from ..formats.nvfp4 import finite_amax, nvfp4_default_global_scale
 from ..nn.modules import QuantLinear
 from ..nn.quantize import fused_groups, is_skipped, linear_layers, skip_patterns
 from ..nn.schemes import Scheme
