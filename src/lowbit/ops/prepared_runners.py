@@ -3,7 +3,7 @@ each makes, for one M, x dtype and bias presence, the launches :func:`lowbit.ops
 activation's quantize kernel, then the GEMM) with everything but x, the outputs and the scratch fixed once, so
 it gives the same bits with less host work per call. ``x`` is ``[M, K]`` contiguous and 16-byte aligned and
 ``bias`` None or ``[N]`` of the output dtype, contiguous and aligned (the caller checks; nothing is checked
-here).
+here). :data:`MAX_RUNNERS` bounds the runners a prepared layer keeps (these and its W4A16 GEMV runners).
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+MAX_RUNNERS = 256
+"""Runners kept per layer (one per M up to GEMV_MAX_M, x dtype and bias presence); cleared when full."""
 
 
 class Fp8BlockDecode:

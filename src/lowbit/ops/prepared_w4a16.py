@@ -1,0 +1,117 @@
+"""The weight-only (W4A16) calls of a prepared weight (:class:`lowbit.ops.prepared.PreparedWeight`).
+
+At preparation the GEMV layouts are made (``lowbit.kernels.gemv_prepack.prepare_w4`` and the tensor-core
+layout) with the static inputs of the compiled path; a call then runs, for M up to ``GEMV_MAX_M``, a
+``lowbit.kernels.gemv_runners.GemvRunner`` made once per (M, x dtype, bias or not), and above the dequantize
+threshold the chunks of :func:`lowbit.ops.linear.linear_dequant_gemm` with their decode launches made once per
+x dtype. Either gives the bits of :func:`lowbit.linear`; where neither applies the call returns None and the
+layer takes the general path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels as _kernels
+from . import policy
+from .linear import chunked_gemm, weight_chunks
+from .policy import GEMV_MAX_M
+from .prepared_runners import MAX_RUNNERS
+from .triton_ops import register_gemv_op
+
+X_DTYPES = (torch.bfloat16, torch.float16)
+"""x dtypes of the W4A16 kernels (fp32 x takes the fp32 reference)."""
+
+
+class W4A16Calls:
+    """The W4A16 methods of :class:`lowbit.ops.prepared.PreparedWeight` (a mixin: the state it reads and
+    keeps, ``w``, ``gemv``, ``runners``, ``_chunks`` ..., is made by ``PreparedWeight.__init__``)."""
+
+    def _prepare_gemv(self) -> None:
+        from ..kernels import gemv_w4
+        from ..kernels.gemv_mma_layout import mma_layout
+        from ..kernels.gemv_prepack import dummy_tensor, prepare_w4
+        from ..kernels.gemv_runners import facts, mma_rule, traced_scratch_size
+
+        if gemv_w4.supports(self.w) is not None:
+            return
+        register_gemv_op()
+        self.act_code = gemv_w4.ACTIVATIONS[self.activation]
+        from ..formats.rows import slice_rows_reason
+
+        if policy.DEQUANT_GEMM_MIN_M is not None and slice_rows_reason(self.w) is None:
+            self._dequant_min_m = policy.dequant_gemm_min_m(self.w.fmt)
+        p = prepare_w4(self.w)
+        self.facts = facts(p)   # builds the tensor-core layout too
+        lay = mma_layout(p)
+        dummy = p.nested if lay is None else None
+        self.gemv = p
+        self.gemv_tensors = (p.words, p.scales, p.nested, p.tab, p.gs,
+                             lay.words if lay is not None else dummy, lay.scales if lay is not None else dummy)
+        # what the compiled path passes besides the layouts: the split-K scratch and placeholders, made here so
+        # that the compiled code allocates none of them per call
+        from ..kernels.scratch import mark_static, traced_scratch
+
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        ws, cnt = traced_scratch(self.device, idx, *traced_scratch_size(self.n, self.k))
+        self.traced_extra = (ws, cnt, dummy_tensor(self.device, torch.float32))
+        self.no_bias = {dt: dummy_tensor(self.device, dt) for dt in X_DTYPES}
+        self.mma_rule = mma_rule(self.facts)
+        # fixed addresses for torch.compile: CUDA-graph trees would otherwise copy every layout into graph-owned
+        # memory on each replay (they are not module parameters); guarded, so a re-prepared layer recompiles
+        mark_static(*{id(t): t for t in (*self.gemv_tensors, *self.traced_extra, *self.no_bias.values())}.values())
+
+    def _gemv_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        k = self.k
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        m = x2.shape[0]
+        if not 0 < m <= GEMV_MAX_M:
+            if m >= self._dequant_min_m and (bias is None or bias.dtype == x.dtype):
+                return self._dequant_gemm_call(x, x2, bias)
+            return None
+        if bias is not None:
+            if (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
+                    or bias.device != self.device or bias.shape != (self.n,)):
+                return None
+            self._bias_ok = bias  # the fast path's check: this very tensor (a layer passes its own bias)
+        key = (m, x.dtype, bias is None)
+        run = self.runners.get(key)
+        if run is None:
+            if torch.cuda.is_current_stream_capturing() or self._backend() == "torch":
+                return None  # made outside a capture only (its buffers must not live in the graph's pool)
+            from ..kernels.gemv_runners import GemvRunner
+
+            if len(self.runners) >= MAX_RUNNERS:
+                self.runners.clear()
+            run = self.runners[key] = GemvRunner(self.gemv, m, x.dtype, bias is not None, self.act_code)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        out = run(x2, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
+
+    def _dequant_gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """:func:`lowbit.ops.linear.linear_dequant_gemm` with the chunks' decode launches made once per x dtype
+        (the same chunks, kernels and BLAS calls, so the same bits)."""
+        if self._backend() == "torch" or torch.cuda.is_current_stream_capturing():
+            return None
+        chunks = self._chunks.get(x.dtype)
+        if chunks is None:
+            chunks = self._chunks[x.dtype] = self._build_chunks(x.dtype)
+        if not chunks:
+            return None
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = chunked_gemm(x2, chunks, self.n, bias, self.activation)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
+
+    def _build_chunks(self, dtype: torch.dtype) -> list:
+        """[(n0, n1, KernelCall decoding those rows to ``dtype``)] for the chunks of ``linear_dequant_gemm``,
+        or [] where no Triton dequantize kernel covers the weight (the general path then runs)."""
+        call = _kernels.dequantize_call(self.w)
+        if call is None:
+            return []
+        size = torch.empty((), dtype=dtype).element_size()
+        return [(n0, n1, call(q, dtype)) for n0, n1, q in weight_chunks(self.w, size)]
+
+
+__all__ = ["W4A16Calls", "X_DTYPES"]
