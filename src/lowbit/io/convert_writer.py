@@ -2,11 +2,11 @@
 
 A finished file (a source shard's output, or one numbered part of it) is written and fsynced by the writer
 thread while the next is quantized, so a process takes about the larger of its compute and its writes rather
-than their sum (ranks sharing one disk otherwise wait for each other's writes with their devices idle). At most
-one write is pending: handing over the next file waits for the previous one, and a write's error is raised in
-the converting thread there or at the end of its shards (:class:`ShardWriter`). :func:`write_shard` cuts one
-source shard's outputs into files of at most ``max_shard_size`` bytes and, once the last is on disk, renames
-them into place and records them.
+than their sum (ranks sharing one disk otherwise wait for each other's writes with their devices idle). At
+most one write is pending: handing over the next file waits for the previous one, and a write's error is
+raised in the converting thread there or at the end of its shards (:class:`ShardWriter`). :func:`write_shard`
+cuts one source shard's outputs into files of at most ``max_shard_size`` bytes and, once the last is on disk,
+renames them into place and records them.
 """
 
 from __future__ import annotations
