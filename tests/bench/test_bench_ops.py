@@ -40,7 +40,7 @@ def test_registry_lists_every_op():
         assert op.baselines_everywhere and op.doc and op.nbytes is not None, name
         assert all(len(s) == 3 for s in op.shapes + op.quick_shapes), name
         assert set(op.quick_shapes) <= set(op.shapes), name
-    assert set(bench.SUITES) == {"e2e", "dit", "offload", "tp"}
+    assert set(bench.SUITES) == {"e2e", "dit", "offload", "tp", "gptq"}
 
 
 def test_shapes_follow_the_regimes():
