@@ -351,6 +351,17 @@ def _checks(rank: int, world: int, device: str, root: str) -> dict:
 
     errors["not_a_quant_style"] = _error(lambda: lowbit.load_quantized(
         nvfp4, device_mesh=mesh, tp_plan={"model.layers.*.mlp.up_proj": SequenceParallel()}))
+    # a native checkpoint whose planned layer transforms its input online (a rotation: no tensor needed)
+    import json
+    import shutil
+
+    online = Path(root, f"online-{rank}")
+    shutil.copytree(paths["lowbit-mixed"], online)
+    cfg = json.loads((online / "config.json").read_text())
+    cfg["quantization_config"]["modules"]["model.layers.0.mlp.down_proj"]["input_transform"] = {
+        "scale": False, "hadamard_block": 16}
+    (online / "config.json").write_text(json.dumps(cfg))
+    errors["online_transform"] = _error(lambda: lowbit.load_quantized(str(online), device_mesh=mesh))
     out["errors"] = errors
     ranks = [None] * world
     dist.all_gather_object(ranks, out)
@@ -413,6 +424,7 @@ def test_errors(results):
         assert "match no module" in e["no_match"]
         assert "unknown tensor-parallel style 'diagonal'" in e["unknown_style"]
         assert "SequenceParallel does not shard a QuantLinear" in e["not_a_quant_style"]
+        assert "'model.layers.0.mlp.down_proj' transforms its input online" in e["online_transform"]
 
 
 def test_plan_without_mesh(tmp_path):
