@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -126,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="calibrate on N built-in sentences (0-64; default 0, or 64 with gptq or smoothquant), or on the "
+        help="calibrate on the first N built-in sentences (0-379; default 0, or all 379 with gptq or smoothquant; "
+        "the first 64 were the whole set before GPTQ asked for more), or on the "
         "first N lines of --calib-file: static activation scales for w4a4-nvfp4, AWQ scales for w4a16-int4 (rtn), "
         "the Hessians of GPTQ, the input ranges of smoothquant. The built-in calibration sentences are disjoint "
         "from the evaluation sentences",
@@ -158,6 +160,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="smoothquant: also smooth layers whose input no norm or Linear can take the scales from (BERT's "
         "post-norm layers) with an online per-channel scale; costs time per call, and such a model is "
         "written in lowbit's native layout (the one that stores online transforms)",
+    )
+    q.add_argument(
+        "--gptq-act-order", action=argparse.BooleanOptionalAction, default=None,
+        help="gptq: quantize each layer's columns in decreasing order of their input energy (diag of the Hessian), "
+        "with every group's scales fitted up front (default on; --no-gptq-act-order: in column order, each "
+        "group's scales fitted when the loop reaches it)",
+    )
+    q.add_argument(
+        "--gptq-damp", type=float, default=None, metavar="F",
+        help=f"gptq: dampening added to the Hessian's diagonal, as a fraction of its mean (default "
+        f"{GPTQ_DEFAULTS['damp']:g})",
+    )
+    q.add_argument(
+        "--gptq-scale-search", default=None, metavar="F[,F...]|none",
+        help="gptq: clipping factors in (0, 1]: each group's scales are also fitted, by the format's own rule, "
+        "to its weights times each factor, and per row the scales with the least squared rounding error are "
+        f"kept (default {','.join(f'{f:g}' for f in GPTQ_DEFAULTS['scale_search'])}; none: the format's own "
+        "scales, as round-to-nearest fits them)",
     )
     q.add_argument(
         "--rotate-block", type=int, default=None, metavar="B",
@@ -222,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 ALGORITHM_NAMES = ("rtn", "gptq", "smoothquant", "rotate")
 
+GPTQ_DEFAULTS = {"act_order": True, "damp": 0.03, "scale_search": (0.95, 0.9, 0.85, 0.8)}
+"""What ``--algorithm gptq`` runs unless its flags say otherwise: the settings that measured best on the bundled
+model (docs/quality.md, "GPTQ on the w4a16 schemes"); ``lowbit.algorithms.GPTQ()``'s own defaults are the
+plain algorithm."""
+
 
 def _algorithm_arg(text: str) -> str:
     """``--algorithm``: names of :data:`ALGORITHM_NAMES` joined by commas (argparse reports a bad one)."""
@@ -243,9 +268,13 @@ def _algorithm(args: argparse.Namespace):
         raise ValueError("--smooth-alpha and --smooth-online apply to --algorithm smoothquant")
     if args.rotate_block is not None and "rotate" not in names:
         raise ValueError("--rotate-block applies to --algorithm rotate")
-    if args.smooth_alpha is None and not args.smooth_online and args.rotate_block is None:
+    if _gptq_flags(args) and "gptq" not in names:
+        flags = _gptq_flags(args)
+        raise ValueError(f"{', '.join(flags)} appl{'ies' if len(flags) == 1 else 'y'} to --algorithm gptq")
+    if (args.smooth_alpha is None and not args.smooth_online and args.rotate_block is None
+            and "gptq" not in names):
         return args.algorithm if len(names) == 1 else tuple(names)
-    from .algorithms import Rotate, SmoothQuant
+    from .algorithms import GPTQ, Rotate, SmoothQuant
 
     out = []
     for n in names:
@@ -270,9 +299,45 @@ def _algorithm(args: argparse.Namespace):
                 out.append(Rotate(block_size=args.rotate_block))
             except ValueError as e:
                 raise ValueError(f"--rotate-block: {e}") from None
+        elif n == "gptq":
+            out.append(GPTQ(**_gptq_options(args)))
         else:
             out.append(n)
     return tuple(out)
+
+
+def _gptq_flags(args: argparse.Namespace) -> list[str]:
+    """The ``--gptq-*`` flags given."""
+    return [flag for flag, value in (("--gptq-act-order", args.gptq_act_order), ("--gptq-damp", args.gptq_damp),
+                                     ("--gptq-scale-search", args.gptq_scale_search)) if value is not None]
+
+
+def _gptq_options(args: argparse.Namespace) -> dict:
+    """``GPTQ`` keyword arguments: :data:`GPTQ_DEFAULTS` with the ``--gptq-*`` flags given (ValueError naming
+    the flag)."""
+    from .algorithms.grids import check_scale_search
+
+    opts = dict(GPTQ_DEFAULTS)
+    if args.gptq_act_order is not None:
+        opts["act_order"] = args.gptq_act_order
+    if args.gptq_damp is not None:
+        if not (args.gptq_damp > 0 and math.isfinite(args.gptq_damp)):
+            raise ValueError(f"--gptq-damp must be a positive number, got {args.gptq_damp}")
+        opts["damp"] = args.gptq_damp
+    if args.gptq_scale_search is not None:
+        text = args.gptq_scale_search.strip()
+        if text.lower() == "none":
+            opts["scale_search"] = ()
+        else:
+            try:
+                factors = [float(f) for f in text.split(",")]
+            except ValueError:
+                raise ValueError(f"--gptq-scale-search {text!r}: not 'none' or comma-separated numbers") from None
+            try:
+                opts["scale_search"] = check_scale_search(factors)
+            except ValueError as e:
+                raise ValueError(f"--gptq-scale-search: {e}") from None
+    return opts
 
 
 def _version() -> str:
@@ -424,7 +489,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                                        ("--algorithm", args.algorithm != "rtn"),
                                        ("--smooth-alpha", args.smooth_alpha is not None),
                                        ("--smooth-online", args.smooth_online),
-                                       ("--rotate-block", args.rotate_block is not None)) if on]
+                                       ("--rotate-block", args.rotate_block is not None),
+                                       *((flag, True) for flag in _gptq_flags(args))) if on]
         if given:
             verb = "applies" if len(given) == 1 else "apply"
             return _fail("quantize", f"{', '.join(given)} {verb} to evaluated runs; with {why} lowbit quantize "

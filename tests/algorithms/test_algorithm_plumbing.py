@@ -63,13 +63,16 @@ def _parse(*extra):
 
 def test_cli_algorithm_flags():
     assert cli._algorithm(_parse()) == "rtn"
-    assert cli._algorithm(_parse("--algorithm", "smoothquant,gptq")) == ("smoothquant", "gptq")
+    # --algorithm gptq runs the CLI's tuned GPTQ options (act-order, scale search), not GPTQ()'s plain ones
+    tuned = GPTQ(**cli.GPTQ_DEFAULTS)
+    assert tuned.act_order and tuned.scale_search
+    assert cli._algorithm(_parse("--algorithm", "smoothquant,gptq")) == (SmoothQuant(), tuned)
     assert cli._algorithm(_parse("--algorithm", "smoothquant", "--smooth-online", "--smooth-alpha", "0.4")) == (
         SmoothQuant(alpha=0.4, online=True),)
     assert cli._algorithm(_parse("--algorithm", "smoothquant", "--smooth-alpha", "0.3,0.5")) == (
         SmoothQuant(alphas=(0.3, 0.5)),)
     assert cli._algorithm(_parse("--algorithm", "rotate,gptq", "--rotate-block", "32")) == (
-        Rotate(block_size=32), "gptq")
+        Rotate(block_size=32), tuned)
     for bad in ("best", "gptq,gptq", "gptq,"):
         with pytest.raises(SystemExit):
             _parse("--algorithm", bad)

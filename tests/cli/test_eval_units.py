@@ -20,13 +20,13 @@ def test_sentence_set():
     es = load_sentences()
     assert len(es.sentences) >= 300 and len(set(es.sentences)) == len(es.sentences)
     assert len(es.topics) == len(es.sentences) and len(set(es.topics)) >= 30
-    assert len(es.calibration) == 64 and not set(es.calibration) & set(es.sentences)
+    assert len(es.calibration) == 379 and not set(es.calibration) & set(es.sentences)
     assert all(
         s[0].isupper() and s[-1] in ".?!" and 3 <= len(s.split()) <= 30 for s in es.sentences + es.calibration
     )
     assert es.calibration_sentences(3) == list(es.calibration[:3])
-    with pytest.raises(ValueError, match="0 to 64"):
-        es.calibration_sentences(65)
+    with pytest.raises(ValueError, match="0 to 379"):
+        es.calibration_sentences(380)
 
 
 def test_sentences_are_package_data():
@@ -70,6 +70,33 @@ def test_embeddings_equal_sentence_transformers(bundled_dir, monkeypatch):
     ref = st.SentenceTransformer(str(bundled_dir), device="cpu").encode(sentences, convert_to_tensor=True)
     assert ours.shape == (len(sentences), 384)
     torch.testing.assert_close(ours, ref.float().cpu(), atol=2e-5, rtol=0)
+
+
+def test_added_calibration_sentences_paraphrase_no_evaluation_sentence(bundled_dir):
+    """The calibration sentences added for GPTQ (after the first 64) were kept only if their embedding is at
+    cosine <= 0.60 from every evaluation sentence, so calibrating on them never previews an evaluated one."""
+    from lowbit.eval import SentenceEncoder
+
+    es = load_sentences()
+    enc = SentenceEncoder(bundled_dir)
+    model = enc.load_fp32()
+    evaluated = enc.embed(model, enc.batches(es.sentences))
+    added = enc.embed(model, enc.batches(es.calibration[64:]))
+    assert (added @ evaluated.T).max().item() <= 0.60
+
+
+def test_same_length_batches_hold_no_padding(bundled_dir):
+    """Calibration batches (``same_length=True``): every sentence once, one token length per batch, so the
+    attention masks are all ones and no padded position reaches GPTQ's Hessians or the activation ranges."""
+    from lowbit.eval import SentenceEncoder
+
+    enc = SentenceEncoder(bundled_dir, batch_size=8)
+    sentences = load_sentences().calibration[:40]
+    batches = enc.batches(sentences, same_length=True)
+    assert sorted(i for idx, _ in batches for i in idx) == list(range(40))
+    assert all(bool(e["attention_mask"].all()) and len(idx) <= 8 for idx, e in batches)
+    padded = enc.batches(sentences)
+    assert len(padded) == 5 and not all(bool(e["attention_mask"].all()) for _, e in padded)
 
 
 def test_bundled_model_is_read_offline(bundled_dir, monkeypatch):

@@ -21,7 +21,7 @@ def test_calibration_sentences(tmp_path):
     with pytest.raises(ValueError, match="needs calibration"):
         calibration_sentences(es, 0, None, "gptq")
     with pytest.raises(ValueError, match="--calib"):
-        calibration_sentences(es, 65, None, "gptq")
+        calibration_sentences(es, 380, None, "gptq")
     with pytest.raises(ValueError, match="algorithm"):
         calibration_sentences(es, None, None, "awq")
     (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")

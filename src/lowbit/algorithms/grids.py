@@ -9,6 +9,12 @@ with those scales. :meth:`Grid.assemble` packs the codes and scales into the QTe
 write (same layout, params and global scale), so every checkpoint writer and kernel takes the result, and
 ``lowbit.dequantize`` of it returns the values :meth:`Grid.round` returned, bit for bit.
 
+A grid with a scale search (``grid_for(..., scale_search=factors)``) fits each group's scales by the same
+rules to the group's weights times each factor too and keeps per row the candidate that rounds the group with
+the least squared error. Which scales are stored then differs from round-to-nearest, but each is a value the
+format stores (an E4M3 or E8M0 code, an fp32 absmax, an fp16 scale and integer zero point) computed as the
+reference computes it from some block, so the QTensor is as valid and decodes to the rounded values bit for bit.
+
 The per-element arithmetic below repeats the reference's operation for operation (the order of every fp32
 operation is part of the format); ``tests/algorithms`` pins the two together: fitting and rounding every
 group of an unchanged weight gives the reference's own codes and scales.
@@ -216,16 +222,63 @@ class _INT4AWQ(Grid):
         )
 
 
+class _ScaleSearch(Grid):
+    """A grid whose :meth:`fit` tries each group's scales as the format's reference fits them to the weights
+    times each factor of ``factors`` as well as to the weights themselves, and keeps per row the candidate
+    whose rounding of the group has the least squared error (a clipping search: a factor below 1 gives up the
+    largest values for a finer grid under the others). Every candidate is a state the format's own fit
+    produced, so :meth:`round` and :meth:`assemble` are the wrapped grid's and the QTensor decodes to the
+    values rounded, bit for bit; only which scales are stored differs from round-to-nearest."""
+
+    def __init__(self, inner: Grid, factors: tuple[float, ...]) -> None:
+        self.inner = inner
+        self.template, self.rows, self.cols = inner.template, inner.rows, inner.cols
+        self.fmt, self.group, self.round_reads = inner.fmt, inner.group, inner.round_reads
+        self.factors = factors
+
+    def fit(self, w):
+        # every candidate in one fit and one rounding of the stacked rows: a group is a few thousand values,
+        # so per-call overhead, not arithmetic, is the cost
+        n = len(self.factors) + 1
+        scale = torch.tensor((1.0, *self.factors), dtype=w.dtype, device=w.device)
+        stacked = (w.unsqueeze(0) * scale.view(n, 1, 1)).reshape(n * w.shape[0], w.shape[1])
+        states = self.inner.fit(stacked)
+        _, q = self.inner.round(w.repeat(n, 1), states)
+        err = (w.repeat(n, 1) - q).square().sum(dim=-1).view(n, w.shape[0])
+        # a non-finite block keeps the reference's state; ties too (argmin takes the first, factor 1)
+        err = torch.where(err.isnan(), torch.full_like(err, float("inf")), err)
+        best = err.argmin(dim=0)
+        rows = torch.arange(w.shape[0], device=w.device)
+        return tuple(_take(st.view(n, w.shape[0]), best, rows) for st in states)
+
+    def round(self, x, state):
+        return self.inner.round(x, state)
+
+    def assemble(self, codes, states):
+        return self.inner.assemble(codes, states)
+
+
+def _take(st: torch.Tensor, best: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``st[best[r], r]`` for every row ``r``; 1-byte scale codes (e4m3, e8m0) by their bits."""
+    if st.dtype.itemsize == 1:
+        return st.view(torch.uint8)[best, rows].view(st.dtype)
+    return st[best, rows]
+
+
 _GRIDS = {"nvfp4": _NVFP4, "mxfp4": _MXFP4, "fp4_b32": _FP4B32, "nf4": _BNB4, "bnb_fp4": _BNB4,
           "int4_awq": _INT4AWQ}
 
 
-def grid_for(weight: torch.Tensor, fmt: str, **options: Any) -> Grid:
+def grid_for(weight: torch.Tensor, fmt: str, *, scale_search: tuple[float, ...] = (), **options: Any) -> Grid:
     """The :class:`Grid` of a 2-D ``weight`` in ``fmt`` with ``lowbit.quantize`` options ``options``.
 
     The reference QTensor of ``weight`` (the round-to-nearest result) is the template whose layout, params and
     global scale the GPTQ result keeps: for nvfp4 the global scale is the one given in ``options`` (fused
     siblings share one) or the format default from the original weight.
+
+    ``scale_search``: clipping factors in ``(0, 1]`` (see :class:`lowbit.algorithms.GPTQ`): :meth:`Grid.fit`
+    then also fits each group's scales, by the format's own rule, to the group's weights times each factor and
+    keeps per row the scales with the least squared rounding error of the group.
 
     Raises:
         ValueError: a format without a grid, a weight that is not 2-D, nf4/bnb_fp4 blocks that would straddle
@@ -246,9 +299,25 @@ def grid_for(weight: torch.Tensor, fmt: str, **options: Any) -> Grid:
                 f"{fmt}: in_features={weight.shape[1]} is not a multiple of blocksize={bs}; the blocks would "
                 "straddle rows, which column-wise GPTQ cannot keep"
             )
+    factors = check_scale_search(scale_search)
     with torch.no_grad():
         template = quantize(weight.detach(), fmt, backend="torch", **options)
-    return _GRIDS[fmt](template)
+    grid = _GRIDS[fmt](template)
+    return _ScaleSearch(grid, factors) if factors else grid
 
 
-__all__ = ["GRID_FORMATS", "Grid", "grid_for"]
+def check_scale_search(scale_search: Any) -> tuple[float, ...]:
+    """``scale_search`` as a tuple of floats; TypeError/ValueError naming it for anything but numbers in
+    ``(0, 1]``."""
+    if isinstance(scale_search, (str, bytes)) or not hasattr(scale_search, "__iter__"):
+        raise TypeError(f"scale_search must be a tuple of floats, got {type(scale_search).__name__}")
+    factors = tuple(scale_search)
+    for f in factors:
+        if isinstance(f, bool) or not isinstance(f, (int, float)):
+            raise TypeError(f"scale_search must hold floats, got {type(f).__name__}")
+        if not 0 < f <= 1:
+            raise ValueError(f"scale_search factors must lie in (0, 1] (they shrink the fitted range), got {f}")
+    return tuple(float(f) for f in factors)
+
+
+__all__ = ["GRID_FORMATS", "Grid", "check_scale_search", "grid_for"]

@@ -177,7 +177,8 @@ def describe(algorithm: Any) -> str:
 
 
 def label(algorithm: Any) -> str:
-    """A compact label for tables: ``"sq-online+gptq"``, ``"rot16"``, ``"sq@0.4+gptq-act"``, ``"rtn"``."""
+    """A compact label for tables: ``"sq-online+gptq"``, ``"rot16"``, ``"sq@0.4+gptq-act"``, ``"gptq-act-clip"``
+    (act-order, scale search), ``"rtn"``."""
     parts = []
     for item in _items(algorithm):
         if isinstance(item, str):
@@ -188,7 +189,7 @@ def label(algorithm: Any) -> str:
         elif isinstance(item, Rotate):
             parts.append("rot" + (str(item.block_size) if item.block_size else ""))
         else:
-            parts.append("gptq" + ("-act" if item.act_order else ""))
+            parts.append("gptq" + ("-act" if item.act_order else "") + ("-clip" if item.scale_search else ""))
     return "+".join(parts)
 
 

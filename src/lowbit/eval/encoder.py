@@ -169,17 +169,29 @@ class SentenceEncoder:
         return model.to(device).eval()
 
     def batches(
-        self, sentences: list[str] | tuple[str, ...]
+        self, sentences: list[str] | tuple[str, ...], *, same_length: bool = False
     ) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
-        """``[(indices, tokenizer outputs)]``, sentences grouped by token length, ``batch_size`` per group."""
+        """``[(indices, tokenizer outputs)]``, sentences grouped by token length, ``batch_size`` per group.
+
+        ``same_length``: a batch holds sentences of one token length only, so no position is padding. For
+        calibration: the padded positions of a batch are computed but never used (the attention and the
+        pooling mask them), yet GPTQ's Hessians and the activation ranges would count them.
+        """
         lengths = [
             len(self.tokenizer(s, truncation=True, max_length=self.max_length)["input_ids"])
             for s in sentences
         ]
         order = sorted(range(len(sentences)), key=lambda i: (lengths[i], i))
+        if same_length:
+            runs: dict[int, list[int]] = {}
+            for i in order:
+                runs.setdefault(lengths[i], []).append(i)
+            groups = [run[s : s + self.batch_size] for run in runs.values()
+                      for s in range(0, len(run), self.batch_size)]
+        else:
+            groups = [order[s : s + self.batch_size] for s in range(0, len(order), self.batch_size)]
         out = []
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
+        for idx in groups:
             enc = self.tokenizer(
                 [sentences[i] for i in idx],
                 padding=True,

@@ -204,7 +204,9 @@ def run(
     encoder = SentenceEncoder(src)
     batches = encoder.batches(evalset.sentences)
     topics = [evalset.topics[i] for i in range(len(evalset.sentences))]
-    calib_batches = [enc for _, enc in encoder.batches(calib_sentences)] if calib_sentences else None
+    # one token length per batch: padded positions would enter GPTQ's Hessians and the activation ranges
+    calib_batches = ([enc for _, enc in encoder.batches(calib_sentences, same_length=True)]
+                     if calib_sentences else None)
     ref = encoder.load_fp32(dev)
     ref_emb = encoder.embed(ref, batches, dev)
     if not torch.isfinite(ref_emb).all():

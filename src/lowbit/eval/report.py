@@ -118,9 +118,10 @@ def format_table(report: dict) -> str:
         )
     lines += [
         "",
-        "algorithm: rtn round-to-nearest, gptq, sq SmoothQuant smoothing (-online: online scales where no",
-        "producer can take them), rot Hadamard rotation; rows with online transforms are measured in memory,",
-        "and their layers (as every smoothed or rotated layer) are compared with the transformed float layer.",
+        "algorithm: rtn round-to-nearest, gptq (-act: act-order, -clip: scale search), sq SmoothQuant smoothing",
+        "(-online: online scales where no producer can take them), rot Hadamard rotation; rows with online",
+        "transforms are measured in memory, and their layers (as every smoothed or rotated layer) are compared",
+        "with the transformed float layer.",
         "MB: checkpoint size (embeddings and norms stay fp32); bits/w: bits per weight of the quantized Linear",
         "layers, scales included. cos: cosine similarity of each sentence embedding to fp32's. NN@1: the nearest",
         "neighbour among the sentences is fp32's; NN@5: overlap of the 5 nearest. topic@1: the nearest neighbour",
