@@ -29,9 +29,10 @@ def _layer(out=256, k=1024, n=2048, seed=0):
 
 @pytest.mark.parametrize(("fmt", "opts"), CASES, ids=IDS)
 @pytest.mark.parametrize("act_order", [False, True])
-def test_graph_replay_equals_eager_loop(fmt, opts, act_order, monkeypatch):
+@pytest.mark.parametrize("scale_search", [(), (0.95, 0.9, 0.85, 0.8)], ids=["rtn-scales", "search"])
+def test_graph_replay_equals_eager_loop(fmt, opts, act_order, scale_search, monkeypatch):
     w, x, H = _layer(seed=1)
-    config = GPTQ(act_order=act_order)
+    config = GPTQ(act_order=act_order, scale_search=scale_search)
     made = []
     real = gptq_graphs.BlockGraphs
 
@@ -40,10 +41,10 @@ def test_graph_replay_equals_eager_loop(fmt, opts, act_order, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(gptq_graphs, "BlockGraphs", spy)
-    graphed = gptq_quantize(w, H, fmt, config=config, **opts)
+    graphed = gptq_quantize(w, H, fmt, config=config, scale_search=scale_search, **opts)
     assert len(made) == 1 and made[0].capture and len(made[0].graphs) == 128 // made[0].G
     monkeypatch.setattr(gptq_graphs, "USE_CUDA_GRAPHS", False)
-    eager = gptq_quantize(w, H, fmt, config=config, **opts)
+    eager = gptq_quantize(w, H, fmt, config=config, scale_search=scale_search, **opts)
     _assert_same_result(graphed, eager)
     q, values = graphed
     assert torch.equal(lowbit.dequantize(q, torch.float32), values)

@@ -78,16 +78,35 @@ def _rope(x, cos, sin):
 
 def register_decode_buffers(module: nn.Module, s: DecoderShape, layers: int, batch: int, kv_heads: int,
                             max_len: int, dtype: torch.dtype, device) -> None:
-    """The non-persistent buffers a decoder's step reads: the static KV cache ``k_cache`` / ``v_cache``
-    ``[layers, batch, kv_heads, max_len, head_dim]``, the RoPE tables ``cos`` / ``sin`` and ``key_pos``."""
-    cache = (layers, batch, kv_heads, max_len, s.head_dim)
-    module.register_buffer("k_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
-    module.register_buffer("v_cache", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
+    """The non-persistent buffers a decoder's step reads: the static KV cache, one ``k_cache_<i>`` /
+    ``v_cache_<i>`` ``[batch, kv_heads, max_len, head_dim]`` per layer (:func:`layer_cache`), the RoPE tables
+    ``cos`` / ``sin`` and ``key_pos``.
+
+    One tensor per layer, as transformers' ``StaticCache`` keeps it: ``index_copy_`` into a slice of one
+    stacked tensor makes a compiled step copy the whole stacked cache every token (Inductor does not write
+    through a view of a mutated input in place), time no serving stack spends."""
+    cache = (batch, kv_heads, max_len, s.head_dim)
+    for i in range(layers):
+        module.register_buffer(f"k_cache_{i}", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
+        module.register_buffer(f"v_cache_{i}", torch.zeros(cache, dtype=dtype, device=device), persistent=False)
     inv = 1.0 / (500000.0 ** (torch.arange(0, s.head_dim, 2, device=device, dtype=torch.float32) / s.head_dim))
     ang = torch.arange(max_len, device=device, dtype=torch.float32)[:, None] * inv[None, :]
     module.register_buffer("cos", ang.cos().to(dtype), persistent=False)
     module.register_buffer("sin", ang.sin().to(dtype), persistent=False)
     module.register_buffer("key_pos", torch.arange(max_len, device=device), persistent=False)
+
+
+
+def layer_cache(module: nn.Module, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``i``'s ``(k_cache, v_cache)`` of a module given :func:`register_decode_buffers`."""
+    return getattr(module, f"k_cache_{i}"), getattr(module, f"v_cache_{i}")
+
+
+def clear_cache(module: nn.Module) -> None:
+    """Zero every layer's KV cache of a module given :func:`register_decode_buffers`."""
+    for name, buf in module.named_buffers(recurse=False):
+        if name.startswith(("k_cache_", "v_cache_")):
+            buf.zero_()
 
 
 
@@ -109,7 +128,7 @@ class Decoder(nn.Module):
         cos, sin = self.cos[pos], self.sin[pos]
         mask = self.key_pos[None, :] <= pos[:, None]
         for i, layer in enumerate(self.layers[: n_layers or len(self.layers)]):
-            h = layer(h, cos, sin, pos, mask, self.k_cache[i], self.v_cache[i])
+            h = layer(h, cos, sin, pos, mask, *layer_cache(self, i))
         return self.lm_head(self.norm(h[:, -1]))
 
 
@@ -133,6 +152,6 @@ def bf16_model_bytes(s: DecoderShape) -> int:
 
 
 __all__ = [
-    "SHAPES", "Decoder", "DecoderBlock", "DecoderShape", "bf16_model_bytes", "build_decoder",
-    "register_decode_buffers",
+    "SHAPES", "Decoder", "DecoderBlock", "DecoderShape", "bf16_model_bytes", "build_decoder", "clear_cache",
+    "layer_cache", "register_decode_buffers",
 ]

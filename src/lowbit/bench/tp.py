@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .decoder import DecoderBlock, DecoderShape, register_decode_buffers
+from .decoder import DecoderBlock, DecoderShape, clear_cache, layer_cache, register_decode_buffers
 from .timing import capture_graph
 
 SHAPES = {
@@ -76,7 +76,7 @@ class Stack(torch.nn.Module):
         cos, sin = self.cos[pos], self.sin[pos]
         mask = self.key_pos[None, :] <= pos[:, None]
         for i, layer in enumerate(layers):
-            h = layer(h, cos, sin, pos, mask, self.k_cache[i], self.v_cache[i])
+            h = layer(h, cos, sin, pos, mask, *layer_cache(self, i))
         return h
 
 
@@ -203,8 +203,7 @@ def probe_output(stack: Stack, tokens: int = 8, n_layers: int | None = None) -> 
     gen = torch.Generator(device=device).manual_seed(9)
     h = torch.randn(1, tokens, stack.s.hidden, dtype=torch.bfloat16, device=device, generator=gen)
     with torch.inference_mode():
-        stack.k_cache.zero_()
-        stack.v_cache.zero_()
+        clear_cache(stack)
         stack.n_layers = n_layers
         try:
             return stack(h, torch.arange(tokens, device=device)).float().cpu()
