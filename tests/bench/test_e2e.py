@@ -45,6 +45,23 @@ def test_cached_decode_matches_a_plain_forward():
     assert torch.allclose(got, want, rtol=0.05, atol=0.05), (got - want).abs().max()
 
 
+def test_each_layer_has_its_own_cache_and_a_step_writes_only_its_position():
+    # one tensor per layer (as transformers' StaticCache): a compiled step then updates the cache in place
+    # instead of copying one stacked buffer back every token
+    m = e2e.build_decoder(e2e.SHAPES["tiny"], max_len=8, device="cpu")
+    caches = [decoder.layer_cache(m, i) for i in range(m.s.layers)]
+    ptrs = {t.data_ptr() for pair in caches for t in pair}
+    assert len(ptrs) == 2 * m.s.layers
+    assert all(k.shape == (1, m.s.kv_heads, 8, m.s.head_dim) for k, _ in caches)
+    with torch.no_grad():
+        m(torch.tensor([[3]]), torch.tensor([5]))
+    for k, v in caches:
+        written = (k != 0).any(dim=(0, 1, 3)) | (v != 0).any(dim=(0, 1, 3))
+        assert written.tolist() == [i == 5 for i in range(8)]
+    decoder.clear_cache(m)
+    assert all(not k.any() and not v.any() for k, v in caches)
+
+
 def test_configs_quantize_every_linear_but_lm_head():
     m = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-nvfp4")
     assert all(isinstance(getattr(b, n), QuantLinear) for b in m.layers
