@@ -242,6 +242,18 @@ def _check_operands(mat_a, mat_b, what: str, fn: str) -> tuple[int, int, int]:
     return mat_a.shape[0], mat_b.shape[0], mat_a.shape[1]
 
 
+def _fp4_mm(
+    fmt, align, block, scale_dtype, mat_a, mat_b, scales_a, scales_b, alpha, bias, fn
+) -> torch.Tensor:
+    """The FP4 x FP4 GEMMs (``fmt`` on both sides, two codes per byte): ``k`` and ``n`` both aligned to
+    ``align`` (upstream's CUTLASS alignment), then ``scale_dtype`` scales of one per ``block`` elements."""
+    m, n, cols = _check_operands(mat_a, mat_b, "two FP4 E2M1 codes per byte", fn)
+    k = cols * 2
+    _check_alignment(k, n, align, align, mat_a, mat_b, fn)
+    _check_scales(scales_a, scales_b, m, n, k, block, scale_dtype, fn)
+    return _mm(fmt, fmt, mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
+
+
 def cutlass_scaled_nvfp4_mm(
     mat_a: torch.Tensor,
     mat_b: torch.Tensor,
@@ -260,12 +272,8 @@ def cutlass_scaled_nvfp4_mm(
 
     ``k % 32 == 0`` and ``n % 32 == 0`` (upstream's CUTLASS alignment).
     """
-    fn = "cutlass_scaled_nvfp4_mm"
-    m, n, cols = _check_operands(mat_a, mat_b, "two FP4 E2M1 codes per byte", fn)
-    k = cols * 2
-    _check_alignment(k, n, 32, 32, mat_a, mat_b, fn)
-    _check_scales(scales_a, scales_b, m, n, k, 16, torch.float8_e4m3fn, fn)
-    return _mm("nvfp4", "nvfp4", mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
+    return _fp4_mm("nvfp4", 32, 16, torch.float8_e4m3fn, mat_a, mat_b, scales_a, scales_b, alpha, bias,
+                   "cutlass_scaled_nvfp4_mm")
 
 
 def cutlass_scaled_mxfp4_mm(
@@ -278,12 +286,8 @@ def cutlass_scaled_mxfp4_mm(
 ) -> torch.Tensor:
     """MXFP4 x MXFP4: as :func:`cutlass_scaled_nvfp4_mm` with float8_e8m0fnu scales
     ``[round_up(m|n, 128), round_up(k/32, 4)]``; ``k % 128 == 0`` and ``n % 128 == 0``."""
-    fn = "cutlass_scaled_mxfp4_mm"
-    m, n, cols = _check_operands(mat_a, mat_b, "two FP4 E2M1 codes per byte", fn)
-    k = cols * 2
-    _check_alignment(k, n, 128, 128, mat_a, mat_b, fn)
-    _check_scales(scales_a, scales_b, m, n, k, 32, torch.float8_e8m0fnu, fn)
-    return _mm("mxfp4", "mxfp4", mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn)
+    return _fp4_mm("mxfp4", 128, 32, torch.float8_e8m0fnu, mat_a, mat_b, scales_a, scales_b, alpha, bias,
+                   "cutlass_scaled_mxfp4_mm")
 
 
 def _mxfp8_act_mm(b_fmt, mat_a, mat_b, scales_a, scales_b, alpha, bias, m, n, k, fn) -> torch.Tensor:
