@@ -1,5 +1,5 @@
 """Cross-check of lowbit's GPTQ on int4 (the grid of ``w4a16-int4``) against llm-compressor's GPTQ, layer by
-layer, on the bundled model with the 64 calibration sentences.
+layer, on the bundled model with the first ``--calib`` sentences of its calibration set (64 by default).
 
 Both GPTQ implementations get the SAME Hessian for every Linear: lowbit's ``HessianAccumulator`` over the
 inputs recorded from the float model on the calibration sentences (non-sequential calibration: every
@@ -35,12 +35,15 @@ and the weight observer its calibration falls back to (``memoryless_minmax``). `
 llm-compressor runs with other weight observers on the same defaults: ``mse`` (which its calibration turns
 into ``memoryless_mse`` for weights: a shrink search over 1.00, 0.99, ... 0.81 of each group's range, per
 row, minimizing the 2.4-norm of the rounding error, the like-for-like of lowbit's scale search) and
-``imatrix_mse`` (the same search weighted by each input's mean square, fed here from the calibration
-rows' Gram diagonal as its forward hook would accumulate it). The calibration sentences are batched
+``imatrix_mse`` (its own defaults: shrink factors 1.00 down to 0.05 in steps of 0.05, 3-norm, the error
+weighted by each input's mean square, fed here from the calibration rows' Gram diagonal as its forward
+hook would accumulate it). The calibration sentences are batched
 without padding by default in this mode (``--batching same-length``), as ``lowbit quantize`` does, so the
 Hessian both get holds only real tokens. Both still get the same Hessian from the float model for every
 layer (non-sequential), so each row compares the shipped per-layer algorithms on one problem; neither
 tool's own calibration pipeline (lowbit's stage-by-stage, llm-compressor's sequential one) is run.
+``--lowbit-damp`` and ``--lowbit-scale-search`` change lowbit's side away from its defaults, to tell which
+setting a difference comes from.
 
 llm-compressor is a benchmark tool here, not a lowbit dependency: install it next to lowbit with
 ``pip install --no-deps llmcompressor`` (plus, with ``--no-deps`` too, compressed-tensors and loguru where
@@ -333,6 +336,11 @@ def main() -> None:
     p.add_argument("--llmc-observer", nargs="+", default=None,
                    help="with --shipped: llm-compressor weight observers to run, each on its other defaults "
                         "(default: the one it ships, memoryless_minmax; also mse, imatrix_mse)")
+    p.add_argument("--lowbit-damp", type=float, default=None,
+                   help="with --shipped: lowbit's damp instead of its default (to attribute a difference)")
+    p.add_argument("--lowbit-scale-search", type=float, nargs="+", default=None,
+                   help="with --shipped: lowbit's clipping factors instead of its default (to attribute a "
+                        "difference)")
     p.add_argument("--no-cosine", action="store_true", help="skip the whole-model embedding cosines")
     p.add_argument("--json", type=pathlib.Path, help="write every number here")
     a = p.parse_args()
@@ -343,8 +351,8 @@ def main() -> None:
         p.error("--diag compares loops in column order: run it without --act-order or --shipped")
     if a.shipped and (a.damp is not None or a.act_order):
         p.error("--shipped uses each tool's own damp and act-order: drop --damp / --act-order")
-    if a.llmc_observer is not None and not a.shipped:
-        p.error("--llmc-observer goes with --shipped")
+    if not a.shipped and (a.llmc_observer or a.lowbit_damp or a.lowbit_scale_search):
+        p.error("--llmc-observer, --lowbit-damp and --lowbit-scale-search go with --shipped")
     batching = a.batching or ("same-length" if a.shipped else "padded")
     versions = {k: importlib.metadata.version(k) for k in ("llmcompressor", "compressed-tensors", "torch")}
     if a.shipped:
@@ -353,9 +361,14 @@ def main() -> None:
         llmc_def = llmcompressor_defaults()
         observers = a.llmc_observer or [llmc_def["weight_observer"]]
         quantize_weight, Observer, qargs = llmcompressor_gptq(llmc_def["actorder"])
-        lb_config = GPTQ(**GPTQ_DEFAULTS)
+        lb_opts = dict(GPTQ_DEFAULTS)
+        if a.lowbit_damp is not None:
+            lb_opts["damp"] = a.lowbit_damp
+        if a.lowbit_scale_search is not None:
+            lb_opts["scale_search"] = tuple(a.lowbit_scale_search)
+        lb_config = GPTQ(**lb_opts)
         print(f"versions: {versions}; torch threads {torch.get_num_threads()}; shipped: lowbit "
-              f"GPTQ(**{GPTQ_DEFAULTS}), llm-compressor GPTQModifier defaults {llmc_def} "
+              f"GPTQ(**{lb_opts}){'' if lb_opts == GPTQ_DEFAULTS else ' (NOT its defaults)'}, llm-compressor GPTQModifier defaults {llmc_def} "
               f"(actorder -> {qargs.actorder!s}), observers {observers}; batching {batching}")
     else:
         a.damp = a.damp or [0.1, 0.01]
@@ -452,7 +465,8 @@ def main() -> None:
         for ob in observers:
             summaries[f"lowbit vs llmc-{ob}"] = print_comparison(
                 rows, "lowbit", f"llmc-{ob}",
-                f"shipped: lowbit GPTQ_DEFAULTS vs llm-compressor defaults, observer {ob}", short)
+                f"shipped: lowbit {'GPTQ_DEFAULTS' if lb_opts == GPTQ_DEFAULTS else f'GPTQ(**{lb_opts})'} "
+                f"vs llm-compressor defaults, observer {ob}", short)
     else:
         for d in a.damp:
             summaries[f"damp {d:g}"] = print_comparison(rows, f"lowbit@{d:g}", f"llmc@{d:g}", f"damp {d:g} (both)",
@@ -481,6 +495,7 @@ def main() -> None:
         a.json.write_text(json.dumps({"versions": versions, "damp": a.damp, "act_order": a.act_order,
                                       "shipped": a.shipped, "calib": a.calib, "batching": batching,
                                       "llmc_defaults": llmc_def if a.shipped else None,
+                                      "lowbit_gptq": lb_opts if a.shipped else None,
                                       "layers": rows, "summary": summaries, "cosine": cos,
                                       "seconds": times}, indent=1))
 
