@@ -30,29 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .decoder import SHAPES, DecoderShape
+from .decoder import SHAPES, DecoderBlock, DecoderShape
 
 DEFAULT_SCHEMES = ("w4a16-nvfp4", "w4a16-int4", "w4a16-mxfp4", "w4a16-nf4")
 TARGET_S = 10.0
 
 
-class Layer(nn.Module):
-    """A Llama decoder layer over a whole sequence (causal attention, no cache, no RoPE: the projections'
-    inputs are what GPTQ needs)."""
-
-    def __init__(self, s: DecoderShape, dtype: torch.dtype, device) -> None:
-        super().__init__()
-        kw = {"bias": False, "dtype": dtype, "device": device}
-        self.s = s
-        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, **kw)
-        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, **kw)
-        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, **kw)
-        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, **kw)
-        self.gate_proj = nn.Linear(s.hidden, s.intermediate, **kw)
-        self.up_proj = nn.Linear(s.hidden, s.intermediate, **kw)
-        self.down_proj = nn.Linear(s.intermediate, s.hidden, **kw)
-        self.attn_norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
-        self.mlp_norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
+class Layer(DecoderBlock):
+    """A Llama decoder layer (the benchmark decoder's projections and norms) over a whole sequence: causal
+    attention, no cache, no RoPE, since the projections' inputs are what GPTQ needs."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         s = self.s
