@@ -235,12 +235,21 @@ class _ScaleSearch(Grid):
         self.template, self.rows, self.cols = inner.template, inner.rows, inner.cols
         self.fmt, self.group, self.round_reads = inner.fmt, inner.group, inner.round_reads
         self.factors = factors
+        self._scales: dict[tuple, torch.Tensor] = {}
+
+    def _factor_tensor(self, w: torch.Tensor) -> torch.Tensor:
+        # made once per device and dtype: a host-to-device copy per group would synchronize the GPU loop
+        key = (w.device, w.dtype)
+        t = self._scales.get(key)
+        if t is None:
+            t = self._scales[key] = torch.tensor((1.0, *self.factors), dtype=w.dtype, device=w.device)
+        return t
 
     def fit(self, w):
         # every candidate in one fit and one rounding of the stacked rows: a group is a few thousand values,
         # so per-call overhead, not arithmetic, is the cost
         n = len(self.factors) + 1
-        scale = torch.tensor((1.0, *self.factors), dtype=w.dtype, device=w.device)
+        scale = self._factor_tensor(w)
         stacked = (w.unsqueeze(0) * scale.view(n, 1, 1)).reshape(n * w.shape[0], w.shape[1])
         states = self.inner.fit(stacked)
         _, q = self.inner.round(w.repeat(n, 1), states)
