@@ -72,6 +72,21 @@ def test_configs_quantize_every_linear_but_lm_head():
         e2e.apply_config(m, "nope")
 
 
+def test_fused_config_fuses_siblings_and_computes_the_same():
+    from lowbit.nn import FusedProjection
+
+    plain = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-int4")
+    fused = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-int4+fused")
+    assert all(isinstance(getattr(b, n), FusedProjection) for b in fused.layers
+               for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    assert e2e.weight_bytes(fused) == e2e.weight_bytes(plain)
+    ids = torch.randint(0, e2e.SHAPES["tiny"].vocab, (1, 4), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, torch.arange(4)), plain(ids, torch.arange(4)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown config"):
+        e2e.apply_config(plain, "lowbit:w4a16-int4+nope")
+
+
 def test_run_writes_json_with_ratios_and_errors(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     rc = e2e.main(["--shape", "tiny", "--layers", "1", "--device", "cpu", "--steps", "2", "--prefill", "8",

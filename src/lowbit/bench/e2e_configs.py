@@ -1,6 +1,6 @@
 """The configurations the end-to-end benchmark compares, applied to a model as a user would apply them:
-``bf16``, ``lowbit:<scheme>``, ``torchao:int4``, ``torchao:fp8-rowwise`` and ``bnb:nf4`` (the peers where
-installed), and the weight bytes each leaves (:func:`weight_bytes`)."""
+``bf16``, ``lowbit:<scheme>`` (``+fused``: sibling projections fused), ``torchao:int4``,
+``torchao:fp8-rowwise`` and ``bnb:nf4`` (the peers where installed), and the weight bytes each leaves (:func:`weight_bytes`)."""
 
 from __future__ import annotations
 
@@ -25,15 +25,24 @@ def _linear_filter(module: nn.Module, fqn: str) -> bool:
 
 
 def apply_config(model: nn.Module, config: str) -> nn.Module:
-    """Quantize ``model`` in place as ``config`` says: ``bf16``, ``lowbit:<scheme>``, ``torchao:int4``,
-    ``torchao:fp8-rowwise`` or ``bnb:nf4`` (ImportError where the peer is not installed)."""
+    """Quantize ``model`` in place as ``config`` says: ``bf16``, ``lowbit:<scheme>`` (``lowbit:<scheme>+fused``:
+    then q/k/v and gate/up fused, ``lowbit.nn.fuse_projections``), ``torchao:int4``, ``torchao:fp8-rowwise`` or
+    ``bnb:nf4`` (ImportError where the peer is not installed)."""
     if config == "bf16":
         return model
     kind, _, name = config.partition(":")
     if kind == "lowbit":
         import lowbit
 
-        return lowbit.quantize_model(model, name)
+        scheme, _, fused = name.partition("+")
+        if fused not in ("", "fused"):
+            raise ValueError(f"unknown config {config!r}: lowbit:<scheme> or lowbit:<scheme>+fused")
+        model = lowbit.quantize_model(model, scheme)
+        if fused:
+            from lowbit.nn import fuse_projections
+
+            fuse_projections(model)
+        return model
     if kind == "torchao":
         from torchao.quantization import quantize_
 

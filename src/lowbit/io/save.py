@@ -74,10 +74,13 @@ def checkpoint_tensors(
     are the model's QuantLinear layers by name.
 
     Everything that makes the model unsavable raises ValueError here, before anything is written:
-    tensor-parallel shards, a float layer with an online input transform, a ``format`` that cannot store a
+    fused projections (``lowbit.nn.fuse_projections``), tensor-parallel shards, a float layer with an online input transform, a ``format`` that cannot store a
     layer's scheme or a QuantLinear's online input transform (only ``"lowbit"`` does), a bad ``max_shard_size``,
     tensors on the meta device.
     """
+    from ..nn.fuse import refuse_fused
+
+    refuse_fused(model, "model")
     shards = [n for n, m in mods.items() if getattr(m, "tp", None) is not None]
     if shards:
         # a rank's shard is a part of each weight: written as a checkpoint it would load as a wrong model

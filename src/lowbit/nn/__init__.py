@@ -3,6 +3,7 @@
 Importing this package does not import triton or transformers.
 """
 
+from .fuse import FusedProjection, fuse_projections, unfuse_projections
 from .modules import QuantLinear
 from .quantize import DEFAULT_SKIP, FUSED_GROUPS, calibrate_absmax, fused_groups, quantize_model
 from .schemes import SCHEMES, Scheme, get_scheme
@@ -10,11 +11,14 @@ from .schemes import SCHEMES, Scheme, get_scheme
 __all__ = [
     "DEFAULT_SKIP",
     "FUSED_GROUPS",
+    "FusedProjection",
     "SCHEMES",
     "QuantLinear",
     "Scheme",
     "calibrate_absmax",
+    "fuse_projections",
     "fused_groups",
     "get_scheme",
     "quantize_model",
+    "unfuse_projections",
 ]

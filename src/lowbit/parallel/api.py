@@ -127,10 +127,14 @@ def parallelize(model: nn.Module, device_mesh, plan: Mapping[str, Any] | None = 
 
     Raises:
         ValueError: the mesh is not 1-D, the plan names an unknown style or matches nothing, or a matched layer
-            cannot be split into equal shards on its blocks (every such layer is named); nothing is changed then.
+            cannot be split into equal shards on its blocks (every such layer is named); the model holds fused
+            projections (``lowbit.nn.unfuse_projections`` first); nothing is changed then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    from ..nn.fuse import refuse_fused
+
+    refuse_fused(model, "parallelize")
     _, _, world = mesh_facts(device_mesh)
     if all_reduce is not None:
         from .collectives import ALL_REDUCES

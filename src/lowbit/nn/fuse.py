@@ -1,0 +1,196 @@
+"""Sibling projections run as one GEMM: q/k/v and gate/up of a quantized model fused at run time, as serving
+engines fuse them (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``), without changing the
+model's code.
+
+:func:`fuse_projections` replaces each group of sibling :class:`QuantLinear` layers (names from
+:data:`lowbit.nn.FUSED_GROUPS` under one parent, one scheme, one input size) by :class:`FusedProjection`
+members of one :class:`QuantLinear` holding the rows of all of them (:func:`lowbit.formats.rows.cat_rows`,
+bit for bit the members' weights). The first member called runs the fused layer and keeps its output; a
+sibling called next with the very same input tensor returns its columns of that output instead of running a
+GEMM of its own. A member called with another input (cross-attention feeds k/v another tensor than q) runs the
+fused layer on that input and keeps only its columns, so the result is always the member's own projection;
+the order in which the model calls the members does not matter. One launch instead of three (or two) per
+decode step, and one larger GEMV, which reads the weights at a better rate than three small ones.
+
+The fused model is for running: :func:`unfuse_projections` gives the members back as ordinary layers (their
+own QTensors, copied out of the fused weight), which is what saving a checkpoint, tensor-parallel plans and
+anything else that looks for the original layers need; those refuse a fused model
+(:func:`refuse_fused`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..formats.rows import ROW_ALIGN, cat_rows, slice_rows
+from .modules import QuantLinear
+from .quantize import fused_groups
+
+
+class _FusedOutput:
+    """The output of a group's fused layer for the last input it was called with, and which members have
+    taken their columns of it (a plain object shared by the members, so that no module holds another)."""
+
+    def __init__(self) -> None:
+        self.x: torch.Tensor | None = None
+        self.y: torch.Tensor | None = None
+        self.served = 0
+
+
+class FusedProjection(nn.Module):
+    """One member of a fused group: ``forward(x)`` is the member's own projection of ``x`` (its columns
+    ``start:stop`` of the fused layer's output). The group's fused :class:`QuantLinear` is registered under
+    the first member (``<first>.fused``); the others refer to it without registering it."""
+
+    def __init__(self, fused: QuantLinear | None, group: list, index: int, start: int, stop: int,
+                 out: _FusedOutput, members: int) -> None:
+        super().__init__()
+        if fused is not None:
+            self.fused = fused
+        self._group = group          # [fused layer]: shared by the members, not a registered submodule
+        self.index = index
+        self.start, self.stop = start, stop
+        self.in_features = group[0].in_features
+        self.out_features = stop - start
+        self._out = out
+        self._members = members
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._out
+        bit = 1 << self.index
+        if out.x is x and not out.served & bit:
+            y = out.y
+            out.served |= bit
+        else:
+            y = self._group[0](x)
+            out.x, out.y, out.served = x, y, bit
+        if out.served == (1 << self._members) - 1:
+            out.x = out.y = None     # every member has its columns: nothing kept past the group
+            out.served = 0
+        return y[..., self.start:self.stop]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows {self.start}:{self.stop} of a fused layer"
+
+
+def _fusable(members: list[QuantLinear]) -> str | None:
+    """None if these sibling layers can be fused, else why not."""
+    first = members[0]
+    for m in members:
+        if not isinstance(m, QuantLinear):
+            return f"{type(m).__name__} is not a QuantLinear"
+        if m.weight_data is None:
+            return "a layer has no weight yet"
+    for m in members[1:]:
+        for what, a, b in (("scheme", m.scheme.name, first.scheme.name), ("in_features", m.in_features, first.in_features),
+                           ("activation", m.activation, first.activation), ("backend", m.backend, first.backend),
+                           ("bias", m.bias is None, first.bias is None)):
+            if a != b:
+                return f"the layers differ in {what}"
+        igs, igs0 = m.input_global_scale, first.input_global_scale
+        if (igs is None) != (igs0 is None) or (igs is not None and not torch.equal(igs, igs0)):
+            return "the layers have different static activation scales"
+    if first.activation is not None:
+        return "a fused activation applies to each layer's own output"
+    if first.weight_nested_scale is not None:
+        return "double-quantized absmax blocks of two weights do not line up"
+    align = ROW_ALIGN.get(first.scheme.weight_format, 1)
+    start = 0
+    for m in members:
+        if start % align:
+            return f"a layer would start at row {start}, not a multiple of {align} (it could not be given back)"
+        start += m.out_features
+    return None
+
+
+def fuse_projections(model: nn.Module) -> list[tuple[str, ...]]:
+    """Fuse the sibling projections of a quantized ``model`` in place (see the module docstring); returns the
+    groups fused, by qualified module name. Groups whose layers cannot share one weight (another scheme,
+    input size, bias presence, static activation scale, a fused activation, nvfp4 weights without one shared
+    global scale, double-quantized nf4, row counts :func:`lowbit.formats.rows.slice_rows` could not cut back
+    out, layouts :func:`lowbit.formats.rows.cat_rows` cannot stack) are left as they are.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    modules = dict(model.named_modules())
+    names = [n for n, m in modules.items() if isinstance(m, QuantLinear)]
+    done = []
+    for group in fused_groups(names):
+        members = [modules[n] for n in group]
+        if _fusable(members) is not None:
+            continue
+        try:
+            weight = cat_rows([m.weight_qtensor for m in members])
+        except ValueError:
+            continue
+        first = members[0]
+        bias = None if first.bias is None else torch.cat([m.bias for m in members])
+        fused = QuantLinear(first.in_features, weight.shape[0], bias=bias is not None, scheme=first.scheme,
+                            weight=weight, bias_tensor=bias, input_global_scale=first.input_global_scale,
+                            activation=None, backend=first.backend)
+        shared: list = [fused]
+        out = _FusedOutput()
+        start = 0
+        for i, (name, m) in enumerate(zip(group, members)):
+            member = FusedProjection(fused if i == 0 else None, shared, i, start, start + m.out_features, out,
+                                     len(members))
+            start += m.out_features
+            parent, _, child = name.rpartition(".")
+            setattr(modules[parent] if parent else model, child, member)
+        done.append(tuple(group))
+    return done
+
+
+def unfuse_projections(model: nn.Module) -> list[tuple[str, ...]]:
+    """Give every fused group of ``model`` its own :class:`QuantLinear` layers back (their weights copied out
+    of the fused one, bit for bit the weights they had); returns the groups unfused."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    by_group: dict[int, list[tuple[str, FusedProjection]]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FusedProjection):
+            by_group.setdefault(id(m._group), []).append((name, m))
+    modules = dict(model.named_modules())
+    done = []
+    for members in by_group.values():
+        fused = members[0][1]._group[0]
+        q = fused.weight_qtensor
+        for name, m in members:
+            part = _own_copy(slice_rows(q, m.start, m.stop))
+            bias = None if fused.bias is None else fused.bias[m.start:m.stop].clone()
+            layer = QuantLinear(fused.in_features, m.stop - m.start, bias=bias is not None, scheme=fused.scheme,
+                                weight=part, bias_tensor=bias, input_global_scale=fused.input_global_scale,
+                                activation=None, backend=fused.backend)
+            parent, _, child = name.rpartition(".")
+            setattr(modules[parent] if parent else model, child, layer)
+        done.append(tuple(n for n, _ in members))
+    return done
+
+
+def _own_copy(q):
+    """``q`` with every tensor a contiguous copy of its own (a row slice may be a view of the fused weight)."""
+    from dataclasses import fields, replace
+
+    changes: dict[str, Any] = {}
+    for f in fields(q):
+        v = getattr(q, f.name)
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = v.contiguous().clone()
+    return replace(q, **changes)
+
+
+def refuse_fused(model: nn.Module, what: str) -> None:
+    """ValueError naming ``what`` if ``model`` holds fused projections (:func:`fuse_projections`)."""
+    for name, m in model.named_modules():
+        if isinstance(m, FusedProjection):
+            raise ValueError(f"{what}: {name} is a fused projection; call lowbit.nn.unfuse_projections(model) "
+                             "first (fusing is for running the model, checkpoints and plans name the original layers)")
+
+
+__all__ = ["FusedProjection", "fuse_projections", "refuse_fused", "unfuse_projections"]

@@ -1,0 +1,137 @@
+"""fuse_projections: q/k/v and gate/up of a quantized model run as one GEMM each, give each member's own
+projection whatever the call order or input, come back unchanged with unfuse_projections, and are refused by
+checkpoint writers and tensor-parallel plans."""
+
+import pytest
+import torch
+
+import lowbit
+from lowbit.bench.decoder import Decoder, DecoderShape
+from lowbit.nn import FusedProjection, QuantLinear, fuse_projections, unfuse_projections
+
+# head_dim 128 so that k and v start on a multiple of 128 rows (the nvfp4 / mxfp4 row alignment)
+SHAPE = DecoderShape(hidden=256, intermediate=256, heads=2, kv_heads=1, head_dim=128, vocab=512, layers=2)
+SCHEMES = ["w4a16-nvfp4", "w4a16-mxfp4", "w4a16-int4", "w4a16-nf4", "w4a16-fp4b32", "w4a4-nvfp4", "w4a8-mxfp4"]
+
+
+def _model(scheme, seed=0):
+    torch.manual_seed(seed)
+    m = Decoder(SHAPE, max_len=16, device="cpu")
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.05)
+    return lowbit.quantize_model(m.eval(), scheme)
+
+
+def _step(m, ids, pos):
+    with torch.no_grad():
+        for name, buf in m.named_buffers():
+            if "cache" in name:
+                buf.zero_()
+        return m(ids, pos).float()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fused_model_computes_the_same_and_unfuses_to_the_same_weights(scheme):
+    ref = _model(scheme)
+    fused = _model(scheme)
+    ids, pos = torch.randint(0, SHAPE.vocab, (1, 5)), torch.arange(5)
+    want = _step(ref, ids, pos)
+    groups = fuse_projections(fused)
+    assert len(groups) == 2 * SHAPE.layers
+    assert {g[0].rpartition(".")[2] for g in groups} == {"q_proj", "gate_proj"}
+    layer = fused.layers[0]
+    assert all(isinstance(getattr(layer, n), FusedProjection) for n in ("q_proj", "k_proj", "v_proj", "up_proj"))
+    assert isinstance(layer.down_proj, QuantLinear)
+    got = _step(fused, ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert unfuse_projections(fused)
+    assert not any(isinstance(m, FusedProjection) for m in fused.modules())
+    a, b = ref.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_one_gemm_per_group_and_nothing_kept_after_the_group():
+    m = _model("w4a16-nvfp4")
+    fuse_projections(m)
+    calls = []
+    fused_layers = {id(mod._group[0]): mod._group[0] for mod in m.modules() if isinstance(mod, FusedProjection)}
+    for layer in fused_layers.values():
+        layer.register_forward_hook(lambda mod, inp, out: calls.append(mod.out_features))
+    _step(m, torch.randint(0, SHAPE.vocab, (1, 3)), torch.arange(3))
+    assert calls == [512, 512] * SHAPE.layers      # q+k+v = 256+128+128 rows, gate+up = 256+256
+    for mod in m.modules():
+        if isinstance(mod, FusedProjection):
+            assert mod._out.x is None and mod._out.y is None
+
+
+def test_any_order_and_other_inputs_give_each_members_own_projection():
+    m = _model("w4a16-int4")
+    attn = m.layers[0]
+    x = torch.randn(2, 3, SHAPE.hidden)
+    other = torch.randn(2, 3, SHAPE.hidden)
+    with torch.no_grad():
+        want = {n: getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
+        want_other = getattr(attn, "k_proj")(other)
+        fuse_projections(m)
+        got_v = attn.v_proj(x)                        # members called out of order
+        got_k_other = attn.k_proj(other)              # cross-attention: another input
+        got_q = attn.q_proj(x)
+        got_k = attn.k_proj(x)
+    torch.testing.assert_close(got_v, want["v_proj"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_q, want["q_proj"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want["k_proj"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k_other, want_other, rtol=1e-5, atol=1e-5)
+
+
+def test_groups_that_cannot_share_a_weight_are_left_alone():
+    # fp8_block weights: no row stacking (yet)
+    assert fuse_projections(_model("w8a8-fp8-block")) == []
+    torch.manual_seed(0)
+    shape = DecoderShape(hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32, vocab=64, layers=1)
+    m = lowbit.quantize_model(Decoder(shape, max_len=8, device="cpu").eval(), "w4a16-nvfp4")
+    groups = fuse_projections(m)          # k (64 rows) would start v at row 192: not a multiple of 128
+    assert [g[0].rpartition(".")[2] for g in groups] == ["gate_proj"]
+    assert isinstance(m.layers[0].q_proj, QuantLinear)
+
+
+def test_checkpoints_and_parallel_plans_refuse_a_fused_model(tmp_path):
+    m = _model("w4a16-nvfp4")
+    fuse_projections(m)
+    with pytest.raises(ValueError, match="unfuse_projections"):
+        lowbit.save_quantized(m, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    from lowbit.parallel.api import parallelize
+
+    with pytest.raises(ValueError, match="unfuse_projections"):
+        parallelize(m, device_mesh=None)
+
+
+def test_compiled_step_traces_the_fused_members_in_one_graph():
+    m = _model("w4a16-nvfp4")
+    ids, pos = torch.randint(0, SHAPE.vocab, (1, 4)), torch.arange(4)
+    want = _step(m, ids, pos)
+    fuse_projections(m)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda i, p: m(i, p), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        for buf_name, buf in m.named_buffers():
+            if "cache" in buf_name:
+                buf.zero_()
+        got = fn(ids, pos).float()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            fn(ids, pos)                               # a second call: no recompile
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for mod in m.modules():
+        if isinstance(mod, FusedProjection):
+            assert mod._out.x is None
+
+
+def test_bad_model_argument():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        fuse_projections("model")
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        unfuse_projections(3)
