@@ -10,7 +10,9 @@ sibling called next with the very same input tensor returns its columns of that 
 GEMM of its own. A member called with another input (cross-attention feeds k/v another tensor than q) runs the
 fused layer on that input and keeps only its columns, so the result is always the member's own projection;
 the order in which the model calls the members does not matter. One launch instead of three (or two) per
-decode step, and one larger GEMV, which reads the weights at a better rate than three small ones.
+decode step, and one larger GEMV, which reads the weights at a better rate than three small ones. "The very
+same input" is the same tensor object: the model must not change it in place between its siblings' calls
+(transformers' and diffusers' attention and MLP blocks pass one unmodified tensor to each).
 
 The fused model is for running: :func:`unfuse_projections` gives the members back as ordinary layers (their
 own QTensors, copied out of the fused weight), which is what saving a checkpoint, tensor-parallel plans and
