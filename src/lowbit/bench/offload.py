@@ -20,6 +20,7 @@ GPU run (``lowbit bench offload`` is ``python -m lowbit.bench offload``)::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -153,6 +154,30 @@ def _run(model, inputs, iters: int, device: torch.device) -> tuple[list[float], 
     return times, peak, steady
 
 
+def _live_allocations(device: torch.device) -> collections.Counter | None:
+    """(requested bytes, stream) of every live allocation of the caching allocator on ``device`` (None on
+    CPU): what stays allocated between steps, by size and the stream it belongs to."""
+    if device.type != "cuda":
+        return None
+    live: collections.Counter = collections.Counter()
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", device.index or 0) != (device.index or 0):
+            continue
+        for blk in seg["blocks"]:
+            if blk["state"] == "active_allocated":
+                live[(blk.get("requested_size", blk["size"]), seg["stream"])] += 1
+    return live
+
+
+def _only_in(a: collections.Counter | None, b: collections.Counter | None, skip: set[int]) -> list | None:
+    """Allocations live in ``a`` and not in ``b`` (sizes in ``skip``, the blocks' own tensors, left out):
+    ``[[bytes, stream, count], ...]``, largest first."""
+    if a is None or b is None:
+        return None
+    extra = a - b
+    return sorted(([size, stream, n] for (size, stream), n in extra.items() if size not in skip), reverse=True)
+
+
 def bench_block_offload(
     *, dim: int = WAN_14B["dim"], ffn_dim: int = WAN_14B["ffn_dim"], heads: int = WAN_14B["heads"],
     n_blocks: int = WAN_14B["n_blocks"], tokens: int = WAN_14B["tokens"], ctx: int = WAN_14B["ctx"],
@@ -179,11 +204,16 @@ def bench_block_offload(
     weights = _bytes(model)
     nonblock = weights - sum(_bytes(b) for b in model.blocks)
     on_times, on_peak, on_steady = _run(model, inputs, iters, dev)
+    on_live = _live_allocations(dev)
+    # the slots hold blocks: tensors of a block's sizes, or one buffer of a whole block
+    block_sizes = {t.numel() * t.element_size() for t in (*model.blocks[0].parameters(), *model.blocks[0].buffers())}
+    block_sizes.add(block_bytes)
 
     offloader = enable_block_offload(model, model.blocks, dev, prefetch)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     off_times, off_peak, off_steady = _run(model, inputs, iters, dev)
+    off_live = _live_allocations(dev)
     slot_bytes = offloader.slot_bytes
     offloader.remove()
 
@@ -207,6 +237,9 @@ def bench_block_offload(
         "time_ratio": ratio,
         "peak_target_bytes": target,
         "meets_targets": None if target is None else bool(off_peak <= target and ratio <= 1.1),
+        # what the offload run keeps allocated that the all-on-device run does not (besides block-sized
+        # tensors, i.e. the slots): the owner of any steady excess over the bound
+        "offload_only_allocations": _only_in(off_live, on_live, block_sizes),
     }
 
 
