@@ -17,15 +17,20 @@ from lowbit.bench.offload import WAN_14B, _run, build_stack
 from lowbit.nn.offload import enable_block_offload
 
 
+def _where(frames, limit: int = 400) -> str:
+    """The Python frames of an allocation (lowbit's and the model's; torch's own left out but nn.Module
+    calls), innermost first."""
+    return " <- ".join(f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in frames or ()
+                       if f["filename"].endswith(".py")
+                       and ("torch/" not in f["filename"] or "nn/modules" in f["filename"]))[:limit]
+
+
 def _live(snapshot) -> list[tuple[int, str]]:
     out = []
     for seg in snapshot["segments"]:
         for blk in seg["blocks"]:
             if blk["state"] == "active_allocated":
-                frames = blk.get("frames") or []
-                where = " <- ".join(f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in frames
-                                    if "torch/" not in f["filename"] or "nn/modules" in f["filename"])[:400]
-                out.append((blk["requested_size"], f"stream {seg['stream']}: {where}"))
+                out.append((blk["requested_size"], f"stream {seg['stream']}: {_where(blk.get('frames'))}"))
     return out
 
 
@@ -37,10 +42,7 @@ def _peak_live(snapshot) -> tuple[int, collections.Counter]:
     best_live: dict = {}
     for ev in snapshot["device_traces"][0]:
         if ev["action"] == "alloc":
-            frames = ev.get("frames") or []
-            where = " <- ".join(f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in frames
-                                if "torch/" not in f["filename"] or "nn/modules" in f["filename"])[:300]
-            live[ev["addr"]] = (ev["size"], where)
+            live[ev["addr"]] = (ev["size"], _where(ev.get("frames"), 300))
             total += ev["size"]
             if total > best:
                 best, best_live = total, dict(live)

@@ -62,26 +62,26 @@ def _parse(*extra):
 
 
 def test_cli_algorithm_flags():
-    assert cli._algorithm(_parse()) == "rtn"
+    assert cli.algorithm_from_args(_parse()) == "rtn"
     # --algorithm gptq runs the CLI's tuned GPTQ options (act-order, scale search), not GPTQ()'s plain ones
     tuned = GPTQ(**cli.GPTQ_DEFAULTS)
     assert tuned.act_order and tuned.scale_search
-    assert cli._algorithm(_parse("--algorithm", "smoothquant,gptq")) == (SmoothQuant(), tuned)
-    assert cli._algorithm(_parse("--algorithm", "smoothquant", "--smooth-online", "--smooth-alpha", "0.4")) == (
+    assert cli.algorithm_from_args(_parse("--algorithm", "smoothquant,gptq")) == (SmoothQuant(), tuned)
+    assert cli.algorithm_from_args(_parse("--algorithm", "smoothquant", "--smooth-online", "--smooth-alpha", "0.4")) == (
         SmoothQuant(alpha=0.4, online=True),)
-    assert cli._algorithm(_parse("--algorithm", "smoothquant", "--smooth-alpha", "0.3,0.5")) == (
+    assert cli.algorithm_from_args(_parse("--algorithm", "smoothquant", "--smooth-alpha", "0.3,0.5")) == (
         SmoothQuant(alphas=(0.3, 0.5)),)
-    assert cli._algorithm(_parse("--algorithm", "rotate,gptq", "--rotate-block", "32")) == (
+    assert cli.algorithm_from_args(_parse("--algorithm", "rotate,gptq", "--rotate-block", "32")) == (
         Rotate(block_size=32), tuned)
     for bad in ("best", "gptq,gptq", "gptq,"):
         with pytest.raises(SystemExit):
             _parse("--algorithm", bad)
     with pytest.raises(ValueError, match="--smooth-alpha and --smooth-online apply to --algorithm smoothquant"):
-        cli._algorithm(_parse("--smooth-online"))
+        cli.algorithm_from_args(_parse("--smooth-online"))
     with pytest.raises(ValueError, match=r"--smooth-alpha: alpha must be in \[0, 1\]"):
-        cli._algorithm(_parse("--algorithm", "smoothquant", "--smooth-alpha", "2"))
+        cli.algorithm_from_args(_parse("--algorithm", "smoothquant", "--smooth-alpha", "2"))
     with pytest.raises(ValueError, match="--rotate-block: block_size must be a power of two"):
-        cli._algorithm(_parse("--algorithm", "rotate", "--rotate-block", "24"))
+        cli.algorithm_from_args(_parse("--algorithm", "rotate", "--rotate-block", "24"))
 
 
 def _run_cli(*argv):

@@ -83,6 +83,16 @@ def test_gptq_with_scale_search_is_an_ordinary_qtensor(fmt, opts, act_order):
     assert _out_err(x, w, decoded) < 0.8 * _out_err(x, w, lowbit.dequantize(rtn, torch.float32, backend="torch"))
 
 
+def test_the_configs_search_is_the_direct_calls_default():
+    w, _, H = _layer()
+    by_config = gptq_quantize(w, H, "nvfp4", config=GPTQ(scale_search=FACTORS))
+    by_option = gptq_quantize(w, H, "nvfp4", config=GPTQ(), scale_search=FACTORS)
+    plain = gptq_quantize(w, H, "nvfp4", config=GPTQ(scale_search=FACTORS), scale_search=())
+    assert torch.equal(by_config[1], by_option[1])
+    assert torch.equal(plain[1], gptq_quantize(w, H, "nvfp4", config=GPTQ())[1])
+    assert not torch.equal(plain[1], by_config[1])
+
+
 def test_options_are_checked_and_kept_as_a_tuple():
     assert GPTQ(scale_search=[0.9, 1]).scale_search == (0.9, 1.0)
     assert GPTQ(scale_search=[0.9]) == GPTQ(scale_search=(0.9,)) and hash(GPTQ(scale_search=[0.9]))
@@ -102,7 +112,7 @@ def test_quantize_model_passes_the_search_to_every_layer(monkeypatch):
     real = gptq.gptq_quantize
 
     def spy(weight, H, fmt, *, config=None, **options):
-        seen.append(options.get("scale_search"))
+        seen.append(options.get("scale_search", config.scale_search))
         return real(weight, H, fmt, config=config, **options)
 
     monkeypatch.setattr(gptq, "gptq_quantize", spy)
@@ -115,7 +125,7 @@ def test_quantize_model_passes_the_search_to_every_layer(monkeypatch):
     seen.clear()
     lowbit.quantize_model(nn.Sequential(nn.Linear(64, 64)), "w4a16-nvfp4", skip=(), calibration=cal,
                           algorithm="gptq")
-    assert seen == [None]  # GPTQ()'s own default: the format's scales
+    assert seen == [()]  # GPTQ()'s own default: the format's scales
 
 
 def test_labels_and_cli_flags():
@@ -123,7 +133,7 @@ def test_labels_and_cli_flags():
     assert describe(GPTQ(scale_search=(0.9,))) == "gptq(scale_search=(0.9,))"
 
     def algorithm(*extra):
-        return cli._algorithm(cli.build_parser().parse_args(["quantize", "--scheme", "w4a16-nvfp4", *extra]))
+        return cli.algorithm_from_args(cli.build_parser().parse_args(["quantize", "--scheme", "w4a16-nvfp4", *extra]))
 
     assert algorithm("--algorithm", "gptq") == (GPTQ(**cli.GPTQ_DEFAULTS),)
     assert algorithm("--algorithm", "gptq", "--no-gptq-act-order", "--gptq-damp", "0.1",

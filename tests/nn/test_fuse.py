@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.bench.decoder import Decoder, DecoderShape
+from lowbit.bench.decoder import Decoder, DecoderShape, clear_cache
 from lowbit.nn import FusedProjection, QuantLinear, fuse_projections, unfuse_projections
 
 # head_dim 128 so that k and v start on a multiple of 128 rows (the nvfp4 / mxfp4 row alignment)
@@ -26,9 +26,7 @@ def _model(scheme, seed=0):
 
 def _step(m, ids, pos):
     with torch.no_grad():
-        for name, buf in m.named_buffers():
-            if "cache" in name:
-                buf.zero_()
+        clear_cache(m)
         return m(ids, pos).float()
 
 
@@ -118,9 +116,7 @@ def test_compiled_step_traces_the_fused_members_in_one_graph():
     torch._dynamo.reset()
     fn = torch.compile(lambda i, p: m(i, p), backend="aot_eager", fullgraph=True)
     with torch.no_grad():
-        for buf_name, buf in m.named_buffers():
-            if "cache" in buf_name:
-                buf.zero_()
+        clear_cache(m)
         got = fn(ids, pos).float()
         with torch._dynamo.config.patch(error_on_recompile=True):
             fn(ids, pos)                               # a second call: no recompile

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.bench.decoder import Decoder, DecoderShape
+from lowbit.bench.decoder import Decoder, DecoderShape, clear_cache
 from lowbit.nn import FusedProjection, fuse_projections
 
 pytestmark = pytest.mark.gpu
@@ -33,12 +33,6 @@ def _pair(scheme):
     return models
 
 
-def _clear(m):
-    for name, buf in m.named_buffers():
-        if "cache" in name:
-            buf.zero_()
-
-
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -50,7 +44,8 @@ def test_fused_equals_unfused_eager(scheme, tokens):
     ids = torch.randint(0, SHAPE.vocab, (1, tokens), device="cuda")
     pos = torch.arange(tokens, device="cuda")
     with torch.inference_mode():
-        _clear(plain), _clear(fused)
+        clear_cache(plain)
+        clear_cache(fused)
         want, got = plain(ids, pos), fused(ids, pos)
     assert _rel(got, want) < 2e-2, _rel(got, want)
 
@@ -83,7 +78,7 @@ def test_cuda_graph_replay_equals_eager():
     _, fused = _pair("w4a16-int4")
     ids, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.tensor([3], device="cuda")
     with torch.inference_mode():
-        _clear(fused)
+        clear_cache(fused)
         want = fused(ids, pos).clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -93,7 +88,7 @@ def test_cuda_graph_replay_equals_eager():
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = fused(ids, pos)
-        _clear(fused)
+        clear_cache(fused)
         g.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, want)
@@ -107,10 +102,10 @@ def test_compiled_fused_step_equals_eager(mode):
     torch._dynamo.reset()
     fn = torch.compile(lambda i, p: fused(i, p), fullgraph=True, mode=mode)
     with torch.inference_mode():
-        _clear(fused)
+        clear_cache(fused)
         want = fused(ids, pos).clone()
         for _ in range(3):
-            _clear(fused)
+            clear_cache(fused)
             if mode:
                 torch.compiler.cudagraph_mark_step_begin()
             got = fn(ids, pos).clone()

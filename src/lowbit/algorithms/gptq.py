@@ -62,10 +62,8 @@ class GPTQ:
             rounding of the group has the least squared error is kept (a factor below 1 clips the largest
             values for a finer grid under the others; an mxfp4 power-of-two scale steps down only for the
             blocks whose range the factor takes below a power of two, 0.5 for every block). ``()``
-            (default): the format's scales, as round-to-nearest fits them. Every candidate is a scale the format stores, so the result is still
-            an ordinary QTensor decoding to the values the loop chose. ``quantize_model`` and
-            :func:`apply_gptq` hand the factors to the grids; a direct :func:`gptq_quantize` call takes them
-            as its ``scale_search=`` option.
+            (default): the format's scales, as round-to-nearest fits them. Every candidate is a scale the
+            format stores, so the result is still an ordinary QTensor decoding to the values the loop chose.
     """
 
     damp: float = 0.1
@@ -152,7 +150,7 @@ def gptq_quantize(
         fmt: one of :data:`lowbit.algorithms.grids.GRID_FORMATS`.
         config: :class:`GPTQ` options (default ``GPTQ()``).
         **options: ``lowbit.quantize`` options of the format (nvfp4 ``global_scale``, int4_awq ``group_size``,
-            nf4/bnb_fp4 ``blocksize``, ...).
+            nf4/bnb_fp4 ``blocksize``, ...); ``scale_search=`` overrides ``config.scale_search``.
 
     Returns:
         (QTensor laid out as ``lowbit.quantize(weight, fmt, **options)`` lays it out, fp32 ``[out, in]`` of
@@ -178,6 +176,7 @@ def gptq_quantize(
         )
     if not torch.isfinite(H).all():
         raise ValueError("H must be finite (the calibration inputs held NaN/Inf)")
+    options.setdefault("scale_search", config.scale_search)
     grid = grid_for(weight, fmt, **options)
     return _run(weight, H.to(weight.device, torch.float32), grid, config)
 
@@ -321,8 +320,6 @@ def apply_gptq(
                 why = "never ran during calibration"
             q = None
             if why is None:
-                if config.scale_search:
-                    opts = {**opts, "scale_search": config.scale_search}
                 try:
                     q, _ = gptq_quantize(lin.weight, a.H, fmt, config=config, **opts)
                 except ValueError as e:

@@ -40,6 +40,7 @@ __all__ = [
     "ALGORITHM_NAMES",
     "ALIASES",
     "GPTQ_DEFAULTS",
+    "algorithm_from_args",
     "build_parser",
     "cmd_bench",
     "cmd_bench_compare",
@@ -49,9 +50,6 @@ __all__ = [
     "main",
     "parse_devices",
 ]
-
-# the name the algorithm tests have always called (``cli._algorithm(args)``)
-_algorithm = algorithm_from_args
 
 
 def _dispatch(argv: list[str]) -> int:

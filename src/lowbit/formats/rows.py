@@ -118,10 +118,8 @@ def cat_rows(qs: Sequence[QTensor]) -> QTensor:
         why = slice_rows_reason(q)
         if why:
             raise ValueError(f"cat_rows: qs[{i}]: {why}")
+    qs = [nf4_without_double_quant(q) if q.fmt in BNB_4BIT_FORMATS else q for q in qs]
     first = qs[0]
-    if first.fmt in BNB_4BIT_FORMATS:
-        qs = [nf4_without_double_quant(q) for q in qs]
-        first = qs[0]
     k = first.shape[1]
     for i, q in enumerate(qs[1:], 1):
         for what, a, b in (("format", q.fmt, first.fmt), ("in_features (K)", q.shape[1], k),

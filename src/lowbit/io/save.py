@@ -74,9 +74,9 @@ def checkpoint_tensors(
     are the model's QuantLinear layers by name.
 
     Everything that makes the model unsavable raises ValueError here, before anything is written:
-    fused projections (``lowbit.nn.fuse_projections``), tensor-parallel shards, a float layer with an online input transform, a ``format`` that cannot store a
-    layer's scheme or a QuantLinear's online input transform (only ``"lowbit"`` does), a bad ``max_shard_size``,
-    tensors on the meta device.
+    fused projections (``lowbit.nn.fuse_projections``), tensor-parallel shards, a float layer with an online
+    input transform, a ``format`` that cannot store a layer's scheme or a QuantLinear's online input transform
+    (only ``"lowbit"`` does), a bad ``max_shard_size``, tensors on the meta device.
     """
     from ..nn.fuse import refuse_fused
 

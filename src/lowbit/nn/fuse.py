@@ -22,6 +22,7 @@ anything else that looks for the original layers need; those refuse a fused mode
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -177,8 +178,6 @@ def unfuse_projections(model: nn.Module) -> list[tuple[str, ...]]:
 
 def _own_copy(q):
     """``q`` with every tensor a contiguous copy of its own (a row slice may be a view of the fused weight)."""
-    from dataclasses import fields, replace
-
     changes: dict[str, Any] = {}
     for f in fields(q):
         v = getattr(q, f.name)
