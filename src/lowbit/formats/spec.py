@@ -175,11 +175,7 @@ NF4_FORMAT = FormatSpec("nf4", "codebook", NF4, 64, "fp32", {"blocksize": 64, "d
 BNB_FP4_FORMAT = FormatSpec("bnb_fp4", "codebook", BNB_FP4, 64, "fp32", {"blocksize": 64, "double_quant": False})
 INT4_AWQ_FORMAT = FormatSpec("int4_awq", "int_group", UINT4, 128, "fp16", {"group_size": 128})
 
-FORMATS: dict[str, FormatSpec] = {
-    f.name: f
-    for f in (
-        NVFP4_FORMAT, MXFP4_FORMAT, MXFP6_E2M3_FORMAT, MXFP6_E3M2_FORMAT, MXFP8_E4M3_FORMAT,
-        MXFP8_E5M2_FORMAT, FP4_B32_FORMAT, FP8_BLOCK_FORMAT, FP8_ROWWISE_FORMAT, NF4_FORMAT, BNB_FP4_FORMAT,
-        INT4_AWQ_FORMAT,
-    )
-}
+FORMATS: dict[str, FormatSpec] = {}
+"""Format name -> :class:`FormatSpec` of every registered format, in registration order. Filled by
+:func:`lowbit.formats.registry.register_format` (the registry is the one list of formats; this table is its
+bit-level view, for the code that needs only the spec)."""
