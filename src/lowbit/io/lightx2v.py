@@ -85,6 +85,8 @@ _FORMATS = {
 _K_FROM_COLS = {"nvfp4": lambda c: 2 * c, "mxfp4": lambda c: 2 * c, "mxfp6-mxfp8": lambda c: 4 * c // 3,
                 "mxfp8": lambda c: c}  # fmt: skip
 _WEIGHT_FORMAT = {v[0]: k for k, v in _FORMATS.items()}
+WEIGHT_FORMATS = tuple(_FORMATS)
+"""The lowbit weight formats LightX2V's layout stores."""
 QUANT_SCHEMES = tuple(LIGHTX2V_SCHEMES)
 
 

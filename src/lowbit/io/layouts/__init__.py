@@ -32,6 +32,12 @@ FORMAT_ALIASES = {"ct": "compressed-tensors", "llm-compressor": "compressed-tens
                   "deepseek": "fp8", "native": "lowbit", "autoawq": "awq"}  # fmt: skip
 
 
+def layouts_storing(weight_format: str) -> tuple[str, ...]:
+    """The ``save_quantized(format=...)`` names of the layouts that can store ``weight_format`` weights (each may
+    still refuse a layer for its activation format or options: ``Layout.unsupported`` says why)."""
+    return tuple(name for name, lay in LAYOUTS.items() if weight_format in lay.weight_formats)
+
+
 def layout_for_config(qc: Mapping[str, Any], where: str) -> Layout:
     """The layout of a ``quantization_config`` (by ``quant_method``)."""
     method = str(qc.get("quant_method", "")).lower()
@@ -58,6 +64,7 @@ __all__ = [
     "GPTQLayout",
     "Getter",
     "LAYOUTS",
+    "layouts_storing",
     "Layout",
     "LightX2VLayout",
     "Loaded",

@@ -84,6 +84,8 @@ class CompressedTensorsLayout(Layout):
 
     name = "compressed-tensors"
     quant_method = "compressed-tensors"
+    weight_formats = tuple(_CT_FORMATS)
+    stores = "compressed-tensors stores " + ", ".join(_CT_FORMATS)
 
     def unsupported(self, m: QuantLinear) -> str | None:
         fmt = m.scheme.weight_format

@@ -19,6 +19,8 @@ class LightX2VLayout(Layout):
 
     name = "lightx2v"
     quant_method = "lightx2v"
+    weight_formats = _lx.WEIGHT_FORMATS
+    stores = "LightX2V stores " + ", ".join(_lx.WEIGHT_FORMATS)
 
     def unsupported(self, m: QuantLinear) -> str | None:
         return _lx.unsupported(m.scheme, m._meta.get("params"))

@@ -85,6 +85,11 @@ class LowbitLayout(Layout):
 
     name = "lowbit"
     quant_method = "lowbit"
+    stores = "lowbit-native stores every registered format"
+
+    @property
+    def weight_formats(self) -> tuple[str, ...]:  # a format registered later is stored too
+        return tuple(FORMATS)
 
     def unsupported(self, m: QuantLinear) -> str | None:
         return None
