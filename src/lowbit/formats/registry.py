@@ -7,6 +7,11 @@ and the roles it plays in the matmul ops. ``lowbit.quantize`` / ``lowbit.dequant
 the format lists of ``lowbit.ops`` and ``lowbit.kernels`` all read :data:`REGISTRY`.
 
 A new format is one :func:`register_format` call (or one entry below) plus its reference module.
+
+Checkpoint layouts are the one capability declared on the other side: ``formats`` sits below ``io``, so each
+layout of :mod:`lowbit.io.layouts` lists the weight formats it stores, and
+``lowbit.io.layouts.layouts_storing(name)`` answers for a format (the lowbit-native layout stores every
+registered format, a new one included).
 """
 
 from __future__ import annotations
