@@ -2,6 +2,26 @@
 
 ``quantize_kernel`` / ``dequantize_kernel`` say which (format, options) combinations have a kernel: the
 ``quantize_kernel`` / ``dequantize_kernel`` entries of ``lowbit.formats.registry.REGISTRY``.
+
+How the package is laid out. Each kernel family is two files: ``_<family>.py`` holds its ``@triton.jit`` (or
+Gluon) kernels and what they embed when compiled (inline-asm text, code tables), ``<family>.py`` its host launchers (validation, layout, grid, launch) and
+``compile_variants()``, which CI compiles for sm_90 on a CPU:
+
+- block-scaled quantize/dequantize (NVFP4, MX, fp4_b32): ``_blockscaled`` -> ``blockscaled``; MXFP4 re-encoded
+  as fp8_block: ``_mx_fold`` -> ``blockscaled``;
+- fp8_block quantize/dequantize: ``_fp8_block`` -> ``fp8_block``; fp8_rowwise quantize: ``_fp8_block`` ->
+  ``fp8_rowwise``;
+- NF4 and bitsandbytes FP4 dequantize: ``_nf4`` -> ``nf4``; AutoAWQ INT4 dequantize: ``_int4_awq`` -> ``int4_awq``;
+- W4A16 GEMV (M <= 16): ``_gemv_w4``, ``_gemv_mma`` -> ``gemv_w4`` (prepared-layer calls in ``gemv_runners``);
+- W4A16 GEMM (prefill): ``_gemm_w4`` -> ``gemm_w4`` (tile tables in ``gemm_w4_tiles``);
+- quantized x quantized GEMM: ``_scaled_mm`` and the Gluon ``_fp8_block_ws`` -> ``scaled_mm`` with
+  ``scaled_mm_launch`` (tiles, launches) and ``scaled_mm_routes`` (fold, dequant, cuBLASLt via
+  ``cublas_fp8_block``).
+
+Shared by every family: ``device`` (the Triton device functions: code and scale decoding, packing, scale
+math), ``_launch`` (a launch fixed once and run directly), ``scratch`` (split-K workspaces and counters),
+``w4_checks`` (what the W4A16 kernels require of a weight). The GEMV's weight side has its own modules:
+``gemv_prepack`` (the prepacked layout and its cache) and ``gemv_mma_layout`` (the tensor-core layout).
 """
 
 from __future__ import annotations
