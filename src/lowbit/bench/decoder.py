@@ -52,21 +52,30 @@ class DecoderBlock(nn.Module):
         self.mlp_norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
         self.s = s
 
-    def forward(self, h, cos, sin, pos, mask, k_cache, v_cache):
-        s = self.s
+    def attention_inputs(self, h):
+        """q, k, v ``[b, heads, t, head_dim]`` of the normed ``h`` (before RoPE)."""
         b, t, _ = h.shape
         x = self.attn_norm(h)
-        # heads sized from the projections: a tensor-parallel rank holds its share of them
-        q = self.q_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        d = self.s.head_dim  # heads sized from the projections: a tensor-parallel rank holds its share of them
+        q = self.q_proj(x).view(b, t, -1, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        return q, k, v
+
+    def attention_output_and_mlp(self, h, a):
+        """The rest of the layer from the attention output ``a`` ``[b, heads, t, head_dim]``."""
+        b, t, _ = h.shape
+        h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
+        x = self.mlp_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, h, cos, sin, pos, mask, k_cache, v_cache):
+        q, k, v = self.attention_inputs(h)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_cache.index_copy_(2, pos, k.to(k_cache.dtype))
         v_cache.index_copy_(2, pos, v.to(v_cache.dtype))
         a = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-        h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
-        x = self.mlp_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.attention_output_and_mlp(h, a)
 
 
 

@@ -41,16 +41,9 @@ class Layer(DecoderBlock):
     attention, no cache, no RoPE, since the projections' inputs are what GPTQ needs."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        s = self.s
-        b, t, _ = h.shape
-        x = self.attn_norm(h)
-        q = self.q_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        q, k, v = self.attention_inputs(h)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
-        x = self.mlp_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.attention_output_and_mlp(h, a)
 
 
 class Stack(nn.Module):
