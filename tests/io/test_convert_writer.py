@@ -265,14 +265,19 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
     ref = _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
-    started, finished = threading.Event(), threading.Event()
-    real_save = writer.save_safetensors
+    started, finished, release = threading.Event(), threading.Event(), threading.Event()
+    real_save, real_abort = writer.save_safetensors, writer.ShardWriter.abort
 
     def slow_save(tensors, path, metadata=None):
         started.set()
-        time.sleep(0.5)  # still writing when the compute loop fails
+        release.wait(30)  # still writing when the compute loop fails: released once the writer is being joined
         real_save(tensors, path, metadata)
         finished.set()
+
+    def abort(self, err):
+        assert not finished.is_set()  # the write is pending when the converting thread joins the writer
+        release.set()
+        return real_abort(self, err)
 
     real_convert, calls = conv._convert_shard, []
 
@@ -284,6 +289,7 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
         return real_convert(keys, source, *a, **kw)
 
     monkeypatch.setattr(writer, "save_safetensors", slow_save)
+    monkeypatch.setattr(writer.ShardWriter, "abort", abort)
     monkeypatch.setattr(conv, "_convert_shard", failing)
     out = tmp_path / "out"
     with pytest.raises(error, match="compute failed"):
@@ -301,6 +307,7 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
         return real_convert(keys, source, *a, **kw)
 
     monkeypatch.setattr(writer, "save_safetensors", real_save)
+    monkeypatch.setattr(writer.ShardWriter, "abort", real_abort)
     monkeypatch.setattr(conv, "_convert_shard", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
     assert calls == ["part-1.safetensors", "part-2.safetensors", "part-3.safetensors"]  # part-0 was kept
