@@ -15,7 +15,7 @@ diffusers = pytest.importorskip("diffusers")
 import lowbit  # noqa: E402
 from lowbit.integrations import diffusers as lbd  # noqa: E402
 from lowbit.nn import QuantLinear  # noqa: E402
-from lowbit.nn.awq import find_groups  # noqa: E402
+from lowbit.nn.awq_search import find_groups  # noqa: E402
 
 EIGHT_BIT = ("w8a8-fp8-block", "w8a8-mxfp8")
 W4A16 = ("w4a16-nvfp4", "w4a16-mxfp4", "w4a16-nf4", "w4a16-bnb-fp4", "w4a16-int4", "w4a16-fp4b32")

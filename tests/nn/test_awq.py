@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowbit
-from lowbit.nn.awq import apply_awq, find_groups
+from lowbit.nn.awq_search import apply_awq, find_groups
 
 transformers = pytest.importorskip("transformers")
 

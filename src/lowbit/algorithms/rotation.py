@@ -300,8 +300,8 @@ def _head_dim(modules: Mapping[str, nn.Module], v_name: str) -> int | None:
 
 def value_output_pairs(model: nn.Module) -> dict[str, str]:
     """``{output projection: value projection}`` for attention whose output projection reads the per-head
-    average of one value projection (the pairs :mod:`lowbit.nn.awq` folds scales through)."""
-    from ..nn.awq import find_groups
+    average of one value projection (the pairs :mod:`lowbit.nn.awq_search` folds scales through)."""
+    from ..nn.awq_search import find_groups
 
     modules = dict(model.named_modules())
     pairs = {}

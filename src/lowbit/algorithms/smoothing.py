@@ -107,7 +107,7 @@ def find_smooth_groups(model: nn.Module, targets: Mapping[str, nn.Linear], trace
         list[SmoothGroup], dict[str, str]]:
     """The groups of ``targets`` whose input can take ``1/s`` offline, from the trace and the known
     attention/MLP pairs; also ``{target: why it has no foldable producer}`` for the others."""
-    from ..nn.awq import find_groups
+    from ..nn.awq_search import find_groups
 
     modules = dict(model.named_modules())
     groups: list[SmoothGroup] = []

@@ -324,7 +324,7 @@ def quantize_model(
             calibration activations are scaled dynamically per tensor. For ``w4a16-int4`` the data drives the
             AWQ scale search (``awq``). Other schemes have no static activation scales and ignore it.
         awq: ``w4a16-int4`` only: search AWQ activation-aware scales on the calibration data and fold them into
-            the preceding norms/projections before rounding (:mod:`lowbit.nn.awq`; this modifies those float
+            the preceding norms/projections before rounding (:mod:`lowbit.nn.awq_search`; this modifies those float
             weights of ``model``). None (default): on when calibration data is given; False: round-to-nearest.
         backend: lowbit backend for quantization and for the layers' forward.
         algorithm: how weights are rounded: ``"rtn"`` (default, round-to-nearest), ``"gptq"`` or a
@@ -379,7 +379,7 @@ def quantize_model(
     if awq and (calibration is None or scheme.weight_format != "int4_awq"):
         raise ValueError("awq=True needs scheme w4a16-int4 (int4_awq weights) and calibration data")
     if calibration is not None and scheme.weight_format == "int4_awq" and awq is not False:
-        from .awq import apply_awq
+        from .awq_search import apply_awq
 
         apply_awq(model, targets, scheme.group_size, lambda: run_calibration(model, calibration))
 

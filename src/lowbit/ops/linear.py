@@ -53,7 +53,7 @@ from ..api import dequantize, resolve_backend
 from ..formats.qtensor import QTensor
 from ..formats.registry import formats_with
 from ..formats.rows import nf4_slices_keep_double_quant, nf4_without_double_quant, slice_rows
-from . import _plumbing, policy
+from . import op_common, policy
 from .policy import GEMV_MAX_M  # noqa: F401 - re-exported (lowbit.ops.GEMV_MAX_M)
 
 SUPPORTED_FORMATS = formats_with("linear_weight")  # nvfp4, mxfp4, fp4_b32, nf4, bnb_fp4, int4_awq
@@ -76,7 +76,7 @@ _WEIGHT_FIELDS = ("data", "scale", "global_scale", "zeros", "nested_scale", "nes
 def _check(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, activation: str | None) -> tuple[int, int]:
     """Raise TypeError/ValueError naming the broken rule; returns ``(N, K)``. Runs on every call: kept cheap."""
     n, k = check_weight(w)
-    _plumbing.check_x(x, w, "lowbit.linear", X_DTYPES, "bfloat16 or float16 (W4A16)")
+    op_common.check_x(x, w, "lowbit.linear", X_DTYPES, "bfloat16 or float16 (W4A16)")
     if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"lowbit.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
     device = x.device
@@ -160,9 +160,9 @@ def linear_reference(
 
 
 @dataclass(frozen=True)
-class LinearPlan(_plumbing.Plan):
+class LinearPlan(op_common.Plan):
     """What :func:`linear` does for one call: the fields every plan has (path, reason, backend, device, m, n, k;
-    ``lowbit.ops._plumbing.Plan``), then the weight format and the exception class.
+    ``lowbit.ops.op_common.Plan``), then the weight format and the exception class.
 
     ``path`` is ``"reference"``, ``"gemv_w4"``, ``"gemm_w4"``, ``"dequant_gemm"``, ``"empty"`` (M == 0: nothing
     launched) or ``"unavailable"`` (:func:`linear` raises ``error`` with ``reason`` as its message); ``device``
@@ -177,7 +177,7 @@ class LinearPlan(_plumbing.Plan):
     error: type[Exception] | None = None
 
     def __str__(self) -> str:
-        return _plumbing.plan_str("linear", self.fmt, self)
+        return op_common.plan_str("linear", self.fmt, self)
 
 
 def _reason(path: str, facts: tuple, m: int, device: torch.device, w: QTensor) -> str:
@@ -359,7 +359,7 @@ def linear(
 #     Tensor? nested_scale, Tensor? nested_offset, Tensor[] param_tensors, Tensor? bias, str fmt,
 #     int[] shape, str meta, str? activation, str backend) -> Tensor
 # x is [M, K] contiguous; shape is the weight's logical [N, K]. ``meta`` encodes the QTensor's non-tensor
-# fields as ``key=T:value`` items joined by ';' (lowbit.ops._plumbing; here T is one of b bool, i int,
+# fields as ``key=T:value`` items joined by ';' (lowbit.ops.op_common; here T is one of b bool, i int,
 # f float, s str, t index into param_tensors); the keys ``@dtype`` and ``@scale_layout`` are the QTensor
 # fields, the others its params. It is a plain string so that dynamo builds it at trace time and the graph
 # holds it as a constant.
@@ -368,12 +368,12 @@ _OPTIONAL_FIELDS = ("global_scale", "zeros", "nested_scale", "nested_offset")
 
 
 def _encode(key: str, value: Any, tensors: list[torch.Tensor]) -> str:
-    return _plumbing.encode(key, value, tensors, op="lowbit.linear", what="QTensor param", extended=False)
+    return op_common.encode(key, value, tensors, op="lowbit.linear", what="QTensor param", extended=False)
 
 
 def _flatten(w: QTensor) -> tuple[list[Any], str]:
     """``[data, scale, global_scale, zeros, nested_scale, nested_offset, param_tensors]`` and ``meta``."""
-    param_tensors, meta = _plumbing.flatten_meta(w, _encode)
+    param_tensors, meta = op_common.flatten_meta(w, _encode)
     return [w.data, w.scale, *(getattr(w, f) for f in _OPTIONAL_FIELDS), param_tensors], meta
 
 
@@ -387,7 +387,7 @@ def _unflatten(
     meta: str,
 ) -> QTensor:
     optional_fields = dict(zip(_OPTIONAL_FIELDS, optional))
-    return _plumbing.unflatten(data, scale, param_tensors, fmt, shape, meta, **optional_fields)
+    return op_common.unflatten(data, scale, param_tensors, fmt, shape, meta, **optional_fields)
 
 
 @torch.library.custom_op("lowbit::linear_w4a16", mutates_args=())

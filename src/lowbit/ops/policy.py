@@ -33,7 +33,7 @@ import torch
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
 from ..formats.rows import slice_rows_reason
-from . import _plumbing
+from . import op_common
 
 GEMV_MAX_M = 16
 """Largest M (rows of x) for which the W4A16 split-K GEMV is chosen; above it the tensor-core GEMM runs. Also
@@ -105,7 +105,7 @@ def dequant_gemm_min_m(fmt: str) -> int:
 
 
 # looked up here on every call: tests replace it with stand-in kernel modules
-kernel_module = _plumbing.kernel_module
+kernel_module = op_common.kernel_module
 
 
 # ---------------------------------------------------------------------------------------------- W4A16
@@ -118,7 +118,7 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     exception class for ``unavailable``, None for ``dequant_gemm`` (the op runs it) and the other paths;
     ``facts`` feed :func:`linear_reason` (only formatted when asked for, so the hot path builds no strings).
     """
-    common = _plumbing.decide_common(backend, device, m == 0)
+    common = op_common.decide_common(backend, device, m == 0)
     if common is not None:
         return common
     if dequant_only(w):
@@ -128,10 +128,10 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
         return "dequant_gemm", None, ()
     gemv_why = None
     if m <= GEMV_MAX_M:
-        module, gemv_why = _plumbing.kernel_choice(kernel_module, "gemv_w4", w)
+        module, gemv_why = op_common.kernel_choice(kernel_module, "gemv_w4", w)
         if module is not None:
             return "gemv_w4", module.gemv_w4, ()
-    module, gemm_why = _plumbing.kernel_choice(kernel_module, "gemm_w4", w)
+    module, gemm_why = op_common.kernel_choice(kernel_module, "gemm_w4", w)
     if module is not None:
         return "gemm_w4", module.gemm_w4, (gemv_why,)
     return "unavailable", RuntimeError, ("no_kernel", gemv_why, gemm_why)
@@ -179,10 +179,10 @@ SCALED_MM_MODULE = "scaled_mm"
 def scaled_decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: QTensor, backend: str):
     """THE ``lowbit.scaled_mm`` dispatch rules: ``(path, target, facts)`` as :func:`linear_decide` returns;
     for ``"scaled_mm"`` the target is the kernel module's ``scaled_mm`` and facts ``(module,)``."""
-    common = _plumbing.decide_common(backend, device, m == 0 or n == 0 or k == 0)
+    common = op_common.decide_common(backend, device, m == 0 or n == 0 or k == 0)
     if common is not None:
         return common
-    module, why = _plumbing.kernel_choice(kernel_module, SCALED_MM_MODULE, a, b)
+    module, why = op_common.kernel_choice(kernel_module, SCALED_MM_MODULE, a, b)
     if module is None:
         return "unavailable", RuntimeError, ("no_kernel", why)
     return "scaled_mm", module.scaled_mm, (module,)

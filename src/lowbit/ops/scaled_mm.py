@@ -70,7 +70,7 @@ import torch
 
 from ..api import resolve_backend
 from ..formats.qtensor import QTensor
-from . import _plumbing, policy
+from . import op_common, policy
 from .scaled_mm_checks import PAIRS, check_arguments, check_bias, check_out_dtype, normalize_alpha, pairs_for
 from .scaled_mm_dispatch import run_checked, run_scaled_linear
 from .scaled_mm_op import encode, flatten
@@ -180,7 +180,7 @@ def scaled_linear(
             f"lowbit.scaled_linear: w must be a 2-D weight [N, K], got logical shape {tuple(w.shape)}"
         )
     n, k = w.shape
-    _plumbing.check_x(x, w, "lowbit.scaled_linear", X_DTYPES, "bfloat16, float16 or float32")
+    op_common.check_x(x, w, "lowbit.scaled_linear", X_DTYPES, "bfloat16, float16 or float32")
     if not isinstance(act_format, str) or (act_format, w.fmt) not in PAIRS:
         allowed = pairs_for(w.fmt, "a")
         raise ValueError(

@@ -13,7 +13,7 @@ import torch
 
 from ..api import dequantize, quantize, resolve_backend
 from ..formats.qtensor import QTensor
-from . import _plumbing, policy
+from . import op_common, policy
 from .scaled_mm_checks import check_arguments, check_operands
 
 
@@ -59,9 +59,9 @@ def scaled_mm_reference(
 
 
 @dataclass(frozen=True)
-class ScaledMMPlan(_plumbing.Plan):
+class ScaledMMPlan(op_common.Plan):
     """What :func:`lowbit.ops.scaled_mm.scaled_mm` does for one call: the fields every plan has (path, reason,
-    backend, device, m, n, k; ``lowbit.ops._plumbing.Plan``), then the pair and the exception class.
+    backend, device, m, n, k; ``lowbit.ops.op_common.Plan``), then the pair and the exception class.
 
     ``path`` is ``"reference"``, ``"scaled_mm"`` (the Triton kernel module), ``"empty"`` (M, N or K is 0: nothing
     launched) or ``"unavailable"`` (``scaled_mm`` raises ``error`` with ``reason``); m, n, k are the rows of a,
@@ -77,7 +77,7 @@ class ScaledMMPlan(_plumbing.Plan):
     error: type[Exception] | None = None
 
     def __str__(self) -> str:
-        return _plumbing.plan_str("scaled_mm", self.pair, self)
+        return op_common.plan_str("scaled_mm", self.pair, self)
 
 
 def _plan(kind: str, m: int, n: int, k: int, a: QTensor, b: QTensor, backend: str) -> ScaledMMPlan:

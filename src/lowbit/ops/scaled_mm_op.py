@@ -13,21 +13,21 @@ import torch
 
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
-from . import _plumbing
+from . import op_common
 from .scaled_mm_dispatch import run_checked, run_scaled_linear
 
 
 # Schema: scaled_mm(Tensor a_data, Tensor a_scale, Tensor? a_global_scale, Tensor[] a_param_tensors,
 #     str a_fmt, SymInt[] a_shape, str a_meta, <the same seven for b>, Tensor? alpha, Tensor? bias,
 #     ScalarType out_dtype, str backend) -> Tensor
-# ``meta`` (lowbit.ops._plumbing) encodes a QTensor's non-tensor fields as ``key=T:value`` items joined by
+# ``meta`` (lowbit.ops.op_common) encodes a QTensor's non-tensor fields as ``key=T:value`` items joined by
 # ';' (T: b bool, i int, f float, s str, n None, p a tuple of ints "1,128", t an index into the param
 # tensors); ``@dtype`` and ``@scale_layout`` are the QTensor fields, the other keys its params. A plain
 # string, so dynamo builds it at trace time and the graph holds it as a constant.
 
 
 def encode(key: str, value: Any, tensors: list[torch.Tensor]) -> str:
-    return _plumbing.encode(
+    return op_common.encode(
         key, value, tensors, op="lowbit.scaled_mm", what="the QTensor param or option", extended=True
     )
 
@@ -35,7 +35,7 @@ def encode(key: str, value: Any, tensors: list[torch.Tensor]) -> str:
 def flatten(q: QTensor) -> tuple[list[Any], str]:
     """``[data, scale, global_scale, param_tensors]`` and ``meta`` of a QTensor (the formats here have no
     zeros or nested scales)."""
-    param_tensors, meta = _plumbing.flatten_meta(q, encode)
+    param_tensors, meta = op_common.flatten_meta(q, encode)
     return [q.data, q.scale, q.global_scale, param_tensors], meta
 
 
@@ -48,7 +48,7 @@ def _unflatten(
     shape: Sequence[int],
     meta: str,
 ) -> QTensor:
-    return _plumbing.unflatten(data, scale, param_tensors, fmt, shape, meta, global_scale=global_scale)
+    return op_common.unflatten(data, scale, param_tensors, fmt, shape, meta, global_scale=global_scale)
 
 
 @torch.library.custom_op("lowbit::scaled_mm", mutates_args=())
@@ -133,7 +133,7 @@ def scaled_linear_op(
 ) -> torch.Tensor:
     """``lowbit.ops.scaled_linear`` on a flattened weight (see the schema comment above)."""
     w = _unflatten(w_data, w_scale, w_global_scale, w_param_tensors, w_fmt, w_shape, w_meta)
-    options = dict(_plumbing.decode_items(act_meta, act_tensors))
+    options = dict(op_common.decode_items(act_meta, act_tensors))
     with _kernels.per_call_scratch():
         return run_scaled_linear(x.contiguous(), w, act_format, options, alpha, bias, out_dtype, backend)
 
