@@ -115,12 +115,12 @@ def e2e() -> list[str]:
             row.append(NA if v is None else f"{v[0]} ^{label[v[1]]}")
         rows.append(row)
     out = ["## End to end: a Llama-3-8B-shaped decoder (`lowbit e2e`)", "",
-           "Decode tokens/s (prefill: ms for the prompt) of a 32-layer Llama-3-8B-shaped decoder with random "
-           "weights, static KV cache, every linear but `lm_head` quantized; in parentheses the ratio to bf16 "
-           "in the same run (higher is better; prefill and host: lower time is better, the ratio is bf16's "
-           "time over ours for prefill and ours over `F.linear` for host). Each cell is the newest "
-           "measurement of that config and mode; its letter names the run. The lent machines' host CPUs "
-           "differ from run to run, so compare ratios, and only within a run.", "",
+           ("Decode tokens/s (prefill: ms for the prompt) of a 32-layer Llama-3-8B-shaped decoder with random "
+            "weights, static KV cache, every linear but `lm_head` quantized; in parentheses the ratio to bf16 "
+            "in the same run (higher is better; prefill and host: lower time is better, the ratio is bf16's "
+            "time over ours for prefill and ours over `F.linear` for host). Each cell is the newest "
+            "measurement of that config and mode; its letter names the run. The lent machines' host CPUs "
+            "differ from run to run, so compare ratios, and only within a run."), "",
            _hdr_method("h100_e2e.json", runs[-1]["header"], f"Newest of the {len(used)} runs the cells come from "
                        "(listed below the table)."), ""]
     out += _table(head, rows)
@@ -157,9 +157,10 @@ def quant_kernels() -> list[str]:
     copy = ref.get("copy", {}).get("GBps")
     out = ["## Quantize and dequantize kernels (`lowbit bench`)", "",
            _hdr_method(name, d["header"], extra=f"Copy roof measured in the same run: {_fmt(copy, '.0f')} GB/s."),
-           "", "Bytes read and written by the kernel over its time, as a share of a device-to-device copy, at "
-           "16384×16384 (bf16 in or out); speedup of lowbit over each baseline at 8192×8192. Every case is "
-           "checked bit for bit against the CPU reference before it is timed.", ""]
+           "",
+           ("Bytes read and written by the kernel over its time, as a share of a device-to-device copy, at "
+            "16384×16384 (bf16 in or out); speedup of lowbit over each baseline at 8192×8192. Every case is "
+            "checked bit for bit against the CPU reference before it is timed."), ""]
     return out + _table(["op", "% of copy (16384²)", "GB/s", "lowbit ÷ baseline (8192²)"], rows)
 
 
@@ -213,8 +214,8 @@ def w4a16_gemv() -> list[str]:
     rows = [[_shape(n, k), str(m)] + [_fmt(cases[(n, k, m)].get(f)) for f in GEMV_FORMATS]
             for (n, k, m) in sorted(cases, key=lambda c: (c[2], c[0] * c[1], c[0]))]
     out = [title, "", method, "",
-           f"Speedup over cuBLAS bf16 `x @ w.T` on the same shape (N×K), both {replays} with the weights rotated "
-           "out of L2; nf4-dq is NF4 with double quantization.", ""]
+           (f"Speedup over cuBLAS bf16 `x @ w.T` on the same shape (N×K), both {replays} with the weights rotated "
+            "out of L2; nf4-dq is NF4 with double quantization."), ""]
     return out + _table(["N×K", "M"] + GEMV_FORMATS, rows)
 
 
@@ -230,11 +231,11 @@ def prefill() -> list[str]:
     rows = [[f] + [f"{_fmt(cell.get((f, s), (None, None))[0])} ({_fmt(cell.get((f, s), (None, None))[1])})"
                    for s in shapes] for f in fmts]
     m = d["rows"][0]["M"]
-    out = [f"## W4A16 prefill: chunked dequantize + cuBLAS at M = {m} "
-           "(`benchmarks/experiments/profile_prefill.py --graph --chunk-mb 64`)", "",
+    out = [(f"## W4A16 prefill: chunked dequantize + cuBLAS at M = {m} "
+            "(`benchmarks/experiments/profile_prefill.py --graph --chunk-mb 64`)"), "",
            _hdr_method(name, d["header"]), "",
-           "Ratio to cuBLAS bf16 (higher is better): CUDA-graph replays, eager `do_bench` in parentheses "
-           "(the small shapes are host-bound eagerly).", ""]
+           ("Ratio to cuBLAS bf16 (higher is better): CUDA-graph replays, eager `do_bench` in parentheses "
+            "(the small shapes are host-bound eagerly)."), ""]
     return out + _table(["format"] + [_shape(*s) for s in shapes], rows)
 
 
@@ -266,8 +267,8 @@ def scaled_mm_graph() -> list[str]:
         rows.append(cells)
     out = ["## Quantized × quantized GEMM at large M: `lowbit.scaled_mm` (`lowbit bench --ops 'scaled_mm.*.prefill'`)",
            "", method, "",
-           "Per pair and M×N×K: speedup over cuBLAS bf16 / over `torch._scaled_mm` per-tensor FP8, CUDA-graph "
-           "replays. `w4a8_mxfp4` is FP8 per-token activations × MXFP4 weights.", ""]
+           ("Per pair and M×N×K: speedup over cuBLAS bf16 / over `torch._scaled_mm` per-tensor FP8, CUDA-graph "
+            "replays. `w4a8_mxfp4` is FP8 per-token activations × MXFP4 weights."), ""]
     return out + _table(["pair"] + ["×".join(map(str, s)) for s in shapes], rows)
 
 
@@ -305,8 +306,8 @@ def scaled_mm_decode() -> list[str]:
         rows.append(cells)
     out = ["## Quantized × quantized decode: `lowbit.scaled_mm` (`lowbit bench --ops 'scaled_mm.*.decode'`)",
            "", method, "",
-           "Speedup over cuBLAS bf16 as CUDA-graph replays over weight copies that do not fit in L2; in "
-           f"parentheses {what} streamed per second as a share of the copy bandwidth.", ""]
+           ("Speedup over cuBLAS bf16 as CUDA-graph replays over weight copies that do not fit in L2; in "
+            f"parentheses {what} streamed per second as a share of the copy bandwidth."), ""]
     return out + _table(["pair", "M"] + [_shape(*s) for s in shapes], rows)
 
 
@@ -315,11 +316,11 @@ def layer_host() -> list[str]:
     d = _load(name)
     rows = [[f"`{r['scheme']}`", str(r["m"]), f"{r['host_us']:.1f}", f"{r['f_linear']['host_us']:.1f}",
              f"{r['gpu_us']:.1f}", f"{r['f_linear']['gpu_us']:.1f}"] for r in d["rows"]]
-    out = [f"## Host and GPU time of one `QuantLinear` call, K = N = {d['k']} "
-           "(`benchmarks/experiments/profile_layer_host.py`)", "",
+    out = [(f"## Host and GPU time of one `QuantLinear` call, K = N = {d['k']} "
+            "(`benchmarks/experiments/profile_layer_host.py`)"), "",
            _method(name, gpu=d.get("device"), extra=f"Note: {d.get('note', NA)}"), "",
-           "Microseconds per call: host (Python and launch, calls issued back to back) and GPU (kernel time), "
-           "against `F.linear` with the bf16 weight measured in the same run.", ""]
+           ("Microseconds per call: host (Python and launch, calls issued back to back) and GPU (kernel time), "
+            "against `F.linear` with the bf16 weight measured in the same run."), ""]
     return out + _table(["scheme", "M", "host µs", "`F.linear` host µs", "GPU µs", "`F.linear` GPU µs"], rows)
 
 
@@ -341,14 +342,14 @@ def tensor_parallel() -> list[str]:
             _fmt(e.get(m), ".3f") + ("" if m not in ("decode_graph", "prefill") else
                                      " (met)" if e.get(f"{m}_meets") else " (missed)")
             for m in ("decode_graph", "projections_graph", "decode_eager", "prefill")])
-    out = [f"## Tensor parallel: {d['args']['layers']} Llama-3-70B-shaped layers on 1 and {d['tp']} GPUs "
-           "(`lowbit bench tp`)", "",
+    out = [(f"## Tensor parallel: {d['args']['layers']} Llama-3-70B-shaped layers on 1 and {d['tp']} GPUs "
+            "(`lowbit bench tp`)"), "",
            _hdr_method(name, h, extra=d.get("note", "")), "",
-           "Milliseconds per decode step at batch 1 replayed from a CUDA graph (all-reduces captured), the same "
-           "for the projections alone (norms, the seven projections with their all-reduces, residual adds: no "
-           "attention or RoPE), eager decode, and eager prefill of "
-           f"{d['args']['prefill']} tokens; the slowest rank. `err L0`: relative difference of the first "
-           "layer's output from one GPU's.", ""]
+           ("Milliseconds per decode step at batch 1 replayed from a CUDA graph (all-reduces captured), the same "
+            "for the projections alone (norms, the seven projections with their all-reduces, residual adds: no "
+            "attention or RoPE), eager decode, and eager prefill of "
+            f"{d['args']['prefill']} tokens; the slowest rank. `err L0`: relative difference of the first "
+            "layer's output from one GPU's."), ""]
     out += _table(["config", "GPUs", "row-parallel sum", "decode graph ms", "projections ms", "eager ms",
                    "prefill ms", "GB per GPU", "err L0"], rows)
     out += ["", f"Time on {d['tp']} GPUs over time on 1 (targets: decode graph <= 0.6, prefill <= 0.55):", ""]
@@ -369,33 +370,135 @@ def convert_throughput() -> list[str]:
                    extra=f"A synthetic Llama-3-70B-shaped checkpoint of {src['bytes'] / 1e9:.1f} GB in "
                          f"{src['shards']} shards, read from the page cache; the disk takes "
                          f"{d['disk_write_gbps']:.2f} GB/s of fsynced writes."), "",
-           "Seconds and GB/s of source read, inside the workers (from a barrier to the end of rank 0's publish) "
-           "and with process start-up.", ""]
+           ("Seconds and GB/s of source read, inside the workers (from a barrier to the end of rank 0's publish) "
+            "and with process start-up."), ""]
     out += _table(["scheme", "GPUs", "inner s", "inner GB/s", "outer s", "outer GB/s"], rows)
     out += ["", "Speedup of 2 GPUs over 1 (target: >= 1.8) and byte-identical outputs:", ""]
     out += _table(["scheme", "inside", "with start-up", "identical"], speed)
     return out
 
 
-SECTIONS = [e2e, w4a16_gemv, prefill, scaled_mm_graph, scaled_mm_decode, layer_host, quant_kernels,
-            tensor_parallel, convert_throughput]
+def dit() -> list[str]:
+    name = "h100_dit.json"
+    d = _load(name)
+    s, st = d["shape"], d["settings"]
+    tokens = [str(t) for t in st["tokens"]]
+    modes = st["modes"] if isinstance(st["modes"], list) else [m for m in st["modes"].split(",") if m]
+    rows = []
+    for r in d["rows"]:
+        q = r.get("quality") or {}
+        cells = [f"`{r['config']}`", _fmt(r.get("weight_gb"), ".3f"), _fmt(q.get("cosine"), ".5f"),
+                 _fmt(q.get("sqnr_db"), ".1f")]
+        for t in tokens:
+            for m in modes:
+                v = r.get("tokens", {}).get(t, {}).get(m)
+                v = v.get("ms") if isinstance(v, dict) else v
+                ratio = r.get("ratio", {}).get(t, {}).get(m)
+                if not isinstance(v, float):
+                    cells.append("error" if f"{t}/{m}" in r.get("errors", {}) else NA)
+                else:
+                    cells.append(f"{v:.2f}" + ("" if ratio is None or r["config"] == "bf16" else f" ({ratio:.2f}×)"))
+        rows.append(cells)
+    labels = {"eager": "eager", "graph": "CUDA graph", "compile": "compile"}
+    head = ["config", "weights GB", "cosine", "SQNR dB"] + [f"{labels.get(m, m)} ms, M = {t}" for t in tokens
+                                                             for m in modes]
+    out = [f"## DiT block: one Wan2.1-14B-shaped block at {' and '.join(tokens)} tokens (`lowbit bench dit`)", "",
+           _hdr_method(name, d["header"], extra=f"Best of {st['repeats']} calls (or graph replays) per mode, "
+                       f"batch {st['batch']}."), "",
+           (f"Milliseconds per forward of {s['blocks']} block (hidden {s['hidden']}, {s['heads']} heads of "
+            f"{s['head_dim']}, FFN {s['ffn']}, {s['text_len']} text tokens; random weights, its 10 Linear layers "
+            "quantized, attention in bf16) at M tokens; in parentheses bf16's time over the config's in the same run "
+            "(above 1 is faster). Cosine and SQNR: the block's output against bf16's on the same input at "
+            f"M = {tokens[0]}."), ""]
+    return out + _table(head, rows)
+
+
+# h100_offload.json records no date, git sha or versions; its date is that of the commit that added it
+# (git log -- benchmarks/results/h100_offload.json). A newer run that records a header replaces this.
+OFFLOAD_DATE = "2026-11-25 (not in the file: the date of commit 58d9ac9, which added it)"
+
+
+def offload() -> list[str]:
+    name = "h100_offload.json"
+    d = _load(name)
+    h = d.get("header") or {}
+    s = d["shapes"]
+    on, off = d["all_on_device"], d["offload"]
+    gb = 1e9
+    over = off["peak_bytes"] - d["peak_target_bytes"]
+    peak_met = over <= 0
+    time_met = d["time_ratio"] <= 1.1
+    method = _method(name, gpu=h.get("gpu") or d.get("device"), date=h.get("date") or d.get("date") or OFFLOAD_DATE,
+                     sha=h.get("git_sha"), torch=h.get("torch"), triton=h.get("triton"), cuda=h.get("cuda"),
+                     extra=("" if h else "The file records no git sha or versions. ")
+                     + f"Median of {len(off['times_s'])} forwards per run, prefetch {d['prefetch']}; "
+                       f"block Linear layers: {'bf16' if s['scheme'] in (None, 'none') else s['scheme']}.")
+    rows = [
+        ["median forward s", f"{on['median_s']:.3f}", f"{off['median_s']:.3f}",
+         f"time ratio {d['time_ratio']:.3f} <= 1.1", "yes" if time_met else "no"],
+        ["peak GB", f"{on['peak_bytes'] / gb:.3f}", f"{off['peak_bytes'] / gb:.3f}",
+         f"<= {d['peak_target_bytes'] / gb:.3f} (non-block + {d['prefetch'] + 1} blocks + activation peak)",
+         "yes" if peak_met else f"no ({over / 2**20:+.1f} MiB)"],
+        ["steady GB", f"{on['steady_bytes'] / gb:.3f}", f"{off['steady_bytes'] / gb:.3f}", NA, NA],
+        ["blocks resident", str(s["n_blocks"]), str(off.get("max_resident_blocks", NA)), NA, NA],
+    ]
+    met = d.get("meets_targets")
+    out = [(f"## Block offload: {s['n_blocks']} Wan2.1-14B-shaped blocks at {s['tokens']} tokens "
+            "(`lowbit bench offload`)"), "", method, "",
+           f"The same stack of {s['n_blocks']} blocks (dim {s['dim']}, FFN {s['ffn_dim']}, {s['heads']} heads, "
+           f"{s['ctx']} text tokens; {d['weights_bytes'] / gb:.2f} GB of weights, {d['block_bytes'] / gb:.3f} GB "
+           f"per block, {d['nonblock_bytes'] / gb:.3f} GB outside the blocks) all on the GPU and through "
+           "`enable_block_offload`: forward time, peak (`torch.cuda.max_memory_allocated`) and steady-state device "
+           f"memory. Targets met: {'yes' if met else 'no' if met is not None else NA}"
+           + ("" if met is not False else " (what is known: [perf_notes.md](perf_notes.md))") + ".", ""]
+    return out + _table(["measure", "all on GPU", "offloaded", "bound / target", "met"], rows)
+
+
+def gptq() -> list[str]:
+    name = "h100_gptq.json"
+    d = _load(name)
+    a = d["args"]
+    target = 10.0  # lowbit.bench.gptq.TARGET_S
+    rows = []
+    for r in d["rows"]:
+        if "error" in r:
+            rows.append([f"`{r['scheme']}`", r["mode"], f"error: {r['error']}"] + [NA] * 5)
+            continue
+        rows.append([f"`{r['scheme']}`", r["mode"], f"{r['total_s']:.2f}", f"{r['forward_s']:.2f}",
+                     f"{r['rtn_s']:.2f}", f"{r['gptq_rel_err']:.4f}", f"{r['rtn_rel_err']:.4f}",
+                     "yes" if r.get("meets_target") else "no"])
+    out = [f"## GPTQ of one decoder layer, shape `{a['shape']}` (`lowbit bench gptq`)", "",
+           _hdr_method(name, d["header"], extra=f"{a['calib']} calibration sequences of {a['seq']} tokens, "
+                       f"act_order {a['act_order']}."), "",
+           ("Seconds per layer: the whole `quantize_model(..., algorithm=GPTQ(...))` call (calibration pass with "
+            "the seven Hessians, then GPTQ of the seven projections), the float layer's forward over the "
+            "calibration set alone, and round-to-nearest `quantize_model` of the same layer; relative output error "
+            "of the layer on held-out sequences, GPTQ against round-to-nearest. Modes: `graphs` replays each lazy "
+            f"block's column loop from CUDA graphs, `eager` launches it op by op. Target: a layer in <= {target:g} s."),
+           ""]
+    return out + _table(["scheme", "mode", "GPTQ s", "forward s", "RTN s", "rel err GPTQ", "rel err RTN",
+                         f"<= {target:g} s"], rows)
+
+
+SECTIONS = [e2e, dit, w4a16_gemv, prefill, scaled_mm_graph, scaled_mm_decode, layer_host, quant_kernels,
+            tensor_parallel, offload, gptq, convert_throughput]
 
 
 def render() -> str:
     lines = ["# Performance (H100)", "",
-             "<!-- generated by `python benchmarks/make_performance_md.py` from benchmarks/results/h100_*.json;"
-             " do not edit by hand -->", "",
-             "One table per benchmark, each from the newest curated run of that benchmark on an H100 "
-             "(`benchmarks/results/h100_<benchmark>.json`). Each table states its source file, GPU, date, git "
-             "sha and versions. Runs on different days ran on different machines and code, so compare numbers "
-             "within a table only. The H200 runs are in `benchmarks/results/h200_*.json`; the history of how "
-             "each kernel got here is in [perf_notes.md](perf_notes.md) and [history.md](history.md).", "",
-             "Method: every benchmark checks its outputs against lowbit's CPU reference (bit for bit, or the "
-             "stated relative error) before timing; times are medians (`triton.testing.do_bench`) or CUDA-graph "
-             "replays as each table says. Reproduce on a GPU with `PYTHONPATH=src python "
-             "benchmarks/gpu_check.py tests bench ops` (GPU tests and `lowbit bench`'s ops) and `lowbit bench "
-             "e2e`; `lowbit bench compare NEW.json BASELINE.json` sets a new run's ratios next to a curated "
-             "file's.", ""]
+             ("<!-- generated by `python benchmarks/make_performance_md.py` from benchmarks/results/h100_*.json;"
+              " do not edit by hand -->"), "",
+             ("One table per benchmark, each from the newest curated run of that benchmark on an H100 "
+              "(`benchmarks/results/h100_<benchmark>.json`). Each table states its source file, GPU, date, git "
+              "sha and versions. Runs on different days ran on different machines and code, so compare numbers "
+              "within a table only. The H200 runs are in `benchmarks/results/h200_*.json`; the history of how "
+              "each kernel got here is in [perf_notes.md](perf_notes.md) and [history.md](history.md)."), "",
+             ("Method: every benchmark checks its outputs against lowbit's CPU reference (bit for bit, or the "
+              "stated relative error) before timing; times are medians (`triton.testing.do_bench`) or CUDA-graph "
+              "replays as each table says. Reproduce on a GPU with `PYTHONPATH=src python "
+              "benchmarks/gpu_check.py tests bench ops` (GPU tests and `lowbit bench`'s ops) and the suites "
+              "(`lowbit bench e2e`, `dit`, `offload`, `gptq`, each as its table names it); `lowbit bench "
+              "compare NEW.json BASELINE.json` sets a new run's ratios next to a curated file's."), ""]
     for section in SECTIONS:
         lines += section() + [""]
     return "\n".join(lines).rstrip() + "\n"
