@@ -42,8 +42,8 @@ without padding by default in this mode (``--batching same-length``), as ``lowbi
 Hessian both get holds only real tokens. Both still get the same Hessian from the float model for every
 layer (non-sequential), so each row compares the shipped per-layer algorithms on one problem; neither
 tool's own calibration pipeline (lowbit's stage-by-stage, llm-compressor's sequential one) is run.
-``--lowbit-damp`` and ``--lowbit-scale-search`` change lowbit's side away from its defaults, to tell which
-setting a difference comes from.
+``--lowbit-damp``, ``--lowbit-scale-search``, ``--lowbit-refine-sweeps`` and ``--lowbit-refine-damp`` change
+lowbit's side away from its defaults, to tell which setting a difference comes from.
 
 llm-compressor is a benchmark tool here, not a lowbit dependency: install it next to lowbit with
 ``pip install --no-deps llmcompressor`` (plus, with ``--no-deps`` too, compressed-tensors and loguru where
@@ -341,6 +341,10 @@ def main() -> None:
     p.add_argument("--lowbit-scale-search", type=float, nargs="+", default=None,
                    help="with --shipped: lowbit's clipping factors instead of its default (to attribute a "
                         "difference)")
+    p.add_argument("--lowbit-refine-sweeps", type=int, default=None,
+                   help="with --shipped: lowbit's coordinate-descent refinement sweeps instead of its default")
+    p.add_argument("--lowbit-refine-damp", type=float, default=None,
+                   help="with --shipped: the refinement's dampening instead of its default")
     p.add_argument("--no-cosine", action="store_true", help="skip the whole-model embedding cosines")
     p.add_argument("--json", type=pathlib.Path, help="write every number here")
     a = p.parse_args()
@@ -351,8 +355,9 @@ def main() -> None:
         p.error("--diag compares loops in column order: run it without --act-order or --shipped")
     if a.shipped and (a.damp is not None or a.act_order):
         p.error("--shipped uses each tool's own damp and act-order: drop --damp / --act-order")
-    if not a.shipped and (a.llmc_observer or a.lowbit_damp or a.lowbit_scale_search):
-        p.error("--llmc-observer, --lowbit-damp and --lowbit-scale-search go with --shipped")
+    lowbit_changes = (a.lowbit_damp, a.lowbit_scale_search, a.lowbit_refine_sweeps, a.lowbit_refine_damp)
+    if not a.shipped and (a.llmc_observer or any(x is not None for x in lowbit_changes)):
+        p.error("--llmc-observer and --lowbit-* go with --shipped")
     batching = a.batching or ("same-length" if a.shipped else "padded")
     versions = {k: importlib.metadata.version(k) for k in ("llmcompressor", "compressed-tensors", "torch")}
     if a.shipped:
@@ -366,6 +371,10 @@ def main() -> None:
             lb_opts["damp"] = a.lowbit_damp
         if a.lowbit_scale_search is not None:
             lb_opts["scale_search"] = tuple(a.lowbit_scale_search)
+        if a.lowbit_refine_sweeps is not None:
+            lb_opts["refine_sweeps"] = a.lowbit_refine_sweeps
+        if a.lowbit_refine_damp is not None:
+            lb_opts["refine_damp"] = a.lowbit_refine_damp
         lb_config = GPTQ(**lb_opts)
         print(f"versions: {versions}; torch threads {torch.get_num_threads()}; shipped: lowbit "
               f"GPTQ(**{lb_opts}){'' if lb_opts == GPTQ_DEFAULTS else ' (NOT its defaults)'}, llm-compressor GPTQModifier defaults {llmc_def} "

@@ -16,6 +16,10 @@ decodes to exactly the weights the loop used. With ``act_order`` columns are tak
 columns are no longer reached together and the checkpoint layout keeps one scale per group of consecutive
 columns.
 
+With ``refine_sweeps`` the loop's result is refined by coordinate descent with every group's scales fixed
+(:mod:`lowbit.algorithms.gptq_refine`): GPTQ rounds each column once, against the columns after it; a sweep
+revisits every column given all the others.
+
 Calibration is streamed: ``H`` is accumulated per Linear by forward hooks (only the ``[K, K]`` sums are kept,
 never the activations). With ``sequential`` the layers are quantized stage by stage (a stage is one numbered
 block of the model, ``encoder.layer.3``, ``transformer_blocks.7``, ... or a Linear outside any): each stage
@@ -37,6 +41,7 @@ from ..formats.qtensor import QTensor
 from ..nn.quantize import recording_inputs, warn_layers
 from . import gptq_graphs
 from .gptq_graphs import column_step, few_threads
+from .gptq_refine import refine
 from .grids import GRID_FORMATS, Grid, check_scale_search, grid_for
 
 
@@ -64,6 +69,13 @@ class GPTQ:
             blocks whose range the factor takes below a power of two, 0.5 for every block). ``()``
             (default): the format's scales, as round-to-nearest fits them. Every candidate is a scale the
             format stores, so the result is still an ordinary QTensor decoding to the values the loop chose.
+        refine_sweeps: after the loop, this many cyclic coordinate-descent sweeps over the columns with every
+            group's scales fixed (:mod:`lowbit.algorithms.gptq_refine`): each value moves to the grid value of
+            its group that minimizes ``tr((W - Q) H (W - Q)^T)`` given the others, so that objective never
+            increases and the result stays an ordinary QTensor. 0 (default): GPTQ's values as the loop left
+            them.
+        refine_damp: dampening of the refinement's ``H``, as a fraction of its mean diagonal (>= 0; 0: the
+            calibration Hessian itself; None, the default: ``damp``, the loop's own).
     """
 
     damp: float = 0.1
@@ -71,6 +83,8 @@ class GPTQ:
     act_order: bool = False
     sequential: bool = True
     scale_search: tuple[float, ...] = ()
+    refine_sweeps: int = 0
+    refine_damp: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)):
@@ -84,6 +98,16 @@ class GPTQ:
         for name in ("act_order", "sequential"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if isinstance(self.refine_sweeps, bool) or not isinstance(self.refine_sweeps, int):
+            raise TypeError(f"refine_sweeps must be an int, got {type(self.refine_sweeps).__name__}")
+        if self.refine_sweeps < 0:
+            raise ValueError(f"refine_sweeps must be >= 0, got {self.refine_sweeps}")
+        if self.refine_damp is None:
+            pass
+        elif isinstance(self.refine_damp, bool) or not isinstance(self.refine_damp, (int, float)):
+            raise TypeError(f"refine_damp must be a float or None, got {type(self.refine_damp).__name__}")
+        elif not (self.refine_damp >= 0 and math.isfinite(self.refine_damp)):
+            raise ValueError(f"refine_damp must be a finite float >= 0, got {self.refine_damp}")
         # a tuple of floats whatever sequence was given: the options stay hashable and compare equal
         object.__setattr__(self, "scale_search", check_scale_search(self.scale_search))
 
@@ -190,6 +214,8 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ) -> tup
     # inputs that were always zero: their weights cannot matter, and a zero diagonal breaks the inverse
     H[dead, dead] = 1
     W[:, dead] = 0
+    if config.refine_sweeps:
+        W0, H0 = W.clone(), H.clone()
     n_groups = cols // G
     states: list = [None] * n_groups
     if config.act_order:
@@ -227,6 +253,10 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ) -> tup
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
+    if config.refine_sweeps:
+        rd = config.damp if config.refine_damp is None else config.refine_damp
+        H0.diagonal().add_(rd * torch.mean(torch.diag(H0)))
+        Q, codes = refine(grid, W0, Q, codes, states, H0, config.refine_sweeps, bs)
     return grid.assemble(codes, states), Q
 
 

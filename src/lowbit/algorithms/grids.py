@@ -49,6 +49,7 @@ class Grid:
 
     fmt: str
     group: int
+    code_dtype: torch.dtype = torch.uint8
     round_reads: tuple[int, ...] = (0, 1)
     """The positions of a state that :meth:`round` reads (the others may be passed as None)."""
 
@@ -65,6 +66,18 @@ class Grid:
         """(codes, fp32 dequantized values) of fp32 values ``x`` (``[rows]`` or ``[rows, n]``) on the grid of
         one group."""
         raise NotImplementedError
+
+    def decode(self, codes: torch.Tensor, state: State) -> torch.Tensor:
+        """fp32 values of ``codes`` (``[rows]`` or ``[rows, n]``) on the grid of one group: what :meth:`round`
+        returns with them (it decodes through this method)."""
+        raise NotImplementedError
+
+    def levels(self, state: State) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every value one group's grid holds, per row: (the 16 codes ``[16]``, their fp32 values
+        ``[rows, 16]``), decoded as :meth:`round` decodes (so a value :meth:`round` returned is among them,
+        bit for bit)."""
+        codes = torch.arange(16, dtype=self.code_dtype, device=state[self.round_reads[0]].device)
+        return codes, self.decode(codes.expand(self.rows, 16), state)
 
     def assemble(self, codes: torch.Tensor, states: list[State]) -> QTensor:
         """The QTensor of codes ``[rows, K]`` and the states of groups ``0 .. K/group - 1``."""
@@ -83,9 +96,11 @@ class _BlockscaledFP4(Grid):
     round_reads = (1, 2)
 
     def round(self, x, state):
-        _, mult, step = state
-        codes = encode_minifloat(x * _col(mult, x), E2M1)
-        return codes, decode_minifloat(codes, E2M1) * _col(step, x)
+        codes = encode_minifloat(x * _col(state[1], x), E2M1)
+        return codes, self.decode(codes, state)
+
+    def decode(self, codes, state):
+        return decode_minifloat(codes, E2M1) * _col(state[2], codes)
 
     def assemble(self, codes, states):
         t = self.template
@@ -149,7 +164,10 @@ class _FP4B32(Grid):
         sf, safe = _col(state[0], x), _col(state[1], x)
         scaled = torch.where(sf == 0, x * 0.0, x / safe)
         codes = encode_minifloat(scaled, E2M1)
-        return codes, decode_minifloat(codes, E2M1) * sf
+        return codes, self.decode(codes, state)
+
+    def decode(self, codes, state):
+        return decode_minifloat(codes, E2M1) * _col(state[0], codes)
 
     def assemble(self, codes, states):
         sf = torch.stack([st[0] for st in states], dim=1)
@@ -173,9 +191,11 @@ class _BNB4(Grid):
         return absmax, 1.0 / absmax.clamp(min=ABSMAX_FLOOR)
 
     def round(self, x, state):
-        absmax, rcp = state
-        codes = self.encode((x * _col(rcp, x)).clamp(-1, 1))
-        return codes, decode_codebook(codes, self.spec) * _col(absmax, x)
+        codes = self.encode((x * _col(state[1], x)).clamp(-1, 1))
+        return codes, self.decode(codes, state)
+
+    def decode(self, codes, state):
+        return decode_codebook(codes, self.spec) * _col(state[0], codes)
 
     def assemble(self, codes, states):
         absmax = torch.stack([st[0] for st in states], dim=1).reshape(-1)
@@ -187,6 +207,7 @@ class _INT4AWQ(Grid):
     """AutoAWQ's asymmetric INT4 in float16 (the weight's fp16 image, as AutoAWQ casts the layer)."""
 
     fmt = "int4_awq"
+    code_dtype = torch.int32
 
     def __init__(self, template: QTensor) -> None:
         super().__init__(template)
@@ -207,7 +228,12 @@ class _INT4AWQ(Grid):
         # quantize_int4_awq's two passes: the fake-quantized weight, then the integer AutoAWQ stores
         w_fq = (torch.clamp(torch.round(x16 / s) + z, 0, 15) - z) * s
         q = torch.round((w_fq + z * s) / s)
-        return q.to(torch.int32), ((q - z).to(torch.float16) * s).float()
+        return q.to(torch.int32), self.decode(q.to(torch.int32), state)
+
+    def decode(self, codes, state):
+        # the codes are small integers, exact in float16: (q - z) as the fp16 subtraction of the two passes
+        s, z = _col(state[0], codes), _col(state[1], codes)
+        return ((codes.to(torch.float16) - z).to(torch.float16) * s).float()
 
     def assemble(self, codes, states):
         scales = torch.stack([st[0] for st in states], dim=1)
@@ -234,6 +260,7 @@ class _ScaleSearch(Grid):
         self.inner = inner
         self.template, self.rows, self.cols = inner.template, inner.rows, inner.cols
         self.fmt, self.group, self.round_reads = inner.fmt, inner.group, inner.round_reads
+        self.code_dtype = inner.code_dtype
         self.factors = factors
         self._scales: dict[tuple, torch.Tensor] = {}
 
@@ -263,6 +290,9 @@ class _ScaleSearch(Grid):
 
     def round(self, x, state):
         return self.inner.round(x, state)
+
+    def decode(self, codes, state):
+        return self.inner.decode(codes, state)
 
     def assemble(self, codes, states):
         return self.inner.assemble(codes, states)

@@ -80,7 +80,8 @@ def algorithm_from_args(args: argparse.Namespace):
 def gptq_flags(args: argparse.Namespace) -> list[str]:
     """The ``--gptq-*`` flags given."""
     return [flag for flag, value in (("--gptq-act-order", args.gptq_act_order), ("--gptq-damp", args.gptq_damp),
-                                     ("--gptq-scale-search", args.gptq_scale_search)) if value is not None]
+                                     ("--gptq-scale-search", args.gptq_scale_search),
+                                     ("--gptq-refine-sweeps", args.gptq_refine_sweeps)) if value is not None]
 
 
 def gptq_options(args: argparse.Namespace) -> dict:
@@ -95,6 +96,10 @@ def gptq_options(args: argparse.Namespace) -> dict:
         if not (args.gptq_damp > 0 and math.isfinite(args.gptq_damp)):
             raise ValueError(f"--gptq-damp must be a positive number, got {args.gptq_damp}")
         opts["damp"] = args.gptq_damp
+    if args.gptq_refine_sweeps is not None:
+        if args.gptq_refine_sweeps < 0:
+            raise ValueError(f"--gptq-refine-sweeps must be >= 0, got {args.gptq_refine_sweeps}")
+        opts["refine_sweeps"] = args.gptq_refine_sweeps
     if args.gptq_scale_search is not None:
         text = args.gptq_scale_search.strip()
         if text.lower() == "none":

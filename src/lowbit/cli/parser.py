@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         "scales, as round-to-nearest fits them)",
     )
     q.add_argument(
+        "--gptq-refine-sweeps", type=int, default=None, metavar="N",
+        help="gptq: after the loop, N coordinate-descent sweeps over each layer's columns with the group scales "
+        "fixed, each value moved to the grid value that best fits the calibration Hessian (dampened by "
+        f"--gptq-damp) given the others (default {GPTQ_DEFAULTS.get('refine_sweeps', 0)}; 0: GPTQ's values)",
+    )
+    q.add_argument(
         "--rotate-block", type=int, default=None, metavar="B",
         help="rotate: Hadamard block (a power of two; default the activation format's scale block)",
     )
