@@ -12,7 +12,7 @@ import torch
 import lowbit
 from lowbit.algorithms import GPTQ, HessianAccumulator, gptq_graphs, gptq_quantize
 
-from test_gptq import CASES, IDS, _assert_same_result  # this folder's cases
+from test_gptq import CASES, IDS, _assert_same_result, _same  # this folder's cases
 
 pytestmark = pytest.mark.gpu
 
@@ -50,3 +50,21 @@ def test_graph_replay_equals_eager_loop(fmt, opts, act_order, scale_search, monk
     assert torch.equal(lowbit.dequantize(q, torch.float32), values)
     rtn = lowbit.dequantize(lowbit.quantize(w, fmt, **opts), torch.float32)
     assert ((x @ (values - w).t()) ** 2).mean() < ((x @ (rtn - w).t()) ** 2).mean()
+
+
+@pytest.mark.parametrize(("fmt", "opts"), CASES, ids=IDS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_refinement_on_the_gpu_decodes_exactly_and_lowers_the_objective(fmt, opts, act_order):
+    import dataclasses
+
+    from lowbit.algorithms.gptq_refine import objective
+
+    w, _, H = _layer(seed=2)
+    base = GPTQ(act_order=act_order, damp=0.03, scale_search=(0.95, 0.9, 0.85, 0.8))
+    q0, v0 = gptq_quantize(w, H, fmt, config=base, **opts)
+    q, values = gptq_quantize(w, H, fmt, config=dataclasses.replace(base, refine_sweeps=2), **opts)
+    assert torch.equal(lowbit.dequantize(q, torch.float32), values)
+    for field in ("scale", "global_scale", "zeros"):
+        assert _same(getattr(q, field), getattr(q0, field)), field
+    Hd = H + 0.03 * H.diagonal().mean() * torch.eye(H.shape[0], device=H.device)
+    assert objective(w, values, Hd) < objective(w, v0, Hd)
