@@ -27,8 +27,8 @@ group's first column or fixed from the original weight. ``--act-order`` runs bot
 act-order instead (llm-compressor's default): columns by decreasing ``diag(H)``, static groups in both.
 
 ``--shipped`` compares each tool as a user gets it instead of with the same settings: lowbit with
-``GPTQ(**GPTQ_DEFAULTS)`` (what ``lowbit quantize --algorithm gptq`` runs: act-order, damp 0.03, the
-per-group clipping search over the factors 0.95-0.8) against llm-compressor's ``GPTQModifier`` defaults
+``GPTQ(**GPTQ_DEFAULTS)`` (what ``lowbit quantize --algorithm gptq`` runs: act-order, damp 0.01, the
+per-group clipping search over the factors 0.95-0.8, 4 coordinate-descent refinement sweeps) against llm-compressor's ``GPTQModifier`` defaults
 for the ``W4A16_ASYM`` preset, read from its installed source (:func:`llmcompressor_defaults`): its
 ``actorder`` sentinel (``"static"``, an alias of ``"weight"``), its ``dampening_frac`` (0.01), block 128
 and the weight observer its calibration falls back to (``memoryless_minmax``). ``--llmc-observer`` adds

@@ -117,7 +117,12 @@ def test_bad_options_name_the_argument():
     assert GPTQ(refine_sweeps=3, refine_damp=0).refine_damp == 0
 
 
-def test_cli_flag():
+def test_cli_flag_and_label():
+    from lowbit.algorithms.pipeline import describe, label
+
+    assert label(GPTQ(act_order=True, scale_search=(0.9,), refine_sweeps=4)) == "gptq-act-clip-cd4"
+    assert describe(GPTQ(refine_sweeps=2)) == "gptq(refine_sweeps=2)"
+
     def algorithm(*extra):
         return cli.algorithm_from_args(cli.build_parser().parse_args(["quantize", "--scheme", "w4a16-nvfp4", *extra]))
 

@@ -178,7 +178,7 @@ def describe(algorithm: Any) -> str:
 
 def label(algorithm: Any) -> str:
     """A compact label for tables: ``"sq-online+gptq"``, ``"rot16"``, ``"sq@0.4+gptq-act"``, ``"gptq-act-clip"``
-    (act-order, scale search), ``"rtn"``."""
+    (act-order, scale search), ``"gptq-act-clip-cd4"`` (and 4 refinement sweeps), ``"rtn"``."""
     parts = []
     for item in _items(algorithm):
         if isinstance(item, str):
@@ -189,7 +189,8 @@ def label(algorithm: Any) -> str:
         elif isinstance(item, Rotate):
             parts.append("rot" + (str(item.block_size) if item.block_size else ""))
         else:
-            parts.append("gptq" + ("-act" if item.act_order else "") + ("-clip" if item.scale_search else ""))
+            parts.append("gptq" + ("-act" if item.act_order else "") + ("-clip" if item.scale_search else "")
+                         + (f"-cd{item.refine_sweeps}" if item.refine_sweeps else ""))
     return "+".join(parts)
 
 
