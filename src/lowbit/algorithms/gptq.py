@@ -215,7 +215,9 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ) -> tup
     H[dead, dead] = 1
     W[:, dead] = 0
     if config.refine_sweeps:
-        W0, H0 = W.clone(), H.clone()
+        # W is updated in place by the loop; H is not (it is permuted into a copy, and dampened into a new
+        # tensor), so the refinement's objective keeps this one without a copy
+        W0, H0 = W.clone(), H
     n_groups = cols // G
     states: list = [None] * n_groups
     if config.act_order:
