@@ -1,6 +1,8 @@
 """Where the host time of a ``torch.compile``d decode step goes (default mode, no CUDA graphs): tokens/s and a
 cProfile of the compiled step for bf16 and lowbit schemes on the ``lowbit e2e`` decoder, plus the step's time
-with the GPU idle (one synchronized step) against its GPU time (a CUDA-graph replay of the eager step).
+with the GPU idle (one synchronized step) against its GPU time (a CUDA-graph replay of the eager step); which
+launcher Inductor gave each Triton kernel of the step (its static launcher or Triton's, per kernel name) and,
+with ``$OUT`` set, the generated code of each config (``$OUT/compiled_step_<config>.py``).
 
     PYTHONPATH=src python benchmarks/experiments/profile_compiled_step.py [--configs bf16,lowbit:w4a16-nvfp4] [--layers 4]
 """
@@ -9,13 +11,34 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
+import os
 import pstats
+import re
 import time
+from collections import Counter
 
 import torch
 
 from lowbit.bench import e2e
+
+
+def _autotuners() -> dict[int, object]:
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    return {id(o): o for o in gc.get_objects() if isinstance(o, CachingAutotuner)}
+
+
+def launcher_kinds(new: list) -> Counter:
+    """(kernel name, launcher kind) counts of the given Inductor kernels: ``StaticTritonCompileResult`` is the
+    static launcher, ``TritonCompileResult`` Triton's Python-side launcher."""
+    kinds: Counter = Counter()
+    for o in new:
+        name = getattr(getattr(o, "fn", None), "__name__", "?")
+        for r in getattr(o, "compile_results", []) or [None]:
+            kinds[(name, type(r).__name__)] += 1
+    return kinds
 
 
 def main() -> None:
@@ -30,11 +53,20 @@ def main() -> None:
     for config in args.configs.split(","):
         torch._dynamo.reset()
         model = e2e.apply_config(e2e.build_decoder(s, 256, "cuda"), config)
-        fn = torch.compile(lambda t, p: model(t, p).argmax(-1, keepdim=True), fullgraph=True)
+        fn = torch.compile(lambda t, p, m=model: m(t, p).argmax(-1, keepdim=True), fullgraph=True)
         tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
         pos = torch.tensor([8], device="cuda")
+        before = set(_autotuners())
         with torch.inference_mode():
-            for _ in range(3):
+            from torch._inductor.utils import run_and_get_code
+
+            tok, codes = run_and_get_code(fn, tok, pos)
+            out = os.environ.get("OUT")
+            if out:
+                with open(os.path.join(out, "compiled_step_" + re.sub(r"[^A-Za-z0-9]+", "_", config) + ".py"),
+                          "w") as f:
+                    f.write("\n\n# ---- next module ----\n\n".join(codes))
+            for _ in range(2):
                 tok = fn(tok, pos)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -56,6 +88,8 @@ def main() -> None:
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(args.top)
         print(f"== {config}: {args.layers} layers, compiled step {step_ms:.2f} ms, host-only {host_ms:.2f} ms")
+        kinds = launcher_kinds([o for i, o in _autotuners().items() if i not in before])
+        print("launchers: " + ", ".join(f"{n} {k} x{c}" for (n, k), c in sorted(kinds.items())))
         print(buf.getvalue()[:6000], flush=True)
         del model, fn
 

@@ -164,3 +164,11 @@ def test_interleaved_rounds_alternate_configs_and_report_errors():
     assert calls == ["bf16", "a", "b", "bf16", "a", "b"]
     assert out["bf16"] == [1, 4] and out["a"] == [2, 5] and out["b"] == [3, 6]
     assert out["broken"].startswith("RuntimeError") and out["cold"].startswith("ValueError")
+
+
+def test_a_prompt_longer_than_the_cache_is_refused_before_any_kernel():
+    s = e2e.SHAPES["tiny"]
+    model = decoder.build_decoder(s, 8, "cpu")
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.zeros(1, 9, dtype=torch.long), torch.arange(9))
+    assert model(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)).shape == (1, s.vocab)

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("triton")
 inductor_config = pytest.importorskip("torch._inductor.config")
 
-from lowbit.ops import policy, triton_ops  # noqa: E402
+from lowbit.ops import policy, triton_ops
 
 ENV = triton_ops.STATIC_LAUNCH_ENV
 
@@ -62,3 +62,36 @@ def test_policy_off_changes_nothing(monkeypatch, setting_off):
     triton_ops._static_launch_compiled_kernels()
     assert ENV not in os.environ
     assert inductor_config.static_launch_user_defined_triton_kernels is False
+
+
+class _FakeAsyncCompile:
+    """Stands in for ``torch._inductor.async_compile``: a set of running pools and the shutdown that empties it."""
+
+    def __init__(self, running: bool):
+        self._pool_set = {"pool"} if running else set()
+        self.shutdowns = 0
+
+    def shutdown_compile_workers(self):
+        self.shutdowns += 1
+        self._pool_set.clear()
+
+
+@pytest.mark.parametrize("running", [True, False], ids=["pool-running", "no-pool"])
+def test_a_running_worker_pool_is_restarted_with_the_setting(monkeypatch, setting_off, running):
+    # a pool started before the setting keeps Triton's launcher for every kernel it compiles: it is shut down,
+    # and Inductor starts the next one with the environment set
+    _unset(monkeypatch)
+    monkeypatch.setattr(policy, "STATIC_LAUNCH_COMPILED_KERNELS", True)
+    fake = _FakeAsyncCompile(running)
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
+    triton_ops._static_launch_compiled_kernels()
+    assert os.environ[ENV] == "1"
+    assert fake.shutdowns == (1 if running else 0)
+
+
+def test_a_users_setting_keeps_the_running_pool(monkeypatch, setting_off):
+    monkeypatch.setenv(ENV, "0")
+    fake = _FakeAsyncCompile(True)
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
+    triton_ops._static_launch_compiled_kernels()
+    assert fake.shutdowns == 0

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 @dataclass(frozen=True)
 class DecoderShape:
     hidden: int
@@ -133,6 +134,11 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, n_layers: int | None = None) -> torch.Tensor:
         """Logits of the last position ``[B, vocab]`` for ``tokens [B, T]`` at positions ``pos [T]``."""
+        if tokens.shape[-1] > self.key_pos.shape[0]:
+            # checked on shapes only (no device sync); a position past the cache would index out of bounds on
+            # the device and poison the CUDA context
+            raise ValueError(f"tokens: {tokens.shape[-1]} positions do not fit the KV cache of "
+                             f"{self.key_pos.shape[0]} (max_len)")
         h = self.embed(tokens)
         cos, sin = self.cos[pos], self.sin[pos]
         mask = self.key_pos[None, :] <= pos[:, None]

@@ -69,8 +69,10 @@ def _static_launch_compiled_kernels() -> None:
 
     The environment variable is set too: Inductor compiles kernels in a pool of worker processes, which is
     where it decides how each kernel is launched, and it hands the workers only its general static-launcher
-    switch, not this one; a worker reads this setting from the environment when it starts. A pool started
-    before the first lowbit weight was prepared keeps Triton's launcher for the op's kernels."""
+    switch, not this one; a worker reads this setting from the environment when it starts. A pool that is
+    already running (something was compiled before the first lowbit weight was prepared) is shut down, so that
+    Inductor starts its next pool with the setting; without that, every op kernel compiled by the old pool
+    kept Triton's launcher."""
     if not policy.STATIC_LAUNCH_COMPILED_KERNELS or STATIC_LAUNCH_ENV in os.environ:
         return
     import torch._inductor.config as inductor_config
@@ -78,6 +80,22 @@ def _static_launch_compiled_kernels() -> None:
     if hasattr(inductor_config, "static_launch_user_defined_triton_kernels"):
         inductor_config.static_launch_user_defined_triton_kernels = True
         os.environ[STATIC_LAUNCH_ENV] = "1"
+        _restart_running_compile_workers()
+
+
+def _restart_running_compile_workers() -> bool:
+    """Shut down Inductor's compile-worker pools if any is running (they started without the environment
+    setting); Inductor starts a new one on its next compile. Returns whether a pool was shut down. Inductor
+    versions without these internals are left alone."""
+    import sys
+
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    pools = getattr(async_compile, "_pool_set", None)
+    shutdown = getattr(async_compile, "shutdown_compile_workers", None)
+    if not pools or shutdown is None:
+        return False
+    shutdown()
+    return True
 
 
 def register_gemv_op():
