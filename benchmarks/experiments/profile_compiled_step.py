@@ -27,7 +27,8 @@ from lowbit.bench import e2e
 def _autotuners() -> dict[int, object]:
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    return {id(o): o for o in gc.get_objects() if isinstance(o, CachingAutotuner)}
+    # type(), not isinstance(): isinstance of a dead weak proxy among gc's objects raises ReferenceError
+    return {id(o): o for o in gc.get_objects() if issubclass(type(o), CachingAutotuner)}
 
 
 def launcher_kinds(new: list) -> Counter:
