@@ -96,18 +96,29 @@ def test_cuda_graph_replay_equals_eager():
     assert all(m._out.x is None for m in fused.modules() if isinstance(m, FusedProjection))
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_compiled_fused_step_equals_eager(mode):
-    _, fused = _pair("w4a16-nvfp4")
-    ids, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.tensor([3], device="cuda")
+def _compiled_logits(model, mode, ids, pos):
     torch._dynamo.reset()
-    fn = torch.compile(lambda i, p: fused(i, p), fullgraph=True, mode=mode)
+    fn = torch.compile(lambda i, p: model(i, p), fullgraph=True, mode=mode)
     with torch.inference_mode():
-        clear_cache(fused)
-        want = fused(ids, pos).clone()
         for _ in range(3):
-            clear_cache(fused)
+            clear_cache(model)
             if mode:
                 torch.compiler.cudagraph_mark_step_begin()
             got = fn(ids, pos).clone()
+    return got
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_fused_step_equals_compiled_unfused(mode):
+    # both compiled: Inductor's fused norms and RoPE round differently from eager bf16 (about 1 % on these
+    # logits, in the unfused model too), so the fused model is held to the unfused one under the same compiler,
+    # and to eager more loosely
+    plain, fused = _pair("w4a16-nvfp4")
+    ids, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.tensor([3], device="cuda")
+    with torch.inference_mode():
+        clear_cache(fused)
+        eager = fused(ids, pos).clone()
+    want = _compiled_logits(plain, mode, ids, pos)
+    got = _compiled_logits(fused, mode, ids, pos)
     assert _rel(got, want) < 1e-2
+    assert _rel(got, eager) < 3e-2
