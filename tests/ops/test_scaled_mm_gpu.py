@@ -745,3 +745,41 @@ def test_dequant_route_matches_reference_and_decoding_kernel(m, convention):
         ref = scaled_mm_reference(a, b, *args, torch.float32, dequant_backend="torch")
         _assert_close(lowbit.scaled_mm(a, b, *args, out_dtype), ref, f"dequant route M={m} {convention}")
         _assert_close(km.scaled_mm(a, b, *args, out_dtype, "kernel"), ref, f"decoding kernel M={m}")
+
+
+# ------------------------------------------------- 6/8-bit MX pairs decoded to bf16 (dequant route)
+
+
+@pytest.mark.parametrize("m", [policy.DEQUANT_MM_MIN_M, 2048])
+@pytest.mark.parametrize("fa,fb", [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e4m3"),
+                                   ("mxfp6_e2m3", "mxfp8_e4m3")])
+def test_mx_dequant_route_matches_reference_and_decoding_kernel(fa, fb, m):
+    km = _km()
+    n, k = 1536, 1024
+    g = torch.Generator(device="cuda").manual_seed(23)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    a, b = lowbit.quantize(x, fa), lowbit.quantize(w, fb)
+    assert policy.scaled_route(a, b, None, torch.bfloat16, km) == "dequant"
+    alpha = torch.tensor([0.5], device="cuda")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    for args, out_dtype in (((None, None), torch.float32), ((None, bias), torch.bfloat16),
+                            ((alpha, bias), torch.bfloat16)):
+        ref = scaled_mm_reference(a, b, *args, torch.float32, dequant_backend="torch")
+        _assert_close(lowbit.scaled_mm(a, b, *args, out_dtype), ref, f"dequant route {fa} x {fb} M={m}")
+        _assert_close(km.scaled_mm(a, b, *args, out_dtype, "kernel"), ref, f"decoding kernel M={m}")
+
+
+def test_mx_dequant_route_falls_back_exactly_on_an_extreme_scale():
+    # one activation block scaled by 2^-120: its bf16 decoding would round, so the guarded decoding kernel
+    # recomputes the output, which then equals the decoding kernel's bit for bit
+    km = _km()
+    m, n, k = 1024, 512, 512
+    g = torch.Generator(device="cuda").manual_seed(24)
+    a = lowbit.quantize(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), "mxfp8_e4m3")
+    b = lowbit.quantize((torch.randn(n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16), "mxfp8_e4m3")
+    a.scale.view(torch.uint8)[5, 3] = 7
+    got = km.scaled_mm(a, b, None, None, torch.bfloat16, "dequant")
+    want = km.scaled_mm(a, b, None, None, torch.bfloat16, "kernel")
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)

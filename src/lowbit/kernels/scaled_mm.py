@@ -82,7 +82,8 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
     - ``"fold"``: the exact E4M3 re-encoding, then cuBLASLt's FP8 GEMM where it can run (``cublas=False``:
       never; True: ValueError where it cannot), else the TMA kernel (with ``config``, that config and no cuBLAS);
     - ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (ValueError where it cannot run);
-    - ``"dequant"``: nvfp4 x nvfp4 decoded exactly to bf16, then cuBLAS's bf16 GEMM (:func:`dequant_unsupported`);
+    - ``"dequant"``: nvfp4 x nvfp4 or 6/8-bit MX pairs decoded exactly to bf16, then cuBLAS's bf16 GEMM
+      (:func:`dequant_unsupported`);
     - ``"kernel"``: lowbit's block-scaled GEMM kernels (``config``: a tile config instead of the table's)."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")

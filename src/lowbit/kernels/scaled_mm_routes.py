@@ -3,7 +3,8 @@ capability check (``*_unsupported``: None where the pair can take it, else why n
 with them) and its implementation.
 
 - ``"gemv"``: the activation decoded to bf16 exactly, then the W4A16 GEMV (``lowbit.kernels.gemv_w4``);
-- ``"dequant"``: nvfp4 x nvfp4 decoded to bf16 exactly, then cuBLAS's bf16 GEMM;
+- ``"dequant"``: nvfp4 x nvfp4, or a pair of 6/8-bit MX operands, decoded to bf16 exactly, then cuBLAS's bf16
+  GEMM (the MX pairs with the decoding kernel as a guarded exact fallback);
 - ``"fold"``: mxfp4 re-encoded exactly as E4M3, then an FP8 GEMM (cuBLASLt's or the TMA kernel), with the
   decoding kernel as a guarded exact fallback;
 - ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (:mod:`lowbit.kernels.cublas_fp8_block`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from ..formats.qtensor import QTensor
 from ..formats.shards import plan_rows
@@ -69,15 +71,31 @@ def scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     return gemv_w4.gemv_w4(x, b, bias=bias, row_scale=factor, divide_by=divisor, out_dtype=out_dtype)
 
 
+DEQUANT_MX_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2")
+"""MX element formats whose pairs the ``"dequant"`` route takes (mxfp4 weights take the ``"fold"`` route)."""
+
+MX_BF16_EXACT_SCALES = (10, 239)
+"""Biased E8M0 scales (inclusive) for which every element of these MX formats times 2^(s - 127) is a bf16 value:
+at most 4 significant bits stay inside bf16's finite range and above its subnormal step 2^-133. E5M2, the widest
+(57344 = 1.75 * 2^15 down to the subnormal 2^-16), sets both ends; E4M3 (448 down to 2^-9) and the FP6 formats
+fit inside, so one range serves every pair."""
+
+
 def dequant_unsupported(a: QTensor, b: QTensor) -> str | None:
     """None when this pair can run the ``"dequant"`` route (:func:`dequant_mm`), else why not.
 
     An nvfp4 value without its global scale, an E2M1 element times its E4M3 block scale, has at most 6
     significant bits and an exponent inside bf16's range: both operands decode to bf16 exactly, and cuBLAS's
     bf16 GEMM with fp32 accumulation then computes the block-scaled product up to accumulation order, as the
-    decoding kernel does. (E2M1 x E4M3 does not fit E4M3, so the FP8 tensor cores cannot take it exactly.)"""
-    if a.fmt != "nvfp4" or b.fmt != "nvfp4":
-        return "the dequant route takes nvfp4 x nvfp4 pairs"
+    decoding kernel does. (E2M1 x E4M3 does not fit E4M3, so the FP8 tensor cores cannot take it exactly.)
+
+    An MX element of 6 or 8 bits times its power-of-two scale is a bf16 value while the scale stays within
+    :data:`MX_BF16_EXACT_SCALES`; a block outside it (or a NaN scale) sets a device flag, and the decoding kernel,
+    launched behind the GEMM with that flag as its guard, recomputes the whole output, as the ``"fold"`` route
+    does. (Per-32 scales would need a promotion every 32 columns of K on the FP8 tensor cores.)"""
+    mx_pair = a.fmt in DEQUANT_MX_FORMATS and b.fmt in DEQUANT_MX_FORMATS
+    if not mx_pair and (a.fmt != "nvfp4" or b.fmt != "nvfp4"):
+        return "the dequant route takes nvfp4 x nvfp4 pairs and pairs of " + "/".join(DEQUANT_MX_FORMATS)
     if len(a.shape) != 2 or len(b.shape) != 2:
         return "the dequant route takes 2-D operands"
     if _interpreting():
@@ -117,19 +135,41 @@ def _mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 _MM_DTYPE: dict = {}  # device type -> whether mm takes out_dtype there
 
 
+def mx_scales_outside_bf16(q: QTensor) -> torch.Tensor:
+    """int32 [1] on q's device, nonzero when a block scale of the MX tensor ``q`` lies outside
+    :data:`MX_BF16_EXACT_SCALES` (NaN included): its decoding to bf16 would round. No host synchronization."""
+    from ..formats.blockscaled_generic import linear_scales
+
+    s = linear_scales(q, 32).view(torch.uint8)
+    lo, hi = MX_BF16_EXACT_SCALES
+    return ((s < lo) | (s > hi)).any().to(torch.int32).reshape(1)
+
+
+def _decode_bf16(q: QTensor) -> torch.Tensor:
+    from . import blockscaled
+
+    if q.fmt == "nvfp4":
+        return blockscaled.dequantize_nvfp4(q, torch.bfloat16)
+    return blockscaled.dequantize_mx(q, torch.bfloat16)
+
+
 def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     """The ``"dequant"`` route: ``a`` decoded exactly to bf16, ``b`` a chunk of rows at a time (at most
     :data:`DEQUANT_CHUNK_BYTES` of decoded weight or fp32 partial product), each chunk through cuBLAS's bf16
     GEMM with fp32 accumulation, then the decoding kernel's epilogue in its order (1 / global multiplier or
-    per_tensor_scale of a, of b, alpha, bias) and one rounding to ``out_dtype``."""
+    per_tensor_scale of a, of b, alpha, bias) and one rounding to ``out_dtype``. Without global scales or
+    alpha and with a bf16 output, each chunk is one ``F.linear`` (bias in cuBLAS's epilogue). MX pairs end
+    with the guarded decoding kernel (:func:`dequant_unsupported`)."""
     from ..formats.rows import ROW_ALIGN, slice_rows, slice_rows_reason
-    from . import blockscaled
 
     pa, ga, ga_div = _without_global(a)
     pb, gb, gb_div = _without_global(b)
     m, k_dim = a.shape
     n = b.shape[0]
-    x = blockscaled.dequantize_nvfp4(pa, torch.bfloat16)
+    guard = None
+    if a.fmt != "nvfp4":
+        guard = mx_scales_outside_bf16(a) | mx_scales_outside_bf16(b)
+    x = _decode_bf16(pa)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     align = ROW_ALIGN.get(b.fmt, 128)
     rows = max(align, min(DEQUANT_CHUNK_BYTES // (2 * k_dim), DEQUANT_CHUNK_BYTES // (4 * max(m, 1))))
@@ -138,10 +178,15 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
         rows = n
     inv_a = None if ga is None else (torch.div(1.0, ga) if ga_div else ga)
     inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)
+    direct = inv_a is None and inv_b is None and alpha is None and out_dtype == torch.bfloat16
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         wq = pb if (n0, n1) == (0, n) else slice_rows(pb, n0, n1)
-        acc = _mm_fp32(x, blockscaled.dequantize_nvfp4(wq, torch.bfloat16))
+        w = _decode_bf16(wq)
+        if direct:
+            out[:, n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1].to(torch.bfloat16))
+            continue
+        acc = _mm_fp32(x, w)
         if inv_a is not None:
             acc.mul_(inv_a)
         if inv_b is not None:
@@ -151,6 +196,11 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
         if bias is not None:
             acc.add_(bias[n0:n1].to(torch.float32))
         out[:, n0:n1] = acc
+    if guard is not None:
+        a_args, ac = operand_args(a)
+        b_args, bc = operand_args(b)
+        launch_decoding(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, config_for(m, False), guard=guard,
+                        plan_n=plan_rows(b))
     return out
 
 

@@ -16,7 +16,8 @@ Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.sca
 
 - ``"gemv"``: ``M <= SCALED_GEMV_MAX_M``, an nvfp4/mxfp4 weight with an nvfp4, mxfp4 or fp8_rowwise activation:
   the activation decoded exactly to bf16, then the W4A16 GEMV;
-- ``"dequant"``: ``M >= DEQUANT_MM_MIN_M``, nvfp4 x nvfp4: both decoded exactly to bf16, then cuBLAS;
+- ``"dequant"``: ``M >= DEQUANT_MM_MIN_M``, nvfp4 x nvfp4 or a pair of 6/8-bit MX operands (``w8a8-mxfp8``,
+  W6A8): both decoded exactly to bf16, then cuBLAS (MX pairs with a guarded exact fallback);
 - ``"fold"``: ``M >= FOLD_MIN_M``, an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation: the
   exact E4M3 re-encoding, then the FP8 GEMM (cuBLASLt's block-scaled one where it can run, else the TMA kernel);
 - ``"cublas"``: ``M >= CUBLAS_FP8_BLOCK_MIN_M``, fp8_block with 128x128 weight blocks: cuBLASLt's block-scaled
@@ -77,8 +78,9 @@ until they carry bitsandbytes' FP4 table the format stays out of them rather tha
 
 
 DEQUANT_MM_MIN_M = 512
-"""From this M, nvfp4 x nvfp4 pairs (``w4a4-nvfp4``) run the ``"dequant"`` route: both operands decoded exactly
-to bf16, then cuBLAS's bf16 GEMM. On an H100 at M = 2048 on a 4096 x 4096 layer, the decoding kernel took
+"""From this M, nvfp4 x nvfp4 pairs (``w4a4-nvfp4``) and pairs of 6/8-bit MX operands (``w8a8-mxfp8``, whose
+decoding kernel ran a Wan2.1-sized DiT block at 0.26-0.38x bf16 on an H100) run the ``"dequant"`` route: both
+operands decoded exactly to bf16, then cuBLAS's bf16 GEMM. On an H100 at M = 2048 on a 4096 x 4096 layer, the decoding kernel took
 326 us where the passes of this route took about 21 (weight decode) + 96 (cuBLAS bf16) us in the W4A16 profile
 of the same run; the crossover M is estimated from those per-pass times, not yet measured."""
 STATIC_LAUNCH_COMPILED_KERNELS = True
@@ -213,8 +215,9 @@ _ROUTE_REASONS = {
             "runs if a block does not fit (M >= FOLD_MIN_M={fold})",
     "cublas": "cuBLASLt's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm, BlockWise1x128 x "
               "BlockWise128x128; M >= CUBLAS_FP8_BLOCK_MIN_M={cublas})",
-    "dequant": "nvfp4 x nvfp4 decoded exactly to bf16 (the weight in chunks of rows), then cuBLAS's bf16 GEMM with "
-               "fp32 accumulation and the global scales in its epilogue (M >= DEQUANT_MM_MIN_M={dequant})",
+    "dequant": "nvfp4 x nvfp4 or 6/8-bit MX pairs decoded exactly to bf16 (the weight in chunks of rows), then "
+               "cuBLAS's bf16 GEMM with fp32 accumulation and the global scales in its epilogue; for MX pairs an "
+               "exact decoding fallback runs if a scale leaves bf16's exact range (M >= DEQUANT_MM_MIN_M={dequant})",
     "kernel": "Triton block-scaled GEMM (lowbit.kernels.scaled_mm)",
 }
 
