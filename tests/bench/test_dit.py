@@ -106,3 +106,12 @@ def test_bad_arguments_exit_2(capsys):
     assert "lowbit dit" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         dit.main(["--tokens", "8190,abc"])
+
+
+def test_fp8_compute_config_switches_the_w4a4_layers():
+    m = dit.apply_config(dit.build_dit(dit.SHAPES["tiny"], device="cpu"), "lowbit:w4a4-nvfp4+fp8")
+    assert all(q.compute == "fp8_block" for q in m.modules() if isinstance(q, QuantLinear))
+    with pytest.raises(ValueError, match=r"\+fp8 is for w4a4-nvfp4"):
+        dit.apply_config(dit.build_dit(dit.SHAPES["tiny"], device="cpu"), "lowbit:w4a16-nvfp4+fp8")
+    with pytest.raises(ValueError, match="unknown config"):
+        dit.apply_config(dit.build_dit(dit.SHAPES["tiny"], device="cpu"), "lowbit:w4a4-nvfp4+fast")

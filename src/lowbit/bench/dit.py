@@ -168,15 +168,23 @@ def make_inputs(s: DiTShape, tokens: int, device, seed: int = 1) -> tuple:
 
 
 def apply_config(model: nn.Module, config: str) -> nn.Module:
-    """Quantize ``model`` in place as ``config`` says: ``bf16`` or ``lowbit:<scheme>`` (every Linear)."""
+    """Quantize ``model`` in place as ``config`` says: ``bf16`` or ``lowbit:<scheme>`` (every Linear);
+    ``lowbit:w4a4-nvfp4+fp8``: then the FP8 compute mode (``lowbit.nn.set_compute(model, "fp8_block")``)."""
     if config == "bf16":
         return model
     kind, _, name = config.partition(":")
     if kind == "lowbit":
         import lowbit
+        from lowbit.nn import set_compute
 
-        return lowbit.quantize_model(model, name, skip=())
-    raise ValueError(f"unknown config {config!r}; known: bf16, lowbit:<scheme>")
+        scheme, _, mode = name.partition("+")
+        if mode not in ("", "fp8"):
+            raise ValueError(f"unknown config {config!r}: lowbit:<scheme> or lowbit:<scheme>+fp8")
+        model = lowbit.quantize_model(model, scheme, skip=())
+        if mode and not set_compute(model, "fp8_block"):
+            raise ValueError(f"config {config!r}: +fp8 is for w4a4-nvfp4 layers, none in this model")
+        return model
+    raise ValueError(f"unknown config {config!r}; known: bf16, lowbit:<scheme>, lowbit:w4a4-nvfp4+fp8")
 
 
 def weight_bytes(model: nn.Module) -> int:

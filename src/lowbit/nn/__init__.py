@@ -3,6 +3,7 @@
 Importing this package does not import triton or transformers.
 """
 
+from .compute import set_compute
 from .fuse import FusedProjection, fuse_projections, unfuse_projections
 from .modules import QuantLinear
 from .quantize import DEFAULT_SKIP, FUSED_GROUPS, calibrate_absmax, fused_groups, quantize_model
@@ -20,5 +21,6 @@ __all__ = [
     "fused_groups",
     "get_scheme",
     "quantize_model",
+    "set_compute",
     "unfuse_projections",
 ]

@@ -89,6 +89,8 @@ class QuantLinear(nn.Module):
         self.weight_format = self.scheme.weight_format
         self._meta: dict[str, Any] = {}
         self._prepared: PreparedWeight | None = None
+        self.compute = "exact"  # or "fp8_block": lowbit.nn.set_compute (lowbit.ops.fp8_compute)
+        self.keep_fp8_weight = False
         for name in BUFFER_NAMES:
             self.register_buffer(name, None)
         if weight is not None:
@@ -137,8 +139,16 @@ class QuantLinear(nn.Module):
 
     # ------------------------------------------------------------------ preparation
 
+    def _new_prepared(self, layouts: bool = True):
+        prep = prepare(self.weight_qtensor, self.scheme, self.activation, self.backend, layouts=layouts)
+        if getattr(self, "compute", "exact") == "fp8_block":
+            from ..ops.fp8_compute import Fp8BlockCompute
+
+            prep = Fp8BlockCompute(prep, self.keep_fp8_weight)
+        return prep
+
     def _prepare(self) -> PreparedWeight:
-        self._prepared = prepare(self.weight_qtensor, self.scheme, self.activation, self.backend)
+        self._prepared = self._new_prepared()
         return self._prepared
 
     def _prepare_if_ready(self) -> None:
@@ -286,7 +296,7 @@ class QuantLinear(nn.Module):
         if torch.compiler.is_compiling():
             # prepared in eager mode (at load / .to(), or by an eager call): the traced path reads its layouts
             if prep is None:  # not prepared: the opaque custom ops, nothing derived inside the graph
-                prep = prepare(self.weight_qtensor, self.scheme, self.activation, self.backend, layouts=False)
+                prep = self._new_prepared(layouts=False)
             return prep.traced_call(x, bias, igs)
         if prep is None or prep.activation != self.activation or prep.backend != self.backend or (
                 prep.versions and prep.stale()):

@@ -83,6 +83,10 @@ decoding kernel ran a Wan2.1-sized DiT block at 0.26-0.38x bf16 on an H100) run 
 operands decoded exactly to bf16, then cuBLAS's bf16 GEMM. On an H100 at M = 2048 on a 4096 x 4096 layer, the decoding kernel took
 326 us where the passes of this route took about 21 (weight decode) + 96 (cuBLAS bf16) us in the W4A16 profile
 of the same run; the crossover M is estimated from those per-pass times, not yet measured."""
+FP8_COMPUTE_MIN_M = 512
+"""From this M, a ``w4a4-nvfp4`` layer switched to the FP8 compute mode (``lowbit.nn.set_compute``) runs the
+fp8_block product (``lowbit.ops.fp8_compute``); below it the exact path, whose decode kernels serve small M. The
+same bound as :data:`DEQUANT_MM_MIN_M`, where the exact path itself turns to cuBLAS; not yet measured."""
 STATIC_LAUNCH_COMPILED_KERNELS = True
 """Whether preparing a layer for the compiled W4A16 GEMV turns on Inductor's static launcher for user-defined
 Triton kernels (``lowbit.ops.prepared``): on an H100 host, Triton's own launcher cost about 30-55 us per
@@ -256,7 +260,7 @@ def kernels_ready(device: torch.device, backend: str | None) -> bool:
 
 
 __all__ = [
-    "CUBLAS_FP8_BLOCK_MIN_M", "DEQUANT_GEMM_MIN_M", "DEQUANT_GEMM_MIN_M_BY_FORMAT", "FOLD_MIN_M",
+    "CUBLAS_FP8_BLOCK_MIN_M", "DEQUANT_GEMM_MIN_M", "FP8_COMPUTE_MIN_M", "DEQUANT_GEMM_MIN_M_BY_FORMAT", "FOLD_MIN_M",
     "FP8_BLOCK_QUANT_IN_GEMM_MAX_M", "GEMV_MAX_M",
     "SCALED_GEMV_MAX_M", "dequant_gemm_min_m", "linear_decide", "linear_reason", "scaled_decide", "scaled_reason",
     "scaled_route",
