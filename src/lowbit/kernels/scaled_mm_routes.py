@@ -171,20 +171,29 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
         guard = mx_scales_outside_bf16(a) | mx_scales_outside_bf16(b)
     x = _decode_bf16(pa)
     out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
-    align = ROW_ALIGN.get(b.fmt, 128)
-    rows = max(align, min(DEQUANT_CHUNK_BYTES // (2 * k_dim), DEQUANT_CHUNK_BYTES // (4 * max(m, 1))))
-    rows = rows // align * align
-    if rows >= n or slice_rows_reason(pb) is not None:
-        rows = n
     inv_a = None if ga is None else (torch.div(1.0, ga) if ga_div else ga)
     inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)
+    # no epilogue of ours: cuBLAS writes the bf16 output (and adds the bias) itself, no fp32 partial product
     direct = inv_a is None and inv_b is None and alpha is None and out_dtype == torch.bfloat16
+    align = ROW_ALIGN.get(b.fmt, 128)
+    rows = DEQUANT_CHUNK_BYTES // (2 * k_dim)
+    if not direct:
+        rows = min(rows, DEQUANT_CHUNK_BYTES // (4 * max(m, 1)))
+    rows = max(align, rows) // align * align
+    if rows >= n or slice_rows_reason(pb) is not None:
+        rows = n
+    b16 = None if bias is None else bias.to(torch.bfloat16)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         wq = pb if (n0, n1) == (0, n) else slice_rows(pb, n0, n1)
         w = _decode_bf16(wq)
         if direct:
-            out[:, n0:n1] = F.linear(x, w, None if bias is None else bias[n0:n1].to(torch.bfloat16))
+            if rows == n:
+                out = F.linear(x, w, b16)
+            elif b16 is None:
+                torch.mm(x, w.t(), out=out[:, n0:n1])
+            else:
+                torch.addmm(b16[n0:n1], x, w.t(), out=out[:, n0:n1])
             continue
         acc = _mm_fp32(x, w)
         if inv_a is not None:
