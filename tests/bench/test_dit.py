@@ -57,6 +57,7 @@ def test_wan_shape_and_quantized_linears():
     assert all(isinstance(lin, QuantLinear) for lin in linears)
     assert dit.weight_bytes(m) < dit.weight_bytes(dit.build_dit(dit.SHAPES["tiny"], device="cpu")) / 2
     assert "lowbit:w8a8-mxfp8" in dit.default_configs() and dit.default_configs()[0] == "bf16"
+    assert "lowbit:w4a4-nvfp4+fp8" in dit.default_configs()
     with pytest.raises(ValueError, match="unknown config"):
         dit.apply_config(m, "nope")
 

@@ -172,3 +172,10 @@ def test_a_prompt_longer_than_the_cache_is_refused_before_any_kernel():
     with pytest.raises(ValueError, match="max_len"):
         model(torch.zeros(1, 9, dtype=torch.long), torch.arange(9))
     assert model(torch.zeros(1, 8, dtype=torch.long), torch.arange(8)).shape == (1, s.vocab)
+
+
+def test_default_configs_measure_fused_projections_too():
+    assert {"lowbit:w4a16-nvfp4+fused", "lowbit:w4a16-int4+fused"} <= set(e2e.DEFAULT_CONFIGS)
+    for config in e2e.DEFAULT_CONFIGS:
+        if config.startswith("lowbit:"):
+            e2e.apply_config(decoder.build_decoder(e2e.SHAPES["tiny"], 8, "cpu"), config)

@@ -66,7 +66,7 @@ DEFAULT_MODES = ("eager", "graph")
 def default_configs() -> tuple[str, ...]:
     from ..nn.schemes import SCHEMES
 
-    return ("bf16", *(f"lowbit:{s}" for s in SCHEMES))
+    return ("bf16", *(f"lowbit:{s}" for s in SCHEMES), "lowbit:w4a4-nvfp4+fp8")
 
 
 # ---------------------------------------------------------------------------------------------- the model

@@ -15,7 +15,10 @@ PEERS = ("torchao:int4", "torchao:fp8-rowwise", "bnb:nf4")
 
 
 
-DEFAULT_CONFIGS = ("bf16", *(f"lowbit:{s}" for s in LOWBIT_SCHEMES), *PEERS)
+FUSED_DEFAULTS = ("lowbit:w4a16-nvfp4+fused", "lowbit:w4a16-int4+fused")
+"""Configs with sibling projections fused (``lowbit.nn.fuse_projections``), as serving engines run them."""
+
+DEFAULT_CONFIGS = ("bf16", *(f"lowbit:{s}" for s in LOWBIT_SCHEMES), *FUSED_DEFAULTS, *PEERS)
 
 
 
@@ -93,4 +96,4 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["DEFAULT_CONFIGS", "LOWBIT_SCHEMES", "PEERS", "apply_config", "weight_bytes"]
+__all__ = ["DEFAULT_CONFIGS", "FUSED_DEFAULTS", "LOWBIT_SCHEMES", "PEERS", "apply_config", "weight_bytes"]
