@@ -48,6 +48,9 @@ class QuantLinear(nn.Module):
             as the ``nvfp4_packed`` plugin does).
         backend: passed to the lowbit ops (None: ``$LOWBIT_BACKEND`` or ``"auto"``).
         input_global_scale: buffer, fp32 ``[1]`` static NVFP4 activation multiplier (``2688 / absmax``) or None.
+        compute, keep_fp8_weight: ``"exact"`` (default) or, for ``w4a4-nvfp4``, ``"fp8_block"``: the opt-in
+            FP8 compute mode set by :func:`lowbit.nn.set_compute` (``lowbit.ops.fp8_compute``); not stored in
+            the state dict.
     """
 
     def __init__(
