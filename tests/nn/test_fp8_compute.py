@@ -106,3 +106,11 @@ def test_the_extra_error_against_the_exact_path_is_small():
     # re-encoding adds a little: the fast product is no further from the dense one than the exact path
     assert e_fast <= e_exact * 1.05, (e_fast, e_exact)
     assert e_between < 0.15, e_between
+
+
+def test_the_fp8_options_are_the_w8a8_fp8_block_schemes():
+    from lowbit.nn import get_scheme
+    from lowbit.ops.fp8_compute import WEIGHT_BLOCK
+
+    s = get_scheme("w8a8-fp8-block")
+    assert s.weight_options == {"block": WEIGHT_BLOCK} and s.act_options == ACT_OPTIONS

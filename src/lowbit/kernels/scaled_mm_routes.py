@@ -158,8 +158,9 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     :data:`DEQUANT_CHUNK_BYTES` of decoded weight or fp32 partial product), each chunk through cuBLAS's bf16
     GEMM with fp32 accumulation, then the decoding kernel's epilogue in its order (1 / global multiplier or
     per_tensor_scale of a, of b, alpha, bias) and one rounding to ``out_dtype``. Without global scales or
-    alpha and with a bf16 output, each chunk is one ``F.linear`` (bias in cuBLAS's epilogue). MX pairs end
-    with the guarded decoding kernel (:func:`dequant_unsupported`)."""
+    alpha and with a bf16 output, cuBLAS writes the output itself (bias in its epilogue): one ``F.linear``
+    when the decoded weight fits one chunk, else each chunk's columns in place. MX pairs end with the guarded
+    decoding kernel (:func:`dequant_unsupported`)."""
     from ..formats.rows import ROW_ALIGN, slice_rows, slice_rows_reason
 
     pa, ga, ga_div = _without_global(a)
@@ -170,7 +171,6 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     if a.fmt != "nvfp4":
         guard = mx_scales_outside_bf16(a) | mx_scales_outside_bf16(b)
     x = _decode_bf16(pa)
-    out = torch.empty((m, n), dtype=out_dtype, device=a.data.device)
     inv_a = None if ga is None else (torch.div(1.0, ga) if ga_div else ga)
     inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)
     # no epilogue of ours: cuBLAS writes the bf16 output (and adds the bias) itself, no fp32 partial product
@@ -182,13 +182,15 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     rows = max(align, rows) // align * align
     if rows >= n or slice_rows_reason(pb) is not None:
         rows = n
-    b16 = None if bias is None else bias.to(torch.bfloat16)
+    one_linear = direct and rows == n  # F.linear allocates the output
+    out = None if one_linear else torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    b16 = None if bias is None or not direct else bias.to(torch.bfloat16)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         wq = pb if (n0, n1) == (0, n) else slice_rows(pb, n0, n1)
         w = _decode_bf16(wq)
         if direct:
-            if rows == n:
+            if one_linear:
                 out = F.linear(x, w, b16)
             elif b16 is None:
                 torch.mm(x, w.t(), out=out[:, n0:n1])

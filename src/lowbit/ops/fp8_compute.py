@@ -30,6 +30,7 @@ from .linear import apply_activation
 COMPUTE_MODES = ("exact", "fp8_block")
 """``QuantLinear.compute`` values: ``"exact"`` (the scheme's own product) and ``"fp8_block"`` (this module)."""
 
+# the options of the w8a8-fp8-block scheme (lowbit.nn.schemes sits above ops; a test keeps the two equal)
 WEIGHT_BLOCK = (128, 128)
 ACT_OPTIONS = {"block": (1, 128)}
 
@@ -81,7 +82,7 @@ class Fp8BlockCompute:
 
     def _fp8(self, x: torch.Tensor) -> bool:
         return x.shape[-1] == self.k and x.dtype in (torch.bfloat16, torch.float16) and (
-            x.numel() // max(self.k, 1) >= policy.FP8_COMPUTE_MIN_M)
+            x.numel() // self.k >= policy.FP8_COMPUTE_MIN_M)
 
     def _fp8_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from .scaled_mm import scaled_linear

@@ -80,9 +80,10 @@ until they carry bitsandbytes' FP4 table the format stays out of them rather tha
 DEQUANT_MM_MIN_M = 512
 """From this M, nvfp4 x nvfp4 pairs (``w4a4-nvfp4``) and pairs of 6/8-bit MX operands (``w8a8-mxfp8``, whose
 decoding kernel ran a Wan2.1-sized DiT block at 0.26-0.38x bf16 on an H100) run the ``"dequant"`` route: both
-operands decoded exactly to bf16, then cuBLAS's bf16 GEMM. On an H100 at M = 2048 on a 4096 x 4096 layer, the decoding kernel took
-326 us where the passes of this route took about 21 (weight decode) + 96 (cuBLAS bf16) us in the W4A16 profile
-of the same run; the crossover M is estimated from those per-pass times, not yet measured."""
+operands decoded exactly to bf16, then cuBLAS's bf16 GEMM. On an H100 at M = 2048 on a 4096 x 4096 layer, the
+nvfp4 decoding kernel took 326 us where the passes of this route took about 21 (weight decode) + 96 (cuBLAS
+bf16) us in the W4A16 profile of the same run; the crossover M is estimated from those per-pass times, not yet
+measured (for the MX pairs not at all)."""
 FP8_COMPUTE_MIN_M = 512
 """From this M, a ``w4a4-nvfp4`` layer switched to the FP8 compute mode (``lowbit.nn.set_compute``) runs the
 fp8_block product (``lowbit.ops.fp8_compute``); below it the exact path, whose decode kernels serve small M. The

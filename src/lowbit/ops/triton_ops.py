@@ -9,6 +9,7 @@ never at import.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -83,19 +84,14 @@ def _static_launch_compiled_kernels() -> None:
         _restart_running_compile_workers()
 
 
-def _restart_running_compile_workers() -> bool:
+def _restart_running_compile_workers() -> None:
     """Shut down Inductor's compile-worker pools if any is running (they started without the environment
-    setting); Inductor starts a new one on its next compile. Returns whether a pool was shut down. Inductor
-    versions without these internals are left alone."""
-    import sys
-
+    setting); Inductor starts a new one on its next compile. Inductor versions without these internals are
+    left alone."""
     async_compile = sys.modules.get("torch._inductor.async_compile")
-    pools = getattr(async_compile, "_pool_set", None)
     shutdown = getattr(async_compile, "shutdown_compile_workers", None)
-    if not pools or shutdown is None:
-        return False
-    shutdown()
-    return True
+    if getattr(async_compile, "_pool_set", None) and shutdown is not None:
+        shutdown()
 
 
 def register_gemv_op():
