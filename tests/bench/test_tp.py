@@ -41,3 +41,16 @@ def test_suite_registered_and_needs_gpus(capsys):
     if not torch.cuda.is_available():
         assert main(["--tp", "2"]) == 2
         assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_config_names_are_checked():
+    import pytest
+
+    from lowbit.bench.tp import SHAPES, build_stack
+
+    for bad in ("bf16+fused", "lowbit:w4a16-nvfp4+fast", "other:w4a16-nvfp4"):
+        with pytest.raises(ValueError, match="unknown config"):
+            build_stack(SHAPES["tiny"], 1, 8, bad, 1, None, "cpu")
+    # a scheme whose weights do not stack (fp8_block) cannot run fused: said, not silently run unfused
+    with pytest.raises(ValueError, match="could be fused"):
+        build_stack(SHAPES["tiny"], 1, 8, "lowbit:w8a8-fp8-block+fused", 1, None, "cpu")

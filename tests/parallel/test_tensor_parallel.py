@@ -8,6 +8,8 @@ import torch
 
 from tp_workers import MLP_SCHEMES, all_checks, mlp_checks, spawn_ranks
 
+from lowbit.bench.tp import SHAPES
+
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 
 
@@ -73,6 +75,21 @@ def test_benchmark_stack_plan(results):
         assert r["sharded"] == (0 if config == "bf16" else 2 * 7), (config, r)
         if config != "bf16":  # torch's DTensor layers are not what this checks
             assert r["compiled_equal"], (config, r)
+
+
+def test_fused_column_shards(results):
+    """q/k/v and gate/up shards of each rank fused into one column-parallel GEMM each (as vLLM's merged
+    column-parallel layers): same output as the unfused parallel stack, unfused back to the same shards."""
+    r = _ok(results["fused"])
+    assert r["fused_layers"] == 2 * 2, r               # two groups in each of the two layers
+    assert r["fused_class"] == "ColwiseQuantLinear", r
+    s = SHAPES["tiny"]
+    assert r["local_q"] == s.heads * s.head_dim // 2, r
+    assert r["fused_local_out"] == (s.heads + 2 * s.kv_heads) * s.head_dim // 2, r
+    assert r["fused_full_out"] == 2 * r["fused_local_out"], r
+    assert r["equal"] or r["rel"] < 1e-5, r
+    assert r["unfused_same_state"] and r["unfused_colwise"] and r["unfused_equal"], r
+    assert r["exact_fused_groups"] == 0, r
 
 
 def test_rowwise_refuses_an_online_input_transform():

@@ -301,6 +301,39 @@ def stack_checks(rank: int, world: int, device: str, configs=("bf16", "lowbit:w4
     return out
 
 
+def fused_checks(rank: int, world: int, device: str, scheme: str = "w4a16-nvfp4") -> dict:
+    """``fuse_projections`` after ``parallelize``: each rank's q/k/v and gate/up shards run as one
+    column-parallel GEMM, the stack computes what the unfused parallel stack computes, and unfusing gives back
+    the shards (class, placement, weights) they were."""
+    from lowbit.bench.tp import SHAPES, build_stack, probe_output
+    from lowbit.nn import FusedProjection, unfuse_projections
+    from lowbit.parallel import ColwiseQuantLinear
+
+    mesh = _mesh(world, device)
+    s = SHAPES["tiny"]
+    plain = build_stack(s, 2, 16, f"lowbit:{scheme}", world, mesh, device)
+    fused = build_stack(s, 2, 16, f"lowbit:{scheme}+fused", world, mesh, device)
+    want, got = probe_output(plain), probe_output(fused)
+    layer = fused.layers[0]
+    gemms = {id(m._group[0]): m._group[0] for m in fused.modules() if isinstance(m, FusedProjection)}
+    qkv = layer.q_proj._group[0]
+    out = {"equal": bool(torch.equal(want, got)), "rel": _rel(got, want), "fused_layers": len(gemms),
+           "fused_class": type(qkv).__name__, "fused_full_out": qkv.tp.full_out, "fused_local_out": qkv.out_features,
+           "local_q": layer.q_proj.out_features}
+    unfuse_projections(fused)
+    a, b = plain.state_dict(), fused.state_dict()
+    out["unfused_same_state"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    out["unfused_colwise"] = all(isinstance(getattr(lay, n), ColwiseQuantLinear) and getattr(lay, n).tp.world == world
+                                 for lay in fused.layers for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    out["unfused_equal"] = bool(torch.equal(probe_output(fused), want))
+    # a plan's exact shards and row-parallel layers stay unfused (each group left as it was)
+    from lowbit.nn import fuse_projections
+
+    exact = build_stack(s, 1, 16, f"lowbit:{scheme}", world, mesh, device, exact=True)
+    out["exact_fused_groups"] = len(fuse_projections(exact))
+    return out
+
+
 def all_checks(rank: int, world: int, device: str, rows=(1, 5, 16, 64, 300, 2048), hidden: int = 1024,
                inter: int = 4096) -> dict:
     """Every check above in one process group (the kernels compile once per rank): the MLP of every scheme with
@@ -324,6 +357,7 @@ def all_checks(rank: int, world: int, device: str, rows=(1, 5, 16, 64, 300, 2048
             attempt(f"graph_{reduce}", graph_checks, all_reduce=reduce)
     else:
         attempt("stack", stack_checks)
+    attempt("fused", fused_checks)
     backend = "inductor" if device == "cuda" else "aot_eager"
     for scheme in ("w4a16-nvfp4", "w8a8-fp8-block"):
         attempt(f"compiled_{scheme}", compiled_checks, scheme=scheme, backend=backend)

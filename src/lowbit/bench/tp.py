@@ -3,7 +3,8 @@
 ``lowbit bench tp --tp 2`` builds, in one process per GPU (NCCL), the same stack of ``--layers`` decoder layers
 (hidden 8192, 64 heads of 128, 8 KV heads, MLP 28672, RMSNorm, RoPE, SDPA over a static KV cache), quantized
 per config (``bf16``, ``lowbit:<scheme>``), split with :func:`lowbit.parallel.parallelize` (q/k/v and gate/up
-column-parallel, o and down row-parallel) on N ranks, and measures:
+column-parallel, o and down row-parallel) on N ranks (``lowbit:<scheme>+fused``: then q/k/v and gate/up of
+each rank fused into one column-parallel GEMM each, :func:`lowbit.nn.fuse_projections`), and measures:
 
 - decode step time at batch 1 replayed from a CUDA graph (the all-reduces captured in it), the number the
   targets use; also eager, and the graph of the projections alone (norms, the seven quantized projections with
@@ -39,7 +40,7 @@ SHAPES = {
     "llama3-70b": DecoderShape(8192, 28672, 64, 8, 128, 128256, 80),
     "tiny": DecoderShape(512, 1024, 8, 4, 64, 512, 2),
 }
-DEFAULT_CONFIGS = ("bf16", "lowbit:w4a16-nvfp4", "lowbit:w8a8-fp8-block")
+DEFAULT_CONFIGS = ("bf16", "lowbit:w4a16-nvfp4", "lowbit:w4a16-nvfp4+fused", "lowbit:w8a8-fp8-block")
 TARGETS = {"decode_graph": 0.6, "compiled_graph": 0.6, "prefill": 0.55}
 PLAN = {"layers.*.q_proj": "colwise", "layers.*.k_proj": "colwise", "layers.*.v_proj": "colwise",
         "layers.*.o_proj": "rowwise", "layers.*.gate_proj": "colwise", "layers.*.up_proj": "colwise",
@@ -83,9 +84,13 @@ class Stack(torch.nn.Module):
 def build_stack(s: DecoderShape, layers: int, max_len: int, config: str, world: int, mesh, device,
                 all_reduce: str = "nccl", exact: bool = False) -> Stack:
     """The stack for ``config``: each layer made in bf16 from its own seed, quantized, then (``world`` > 1)
-    sharded, one layer at a time (the bf16 layer is freed before the next)."""
+    sharded, one layer at a time (the bf16 layer is freed before the next); ``+fused``: q/k/v and gate/up
+    fused last (after the sharding: each rank fuses its shards)."""
     import lowbit
 
+    config, plus, extra = config.partition("+")
+    if plus and (extra != "fused" or config == "bf16"):
+        raise ValueError(f"unknown config {config + plus + extra!r}: bf16 or lowbit:<scheme>[+fused]")
     stack = Stack(s, layers, max_len, world, device)
     for i in range(layers):
         torch.manual_seed(1000 + i)
@@ -110,6 +115,11 @@ def build_stack(s: DecoderShape, layers: int, max_len: int, config: str, world: 
             from ..parallel import parallelize
 
             parallelize(stack, mesh, PLAN, all_reduce=all_reduce, exact=exact)
+    if plus:
+        from ..nn import fuse_projections
+
+        if not fuse_projections(stack):
+            raise ValueError(f"config {config}+fused: no projections of this scheme could be fused")
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return stack.eval()
@@ -231,6 +241,8 @@ def rank_main(rank: int, world: int, args: dict, out_dir: str, port: int) -> Non
     try:
         for config in args["configs"]:
             variants = args["variants"] if (world > 1 and config != "bf16") else [("nccl", False)]
+            if config.endswith("+fused"):   # exact column shards do not fuse (lowbit.nn.fuse_projections)
+                variants = [v for v in variants if not v[1]] or [("nccl", False)]
             for reduce, exact in variants:
                 row: dict = {"config": config, "world": world, "all_reduce": reduce if world > 1 else None,
                              "exact": exact if world > 1 else None}
@@ -354,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-70b")
     p.add_argument("--layers", type=int, default=8, help="decoder layers in the stack (default 8)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help="comma-separated: bf16, lowbit:<scheme> (default: %(default)s)")
+                   help="comma-separated: bf16, lowbit:<scheme>, lowbit:<scheme>+fused (default: %(default)s)")
     p.add_argument("--variants", default="nccl,symm_mem,nccl+exact",
                    help="N-rank variants of each quantized config: the row-parallel sum (nccl, symm_mem), '+exact' "
                    "for column shards planned as the whole layer (default: %(default)s)")

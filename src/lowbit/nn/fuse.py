@@ -18,6 +18,11 @@ The fused model is for running: :func:`unfuse_projections` gives the members bac
 own QTensors, copied out of the fused weight), which is what saving a checkpoint, tensor-parallel plans and
 anything else that looks for the original layers need; those refuse a fused model
 (:func:`refuse_fused`).
+
+Tensor parallelism: fuse after :func:`lowbit.parallel.parallelize`. Column-parallel shards
+(``ColwiseQuantLinear`` with the default placements) of one group fuse into one column-parallel layer holding
+each member's local rows, as vLLM's merged column-parallel layers hold theirs: each rank runs one GEMM for its
+q/k/v (or gate/up) shards. Unfused, the members come back as the shards they were.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class FusedProjection(nn.Module):
         self.out_features = stop - start
         self._out = out
         self._members = members
+        self._shard: tuple[type, Any] | None = None
+        """For a column-parallel member: its own class and ``tp``, given back by :func:`unfuse_projections`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._out
@@ -87,6 +94,20 @@ def _fusable(members: list[QuantLinear]) -> str | None:
             return f"{type(m).__name__} is not a QuantLinear"
         if m.weight_data is None:
             return "a layer has no weight yet"
+        if type(m) is not type(first):
+            return "the layers are of different classes"
+    tp = getattr(first, "tp", None)
+    if tp is not None:
+        # tensor-parallel shards: only column-parallel ones with the default placements share a local weight
+        if tp.style != "colwise":
+            return "row-parallel layers sum their partial products across ranks, each on its own"
+        for m in members:
+            if not m.tp.default_io:
+                return "a column-parallel layer has other than the default placements"
+            if m.tp.exact:
+                return "exact column shards plan their launches as their whole layer's; fused they would not"
+            if m.tp.group is not tp.group or m.tp.world != tp.world:
+                return "the layers are sharded over different groups"
     for m in members[1:]:
         for what, a, b in (("scheme", m.scheme.name, first.scheme.name), ("in_features", m.in_features, first.in_features),
                            ("activation", m.activation, first.activation), ("backend", m.backend, first.backend),
@@ -137,12 +158,18 @@ def fuse_projections(model: nn.Module) -> list[tuple[str, ...]]:
         fused = QuantLinear(first.in_features, weight.shape[0], bias=bias is not None, scheme=first.scheme,
                             weight=weight, bias_tensor=bias, input_global_scale=first.input_global_scale,
                             activation=None, backend=first.backend)
+        if getattr(first, "tp", None) is not None:
+            # one column-parallel layer over the members' local rows: their full widths add up
+            fused.__class__ = type(first)
+            fused.tp = replace(first.tp, full_out=sum(m.tp.full_out for m in members))
         shared: list = [fused]
         out = _FusedOutput()
         start = 0
         for i, (name, m) in enumerate(zip(group, members)):
             member = FusedProjection(fused if i == 0 else None, shared, i, start, start + m.out_features, out,
                                      len(members))
+            if getattr(m, "tp", None) is not None:
+                member._shard = (type(m), m.tp)
             start += m.out_features
             parent, _, child = name.rpartition(".")
             setattr(modules[parent] if parent else model, child, member)
@@ -170,6 +197,8 @@ def unfuse_projections(model: nn.Module) -> list[tuple[str, ...]]:
             layer = QuantLinear(fused.in_features, m.stop - m.start, bias=bias is not None, scheme=fused.scheme,
                                 weight=part, bias_tensor=bias, input_global_scale=fused.input_global_scale,
                                 activation=None, backend=fused.backend)
+            if m._shard is not None:
+                layer.__class__, layer.tp = m._shard
             parent, _, child = name.rpartition(".")
             setattr(modules[parent] if parent else model, child, layer)
         done.append(tuple(n for n, _ in members))
