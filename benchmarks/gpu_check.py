@@ -87,7 +87,7 @@ def _xml_summary(xml: str) -> str:
         return "no junit xml"
 
 
-def run_tests(out_dir: str, timeout_s: float, paths: list[str]) -> str:
+def run_tests(out_dir: str, timeout_s: float, paths: list[str], select: str = "") -> str:
     """One pytest per path, each with its own junit report (``gpu_tests_<path>.xml``), within ``timeout_s`` in
     all: a path that runs out of time loses only its own report (one pytest over every path, killed by its
     time limit, wrote no report at all). The first calls on a fresh machine compile every kernel variant."""
@@ -101,7 +101,7 @@ def run_tests(out_dir: str, timeout_s: float, paths: list[str]) -> str:
             continue
         xml = os.path.join(out_dir, f"gpu_tests_{name}.xml")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--maxfail=8", path,
-               f"--junitxml={xml}"]
+               f"--junitxml={xml}", *(["-k", select] if select else [])]
         try:
             rc = subprocess.call(cmd, cwd=ROOT, timeout=left)
         except subprocess.TimeoutExpired:
@@ -179,6 +179,7 @@ def main() -> int:
                     "install: wheels only")
     ap.add_argument("--tests", default=",".join(GPU_TEST_PATHS),
                     help="comma-separated test paths for the tests step (one pytest and report each)")
+    ap.add_argument("--tests-k", default="", help="pytest -k expression for the tests step (default: every test)")
     ap.add_argument("--quick", action="store_true", help="harness: each op's quick shapes")
     ap.add_argument("--ops", default=None, help="harness: op patterns, as `lowbit bench --ops` (default: the "
                     "quantize and dequantize ops; the others are the `ops` step's)")
@@ -212,7 +213,7 @@ def main() -> int:
     if what == {"install"}:
         return 0
 
-    tests_summary = run_tests(out_dir, args.tests_timeout_s, args.tests.split(",")) if "tests" in what else None
+    tests_summary = run_tests(out_dir, args.tests_timeout_s, args.tests.split(","), args.tests_k) if "tests" in what else None
     if "ops" in what:
         run_ops_benches(out_dir)
     if "e2e" in what:

@@ -68,3 +68,15 @@ def test_compiled_inductor(results, scheme):
     activation quantizer turns a few of those one-ulp differences into code flips: close, not equal."""
     res = _ok(results[f"compiled_{scheme}"])
     assert res["rel"] < (3e-2 if res["act_quantized"] else 1e-2), res
+
+
+def test_fused_column_shards(results):
+    """Each rank's q/k/v and gate/up shards as one column-parallel GEMM: the fused GEMM plans its own launch
+    (another split of K than the members'), so close to the unfused parallel stack rather than equal; unfused,
+    the shards come back as they were."""
+    r = _ok(results["fused"])
+    assert r["fused_layers"] == 4 and r["fused_class"] == "ColwiseQuantLinear", r
+    assert r["fused_full_out"] == 2 * r["fused_local_out"], r
+    assert r["rel"] < 2e-2, r
+    assert r["unfused_same_state"] and r["unfused_colwise"] and r["unfused_equal"], r
+    assert r["exact_fused_groups"] == 0, r
