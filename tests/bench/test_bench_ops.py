@@ -24,6 +24,7 @@ MATMUL_OPS = {
     *(f"linear.{f}.decode" for f in W4A16),
     *(f"linear.{f}.prefill" for f in W4A16 if f != "nf4"),
     *(f"qlinear.{s}" for s in SCHEMES),
+    "qlinear.w4a4-nvfp4+fp8", "qlinear.w4a4-nvfp4+fp8-kept",
     *(f"scaled_mm.{p}.prefill" for p in PAIRS),
     *(f"scaled_mm.{p}.decode" for p in PAIRS),
     *(f"scaled_linear.{p}" for p in PAIRS),
@@ -205,3 +206,16 @@ def test_runner_writes_the_json_after_every_case(tmp_path, fake_timer):
               device="cpu", backend="torch", baselines="none", json_path=path, progress=progress,
               header=envinfo.header())
     assert seen == [1, 2]  # each case's row is on disk by the time its progress line is printed
+
+
+@pytest.mark.parametrize("name", ["qlinear.w4a4-nvfp4+fp8", "qlinear.w4a4-nvfp4+fp8-kept"])
+def test_fp8_compute_ops_run_the_fp8_mode(name):
+    """From FP8_COMPUTE_MIN_M rows the op's layer is in the FP8 compute mode (kept weight or not), and its check
+    holds it to the same mode on the PyTorch backend (the exact product would be off by the mode's error)."""
+    from lowbit.ops.policy import FP8_COMPUTE_MIN_M
+
+    shape = (FP8_COMPUTE_MIN_M, 128, 256)
+    case = bench.REGISTRY[name].setup(shape, Context(device="cpu", backend="torch", baselines=False, check=True))
+    assert "FP8 compute mode" in case.note
+    assert case.check().startswith("rel_fro")
+    assert set(bench.REGISTRY[name].shapes) >= {(32760, 5120, 5120), (8190, 13824, 5120), (32760, 5120, 13824)}

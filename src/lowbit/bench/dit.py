@@ -66,7 +66,7 @@ DEFAULT_MODES = ("eager", "graph")
 def default_configs() -> tuple[str, ...]:
     from ..nn.schemes import SCHEMES
 
-    return ("bf16", *(f"lowbit:{s}" for s in SCHEMES), "lowbit:w4a4-nvfp4+fp8")
+    return ("bf16", *(f"lowbit:{s}" for s in SCHEMES), "lowbit:w4a4-nvfp4+fp8", "lowbit:w4a4-nvfp4+fp8-kept")
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -169,7 +169,8 @@ def make_inputs(s: DiTShape, tokens: int, device, seed: int = 1) -> tuple:
 
 def apply_config(model: nn.Module, config: str) -> nn.Module:
     """Quantize ``model`` in place as ``config`` says: ``bf16`` or ``lowbit:<scheme>`` (every Linear);
-    ``lowbit:w4a4-nvfp4+fp8``: then the FP8 compute mode (``lowbit.nn.set_compute(model, "fp8_block")``)."""
+    ``lowbit:w4a4-nvfp4+fp8``: then the FP8 compute mode (``lowbit.nn.set_compute(model, "fp8_block")``, the
+    weight re-encoded on every call); ``+fp8-kept``: with each layer's FP8 weight kept (``keep_weight=True``)."""
     if config == "bf16":
         return model
     kind, _, name = config.partition(":")
@@ -178,13 +179,13 @@ def apply_config(model: nn.Module, config: str) -> nn.Module:
         from lowbit.nn import set_compute
 
         scheme, _, mode = name.partition("+")
-        if mode not in ("", "fp8"):
-            raise ValueError(f"unknown config {config!r}: lowbit:<scheme> or lowbit:<scheme>+fp8")
+        if mode not in ("", "fp8", "fp8-kept"):
+            raise ValueError(f"unknown config {config!r}: lowbit:<scheme>, lowbit:<scheme>+fp8 or +fp8-kept")
         model = lowbit.quantize_model(model, scheme, skip=())
-        if mode and not set_compute(model, "fp8_block"):
+        if mode and not set_compute(model, "fp8_block", keep_weight=mode == "fp8-kept"):
             raise ValueError(f"config {config!r}: +fp8 is for w4a4-nvfp4 layers, none in this model")
         return model
-    raise ValueError(f"unknown config {config!r}; known: bf16, lowbit:<scheme>, lowbit:w4a4-nvfp4+fp8")
+    raise ValueError(f"unknown config {config!r}; known: bf16, lowbit:<scheme>, lowbit:w4a4-nvfp4+fp8[-kept]")
 
 
 def weight_bytes(model: nn.Module) -> int:

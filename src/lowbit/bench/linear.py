@@ -9,7 +9,9 @@ Shapes are ``(M, N, K)``: x ``[M, K]`` bf16, the weight ``[N, K]`` (``nn.Linear`
 - ``linear.<format>.prefill`` (M = 33 ... 4096): the GEMM regime; ``lowbit.linear`` picks the Triton GEMM or,
   at large M, chunked dequantize + cuBLAS; the other lowbit path is timed as a ``lowbit.*`` baseline.
 - ``qlinear.<scheme>``: ``QuantLinear.forward`` (every scheme, weight-only and activation-quantized), the
-  module path a quantized model runs, host work included.
+  module path a quantized model runs, host work included; ``qlinear.w4a4-nvfp4+fp8`` and ``+fp8-kept``: the
+  same layer in the opt-in FP8 compute mode (``lowbit.nn.set_compute``; the FP8 weight re-encoded per call or
+  kept), at the DiT projection shapes, checked against the same mode on the PyTorch backend.
 
 Bytes: the quantized weight, x and the bf16 output, each once; FLOPs ``2 M N K``. The check: relative
 Frobenius error <= 1e-2 and max error <= 2e-2 of the max against ``lowbit.ops.linear_reference`` in fp32 (the
@@ -47,6 +49,11 @@ FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 PREFILL_FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4.dq", "int4_awq")
 QLINEAR_SHAPES: tuple[Shape, ...] = ((1, 4096, 4096), (16, 4096, 4096), (4096, 4096, 4096))
+DIT_SHAPES: tuple[Shape, ...] = tuple((m, n, k) for m in (32760, 8190)
+                                      for n, k in ((5120, 5120), (13824, 5120), (5120, 13824)))
+"""A Wan2.1-14B-shaped DiT block's projections (attention 5120², FFN up and down) at 32760 and 8190 tokens."""
+COMPUTE_VARIANTS = {"fp8": False, "fp8-kept": True}
+"""``qlinear.w4a4-nvfp4+<variant>``: the FP8 compute mode, with ``keep_weight`` as given."""
 GRAPH_MAX_M = 64
 """Matmul cases up to this M are also timed as CUDA-graph replays (launch-bound at these sizes)."""
 
@@ -194,9 +201,14 @@ def _linear_nbytes(label: str) -> Callable[[Shape], int]:
     return nbytes
 
 
-def _qlinear_setup(scheme_name: str) -> Callable[[Shape, Context], Case]:
+def _qlinear_setup(scheme_name: str, compute: str | None = None) -> Callable[[Shape, Context], Case]:
     def setup(shape: Shape, ctx: Context) -> Case:
-        from lowbit.nn import SCHEMES, QuantLinear
+        from lowbit.nn import SCHEMES, QuantLinear, set_compute
+
+        def in_mode(layer: QuantLinear) -> QuantLinear:
+            if compute is not None:
+                set_compute(layer, "fp8_block", keep_weight=COMPUTE_VARIANTS[compute])
+            return layer
 
         scheme = SCHEMES[scheme_name]
         m, n, k = shape
@@ -210,7 +222,7 @@ def _qlinear_setup(scheme_name: str) -> Callable[[Shape, Context], Case]:
             lin = torch.nn.Linear(k, n, bias=False, device=ctx.device, dtype=torch.bfloat16)
             with torch.no_grad():
                 lin.weight.copy_(w)
-            return QuantLinear.from_linear(lin, scheme, backend=ctx.backend)
+            return in_mode(QuantLinear.from_linear(lin, scheme, backend=ctx.backend))
 
         first = layer_of(p.w)
         nl = copies(first.weight_qtensor.nbytes, ctx.device) if m <= GRAPH_MAX_M else 1
@@ -219,14 +231,15 @@ def _qlinear_setup(scheme_name: str) -> Callable[[Shape, Context], Case]:
         for f in fns:  # kernel layouts and compilation, outside the timing
             f()
         def check() -> str:
-            ref = QuantLinear(k, n, False, scheme=scheme, weight=first.weight_qtensor, backend="torch")
+            ref = in_mode(QuantLinear(k, n, False, scheme=scheme, weight=first.weight_qtensor, backend="torch"))
             return close(first(x), ref(x))
 
         baselines: dict[str, Baseline] = {}
         if ctx.baselines:
             baselines["cublas.bf16"] = _cublas(p)
         return _matmul_case(shape, ctx, fns, first.weight_qtensor.nbytes, baselines, check,
-                            f"{scheme.description}" + (f"; {len(layers)} layer copies" if len(layers) > 1 else ""))
+                            f"{scheme.description}" + (f"; FP8 compute mode ({compute})" if compute else "")
+                            + (f"; {len(layers)} layer copies" if len(layers) > 1 else ""))
 
     return setup
 
@@ -272,16 +285,17 @@ class LinearOp:
         )
 
 
-def _qlinear_op(scheme_name: str) -> Op:
+def _qlinear_op(scheme_name: str, compute: str | None = None) -> Op:
     from lowbit.nn import SCHEMES
 
+    mode = "" if compute is None else f" in the FP8 compute mode ({compute})"
     return Op(
-        name=f"qlinear.{scheme_name}",
-        setup=_qlinear_setup(scheme_name),
-        shapes=QLINEAR_SHAPES,
-        quick_shapes=QLINEAR_SHAPES[:1],
+        name=f"qlinear.{scheme_name}" + (f"+{compute}" if compute else ""),
+        setup=_qlinear_setup(scheme_name, compute),
+        shapes=QLINEAR_SHAPES if compute is None else DIT_SHAPES,
+        quick_shapes=QLINEAR_SHAPES[:1] if compute is None else DIT_SHAPES[:3],
         nbytes=_qlinear_nbytes(scheme_name),
-        doc=f"QuantLinear.forward, scheme {scheme_name}: {SCHEMES[scheme_name].description}; shapes MxNxK",
+        doc=f"QuantLinear.forward, scheme {scheme_name}{mode}: {SCHEMES[scheme_name].description}; shapes MxNxK",
         baselines_everywhere=True,
     )
 
@@ -299,3 +313,5 @@ def register_all() -> None:
         register(lop.to_op(), replace=True)
     for name in SCHEMES:
         register(_qlinear_op(name), replace=True)
+    for compute in COMPUTE_VARIANTS:
+        register(_qlinear_op("w4a4-nvfp4", compute), replace=True)
