@@ -159,5 +159,44 @@ def test_bench_plumbing_cpu():
     res = bench_block_offload(dim=64, ffn_dim=128, heads=4, n_blocks=3, tokens=16, ctx=4, device="cpu", iters=1)
     assert res["offload"]["max_resident_blocks"] == 2 and res["block_bytes"] > 0
     assert res["meets_targets"] is None and res["time_ratio"] > 0
-    assert res["offload"]["slot_bytes"] == 2 * res["block_bytes"]
+    # two slots, each one buffer: the block's bytes plus each tensor's padding to a 512-byte offset
+    assert 2 * res["block_bytes"] <= res["offload"]["slot_bytes"] < 2 * res["block_bytes"] + 2 * 512 * 64
     assert copy.deepcopy(res)["shapes"]["n_blocks"] == 3
+
+
+@pytest.mark.parametrize("scheme", [None, "w4a16-nvfp4"])
+def test_each_slot_is_one_aligned_buffer(scheme):
+    """A slot is one allocation holding every tensor of a block at 512-byte-aligned offsets (per-tensor slots
+    paid the caching allocator's unsplit segment remainders, up to 1 MiB per large weight), and the stack
+    computes what it computed all on the device."""
+    from lowbit.nn.offload import SLOT_ALIGN
+
+    model = _stack(n=3)
+    if scheme:
+        for b in model.blocks:
+            lowbit.quantize_model(b, scheme, skip=())
+    want = model(*_inputs())
+    off = enable_block_offload(model, model.blocks, "cpu", prefetch=1)
+    got = model(*_inputs())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    block_tensors = [*model.blocks[0].parameters(), *model.blocks[0].buffers()]
+    block_bytes = sum(t.numel() * t.element_size() for t in block_tensors)
+    for slot in off._slots:
+        assert slot is not None
+        bases = {t.untyped_storage().data_ptr() for t in slot}
+        assert len(bases) == 1
+        base = next(iter(bases))
+        assert all((t.data_ptr() - base) % SLOT_ALIGN == 0 for t in slot)
+    assert block_bytes * 2 <= off.slot_bytes < 2 * (block_bytes + SLOT_ALIGN * len(block_tensors))
+
+
+def test_non_contiguous_tensors_keep_slots_of_their_own():
+    from lowbit.nn.offload import _slot_views
+
+    host = [torch.randn(4, 6).t(), torch.randn(5)]
+    views = _slot_views(host, torch.device("cpu"))
+    assert [v.stride() for v in views] == [h.stride() for h in host]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 2
+    flat = _slot_views([torch.randn(4, 6), torch.randn(5).bfloat16()], torch.device("cpu"))
+    assert [v.shape for v in flat] == [(4, 6), (5,)] and flat[1].dtype == torch.bfloat16
+    assert len({v.untyped_storage().data_ptr() for v in flat}) == 1

@@ -205,7 +205,7 @@ def bench_block_offload(
     nonblock = weights - sum(_bytes(b) for b in model.blocks)
     on_times, on_peak, on_steady = _run(model, inputs, iters, dev)
     on_live = _live_allocations(dev)
-    # the slots hold blocks: tensors of a block's sizes, or one buffer of a whole block
+    # the slots hold blocks: tensors of a block's sizes, or one buffer of a whole block (added below)
     block_sizes = {t.numel() * t.element_size() for t in (*model.blocks[0].parameters(), *model.blocks[0].buffers())}
     block_sizes.add(block_bytes)
 
@@ -215,6 +215,7 @@ def bench_block_offload(
     off_times, off_peak, off_steady = _run(model, inputs, iters, dev)
     off_live = _live_allocations(dev)
     slot_bytes = offloader.slot_bytes
+    block_sizes.add(slot_bytes // offloader.n_slots)  # a slot's one buffer (the block, aligned per tensor)
     offloader.remove()
 
     act = on_peak - weights if on_peak is not None else None
