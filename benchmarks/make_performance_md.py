@@ -418,8 +418,7 @@ def dit() -> list[str]:
 OFFLOAD_DATE = "2026-11-25 (not in the file: the date of commit 58d9ac9, which added it)"
 
 
-def offload() -> list[str]:
-    name = "h100_offload.json"
+def offload(name: str = "h100_offload.json") -> list[str]:
     d = _load(name)
     h = d.get("header") or {}
     s = d["shapes"]
@@ -480,8 +479,12 @@ def gptq() -> list[str]:
                          f"<= {target:g} s"], rows)
 
 
+def offload_h200() -> list[str]:
+    return offload("h200_offload.json")
+
+
 SECTIONS = [e2e, dit, w4a16_gemv, prefill, scaled_mm_graph, scaled_mm_decode, layer_host, quant_kernels,
-            tensor_parallel, offload, gptq, convert_throughput]
+            tensor_parallel, offload, offload_h200, gptq, convert_throughput]
 
 
 def render() -> str:

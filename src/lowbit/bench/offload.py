@@ -258,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         dim=a.dim, ffn_dim=a.ffn_dim, heads=a.heads, n_blocks=a.n_blocks, tokens=a.tokens, ctx=a.ctx,
         scheme=a.scheme, prefetch=a.prefetch, iters=a.iters, device=a.device,
     )
+    from .envinfo import header
+
+    res = {"header": header(), **res}
     text = json.dumps(res, indent=1)
     print(text)
     if a.json:
