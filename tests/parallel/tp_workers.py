@@ -317,7 +317,14 @@ def fused_checks(rank: int, world: int, device: str, scheme: str = "w4a16-nvfp4"
     layer = fused.layers[0]
     gemms = {id(m._group[0]): m._group[0] for m in fused.modules() if isinstance(m, FusedProjection)}
     qkv = layer.q_proj._group[0]
-    out = {"equal": bool(torch.equal(want, got)), "rel": _rel(got, want), "fused_layers": len(gemms),
+    # the decode step compiled whole (functional all-reduce, the fused members in one graph)
+    h, pos = got[:, :1].to(device, torch.bfloat16).contiguous(), torch.tensor([3], device=device)
+    with torch.inference_mode():
+        eager_step = fused(h, pos)
+        compiled_step = torch.compile(fused, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(h, pos)
+    out = {"compiled_rel": _rel(compiled_step.float().cpu(), eager_step.float().cpu()),
+           "compiled_equal": bool(torch.equal(compiled_step, eager_step)),
+           "equal": bool(torch.equal(want, got)), "rel": _rel(got, want), "fused_layers": len(gemms),
            "fused_class": type(qkv).__name__, "fused_full_out": qkv.tp.full_out, "fused_local_out": qkv.out_features,
            "local_q": layer.q_proj.out_features}
     unfuse_projections(fused)
