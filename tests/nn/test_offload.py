@@ -12,7 +12,8 @@ import torch
 import lowbit
 from lowbit.bench.offload import WanStack, bench_block_offload
 from lowbit.nn import QuantLinear
-from lowbit.nn.offload import enable_block_offload, lazy_load_quantized
+from lowbit.nn.lazy_load import lazy_load_quantized
+from lowbit.nn.offload import enable_block_offload
 
 
 def _stack(seed=0, n=5):
@@ -200,3 +201,11 @@ def test_non_contiguous_tensors_keep_slots_of_their_own():
     flat = _slot_views([torch.randn(4, 6), torch.randn(5).bfloat16()], torch.device("cpu"))
     assert [v.shape for v in flat] == [(4, 6), (5,)] and flat[1].dtype == torch.bfloat16
     assert len({v.untyped_storage().data_ptr() for v in flat}) == 1
+
+
+def test_lazy_load_keeps_its_old_import_path():
+    from lowbit.nn import lazy_load, offload
+
+    assert offload.lazy_load_quantized is lazy_load.lazy_load_quantized
+    with pytest.raises(AttributeError):
+        offload.no_such_name  # noqa: B018
