@@ -85,6 +85,9 @@ def test_fused_config_fuses_siblings_and_computes_the_same():
         torch.testing.assert_close(fused(ids, torch.arange(4)), plain(ids, torch.arange(4)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="unknown config"):
         e2e.apply_config(plain, "lowbit:w4a16-int4+nope")
+    # fp8_block weights do not stack: the config says so instead of running unfused under its name
+    with pytest.raises(ValueError, match="could be fused"):
+        e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w8a8-fp8-block+fused")
 
 
 def test_run_writes_json_with_ratios_and_errors(tmp_path, capsys):

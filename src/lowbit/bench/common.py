@@ -121,6 +121,26 @@ def optional(build: Callable[[], Callable[[], Any]], package: str) -> Baseline:
         return f"{package} setup failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
+def lowbit_config(config: str, modes: Sequence[str], known: str) -> tuple[str, str]:
+    """``(scheme, mode)`` of a model benchmark's config ``lowbit:<scheme>`` or ``lowbit:<scheme>+<mode>`` (mode
+    one of ``modes``; ``""`` without one). ValueError naming the config and ``known`` (the accepted forms)
+    for anything else."""
+    kind, _, name = config.partition(":")
+    scheme, _, mode = name.partition("+")
+    if kind != "lowbit" or not scheme or mode not in ("", *modes):
+        raise ValueError(f"unknown config {config!r}; known: {known}")
+    return scheme, mode
+
+
+def fuse_or_fail(model: torch.nn.Module, config: str) -> None:
+    """``lowbit.nn.fuse_projections(model)`` for a ``+fused`` config; ValueError if nothing could be fused
+    (a scheme whose weights do not stack), so that such a config never runs unfused under its name."""
+    from ..nn import fuse_projections
+
+    if not fuse_projections(model):
+        raise ValueError(f"config {config!r}: no projections of this scheme could be fused")
+
+
 def on_cuda(device: str) -> bool:
     return torch.device(device).type == "cuda"
 

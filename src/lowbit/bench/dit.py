@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import modes_and_device, short_error
+from .common import lowbit_config, modes_and_device, short_error
 from .timing import sync
 
 
@@ -173,19 +173,14 @@ def apply_config(model: nn.Module, config: str) -> nn.Module:
     weight re-encoded on every call); ``+fp8-kept``: with each layer's FP8 weight kept (``keep_weight=True``)."""
     if config == "bf16":
         return model
-    kind, _, name = config.partition(":")
-    if kind == "lowbit":
-        import lowbit
-        from lowbit.nn import set_compute
+    import lowbit
+    from lowbit.nn import set_compute
 
-        scheme, _, mode = name.partition("+")
-        if mode not in ("", "fp8", "fp8-kept"):
-            raise ValueError(f"unknown config {config!r}: lowbit:<scheme>, lowbit:<scheme>+fp8 or +fp8-kept")
-        model = lowbit.quantize_model(model, scheme, skip=())
-        if mode and not set_compute(model, "fp8_block", keep_weight=mode == "fp8-kept"):
-            raise ValueError(f"config {config!r}: +fp8 is for w4a4-nvfp4 layers, none in this model")
-        return model
-    raise ValueError(f"unknown config {config!r}; known: bf16, lowbit:<scheme>, lowbit:w4a4-nvfp4+fp8[-kept]")
+    scheme, mode = lowbit_config(config, ("fp8", "fp8-kept"), "bf16, lowbit:<scheme>, lowbit:w4a4-nvfp4+fp8[-kept]")
+    model = lowbit.quantize_model(model, scheme, skip=())
+    if mode and not set_compute(model, "fp8_block", keep_weight=mode == "fp8-kept"):
+        raise ValueError(f"config {config!r}: +fp8 is for w4a4-nvfp4 layers, none in this model")
+    return model
 
 
 def weight_bytes(model: nn.Module) -> int:

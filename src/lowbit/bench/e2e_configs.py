@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .common import fuse_or_fail, lowbit_config
+
 LOWBIT_SCHEMES = ("w4a16-nvfp4", "w4a16-int4", "w4a16-nf4", "w8a8-fp8-block", "w4a8-mxfp4", "w4a4-nvfp4")
 
 
@@ -37,14 +39,10 @@ def apply_config(model: nn.Module, config: str) -> nn.Module:
     if kind == "lowbit":
         import lowbit
 
-        scheme, _, fused = name.partition("+")
-        if fused not in ("", "fused"):
-            raise ValueError(f"unknown config {config!r}: lowbit:<scheme> or lowbit:<scheme>+fused")
+        scheme, fused = lowbit_config(config, ("fused",), "lowbit:<scheme>, lowbit:<scheme>+fused")
         model = lowbit.quantize_model(model, scheme)
         if fused:
-            from lowbit.nn import fuse_projections
-
-            fuse_projections(model)
+            fuse_or_fail(model, config)
         return model
     if kind == "torchao":
         from torchao.quantization import quantize_

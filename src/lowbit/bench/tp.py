@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .common import fuse_or_fail, lowbit_config
 from .decoder import DecoderBlock, DecoderShape, clear_cache, layer_cache, register_decode_buffers
 from .timing import capture_graph
 
@@ -88,9 +89,8 @@ def build_stack(s: DecoderShape, layers: int, max_len: int, config: str, world: 
     fused last (after the sharding: each rank fuses its shards)."""
     import lowbit
 
-    config, plus, extra = config.partition("+")
-    if plus and (extra != "fused" or config == "bf16"):
-        raise ValueError(f"unknown config {config + plus + extra!r}: bf16 or lowbit:<scheme>[+fused]")
+    scheme, fused = (None, "") if config == "bf16" else lowbit_config(
+        config, ("fused",), "bf16, lowbit:<scheme>, lowbit:<scheme>+fused")
     stack = Stack(s, layers, max_len, world, device)
     for i in range(layers):
         torch.manual_seed(1000 + i)
@@ -99,14 +99,11 @@ def build_stack(s: DecoderShape, layers: int, max_len: int, config: str, world: 
             for p in block.parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.02)
-        if config != "bf16":
-            kind, _, scheme = config.partition(":")
-            if kind != "lowbit":
-                raise ValueError(f"unknown config {config!r}: bf16 or lowbit:<scheme>")
+        if scheme is not None:
             lowbit.quantize_model(block, scheme)
         stack.layers.append(block)
     if world > 1:
-        if config == "bf16":
+        if scheme is None:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             torch_plan = {k: ColwiseParallel() if v == "colwise" else RowwiseParallel() for k, v in PLAN.items()}
@@ -115,11 +112,8 @@ def build_stack(s: DecoderShape, layers: int, max_len: int, config: str, world: 
             from ..parallel import parallelize
 
             parallelize(stack, mesh, PLAN, all_reduce=all_reduce, exact=exact)
-    if plus:
-        from ..nn import fuse_projections
-
-        if not fuse_projections(stack):
-            raise ValueError(f"config {config}+fused: no projections of this scheme could be fused")
+    if fused:
+        fuse_or_fail(stack, config)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
     return stack.eval()
