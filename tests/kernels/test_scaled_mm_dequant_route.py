@@ -162,37 +162,37 @@ def test_mx_guard_bounds():
         assert mx_scales_outside_bf16(q).tolist() == [flagged], s
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2"])
-def test_mx_elements_times_exact_range_scales_are_bf16_values(fmt):
-    """Every finite element of the format times 2^(s - 127) at both ends of MX_BF16_EXACT_SCALES survives a
-    round trip through bf16: the route's decoding loses nothing there."""
+def _scaled_elements(fmt, s):
+    """Every finite element of MX format ``fmt`` times 2^(s - 127), in float64."""
     from lowbit.formats import FORMATS
     from lowbit.formats.codecs import decode_minifloat
-    from lowbit.kernels.scaled_mm_routes import MX_BF16_EXACT_SCALES
 
     elem = FORMATS[fmt].element
     codes = torch.arange(1 << (1 + elem.ebits + elem.mbits), dtype=torch.int32)
     values = decode_minifloat(codes, elem).double()
-    values = values[values.isfinite()]
+    return torch.ldexp(values[values.isfinite()], torch.tensor(s - 127, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2"])
+def test_mx_elements_times_exact_range_scales_are_bf16_values(fmt):
+    """Every finite element of the format times 2^(s - 127) at both ends of MX_BF16_EXACT_SCALES survives a
+    round trip through bf16: the route's decoding loses nothing there."""
+    from lowbit.kernels.scaled_mm_routes import MX_BF16_EXACT_SCALES
+
     for s in MX_BF16_EXACT_SCALES:
-        v = torch.ldexp(values, torch.tensor(s - 127, dtype=torch.float64))
+        v = _scaled_elements(fmt, s)
         assert torch.equal(v.to(torch.bfloat16).double(), v), (fmt, s)
 
 
 def test_the_exact_range_is_tight_for_the_widest_format():
     """One step outside the range at either end, some E5M2 element (the widest format) is not a finite bf16
     value or rounds: the bounds are not looser than the formats allow."""
-    from lowbit.formats import FORMATS
-    from lowbit.formats.codecs import decode_minifloat
     from lowbit.kernels.scaled_mm_routes import MX_BF16_EXACT_SCALES
 
     lo, hi = MX_BF16_EXACT_SCALES
-    for fmt, s in (("mxfp8_e5m2", lo - 1), ("mxfp8_e5m2", hi + 1)):
-        elem = FORMATS[fmt].element
-        codes = torch.arange(1 << (1 + elem.ebits + elem.mbits), dtype=torch.int32)
-        values = decode_minifloat(codes, elem).double()
-        v = torch.ldexp(values[values.isfinite()], torch.tensor(s - 127, dtype=torch.float64))
-        assert not torch.equal(v.to(torch.bfloat16).double(), v), fmt
+    for s in (lo - 1, hi + 1):
+        v = _scaled_elements("mxfp8_e5m2", s)
+        assert not torch.equal(v.to(torch.bfloat16).double(), v), s
 
 
 def test_policy_routes_mx_pairs_to_dequant_from_its_threshold(km_mx):

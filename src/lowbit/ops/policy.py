@@ -261,7 +261,7 @@ def kernels_ready(device: torch.device, backend: str | None) -> bool:
 
 
 __all__ = [
-    "CUBLAS_FP8_BLOCK_MIN_M", "DEQUANT_GEMM_MIN_M", "FP8_COMPUTE_MIN_M", "DEQUANT_GEMM_MIN_M_BY_FORMAT", "FOLD_MIN_M",
+    "CUBLAS_FP8_BLOCK_MIN_M", "DEQUANT_GEMM_MIN_M", "DEQUANT_GEMM_MIN_M_BY_FORMAT", "FOLD_MIN_M", "FP8_COMPUTE_MIN_M",
     "FP8_BLOCK_QUANT_IN_GEMM_MAX_M", "GEMV_MAX_M",
     "SCALED_GEMV_MAX_M", "dequant_gemm_min_m", "linear_decide", "linear_reason", "scaled_decide", "scaled_reason",
     "scaled_route",
