@@ -99,6 +99,27 @@ def _stub(name: str, info: dict, scheme: Scheme) -> QuantLinear:
     return m
 
 
+def _to_host(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """CPU copies of ``tensors``. From a GPU the copies go into pinned memory (``non_blocking``; torch's caching
+    host allocator reuses the blocks once the writer drops them) and are waited for once: a copy into fresh
+    pageable memory ran at about 1.4 GB/s on an H200 host, a third of a conversion's time for fp8 outputs."""
+    if device.type != "cuda":
+        return {k: v.to("cpu") for k, v in tensors.items()}
+    out = {k: v.to("cpu", non_blocking=True) for k, v in tensors.items()}
+    torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+def _release_host_cache() -> None:
+    """Give the pinned blocks that :func:`_to_host` left in torch's host cache back to the system: a
+    conversion should not keep gigabytes of page-locked memory in the caller's process."""
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        fn = getattr(torch._C, name, None)
+        if fn is not None:
+            fn()
+            return
+
+
 def _convert_shard(
     keys: list[str],
     source: TensorSource,
@@ -127,7 +148,7 @@ def _convert_shard(
                     opts["global_scale"] = g.to(device)
                 q = quantize(w, scheme.weight_format, **opts)
             m = QuantLinear(w.shape[1], w.shape[0], False, scheme=scheme, weight=q)
-            out = {f"{prefix}{k}": v.detach().to("cpu") for k, v in layout.export(m).items()}
+            out = _to_host({f"{prefix}{k}": v.detach() for k, v in layout.export(m).items()}, device)
             info = {
                 "scheme": scheme.name,
                 "shape": [w.shape[0], w.shape[1]],
@@ -179,6 +200,8 @@ def _convert_shards(
     finally:
         if bar is not None:
             bar.close()
+        if dev.type == "cuda":
+            _release_host_cache()
 
 
 def _finalize(plan: ConversionPlan, tmp: Path, overwrite: bool) -> None:
