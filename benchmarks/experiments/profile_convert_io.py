@@ -149,14 +149,13 @@ def main() -> int:
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
     import torch
-
     from convert_throughput import _importable, write_source
 
     _importable()
     work = Path(tempfile.mkdtemp(prefix="lowbit-convert-io-", dir=a.workdir))
     src = work / "src"
     info = write_source(src, a.size_gb, a.size_gb * 1.01, "cuda:0", 1024)
-    shard = str(sorted(src.glob("*.safetensors"))[0])
+    shard = str(min(src.glob("*.safetensors")))
     results: list = [{"source": info}]
     print(json.dumps(results[0]), flush=True)
     ctx = mp.get_context("spawn")
