@@ -324,48 +324,55 @@ def layer_host() -> list[str]:
     return out + _table(["scheme", "M", "host µs", "`F.linear` host µs", "GPU µs", "`F.linear` GPU µs"], rows)
 
 
-def tensor_parallel() -> list[str]:
-    name = "h100x2_tp.json"
+def tensor_parallel(name: str = "h100x2_tp.json") -> list[str]:
     d = _load(name)
+    compiled = any("compiled_graph_ms" in r for r in d["rows"])
     h = d["header"]
     rows = []
     for r in d["rows"]:
         variant = "—" if r["world"] == 1 else r["all_reduce"] + (", exact" if r.get("exact") else "")
         rows.append([f"`{r['config']}`", str(r["world"]), variant, _fmt(r.get("decode_graph_ms"), ".3f"),
-                     _fmt(r.get("projections_graph_ms"), ".3f"), _fmt(r.get("decode_eager_ms"), ".2f"),
-                     _fmt(r.get("prefill_ms"), ".1f"), _fmt(r.get("weight_gb_per_rank"), ".2f"),
-                     _fmt(r.get("rel_err_vs_1gpu_layer0"), ".1e")])
+                     _fmt(r.get("projections_graph_ms"), ".3f")]
+                    + ([_fmt(r.get("compiled_graph_ms"), ".3f")] if compiled else [])
+                    + [_fmt(r.get("decode_eager_ms"), ".2f"),
+                       _fmt(r.get("prefill_ms"), ".1f"), _fmt(r.get("weight_gb_per_rank"), ".2f"),
+                       _fmt(r.get("rel_err_vs_1gpu_layer0"), ".1e")])
     ratios = []
     for e in d["ratios"]:
         variant = e["all_reduce"] + (", exact" if e.get("exact") else "")
         ratios.append([f"`{e['config']}`", variant] + [
             _fmt(e.get(m), ".3f") + ("" if m not in ("decode_graph", "prefill") else
                                      " (met)" if e.get(f"{m}_meets") else " (missed)")
-            for m in ("decode_graph", "projections_graph", "decode_eager", "prefill")])
-    out = [(f"## Tensor parallel: {d['args']['layers']} Llama-3-70B-shaped layers on 1 and {d['tp']} GPUs "
-            "(`lowbit bench tp`)"), "",
+            for m in ("decode_graph", "projections_graph", *(("compiled_graph",) if compiled else ()),
+                      "decode_eager", "prefill")])
+    gpu = d["header"]["gpu"].removeprefix("NVIDIA ").split()[0]
+    out = [(f"## Tensor parallel on {gpu}: {d['args']['layers']} Llama-3-70B-shaped layers on 1 and {d['tp']} "
+            "GPUs (`lowbit bench tp`)"), "",
            _hdr_method(name, h, extra=d.get("note", "")), "",
            ("Milliseconds per decode step at batch 1 replayed from a CUDA graph (all-reduces captured), the same "
             "for the projections alone (norms, the seven projections with their all-reduces, residual adds: no "
-            "attention or RoPE), eager decode, and eager prefill of "
+            "attention or RoPE)"
+            + (", the `torch.compile`d decode step replayed from a CUDA graph (compiled)" if compiled else "")
+            + ", eager decode, and eager prefill of "
             f"{d['args']['prefill']} tokens; the slowest rank. `err L0`: relative difference of the first "
             "layer's output from one GPU's."), ""]
-    out += _table(["config", "GPUs", "row-parallel sum", "decode graph ms", "projections ms", "eager ms",
-                   "prefill ms", "GB per GPU", "err L0"], rows)
+    out += _table(["config", "GPUs", "row-parallel sum", "decode graph ms", "projections ms",
+                   *(["compiled ms"] if compiled else []), "eager ms", "prefill ms", "GB per GPU", "err L0"], rows)
     out += ["", f"Time on {d['tp']} GPUs over time on 1 (targets: decode graph <= 0.6, prefill <= 0.55):", ""]
-    out += _table(["config", "variant", "decode graph", "projections graph", "eager decode", "prefill"], ratios)
+    out += _table(["config", "variant", "decode graph", "projections graph",
+                   *(["compiled graph"] if compiled else []), "eager decode", "prefill"], ratios)
     return out
 
 
-def convert_throughput() -> list[str]:
-    name = "h100x2_convert.json"
+def convert_throughput(name: str = "h100x2_convert.json") -> list[str]:
     d = _load(name)
     src = d["source"]
     rows = [[f"`{r['scheme']}`", str(r["world_size"]), _fmt(r["inner_s"], ".1f"), _fmt(r["inner_gbps"], ".2f"),
              _fmt(r["outer_s"], ".1f"), _fmt(r["outer_gbps"], ".2f")] for r in d["runs"]]
     speed = [[f"`{s}`", _fmt(v.get("inner"), ".2f"), _fmt(v.get("outer"), ".2f"), str(d["identical"].get(s))]
              for s, v in d["speedup"].items()]
-    out = ["## Checkpoint conversion on 1 and 2 GPUs (`benchmarks/convert_throughput.py`)", "",
+    gpu = d["host"]["gpus"][0].removeprefix("NVIDIA ").split()[0]
+    out = [f"## Checkpoint conversion on 1 and 2 {gpu} GPUs (`benchmarks/convert_throughput.py`)", "",
            _method(name, gpu=", ".join(d["host"]["gpus"]), date=d["date"][:10], torch=d["host"]["torch"],
                    extra=f"A synthetic Llama-3-70B-shaped checkpoint of {src['bytes'] / 1e9:.1f} GB in "
                          f"{src['shards']} shards, read from the page cache; the disk takes "
@@ -375,6 +382,16 @@ def convert_throughput() -> list[str]:
     out += _table(["scheme", "GPUs", "inner s", "inner GB/s", "outer s", "outer GB/s"], rows)
     out += ["", "Speedup of 2 GPUs over 1 (target: >= 1.8) and byte-identical outputs:", ""]
     out += _table(["scheme", "inside", "with start-up", "identical"], speed)
+    if d.get("note"):
+        out += ["", f"Note: {d['note']}"]
+    for label, other in d.get("other_runs", {}).items():
+        out += ["", f"Speedup of 2 GPUs over 1 in the `{label}` run "
+                    f"(disk: {other['disk_write_gbps']:.2f} GB/s of fsynced writes):", ""]
+        out += _table(["scheme", "1 GPU inner s", "2 GPUs inner s", "inside", "with start-up", "identical"], [
+            [f"`{s}`"] + [_fmt(next((r["inner_s"] for r in other["runs"] if r["scheme"] == s
+                                     and r["world_size"] == w), None), ".2f") for w in (1, 2)]
+            + [_fmt(v.get("inner"), ".2f"), _fmt(v.get("outer"), ".2f"), str(other["identical"].get(s))]
+            for s, v in other["speedup"].items()])
     return out
 
 
@@ -484,19 +501,20 @@ def offload_h200() -> list[str]:
 
 
 SECTIONS = [e2e, dit, w4a16_gemv, prefill, scaled_mm_graph, scaled_mm_decode, layer_host, quant_kernels,
-            tensor_parallel, offload, offload_h200, gptq, convert_throughput]
+            tensor_parallel, lambda: tensor_parallel("h200x2_tp.json"), offload, offload_h200, gptq,
+            convert_throughput, lambda: convert_throughput("h200x2_convert.json")]
 
 
 def render() -> str:
     lines = ["# Performance (H100)", "",
              ("<!-- generated by `python benchmarks/make_performance_md.py` from benchmarks/results/h100_*.json"
-              " and h200_offload.json;"
+              ", h200_offload.json and h200x2_{tp,convert}.json;"
               " do not edit by hand -->"), "",
              ("One table per benchmark, each from the newest curated run of that benchmark on an H100 "
               "(`benchmarks/results/h100_<benchmark>.json`). Each table states its source file, GPU, date, git "
               "sha and versions. Runs on different days ran on different machines and code, so compare numbers "
               "within a table only. The H200 runs are in `benchmarks/results/h200_*.json` (the block offload "
-              "table of the H200 is here too: its bound was first met there); the history of how "
+              "table of the H200 is here too: its bound was first met there, and so are the 2 x H200 tensor-parallel and conversion tables); the history of how "
               "each kernel got here is in [perf_notes.md](perf_notes.md) and [history.md](history.md)."), "",
              ("Method: every benchmark checks its outputs against lowbit's CPU reference (bit for bit, or the "
               "stated relative error) before timing; times are medians (`triton.testing.do_bench`) or CUDA-graph "
