@@ -25,6 +25,15 @@ never the activations). With ``sequential`` the layers are quantized stage by st
 block of the model, ``encoder.layer.3``, ``transformer_blocks.7``, ... or a Linear outside any): each stage
 is calibrated on the outputs of the stages already quantized, as GPTQ does, at the cost of one calibration
 pass per stage.
+
+With ``asymmetric`` (the objective of GPTAQ, also published as GPTQv2: Li et al., 2025, "asymmetric
+calibration") a layer's quantized output on the inputs it really sees (``X``, from the stages
+already quantized) is fitted to the float model's output on the float model's inputs (``X_f``):
+``||X Q^T - X_f W^T||^2``. With ``C = 2 X_f^T X / n`` that equals ``||X (Q - W~)^T||^2`` plus a constant for
+``W~ = W C H^-1``, so GPTQ runs unchanged on the target ``W~`` (computed as ``W (C + d) (H + d)^-1`` with GPTQ's
+dampening ``d``: a ridge penalty that pulls ``W~`` towards ``W`` where the calibration says little): the rounding of a layer also absorbs
+the drift that the earlier layers' rounding put into its inputs. The float inputs come from a copy of the
+model made before any layer is quantized, run on the same calibration batches.
 """
 
 from __future__ import annotations
@@ -76,6 +85,10 @@ class GPTQ:
             them.
         refine_damp: dampening of the refinement's ``H``, as a fraction of its mean diagonal (>= 0; 0: the
             calibration Hessian itself; None, the default: ``damp``, the loop's own).
+        asymmetric: fit each layer's output to the float model's output on the float model's inputs rather
+            than to its own weights on the quantized model's inputs (see the module docstring). Needs
+            ``sequential``; holds a float copy of the model and, per stage, that copy's inputs to the stage's
+            layers over the whole calibration set.
     """
 
     damp: float = 0.1
@@ -85,6 +98,7 @@ class GPTQ:
     scale_search: tuple[float, ...] = ()
     refine_sweeps: int = 0
     refine_damp: float | None = None
+    asymmetric: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)):
@@ -95,7 +109,7 @@ class GPTQ:
             raise TypeError(f"block_size must be an int, got {type(self.block_size).__name__}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        for name in ("act_order", "sequential"):
+        for name in ("act_order", "sequential", "asymmetric"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if isinstance(self.refine_sweeps, bool) or not isinstance(self.refine_sweeps, int):
@@ -108,6 +122,9 @@ class GPTQ:
             raise TypeError(f"refine_damp must be a float or None, got {type(self.refine_damp).__name__}")
         elif not (self.refine_damp >= 0 and math.isfinite(self.refine_damp)):
             raise ValueError(f"refine_damp must be a finite float >= 0, got {self.refine_damp}")
+        if self.asymmetric and not self.sequential:
+            raise ValueError("asymmetric=True needs sequential=True: without quantized stages before a layer, "
+                             "its inputs are the float model's and there is no drift to fit")
         # a tuple of floats whatever sequence was given: the options stay hashable and compare equal
         object.__setattr__(self, "scale_search", check_scale_search(self.scale_search))
 
@@ -140,6 +157,34 @@ class HessianAccumulator:
         self.H.addmm_(x.t(), x)
 
 
+class CrossAccumulator(HessianAccumulator):
+    """:class:`HessianAccumulator` of the quantized model's inputs ``x`` plus the running cross term
+    ``C = 2 X_f^T X / n`` with the float model's inputs ``x_f`` to the same layer on the same rows."""
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+        super().__init__(in_features, device)
+        self.C = torch.zeros_like(self.H)
+
+    @torch.no_grad()
+    def add_pair(self, x: torch.Tensor, x_float: torch.Tensor) -> None:
+        """Add the rows of ``x`` (to ``H``) and the pairs of rows of ``x_float`` and ``x`` (to ``C``)."""
+        if not isinstance(x_float, torch.Tensor) or tuple(x_float.shape) != tuple(x.shape):
+            raise ValueError(
+                f"x_float must have the shape of x {tuple(x.shape)}, got "
+                f"{tuple(getattr(x_float, 'shape', ()))} (the float model's calibration calls must match the "
+                "quantized model's one for one)"
+            )
+        m = x.reshape(-1, self.in_features).shape[0]
+        if m == 0:
+            return
+        n = self.n
+        self.add(x)
+        xq = x.detach().reshape(-1, self.in_features).to(self.C.device, torch.float32)
+        xf = x_float.detach().reshape(-1, self.in_features).to(self.C.device, torch.float32)
+        self.C.mul_(n / self.n)
+        self.C.addmm_(xf.t(), xq, alpha=2.0 / self.n)
+
+
 def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
     """Upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1``; the dampening grows tenfold (up to
     three times) if ``H`` is not positive definite enough in fp32."""
@@ -164,6 +209,7 @@ def gptq_quantize(
     fmt: str,
     *,
     config: GPTQ | None = None,
+    C: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[QTensor, torch.Tensor]:
     """GPTQ of one weight ``[out, in]`` to ``fmt`` with the layer's input Hessian ``H`` ``[in, in]``.
@@ -173,6 +219,8 @@ def gptq_quantize(
         H: ``2 X^T X / n`` of the layer's inputs (:class:`HessianAccumulator`).
         fmt: one of :data:`lowbit.algorithms.grids.GRID_FORMATS`.
         config: :class:`GPTQ` options (default ``GPTQ()``).
+        C: ``2 X_f^T X / n`` (:class:`CrossAccumulator`) for the asymmetric objective: the values are fitted
+            to ``X_f W^T`` instead of ``X W^T`` (None: the symmetric objective, as GPTQ).
         **options: ``lowbit.quantize`` options of the format (nvfp4 ``global_scale``, int4_awq ``group_size``,
             nf4/bnb_fp4 ``blocksize``, ...); ``scale_search=`` overrides ``config.scale_search``.
 
@@ -200,12 +248,38 @@ def gptq_quantize(
         )
     if not torch.isfinite(H).all():
         raise ValueError("H must be finite (the calibration inputs held NaN/Inf)")
+    if C is not None:
+        if not isinstance(C, torch.Tensor) or not C.is_floating_point() or tuple(C.shape) != (k, k):
+            raise ValueError(f"C must be a floating-point tensor of shape ({k}, {k}), got "
+                             f"{getattr(C, 'dtype', type(C))} {tuple(getattr(C, 'shape', ()))}")
+        if not torch.isfinite(C).all():
+            raise ValueError("C must be finite (the calibration inputs held NaN/Inf)")
+        C = C.to(weight.device, torch.float32)
     options.setdefault("scale_search", config.scale_search)
     grid = grid_for(weight, fmt, **options)
-    return _run(weight, H.to(weight.device, torch.float32), grid, config)
+    return _run(weight, H.to(weight.device, torch.float32), grid, config, C)
 
 
-def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ) -> tuple[QTensor, torch.Tensor]:
+def _asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
+    """``W (C + d I) (H + d I)^-1`` with ``d = damp * mean(diag H)``: the weight whose output on the quantized
+    model's inputs best matches ``W``'s on the float model's, with a ridge penalty ``d ||W~ - W||^2`` that pulls
+    it towards ``W`` (towards zero, the plain ridge solution shrinks the weights along every direction the
+    calibration saw little of). Without drift (``C == H``) it is ``W`` itself."""
+    mean = torch.mean(torch.diag(H))
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    for attempt in range(4):
+        d = (damp * 10**attempt) * mean
+        L, info = torch.linalg.cholesky_ex(H + d * eye)
+        if int(info) == 0:
+            # (H + d)^-1 is symmetric: W (C + d) (H + d)^-1 = ((H + d)^-1 (C^T + d) W^T)^T
+            return torch.cholesky_solve((C.t() + d * eye) @ W.t(), L).t().contiguous()
+    raise ValueError(
+        f"damp: H stays singular after dampening {damp * 1000:g}x its mean diagonal (non-finite inputs?)"
+    )
+
+
+def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ,
+         C: torch.Tensor | None = None) -> tuple[QTensor, torch.Tensor]:
     W = weight.detach().float().clone()
     rows, cols = W.shape
     G = grid.group
@@ -213,6 +287,8 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ) -> tup
     dead = torch.diag(H) == 0
     # inputs that were always zero: their weights cannot matter, and a zero diagonal breaks the inverse
     H[dead, dead] = 1
+    if C is not None:
+        W = _asymmetric_target(W, H, C, config.damp)
     W[:, dead] = 0
     if config.refine_sweeps:
         # W is updated in place by the loop; H is not (it is permuted into a copy, and dampened into a new
@@ -312,6 +388,7 @@ def apply_gptq(
     run_calibration: Callable[[], Any],
     config: GPTQ | None = None,
     log: Callable[[str], None] | None = None,
+    calibrate_on: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, str]:
     """GPTQ every Linear of ``targets`` in place, stage by stage (see the module docstring).
 
@@ -324,6 +401,8 @@ def apply_gptq(
         run_calibration: runs the model over the calibration data once.
         config: :class:`GPTQ` options.
         log: progress lines (None: silent).
+        calibrate_on: ``calibrate_on(m)`` runs the model ``m`` (a float copy of ``model``) over the same
+            calibration data as ``run_calibration``, in the same order; needed by ``config.asymmetric``.
 
     Returns:
         name -> ``"gptq"`` or why the layer was rounded to nearest instead (it never ran during calibration,
@@ -332,15 +411,27 @@ def apply_gptq(
     config = GPTQ() if config is None else config
     modules = dict(model.named_modules())
     how: dict[str, str] = {}
+    reference = None
+    if config.asymmetric:
+        if calibrate_on is None:
+            raise ValueError("config.asymmetric needs calibrate_on (runs the float copy over the calibration data)")
+        import copy
+
+        # the float model whose outputs every quantized layer is fitted to, copied before any layer changes
+        reference = copy.deepcopy(model)
+        ref_modules = dict(reference.named_modules())
 
     def replace(name: str, new: nn.Module) -> None:
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
 
     for stage in _stages(targets, config.sequential):
-        acc = {n: HessianAccumulator(targets[n].in_features, targets[n].weight.device) for n in stage}
-        with recording_inputs({n: targets[n] for n in stage}, lambda name, x: acc[name].add(x)):
-            run_calibration()
+        if reference is None:
+            acc = {n: HessianAccumulator(targets[n].in_features, targets[n].weight.device) for n in stage}
+            with recording_inputs({n: targets[n] for n in stage}, lambda name, x: acc[name].add(x)):
+                run_calibration()
+        else:
+            acc = _paired_statistics(stage, targets, ref_modules, reference, run_calibration, calibrate_on)
         for n in stage:
             lin = targets[n]
             fmt, opts = quantize_options(n, lin)
@@ -353,7 +444,7 @@ def apply_gptq(
             q = None
             if why is None:
                 try:
-                    q, _ = gptq_quantize(lin.weight, a.H, fmt, config=config, **opts)
+                    q, _ = gptq_quantize(lin.weight, a.H, fmt, config=config, C=getattr(a, "C", None), **opts)
                 except ValueError as e:
                     if "straddle" not in str(e):
                         raise
@@ -366,6 +457,34 @@ def apply_gptq(
     fallback = [f"{n} ({w.split(': ', 1)[1]})" for n, w in how.items() if w != "gptq"]
     warn_layers("lowbit GPTQ", "rounded to nearest instead", fallback, stacklevel=3)
     return how
+
+
+def _paired_statistics(stage, targets, ref_modules, reference, run_calibration, calibrate_on):
+    """``H`` and ``C`` of every layer of ``stage``: the float copy's inputs to the stage's layers are kept
+    (the copy is run first), then paired call by call with the quantized model's inputs."""
+    kept: dict[str, list] = {n: [] for n in stage}
+    with recording_inputs({n: ref_modules[n] for n in stage},
+                          lambda name, x: kept[name].append(x.detach().clone())):
+        calibrate_on(reference)
+    acc = {n: CrossAccumulator(targets[n].in_features, targets[n].weight.device) for n in stage}
+    calls = dict.fromkeys(stage, 0)
+
+    def pair(name: str, x: torch.Tensor) -> None:
+        i = calls[name]
+        calls[name] = i + 1
+        if i >= len(kept[name]):
+            raise ValueError(f"asymmetric GPTQ: {name} ran more often on the quantized model than on the float "
+                             "copy; the calibration must run the same batches in the same order every time")
+        x_float, kept[name][i] = kept[name][i], None  # freed as soon as it is paired
+        acc[name].add_pair(x, x_float)
+
+    with recording_inputs({n: targets[n] for n in stage}, pair):
+        run_calibration()
+    for n in stage:
+        if calls[n] != len(kept[n]):
+            raise ValueError(f"asymmetric GPTQ: {n} ran {len(kept[n])} times on the float copy and {calls[n]} "
+                             "on the quantized model; the calibration must run the same batches every time")
+    return acc
 
 
 ALGORITHMS = ("rtn", "awq", "gptq")
@@ -414,6 +533,7 @@ def apply_gptq_scheme(
     global_scales: Mapping[str, torch.Tensor],
     input_scales: Mapping[str, torch.Tensor],
     backend: str | None,
+    calibrate_on: Callable[[nn.Module], Any] | None = None,
 ) -> dict[str, str]:
     """:func:`apply_gptq` with ``QuantLinear`` layers of ``scheme`` (what ``quantize_model`` calls): nvfp4
     weights keep the global scale ``quantize_model`` chose (shared by fused siblings), activations their
@@ -439,12 +559,13 @@ def apply_gptq_scheme(
             lin.in_features, lin.out_features, bias is not None, scheme=scheme, weight=q, bias_tensor=bias,
             input_global_scale=input_scales.get(name), backend=backend))
 
-    return apply_gptq(model, targets, build, options, run_calibration, config)
+    return apply_gptq(model, targets, build, options, run_calibration, config, calibrate_on=calibrate_on)
 
 
 __all__ = [
     "ALGORITHMS",
     "GPTQ",
+    "CrossAccumulator",
     "HessianAccumulator",
     "apply_gptq",
     "apply_gptq_scheme",

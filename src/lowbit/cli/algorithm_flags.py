@@ -81,7 +81,9 @@ def gptq_flags(args: argparse.Namespace) -> list[str]:
     """The ``--gptq-*`` flags given."""
     return [flag for flag, value in (("--gptq-act-order", args.gptq_act_order), ("--gptq-damp", args.gptq_damp),
                                      ("--gptq-scale-search", args.gptq_scale_search),
-                                     ("--gptq-refine-sweeps", args.gptq_refine_sweeps)) if value is not None]
+                                     ("--gptq-refine-sweeps", args.gptq_refine_sweeps),
+                                     ("--gptq-asymmetric", getattr(args, "gptq_asymmetric", None)))
+            if value is not None]
 
 
 def gptq_options(args: argparse.Namespace) -> dict:
@@ -96,6 +98,8 @@ def gptq_options(args: argparse.Namespace) -> dict:
         if not (args.gptq_damp > 0 and math.isfinite(args.gptq_damp)):
             raise ValueError(f"--gptq-damp must be a positive number, got {args.gptq_damp}")
         opts["damp"] = args.gptq_damp
+    if getattr(args, "gptq_asymmetric", None) is not None:
+        opts["asymmetric"] = args.gptq_asymmetric
     if args.gptq_refine_sweeps is not None:
         if args.gptq_refine_sweeps < 0:
             raise ValueError(f"--gptq-refine-sweeps must be >= 0, got {args.gptq_refine_sweeps}")

@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"--gptq-damp) given the others (default {GPTQ_DEFAULTS.get('refine_sweeps', 0)}; 0: GPTQ's values)",
     )
     q.add_argument(
+        "--gptq-asymmetric", action=argparse.BooleanOptionalAction, default=None,
+        help="gptq: fit each layer's output on the quantized model's inputs to the float model's output on its own "
+        "inputs (GPTAQ's asymmetric objective), so that a layer also absorbs the earlier layers' rounding; holds a "
+        "float copy of the model during calibration"
+        + (" (default on)" if GPTQ_DEFAULTS.get("asymmetric") else " (default off)"),
+    )
+    q.add_argument(
         "--rotate-block", type=int, default=None, metavar="B",
         help="rotate: Hadamard block (a power of two; default the activation format's scale block)",
     )

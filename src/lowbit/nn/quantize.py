@@ -403,7 +403,8 @@ def quantize_model(
         from ..algorithms.gptq import apply_gptq_scheme
 
         apply_gptq_scheme(model, targets, scheme, lambda: run_calibration(model, calibration), algorithm,
-                          global_scales, input_scales, backend)
+                          global_scales, input_scales, backend,
+                          calibrate_on=lambda m: run_calibration(m, calibration))
         return model
     from ..algorithms.rotation import carry_input_transform
 

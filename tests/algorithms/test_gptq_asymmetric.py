@@ -1,0 +1,148 @@
+"""GPTQ's asymmetric objective (``GPTQ(asymmetric=True)``): each layer fitted to the float model's output on the
+float model's inputs. The cross statistics, the least-squares target, the layer-level gain, the model driver
+(a float copy run on the same batches) and the errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit
+from lowbit.algorithms import GPTQ, gptq_quantize
+from lowbit.algorithms.gptq import CrossAccumulator, HessianAccumulator, _asymmetric_target
+from lowbit.nn import QuantLinear
+
+CASES = [
+    ("nvfp4", {"convention": "vllm"}),
+    ("mxfp4", {"scale_rounding": "rceil"}),
+    ("fp4_b32", {}),
+    ("nf4", {"blocksize": 64, "double_quant": False}),
+    ("bnb_fp4", {"blocksize": 64, "double_quant": False}),
+    ("int4_awq", {"group_size": 32}),
+]
+
+
+def _drifted(seed: int, out: int = 32, k: int = 128, n: int = 512):
+    """A layer's weight, its float inputs and the inputs a quantized model upstream would give it (the float
+    ones plus a correlated drift of about 15 %)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, k, generator=g) * 0.05
+    mix = torch.randn(k, k, generator=g) * 0.2
+    xf = torch.randn(n, k, generator=g) @ mix + torch.randn(n, k, generator=g)
+    xf[:, :4] *= 8
+    drift = (torch.randn(n, k, generator=g) @ (torch.randn(k, k, generator=g) * 0.05)) * xf.std(0)
+    return w, xf, xf + drift
+
+
+def test_cross_accumulator_matches_direct_sums():
+    w, xf, xq = _drifted(0, k=64, n=300)
+    acc = CrossAccumulator(64)
+    acc.add_pair(xq[:100], xf[:100])
+    acc.add_pair(xq[100:].reshape(2, -1, 64), xf[100:].reshape(2, -1, 64))
+    acc.add_pair(xq[:0], xf[:0])  # an empty batch changes nothing
+    ref = HessianAccumulator(64)
+    ref.add(xq)
+    assert acc.n == 300
+    torch.testing.assert_close(acc.H, ref.H, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(acc.C, 2 * xf.t() @ xq / 300, rtol=1e-4, atol=1e-4)
+
+
+def test_target_is_the_ridge_least_squares_solution():
+    w, xf, xq = _drifted(1, k=64)
+    n = xq.shape[0]
+    H, C = 2 * xq.t() @ xq / n, 2 * xf.t() @ xq / n
+    damp = 0.01
+    t = _asymmetric_target(w, H, C, damp)
+    d = damp * torch.diag(H).mean() * torch.eye(64)
+    torch.testing.assert_close(t @ (H + d), w @ (C + d), rtol=1e-4, atol=1e-4)
+    # without drift (C == H) the target is the weight itself, whatever the dampening (the ridge pulls towards W)
+    for damp in (1e-6, 0.1, 1.0):
+        torch.testing.assert_close(_asymmetric_target(w, H, H, damp), w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("fmt", "opts"), CASES, ids=[c[0] for c in CASES])
+def test_asymmetric_fits_the_float_output_better(fmt, opts):
+    w, xf, xq = _drifted(2)
+    acc = CrossAccumulator(w.shape[1])
+    acc.add_pair(xq, xf)
+    target = xf @ w.t()
+    errs = {}
+    for asym in (False, True):
+        q, values = gptq_quantize(w, acc.H, fmt, config=GPTQ(damp=0.01, asymmetric=asym),
+                                  C=acc.C if asym else None, **opts)
+        torch.testing.assert_close(lowbit.dequantize(q, torch.float32, backend="torch"), values, rtol=0, atol=0)
+        errs[asym] = ((xq @ values.t() - target) ** 2).mean().item()
+    assert errs[True] < 0.8 * errs[False], errs
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 64))
+
+
+def _error(model, q, batches):
+    with torch.no_grad():
+        return sum(((q(x) - model(x)) ** 2).sum().item() for x in batches)
+
+
+def test_quantize_model_asymmetric_runs_and_lowers_the_model_error():
+    g = torch.Generator().manual_seed(3)
+    # 1024 calibration rows for layers of 64 and 128 inputs: enough that the fit is not to the rows' noise
+    calib = [torch.randn(64, 64, generator=g) for _ in range(16)]
+    held = [torch.randn(64, 64, generator=g) for _ in range(4)]
+    ref = _model()
+    errs = {}
+    for asym in (False, True):
+        q = _model()
+        lowbit.quantize_model(q, "w4a16-int4", skip=(), calibration=calib,
+                              algorithm=GPTQ(damp=0.01, asymmetric=asym))
+        assert all(isinstance(m, QuantLinear) for m in (q[0], q[2], q[4]))
+        errs[asym] = _error(ref, q, held)
+    # the float copy is gone and the user's model is the quantized one; the end-to-end error falls on held-out
+    # inputs (the last layers absorb the first ones' rounding)
+    assert errs[True] < errs[False], errs
+
+
+def test_asymmetric_needs_sequential_and_matching_calls():
+    with pytest.raises(ValueError, match="sequential"):
+        GPTQ(asymmetric=True, sequential=False)
+    with pytest.raises(TypeError, match="asymmetric"):
+        GPTQ(asymmetric=1)
+    acc = CrossAccumulator(8)
+    with pytest.raises(ValueError, match="x_float"):
+        acc.add_pair(torch.randn(4, 8), torch.randn(3, 8))
+    m = _model()
+    calls = {"n": 0}
+
+    def calibration(model):
+        # runs whatever model it is given, a batch more on every call: the float copy (run first for each
+        # stage) and the quantized model see different numbers of batches
+        calls["n"] += 1
+        for _ in range(calls["n"]):
+            model(torch.randn(8, 64))
+
+    with pytest.raises(ValueError, match="same batches"):
+        lowbit.quantize_model(m, "w4a16-int4", skip=(), calibration=calibration, algorithm=GPTQ(asymmetric=True))
+
+
+def test_cli_flag():
+    from lowbit.cli.algorithm_flags import algorithm_from_args, gptq_options
+
+    def ns(**kw):
+        base = {"algorithm": "gptq", "smooth_alpha": None, "smooth_online": False, "rotate_block": None,
+                "gptq_act_order": None, "gptq_damp": None, "gptq_scale_search": None, "gptq_refine_sweeps": None,
+                "gptq_asymmetric": None}
+        return argparse.Namespace(**{**base, **kw})
+
+    assert gptq_options(ns(gptq_asymmetric=True))["asymmetric"] is True
+    (cfg,) = algorithm_from_args(ns(gptq_asymmetric=True))
+    assert cfg.asymmetric
+    with pytest.raises(ValueError, match="--gptq-asymmetric"):
+        algorithm_from_args(ns(algorithm="rtn", gptq_asymmetric=True))
+    from lowbit.cli import build_parser
+
+    args = build_parser().parse_args(["quantize", "--scheme", "w4a16-int4", "--algorithm", "gptq", "--gptq-asymmetric"])
+    assert args.gptq_asymmetric is True
