@@ -146,3 +146,67 @@ def test_cli_flag():
 
     args = build_parser().parse_args(["quantize", "--scheme", "w4a16-int4", "--algorithm", "gptq", "--gptq-asymmetric"])
     assert args.gptq_asymmetric is True
+
+
+class _Block(nn.Module):
+    """q/k/v reading one input, an output layer reading their combination: one stage (``blocks.0``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        return x + self.o(torch.tanh(self.q(x)) * torch.sigmoid(self.k(x)) + self.v(x))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_stage_layers_are_grouped_by_input_in_call_order():
+    from lowbit.algorithms.gptq import _float_inputs
+
+    net = _Net()
+    calib = [torch.randn(32, 64) for _ in range(3)]
+    mods = dict(net.named_modules())
+    stage = ["blocks.0.o", "blocks.0.q", "blocks.0.k", "blocks.0.v"]  # o listed first: the call order decides
+    kept, groups = _float_inputs(stage, mods, net, lambda m: [m(x) for x in calib])
+    assert groups == [["blocks.0.q", "blocks.0.k", "blocks.0.v"], ["blocks.0.o"]]
+    assert all(len(kept[n]) == 3 for n in stage)
+
+
+def test_later_layers_of_a_stage_see_the_quantized_earlier_ones(monkeypatch):
+    import lowbit.algorithms.gptq as G
+
+    seen = []
+    real = G._paired_statistics
+
+    def spy(group, targets, kept, run_calibration):
+        # when a group is calibrated, which of the stage's layers are quantized already
+        seen.append((tuple(group), tuple(sorted(n for n in ("blocks.0.q", "blocks.0.k", "blocks.0.v", "blocks.0.o")
+                                                if not isinstance(targets[n], nn.Linear) or
+                                                isinstance(dict(net.named_modules())[n], QuantLinear)))))
+        return real(group, targets, kept, run_calibration)
+
+    monkeypatch.setattr(G, "_paired_statistics", spy)
+    net = _Net()
+    calib = [torch.randn(32, 64) for _ in range(8)]
+    lowbit.quantize_model(net, "w4a16-int4", skip=(), calibration=calib, algorithm=GPTQ(asymmetric=True))
+    assert seen[:2] == [(("blocks.0.q", "blocks.0.k", "blocks.0.v"), ()),
+                        (("blocks.0.o",), ("blocks.0.k", "blocks.0.q", "blocks.0.v"))]
+    assert len(seen) == 4 and all(isinstance(m, QuantLinear) for m in (net.blocks[1].q, net.blocks[1].o))
+
+
+def test_asymmetric_damp_is_checked():
+    with pytest.raises(ValueError, match="asymmetric_damp"):
+        GPTQ(asymmetric=True, asymmetric_damp=0.0)
+    with pytest.raises(TypeError, match="asymmetric_damp"):
+        GPTQ(asymmetric_damp="1")

@@ -30,10 +30,13 @@ With ``asymmetric`` (the objective of GPTAQ, also published as GPTQv2: Li et al.
 calibration") a layer's quantized output on the inputs it really sees (``X``, from the stages
 already quantized) is fitted to the float model's output on the float model's inputs (``X_f``):
 ``||X Q^T - X_f W^T||^2``. With ``C = 2 X_f^T X / n`` that equals ``||X (Q - W~)^T||^2`` plus a constant for
-``W~ = W C H^-1``, so GPTQ runs unchanged on the target ``W~`` (computed as ``W (C + d) (H + d)^-1`` with GPTQ's
-dampening ``d``: a ridge penalty that pulls ``W~`` towards ``W`` where the calibration says little): the rounding of a layer also absorbs
+``W~ = W C H^-1``, so GPTQ runs unchanged on the target ``W~`` (computed as ``W (C + d) (H + d)^-1``: a ridge
+penalty ``d`` that pulls ``W~`` towards ``W`` where the calibration says little, ``asymmetric_damp``): the rounding of a layer also absorbs
 the drift that the earlier layers' rounding put into its inputs. The float inputs come from a copy of the
-model made before any layer is quantized, run on the same calibration batches.
+model made before any layer is quantized, run on the same calibration batches. The layers of a stage are then
+also quantized one after the other (layers reading one same input, q/k/v, together), each calibrated on the
+quantized outputs of those before it: calibrated on unquantized ones, a layer would absorb the drift that the
+layers before it already absorbed.
 """
 
 from __future__ import annotations
@@ -89,6 +92,13 @@ class GPTQ:
             than to its own weights on the quantized model's inputs (see the module docstring). Needs
             ``sequential``; holds a float copy of the model and, per stage, that copy's inputs to the stage's
             layers over the whole calibration set.
+        asymmetric_damp: the ridge penalty of the asymmetric target, as a fraction of ``H``'s mean diagonal
+            (> 0): how strongly the target stays at ``W`` where the calibration says little. Much larger than
+            GPTQ's ``damp``: the drift correction is estimated from the calibration rows and overfits them
+            easily. On the bundled MiniLM (int4, the CLI's GPTQ settings, 379 calibration sentences) the
+            held-out embedding cosine was 0.9902 at 0.01, 0.9913 at 0.1, 0.9916 at 1, 0.9912 at 3 and 0.9909
+            at 10 (symmetric GPTQ: 0.9902), while on the calibration sentences themselves it fell from 0.9984
+            (0.01) to 0.9959 (10) (symmetric: 0.9946).
     """
 
     damp: float = 0.1
@@ -99,6 +109,7 @@ class GPTQ:
     refine_sweeps: int = 0
     refine_damp: float | None = None
     asymmetric: bool = False
+    asymmetric_damp: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.damp, bool) or not isinstance(self.damp, (int, float)):
@@ -122,6 +133,10 @@ class GPTQ:
             raise TypeError(f"refine_damp must be a float or None, got {type(self.refine_damp).__name__}")
         elif not (self.refine_damp >= 0 and math.isfinite(self.refine_damp)):
             raise ValueError(f"refine_damp must be a finite float >= 0, got {self.refine_damp}")
+        if isinstance(self.asymmetric_damp, bool) or not isinstance(self.asymmetric_damp, (int, float)):
+            raise TypeError(f"asymmetric_damp must be a float, got {type(self.asymmetric_damp).__name__}")
+        if not (self.asymmetric_damp > 0 and math.isfinite(self.asymmetric_damp)):
+            raise ValueError(f"asymmetric_damp must be a positive finite float, got {self.asymmetric_damp}")
         if self.asymmetric and not self.sequential:
             raise ValueError("asymmetric=True needs sequential=True: without quantized stages before a layer, "
                              "its inputs are the float model's and there is no drift to fit")
@@ -261,7 +276,7 @@ def gptq_quantize(
 
 
 def _asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
-    """``W (C + d I) (H + d I)^-1`` with ``d = damp * mean(diag H)``: the weight whose output on the quantized
+    """``W (C + d I) (H + d I)^-1`` with ``d = damp * mean(diag H)`` (``GPTQ.asymmetric_damp``): the weight whose output on the quantized
     model's inputs best matches ``W``'s on the float model's, with a ridge penalty ``d ||W~ - W||^2`` that pulls
     it towards ``W`` (towards zero, the plain ridge solution shrinks the weights along every direction the
     calibration saw little of). Without drift (``C == H``) it is ``W`` itself."""
@@ -288,7 +303,7 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ,
     # inputs that were always zero: their weights cannot matter, and a zero diagonal breaks the inverse
     H[dead, dead] = 1
     if C is not None:
-        W = _asymmetric_target(W, H, C, config.damp)
+        W = _asymmetric_target(W, H, C, config.asymmetric_damp)
     W[:, dead] = 0
     if config.refine_sweeps:
         # W is updated in place by the loop; H is not (it is permuted into a copy, and dampened into a new
@@ -425,14 +440,8 @@ def apply_gptq(
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
 
-    for stage in _stages(targets, config.sequential):
-        if reference is None:
-            acc = {n: HessianAccumulator(targets[n].in_features, targets[n].weight.device) for n in stage}
-            with recording_inputs({n: targets[n] for n in stage}, lambda name, x: acc[name].add(x)):
-                run_calibration()
-        else:
-            acc = _paired_statistics(stage, targets, ref_modules, reference, run_calibration, calibrate_on)
-        for n in stage:
+    def quantize_group(group: list[str], acc: dict) -> None:
+        for n in group:
             lin = targets[n]
             fmt, opts = quantize_options(n, lin)
             a = acc.pop(n)
@@ -452,6 +461,20 @@ def apply_gptq(
             del a
             how[n] = "gptq" if why is None else f"round-to-nearest: {why}"
             replace(n, build(n, lin, q))
+
+    for stage in _stages(targets, config.sequential):
+        if reference is None:
+            acc = {n: HessianAccumulator(targets[n].in_features, targets[n].weight.device) for n in stage}
+            with recording_inputs({n: targets[n] for n in stage}, lambda name, x: acc[name].add(x)):
+                run_calibration()
+            quantize_group(stage, acc)
+        else:
+            # inside a stage too, each layer is calibrated on the outputs of the layers before it already
+            # quantized: a layer fitted to the float output absorbs the drift of its inputs, and a later layer
+            # calibrated on the unquantized ones would absorb the same drift a second time
+            kept, groups = _float_inputs(stage, ref_modules, reference, calibrate_on)
+            for group in groups:
+                quantize_group(group, _paired_statistics(group, targets, kept, run_calibration))
         if log is not None:
             log(f"gptq: {', '.join(stage)}")
     fallback = [f"{n} ({w.split(': ', 1)[1]})" for n, w in how.items() if w != "gptq"]
@@ -459,15 +482,31 @@ def apply_gptq(
     return how
 
 
-def _paired_statistics(stage, targets, ref_modules, reference, run_calibration, calibrate_on):
-    """``H`` and ``C`` of every layer of ``stage``: the float copy's inputs to the stage's layers are kept
-    (the copy is run first), then paired call by call with the quantized model's inputs."""
+def _float_inputs(stage, ref_modules, reference, calibrate_on):
+    """The float copy's inputs to every layer of ``stage`` over the calibration (one pass), and the stage's
+    layers in groups in the order they first run, the layers that read one same input together (q/k/v)."""
     kept: dict[str, list] = {n: [] for n in stage}
-    with recording_inputs({n: ref_modules[n] for n in stage},
-                          lambda name, x: kept[name].append(x.detach().clone())):
+    first: dict[str, tuple] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        if name not in first:
+            first[name] = (len(first), x.data_ptr(), x.storage_offset(), tuple(x.shape))
+        kept[name].append(x.detach().clone())
+
+    with recording_inputs({n: ref_modules[n] for n in stage}, record):
         calibrate_on(reference)
-    acc = {n: CrossAccumulator(targets[n].in_features, targets[n].weight.device) for n in stage}
-    calls = dict.fromkeys(stage, 0)
+    groups: dict[tuple, list[str]] = {}
+    for n in sorted(first, key=lambda n: first[n][0]):
+        groups.setdefault(first[n][1:], []).append(n)
+    # layers that never ran go last, each alone (they are rounded to nearest)
+    return kept, [*groups.values(), *([n] for n in stage if n not in first)]
+
+
+def _paired_statistics(group, targets, kept, run_calibration):
+    """``H`` and ``C`` of every layer of ``group``: the quantized model's inputs paired call by call with the
+    float copy's (``kept``, emptied as they are paired)."""
+    acc = {n: CrossAccumulator(targets[n].in_features, targets[n].weight.device) for n in group}
+    calls = dict.fromkeys(group, 0)
 
     def pair(name: str, x: torch.Tensor) -> None:
         i = calls[name]
@@ -478,9 +517,9 @@ def _paired_statistics(stage, targets, ref_modules, reference, run_calibration, 
         x_float, kept[name][i] = kept[name][i], None  # freed as soon as it is paired
         acc[name].add_pair(x, x_float)
 
-    with recording_inputs({n: targets[n] for n in stage}, pair):
+    with recording_inputs({n: targets[n] for n in group}, pair):
         run_calibration()
-    for n in stage:
+    for n in group:
         if calls[n] != len(kept[n]):
             raise ValueError(f"asymmetric GPTQ: {n} ran {len(kept[n])} times on the float copy and {calls[n]} "
                              "on the quantized model; the calibration must run the same batches every time")
