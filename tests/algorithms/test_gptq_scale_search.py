@@ -137,7 +137,9 @@ def test_labels_and_cli_flags():
 
     assert algorithm("--algorithm", "gptq") == (GPTQ(**cli.GPTQ_DEFAULTS),)
     assert algorithm("--algorithm", "gptq", "--no-gptq-act-order", "--gptq-damp", "0.1",
-                     "--gptq-scale-search", "none", "--gptq-refine-sweeps", "0") == (GPTQ(),)
+                     "--gptq-scale-search", "none", "--gptq-refine-sweeps", "0", "--no-gptq-asymmetric") == (GPTQ(),)
+    assert label(GPTQ(act_order=True, scale_search=(0.9,), refine_sweeps=4, asymmetric=True)) == (
+        "gptq-act-clip-cd4-asym")
     assert algorithm("--algorithm", "gptq", "--gptq-scale-search", "0.9,0.8")[0].scale_search == (0.9, 0.8)
     assert algorithm("--algorithm", "gptq", "--gptq-act-order")[0].act_order
     for extra, words in ((("--gptq-damp", "0.1"), "--gptq-damp applies to --algorithm gptq"),

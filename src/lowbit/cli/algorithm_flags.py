@@ -13,7 +13,8 @@ import math
 
 ALGORITHM_NAMES = ("rtn", "gptq", "smoothquant", "rotate")
 
-GPTQ_DEFAULTS = {"act_order": True, "damp": 0.01, "scale_search": (0.95, 0.9, 0.85, 0.8), "refine_sweeps": 4}
+GPTQ_DEFAULTS = {"act_order": True, "damp": 0.01, "scale_search": (0.95, 0.9, 0.85, 0.8), "refine_sweeps": 4,
+                 "asymmetric": True}
 """What ``--algorithm gptq`` runs unless its flags say otherwise: the settings that measured best on the bundled
 model (docs/quality.md, "GPTQ on the w4a16 schemes"); ``lowbit.algorithms.GPTQ()``'s own defaults are the
 plain algorithm."""
