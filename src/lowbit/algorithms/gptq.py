@@ -30,17 +30,18 @@ With ``asymmetric`` (the objective of GPTAQ, also published as GPTQv2: Li et al.
 calibration") a layer's quantized output on the inputs it really sees (``X``, from the stages
 already quantized) is fitted to the float model's output on the float model's inputs (``X_f``):
 ``||X Q^T - X_f W^T||^2``. With ``C = 2 X_f^T X / n`` that equals ``||X (Q - W~)^T||^2`` plus a constant for
-``W~ = W C H^-1``, so GPTQ runs unchanged on the target ``W~`` (computed as ``W (C + d) (H + d)^-1``: a ridge
-penalty ``d`` that pulls ``W~`` towards ``W`` where the calibration says little, ``asymmetric_damp``): the rounding of a layer also absorbs
-the drift that the earlier layers' rounding put into its inputs. The float inputs come from a copy of the
-model made before any layer is quantized, run on the same calibration batches. The layers of a stage are then
-also quantized one after the other (layers reading one same input, q/k/v, together), each calibrated on the
-quantized outputs of those before it: calibrated on unquantized ones, a layer would absorb the drift that the
-layers before it already absorbed.
+``W~ = W C H^-1``, so GPTQ runs unchanged on the target ``W~`` (computed as ``W (C + d) (H + d)^-1``: a
+ridge penalty ``d``, ``asymmetric_damp``, pulls ``W~`` towards ``W`` where the calibration says little). The
+rounding of a layer then also absorbs the drift that the earlier layers' rounding put into its inputs. The
+float inputs come from a copy of the model made before any layer is quantized, run on the same calibration
+batches. The layers of a stage are then also quantized one after the other (layers reading one same input,
+q/k/v, together), each calibrated on the quantized outputs of those before it: calibrated on unquantized ones,
+a layer would absorb the drift that the layers before it already absorbed.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -276,10 +277,10 @@ def gptq_quantize(
 
 
 def _asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: float) -> torch.Tensor:
-    """``W (C + d I) (H + d I)^-1`` with ``d = damp * mean(diag H)`` (``GPTQ.asymmetric_damp``): the weight whose output on the quantized
-    model's inputs best matches ``W``'s on the float model's, with a ridge penalty ``d ||W~ - W||^2`` that pulls
-    it towards ``W`` (towards zero, the plain ridge solution shrinks the weights along every direction the
-    calibration saw little of). Without drift (``C == H``) it is ``W`` itself."""
+    """``W (C + d I) (H + d I)^-1`` with ``d = damp * mean(diag H)`` (``GPTQ.asymmetric_damp``): the weight
+    whose output on the quantized model's inputs best matches ``W``'s on the float model's, with a ridge
+    penalty ``d ||W~ - W||^2`` that pulls it towards ``W`` (towards zero, the plain ridge solution shrinks the
+    weights along every direction the calibration saw little of). Without drift (``C == H``) it is ``W`` itself."""
     mean = torch.mean(torch.diag(H))
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     for attempt in range(4):
@@ -430,8 +431,6 @@ def apply_gptq(
     if config.asymmetric:
         if calibrate_on is None:
             raise ValueError("config.asymmetric needs calibrate_on (runs the float copy over the calibration data)")
-        import copy
-
         # the float model whose outputs every quantized layer is fitted to, copied before any layer changes
         reference = copy.deepcopy(model)
         ref_modules = dict(reference.named_modules())
@@ -486,20 +485,23 @@ def _float_inputs(stage, ref_modules, reference, calibrate_on):
     """The float copy's inputs to every layer of ``stage`` over the calibration (one pass), and the stage's
     layers in groups in the order they first run, the layers that read one same input together (q/k/v)."""
     kept: dict[str, list] = {n: [] for n in stage}
-    first: dict[str, tuple] = {}
+    # each layer's first input itself (not a copy) is held until the pass ends, so no later tensor can take its
+    # memory: equal addresses mean one same input
+    first: dict[str, torch.Tensor] = {}
 
     def record(name: str, x: torch.Tensor) -> None:
-        if name not in first:
-            first[name] = (len(first), x.data_ptr(), x.storage_offset(), tuple(x.shape))
+        first.setdefault(name, x)
         kept[name].append(x.detach().clone())
 
     with recording_inputs({n: ref_modules[n] for n in stage}, record):
         calibrate_on(reference)
     groups: dict[tuple, list[str]] = {}
-    for n in sorted(first, key=lambda n: first[n][0]):
-        groups.setdefault(first[n][1:], []).append(n)
+    for n, x in first.items():  # in the order of the layers' first calls
+        groups.setdefault((x.data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride())), []).append(n)
+    ran = set(first)
+    first.clear()
     # layers that never ran go last, each alone (they are rounded to nearest)
-    return kept, [*groups.values(), *([n] for n in stage if n not in first)]
+    return kept, [*groups.values(), *([n] for n in stage if n not in ran)]
 
 
 def _paired_statistics(group, targets, kept, run_calibration):
