@@ -38,7 +38,7 @@ def _drifted(seed: int, out: int = 32, k: int = 128, n: int = 512):
 
 
 def test_cross_accumulator_matches_direct_sums():
-    w, xf, xq = _drifted(0, k=64, n=300)
+    _, xf, xq = _drifted(0, k=64, n=300)
     acc = CrossAccumulator(64)
     acc.add_pair(xq[:100], xf[:100])
     acc.add_pair(xq[100:].reshape(2, -1, 64), xf[100:].reshape(2, -1, 64))
@@ -101,8 +101,7 @@ def test_quantize_model_asymmetric_runs_and_lowers_the_model_error():
                               algorithm=GPTQ(damp=0.01, asymmetric=asym))
         assert all(isinstance(m, QuantLinear) for m in (q[0], q[2], q[4]))
         errs[asym] = _error(ref, q, held)
-    # the float copy is gone and the user's model is the quantized one; the end-to-end error falls on held-out
-    # inputs (the last layers absorb the first ones' rounding)
+    # the end-to-end error falls on held-out inputs (the later layers absorb the earlier ones' rounding)
     assert errs[True] < errs[False], errs
 
 

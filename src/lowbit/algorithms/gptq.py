@@ -162,7 +162,12 @@ class HessianAccumulator:
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x must have last dim {self.in_features}, got {tuple(x.shape)}")
-        x = x.detach().reshape(-1, self.in_features).to(self.H.device, torch.float32)
+        self._add_rows(self._rows(x))
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().reshape(-1, self.in_features).to(self.H.device, torch.float32)
+
+    def _add_rows(self, x: torch.Tensor) -> None:
         m = x.shape[0]
         if m == 0:
             return
@@ -190,32 +195,41 @@ class CrossAccumulator(HessianAccumulator):
                 f"{tuple(getattr(x_float, 'shape', ()))} (the float model's calibration calls must match the "
                 "quantized model's one for one)"
             )
-        m = x.reshape(-1, self.in_features).shape[0]
-        if m == 0:
+        xq, xf = self._rows(x), self._rows(x_float)
+        if xq.shape[0] == 0:
             return
         n = self.n
-        self.add(x)
-        xq = x.detach().reshape(-1, self.in_features).to(self.C.device, torch.float32)
-        xf = x_float.detach().reshape(-1, self.in_features).to(self.C.device, torch.float32)
+        self._add_rows(xq)
         self.C.mul_(n / self.n)
         self.C.addmm_(xf.t(), xq, alpha=2.0 / self.n)
 
 
-def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1``; the dampening grows tenfold (up to
-    three times) if ``H`` is not positive definite enough in fp32."""
+def _damped_choleskys(H: torch.Tensor, damp: float):
+    """Lower Cholesky factors ``L`` of ``H + d I`` with ``d`` (yielded with it) ``damp * mean(diag H)``, then
+    tenfold, up to three times: the attempts at which ``H`` is positive definite enough in fp32."""
     mean = torch.mean(torch.diag(H))
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     for attempt in range(4):
-        L, info = torch.linalg.cholesky_ex(H + (damp * 10**attempt) * mean * eye)
+        d = (damp * 10**attempt) * mean
+        L, info = torch.linalg.cholesky_ex(H + d * eye)
         if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if int(info) == 0:
-                return U
-    raise ValueError(
+            yield L, d
+
+
+def _singular(damp: float) -> ValueError:
+    return ValueError(
         f"damp: H stays singular after dampening {damp * 1000:g}x its mean diagonal (non-finite inputs?)"
     )
+
+
+def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1`` (dampened more if needed, see
+    :func:`_damped_choleskys`)."""
+    for L, _ in _damped_choleskys(H, damp):
+        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+        if int(info) == 0:
+            return U
+    raise _singular(damp)
 
 
 @torch.no_grad()
@@ -280,18 +294,13 @@ def _asymmetric_target(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp: 
     """``W (C + d I) (H + d I)^-1`` with ``d = damp * mean(diag H)`` (``GPTQ.asymmetric_damp``): the weight
     whose output on the quantized model's inputs best matches ``W``'s on the float model's, with a ridge
     penalty ``d ||W~ - W||^2`` that pulls it towards ``W`` (towards zero, the plain ridge solution shrinks the
-    weights along every direction the calibration saw little of). Without drift (``C == H``) it is ``W`` itself."""
-    mean = torch.mean(torch.diag(H))
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
-    for attempt in range(4):
-        d = (damp * 10**attempt) * mean
-        L, info = torch.linalg.cholesky_ex(H + d * eye)
-        if int(info) == 0:
-            # (H + d)^-1 is symmetric: W (C + d) (H + d)^-1 = ((H + d)^-1 (C^T + d) W^T)^T
-            return torch.cholesky_solve((C.t() + d * eye) @ W.t(), L).t().contiguous()
-    raise ValueError(
-        f"damp: H stays singular after dampening {damp * 1000:g}x its mean diagonal (non-finite inputs?)"
-    )
+    weights along every direction the calibration saw little of). Without drift (``C == H``) it is ``W``
+    itself."""
+    for L, d in _damped_choleskys(H, damp):
+        # (H + d)^-1 is symmetric: W (C + d) (H + d)^-1 = ((H + d)^-1 (C^T + d) W^T)^T
+        eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+        return torch.cholesky_solve((C.t() + d * eye) @ W.t(), L).t().contiguous()
+    raise _singular(damp)
 
 
 def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ,
