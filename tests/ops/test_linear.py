@@ -369,8 +369,8 @@ def test_dispatch_rules(weights, kernels):
         assert "nf4 not yet" in plan.reason and "backend='torch'" in plan.reason
     assert "no module lowbit.kernels.gemv_w4" in _path(w, 1).reason
     kernels["gemm_w4"] = None
-    assert _path(w, 1000).path == "unavailable"
-    assert _path(w, 1000, "torch").path == "reference"
+    assert _path(w, 300).path == "unavailable"
+    assert _path(w, 300, "torch").path == "reference"
 
 
 def test_dispatch_no_triton(weights, kernels, monkeypatch):
@@ -629,9 +629,13 @@ def test_dequant_gemm_is_chosen_only_when_enabled(monkeypatch):
 def test_dequant_gemm_threshold_per_format(weights, kernels, monkeypatch):
     kernels["gemv_w4"] = _stand_in("gemv_w4")
     kernels["gemm_w4"] = _stand_in("gemm_w4")
-    for fmt in ("nf4", "mxfp4"):                    # no override ships: every format switches at the same M
+    for fmt in ("nvfp4", "mxfp4"):                  # no override: these switch at DEQUANT_GEMM_MIN_M
         assert _path(weights[fmt], policy.DEQUANT_GEMM_MIN_M - 1).path == "gemm_w4"
         assert _path(weights[fmt], policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
+    nf4_min = policy.DEQUANT_GEMM_MIN_M_BY_FORMAT["nf4"]  # the shipped override, below the default
+    assert nf4_min < policy.DEQUANT_GEMM_MIN_M
+    assert _path(weights["nf4"], nf4_min - 1).path == "gemm_w4"
+    assert _path(weights["nf4"], nf4_min).path == "dequant_gemm"
     monkeypatch.setitem(policy.DEQUANT_GEMM_MIN_M_BY_FORMAT, "nf4", 2 * policy.DEQUANT_GEMM_MIN_M)
     assert _path(weights["nf4"], policy.DEQUANT_GEMM_MIN_M).path == "gemm_w4"
     assert _path(weights["nf4"], 2 * policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
@@ -655,3 +659,38 @@ def test_bnb_fp4_always_dequantizes_then_gemm_on_cuda(monkeypatch, dq):
     assert ((got - want).norm() / want.norm()) < 1e-2
     chunked = lin.linear_dequant_gemm(x, q, None, None, dequant_backend="torch", chunk_bytes=64 * 128 * 2)
     assert torch.allclose(chunked.float(), (x @ lowbit.dequantize(q, torch.bfloat16).T).float(), rtol=0, atol=0)
+
+
+def test_kept_dequant_chunks_are_made_once_per_weight_and_dtype(monkeypatch):
+    # linear_dequant_gemm on CUDA keeps its chunks' decode launches (kept_chunks): made once per weight and x
+    # dtype, made again after an in-place update or a replaced tensor, dropped with the weight, never kept
+    # during a CUDA-graph capture or custom-op call
+    pytest.importorskip("triton")
+    gc = pytest.importorskip("gc")
+    made = []
+
+    def builder(q, dtype):
+        made.append((q.shape[0], dtype))
+        return lambda: None
+
+    monkeypatch.setattr(lin._kernels, "dequantize_call", lambda w: builder)
+    w = lowbit.quantize(torch.randn(512, 128), "nvfp4")
+    first = lin.kept_chunks(w, torch.bfloat16)
+    assert [c[:2] for c in first] == [(0, 256), (256, 512)] and len(made) == 2
+    assert lin.kept_chunks(w, torch.bfloat16) is first and len(made) == 2
+    lin.kept_chunks(w, torch.float16)
+    assert len(made) == 4 and made[-1][1] == torch.float16
+    w.scale.view(torch.uint8).add_(0)                # bumps the version: made again
+    assert lin.kept_chunks(w, torch.bfloat16) is not first and len(made) == 6
+    w2 = lowbit.QTensor(**{**w.__dict__, "scale": w.scale.clone()})  # same data, another scale tensor
+    lin.kept_chunks(w2, torch.bfloat16)
+    assert len(made) == 8
+    key = id(w.data)
+    assert key in lin._KEPT_CHUNKS
+    del w, w2, first
+    gc.collect()
+    assert key not in lin._KEPT_CHUNKS
+    with lowbit.kernels.per_call_scratch():          # inside the custom op: nothing kept
+        assert lin.kept_chunks(lowbit.quantize(torch.randn(256, 128), "nvfp4"), torch.bfloat16) is None
+    monkeypatch.setattr(lin._kernels, "dequantize_call", lambda w: None)
+    assert lin.kept_chunks(lowbit.quantize(torch.randn(256, 128), "nvfp4"), torch.bfloat16) is None

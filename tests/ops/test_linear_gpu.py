@@ -13,6 +13,7 @@ Run on the device machine: ``python3 -m pytest -q -p no:cacheprovider -m gpu tes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from types import SimpleNamespace
@@ -318,3 +319,20 @@ def test_plumbing_eager_graph_compile(stand_in_kernels):
         _assert_close(f(x), _ref32(x, wd, bias, "gelu_tanh"), f"compiled M={m}")
     # the dynamic graph chose GEMV or GEMM at run time
     assert ("gemv_w4", 3) in calls and ("gemm_w4", 40) in calls
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kept_dequant_chunks_give_the_same_bits(fmt):
+    # lowbit.linear at M >= the dequantize threshold keeps its chunk launches per weight (kept_chunks): the
+    # kept calls give exactly what fresh dequantize calls give, before and after an in-place weight update
+    w = _weight(fmt, 6144, 4096)
+    w = dataclasses.replace(w, **{f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w)
+                                  if isinstance(getattr(w, f.name), torch.Tensor)})  # a weight of its own
+    x, _ = _inputs(600, 4096, 6144)
+    fresh = lin.linear_dequant_gemm(x, w, None, "silu", dequant_backend="triton")
+    kept = [lin.linear_dequant_gemm(x, w, None, "silu") for _ in range(2)]
+    assert lin.kept_chunks(w, torch.bfloat16) is lin.kept_chunks(w, torch.bfloat16)
+    assert torch.equal(fresh, kept[0]) and torch.equal(fresh, kept[1])
+    w.data.view(torch.uint8)[:3] ^= 0x11          # an in-place update: the kept chunks are made again
+    fresh = lin.linear_dequant_gemm(x, w, None, None, dequant_backend="triton")
+    assert torch.equal(fresh, lin.linear_dequant_gemm(x, w, None, None))

@@ -120,9 +120,9 @@ def why_not(w: QTensor) -> str | None:
 
 def cached(w: QTensor) -> PreparedW4 | None:
     """The cached layout of ``w`` while it is valid (``w.data`` alive, no tensor of ``w`` replaced or changed in
-    place since, see ``_sig_of``), else None; makes nothing."""
+    place since, see ``layout_signature``), else None; makes nothing."""
     hit = _PREPARED.get(id(w.data))
-    if hit is not None and hit[0]() is w.data and hit[1].sig == _sig_of(w):
+    if hit is not None and hit[0]() is w.data and hit[1].sig == layout_signature(w):
         return hit[1]
     return None
 
@@ -181,7 +181,7 @@ def _awq_layout(q: QTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return words, sz
 
 
-def _sig_of(q: QTensor) -> tuple:
+def layout_signature(q: QTensor) -> tuple:
     """What a prepared layout depends on besides ``q.data``'s identity: format, shape, the tensors' identities,
     the version counters of the tensors whose values the layout copies, and the per-tensor scale value. An
     in-place update of ``q.data`` / ``q.scale`` / ``q.zeros`` / ``q.nested_offset`` or a swapped tensor
@@ -237,7 +237,7 @@ def _prepare(q: QTensor) -> PreparedW4:
         tab = dummy
     return PreparedW4(fmt=fmt, fmt_code=FMT_CODES[fmt], n=n, k=kdim, words=words, scales=scales,
                       words_per_block=wpb, post=post, gs_kind=gs_kind, gs=gs, nested=nested, tab=tab,
-                      sig=_sig_of(q), plan_n=plan_rows(q))
+                      sig=layout_signature(q), plan_n=plan_rows(q))
 
 
 # id(w.data) -> (weakref to w.data, PreparedW4). Keyed on w.data, not on the QTensor: torch.compile
@@ -253,7 +253,7 @@ def _forget(data_id: int):
 
 def prepare_w4(w: QTensor) -> PreparedW4:
     """The kernel layout of ``w``, made once and cached for as long as ``w.data`` lives; re-made when a
-    tensor of ``w`` is replaced or modified in place (see ``_sig_of``). Call it at load time to keep the
+    tensor of ``w`` is replaced or modified in place (see ``layout_signature``). Call it at load time to keep the
     first ``gemv_w4`` call cheap (int4_awq repacks the weight)."""
     if type(w) is PreparedW4:
         return w

@@ -41,6 +41,7 @@ Inference only: the op has no autograd formula.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -212,10 +213,60 @@ def linear_dequant_gemm(
     rows at a time (at most ``chunk_bytes``, default :data:`DEQUANT_CHUNK_BYTES`; the full dequantized matrix
     never exists), each chunk multiplied by the BLAS of x's device (cuBLAS on CUDA) with the bias, then the
     activation. Dequantization is exact in bf16 for the FP4 formats' element x scale products; nvfp4's global
-    scale, nf4 and int4 values round once to x's dtype (relative error <= 2^-9), inside the stated tolerance."""
+    scale, nf4 and int4 values round once to x's dtype (relative error <= 2^-9), inside the stated tolerance.
+
+    On CUDA with the default backend and chunk size, the chunks and their decode launches are made once per
+    weight and x dtype and kept while the weight's tensors live unchanged (:func:`kept_chunks`): the same
+    kernels, so the same bits, without re-slicing the weight and re-dispatching each dequantize per call."""
+    if dequant_backend is None and chunk_bytes is None and x2.is_cuda:
+        chunks = kept_chunks(w, x2.dtype)
+        if chunks:
+            return chunked_gemm(x2, chunks, w.shape[0], bias, activation)
     chunks = [(n0, n1, lambda q=q: dequantize(q, x2.dtype, backend=dequant_backend))
               for n0, n1, q in weight_chunks(w, x2.element_size(), chunk_bytes)]
     return chunked_gemm(x2, chunks, w.shape[0], bias, activation)
+
+
+_KEPT_CHUNKS: dict[int, tuple] = {}
+
+
+def kept_chunks(w: QTensor, dtype: torch.dtype) -> list | None:
+    """``[(n0, n1, decode)]`` of :func:`linear_dequant_gemm` on CUDA, each ``decode`` a kept launch of the
+    Triton dequantize kernel (``lowbit.kernels.dequantize_call``) writing rows n0:n1 of ``w`` in ``dtype``;
+    made on the first call for a weight and dtype and kept while ``w.data`` lives and no tensor of ``w`` is
+    replaced or changed in place (the rule of the GEMV layouts, ``lowbit.kernels.gemv_prepack``). None where
+    nothing is kept: no kernel covers ``w``, or a CUDA-graph capture or custom-op call is running (their
+    allocations must not outlive them)."""
+    from ..kernels.gemv_prepack import layout_signature, no_caching
+
+    if no_caching():
+        return None
+    data = w.data
+    sig = layout_signature(w)
+    hit = _KEPT_CHUNKS.get(id(data))
+    if hit is not None and hit[0]() is data and hit[1] == sig:
+        chunks = hit[2].get(dtype)
+        if chunks is not None:
+            return chunks
+    else:
+        key = id(data)
+
+        def drop(_ref):
+            _KEPT_CHUNKS.pop(key, None)
+
+        hit = _KEPT_CHUNKS[key] = (weakref.ref(data, drop), sig, {})
+    chunks = hit[2][dtype] = decode_chunks(w, dtype)
+    return chunks or None
+
+
+def decode_chunks(w: QTensor, dtype: torch.dtype) -> list:
+    """``[(n0, n1, KernelCall decoding rows n0:n1 of w to dtype)]``: the chunks of :func:`linear_dequant_gemm`
+    with their launches made, or [] where no Triton dequantize kernel covers ``w``."""
+    call = _kernels.dequantize_call(w)
+    if call is None:
+        return []
+    size = torch.empty((), dtype=dtype).element_size()
+    return [(n0, n1, call(q, dtype)) for n0, n1, q in weight_chunks(w, size)]
 
 
 def weight_chunks(w: QTensor, element_size: int, chunk_bytes: int | None = None) -> list[tuple[int, int, QTensor]]:

@@ -39,17 +39,19 @@ from . import op_common
 GEMV_MAX_M = 16
 """Largest M (rows of x) for which the W4A16 split-K GEMV is chosen; above it the tensor-core GEMM runs. Also
 the largest M the GEMV kernel takes (``lowbit.kernels.gemv_w4.MAX_M``)."""
-DEQUANT_GEMM_MIN_M: int | None = 2048
+DEQUANT_GEMM_MIN_M: int | None = 512
 """On CUDA, the M at and above which ``lowbit.linear`` runs ``linear_dequant_gemm`` (the weight dequantized a
 bounded chunk of rows at a time by the Triton dequantize kernels, then cuBLAS) instead of ``gemm_w4``; None:
-never. On an H200 (``lowbit bench --ops 'linear.*.prefill'``), ratio to cuBLAS bf16 on the six
-Llama-class shapes: at M=4096 chunked 0.68-0.87x (nvfp4, int4_awq) and 0.35-0.84x (nf4) against the Triton
-GEMM's 0.32-0.55x, faster in all 18 cases; at M=1000 the GEMM wins on the small shapes. At M=2048
-chunked won for nvfp4, mxfp4, fp4_b32 and int4_awq on all six shapes
-(0.60-0.90x vs 0.44-0.56x). nf4 joined them once its chunks stopped decoding the absmax on the host side
-(at M=2048 chunked 0.78-0.86x as CUDA-graph replays, 0.50-0.83x eager, against the GEMM's 0.32-0.35x)."""
-DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {}
-"""Per-format overrides of :data:`DEQUANT_GEMM_MIN_M` (when that is not None); none at present."""
+never. H200, CUDA-graph replays with the weights rotated out of L2, ratio to cuBLAS bf16 on the six
+Llama-class shapes (``benchmarks/experiments/sweep_w4a16_mid_m.py``; nvfp4, mxfp4, int4_awq, nf4):
+dequantize-then-cuBLAS 0.48-0.63x at M=512 (the GEMM 0.20-0.42x), 0.65-0.78x at 1024 (GEMM 0.27-0.49x),
+0.75-0.95x at 2048 (GEMM 0.30-0.51x): faster on all 72 (format, shape, M >= 512) cases. At M=256 the two
+are even (dequantize 0.35-0.46x, GEMM 0.21-0.50x; nf4's GEMM 0.21-0.29x, hence its override), at M <= 128
+the GEMM wins (0.42-0.80x against 0.29-0.44x; int4 at M=64 up to 1.03x)."""
+DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {"nf4": 256}
+"""Per-format values replacing :data:`DEQUANT_GEMM_MIN_M` (when that is not None): nf4's GEMM, which looks up
+its table per weight, is the slowest one from M=128 on (0.19-0.29x against dequantizing's 0.37-0.45x at
+M=256 in the sweep above)."""
 SCALED_GEMV_MAX_M = GEMV_MAX_M
 """Up to this M, an nvfp4 / mxfp4 weight with an nvfp4, mxfp4 or fp8_rowwise activation runs the W4A16 GEMV."""
 FOLD_MIN_M = 1024
@@ -108,7 +110,7 @@ def dequant_only(w: QTensor) -> bool:
 def dequant_gemm_min_m(fmt: str) -> int:
     if fmt in DEQUANT_ONLY_FORMATS:
         return 0
-    return max(DEQUANT_GEMM_MIN_M, DEQUANT_GEMM_MIN_M_BY_FORMAT.get(fmt, 0))
+    return DEQUANT_GEMM_MIN_M_BY_FORMAT.get(fmt, DEQUANT_GEMM_MIN_M)
 
 
 # looked up here on every call: tests replace it with stand-in kernel modules

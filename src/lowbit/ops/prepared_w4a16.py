@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels as _kernels
 from . import policy
-from .linear import chunked_gemm, weight_chunks
+from .linear import chunked_gemm, decode_chunks
 from .policy import GEMV_MAX_M
 from .prepared_runners import MAX_RUNNERS
 from .triton_ops import register_gemv_op
@@ -107,11 +106,7 @@ class W4A16Calls:
     def _build_chunks(self, dtype: torch.dtype) -> list:
         """[(n0, n1, KernelCall decoding those rows to ``dtype``)] for the chunks of ``linear_dequant_gemm``,
         or [] where no Triton dequantize kernel covers the weight (the general path then runs)."""
-        call = _kernels.dequantize_call(self.w)
-        if call is None:
-            return []
-        size = torch.empty((), dtype=dtype).element_size()
-        return [(n0, n1, call(q, dtype)) for n0, n1, q in weight_chunks(self.w, size)]
+        return decode_chunks(self.w, dtype)
 
 
 __all__ = ["W4A16Calls", "X_DTYPES"]
