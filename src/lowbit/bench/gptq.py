@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--held", type=int, default=2, help="held-out sequences for the error (default 2)")
     p.add_argument("--act-order", action="store_true", help="GPTQ(act_order=True)")
+    p.add_argument("--cli-defaults", action="store_true",
+                   help="the settings `lowbit quantize --algorithm gptq` runs (act-order, scale search, refinement "
+                        "sweeps, the asymmetric objective) instead of GPTQ()'s plain defaults")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None, metavar="PATH")
     return p
@@ -173,11 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lowbit bench gptq: unknown or empty --schemes/--modes: {bad}", file=sys.stderr)
         return 2
     s = SHAPES[args.shape]
-    config = GPTQ(act_order=args.act_order)
+    if args.cli_defaults:
+        from ..cli.algorithm_flags import GPTQ_DEFAULTS
+
+        config = GPTQ(**GPTQ_DEFAULTS)
+    else:
+        config = GPTQ(act_order=args.act_order)
     calib = hidden_states(s, args.calib, args.seq, args.device, 1)
     held = hidden_states(s, args.held, args.seq, args.device, 2)
     result: dict = {"suite": "gptq", "header": header(), "args": {
         "shape": args.shape, "calib": args.calib, "seq": args.seq, "act_order": args.act_order,
+        "cli_defaults": args.cli_defaults,
         "device": args.device}, "rows": []}
     for scheme in schemes:
         for mode in modes:
