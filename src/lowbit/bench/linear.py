@@ -222,7 +222,10 @@ def _qlinear_setup(scheme_name: str, compute: str | None = None) -> Callable[[Sh
             lin = torch.nn.Linear(k, n, bias=False, device=ctx.device, dtype=torch.bfloat16)
             with torch.no_grad():
                 lin.weight.copy_(w)
-            return in_mode(QuantLinear.from_linear(lin, scheme, backend=ctx.backend))
+            # "auto" for "triton": on CUDA it runs the same kernels, and it quantizes the formats that have no
+            # Triton quantize kernel (int4_awq, nf4) with the reference instead of refusing them
+            backend = None if ctx.backend == "triton" else ctx.backend
+            return in_mode(QuantLinear.from_linear(lin, scheme, backend=backend))
 
         first = layer_of(p.w)
         nl = copies(first.weight_qtensor.nbytes, ctx.device) if m <= GRAPH_MAX_M else 1
