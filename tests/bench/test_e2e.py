@@ -30,7 +30,8 @@ def _plain_forward(m: e2e.Decoder, ids: torch.Tensor) -> torch.Tensor:
         a = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(h.dtype)
         h = h + layer.o_proj(a.transpose(1, 2).reshape(1, t, -1))
         x = layer.mlp_norm(h)
-        h = h + layer.down_proj(F.silu(layer.gate_proj(x)) * layer.up_proj(x))
+        mlp = layer.mlp
+        h = h + mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     return m.lm_head(m.norm(h[:, -1]))
 
 
@@ -64,8 +65,8 @@ def test_each_layer_has_its_own_cache_and_a_step_writes_only_its_position():
 
 def test_configs_quantize_every_linear_but_lm_head():
     m = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-nvfp4")
-    assert all(isinstance(getattr(b, n), QuantLinear) for b in m.layers
-               for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    assert all(isinstance(b.get_submodule(n), QuantLinear) for b in m.layers
+               for n in ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
     assert type(m.lm_head) is torch.nn.Linear
     assert e2e.weight_bytes(m) < e2e.weight_bytes(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"))
     with pytest.raises(ValueError, match="unknown config"):
@@ -77,8 +78,8 @@ def test_fused_config_fuses_siblings_and_computes_the_same():
 
     plain = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-int4")
     fused = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-int4+fused")
-    assert all(isinstance(getattr(b, n), FusedProjection) for b in fused.layers
-               for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    assert all(isinstance(b.get_submodule(n), FusedProjection) for b in fused.layers
+               for n in ("q_proj", "k_proj", "v_proj", "mlp.gate_proj", "mlp.up_proj"))
     assert e2e.weight_bytes(fused) == e2e.weight_bytes(plain)
     ids = torch.randint(0, e2e.SHAPES["tiny"].vocab, (1, 4), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -7,7 +7,8 @@ import torch
 
 import lowbit
 from lowbit.bench.decoder import Decoder, DecoderShape, clear_cache
-from lowbit.nn import FusedProjection, QuantLinear, fuse_projections, unfuse_projections
+from lowbit.nn import FusedProjection, GatedMLP, QuantLinear, fuse_projections, unfuse_projections
+from lowbit.nn.fuse import gated_activation
 
 # head_dim 128 so that k and v start on a multiple of 128 rows (the nvfp4 / mxfp4 row alignment)
 SHAPE = DecoderShape(hidden=256, intermediate=256, heads=2, kv_heads=1, head_dim=128, vocab=512, layers=2)
@@ -40,8 +41,9 @@ def test_fused_model_computes_the_same_and_unfuses_to_the_same_weights(scheme):
     assert len(groups) == 2 * SHAPE.layers
     assert {g[0].rpartition(".")[2] for g in groups} == {"q_proj", "gate_proj"}
     layer = fused.layers[0]
-    assert all(isinstance(getattr(layer, n), FusedProjection) for n in ("q_proj", "k_proj", "v_proj", "up_proj"))
-    assert isinstance(layer.down_proj, QuantLinear)
+    assert all(isinstance(layer.get_submodule(n), FusedProjection)
+               for n in ("q_proj", "k_proj", "v_proj", "mlp.up_proj"))
+    assert isinstance(layer.mlp.down_proj, QuantLinear)
     got = _step(fused, ids, pos)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert unfuse_projections(fused)
@@ -131,3 +133,91 @@ def test_bad_model_argument():
         fuse_projections("model")
     with pytest.raises(TypeError, match="torch.nn.Module"):
         unfuse_projections(3)
+
+
+# ------------------------------------------------------------------------------------------ gated MLPs
+
+W4A16 = [s for s in SCHEMES if s.startswith("w4a16-")]
+
+
+@pytest.mark.parametrize("scheme", W4A16)
+def test_gated_mlp_runs_one_layer_with_the_product_inside_and_unfuses_to_the_same_weights(scheme):
+    ref = _model(scheme)
+    fused = _model(scheme)
+    ids, pos = torch.randint(0, SHAPE.vocab, (1, 5)), torch.arange(5)
+    want = _step(ref, ids, pos)
+    groups = fuse_projections(fused, gated_mlp=True)
+    assert sorted(g[0].rpartition(".")[2] for g in groups) == ["gate_proj"] * SHAPE.layers + ["q_proj"] * SHAPE.layers
+    mlp = fused.layers[0].mlp
+    assert isinstance(mlp, GatedMLP) and mlp.gate_up_proj.activation == "silu_and_mul"
+    assert mlp.gate_up_proj.out_features == 2 * SHAPE.intermediate
+    x = torch.randn(3, SHAPE.hidden, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert mlp.gate_up_proj(x).shape == (3, SHAPE.intermediate)
+        # the layer gives act(gate) * up of the stacked weight, formed in fp32 and rounded once
+        gate, up = ref.layers[0].mlp.gate_proj, ref.layers[0].mlp.up_proj
+        g32 = lowbit.ops.linear_reference(x, gate.weight_qtensor, out_dtype=torch.float32)
+        u32 = lowbit.ops.linear_reference(x, up.weight_qtensor, out_dtype=torch.float32)
+        exact = (torch.nn.functional.silu(g32) * u32).to(torch.bfloat16)
+        torch.testing.assert_close(mlp.gate_up_proj(x), exact, rtol=0, atol=0)
+    got = _step(fused, ids, pos)
+    # the unfused block rounds gate, up, SiLU and the product to bf16 each: close, not equal
+    assert ((got - want).norm() / want.norm()) < 2e-2
+    assert unfuse_projections(fused)
+    assert not any(isinstance(m, GatedMLP | FusedProjection) for m in fused.modules())
+    a, b = ref.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    torch.testing.assert_close(_step(fused, ids, pos), want, rtol=0, atol=0)
+
+
+def test_gated_mlp_only_for_weight_only_schemes_and_known_activations():
+    for scheme in ("w4a4-nvfp4", "w4a8-mxfp4"):      # activation-quantized: sibling fusion only
+        m = _model(scheme)
+        fuse_projections(m, gated_mlp=True)
+        assert not any(isinstance(mod, GatedMLP) for mod in m.modules())
+        assert isinstance(m.layers[0].mlp.gate_proj, FusedProjection)
+    m = _model("w4a16-int4")
+    m.layers[0].mlp.act_fn = torch.nn.ReLU()          # no gated form of ReLU: left to the sibling fusion
+    fuse_projections(m, gated_mlp=True)
+    assert isinstance(m.layers[1].mlp, GatedMLP) and not isinstance(m.layers[0].mlp, GatedMLP)
+    assert gated_activation(torch.nn.SiLU()) == "silu_and_mul"
+    assert gated_activation(torch.nn.GELU()) == "gelu_and_mul"
+    assert gated_activation(torch.nn.GELU(approximate="tanh")) == "gelu_tanh_and_mul"
+    assert gated_activation(torch.nn.ReLU()) is None and gated_activation(None) is None
+    with pytest.raises(ValueError, match="unfuse_projections"):
+        lowbit.save_quantized(m, "/nonexistent/never-written")
+
+
+def test_gated_mlp_compiles_fullgraph_without_recompiles():
+    m = _model("w4a16-nvfp4")
+    fuse_projections(m, gated_mlp=True)
+    ids, pos = torch.randint(0, SHAPE.vocab, (1, 4)), torch.arange(4)
+    want = _step(m, ids, pos)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda i, p: m(i, p), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        clear_cache(m)
+        got = fn(ids, pos).float()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            clear_cache(m)
+            fn(ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_activation_of_lowbit_linear():
+    q = lowbit.quantize(torch.randn(48, 64), "nvfp4")
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    y = x.float() @ lowbit.dequantize(q).T
+    for act, f in (("silu_and_mul", torch.nn.functional.silu),
+                   ("gelu_tanh_and_mul", lambda t: torch.nn.functional.gelu(t, approximate="tanh"))):
+        got = lowbit.linear(x, q, activation=act)
+        assert got.shape == (2, 3, 24)
+        want = (f(y[..., :24]) * y[..., 24:]).to(torch.bfloat16)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="N must be even"):
+        lowbit.linear(x, lowbit.quantize(torch.randn(47, 64), "nvfp4"), activation="silu_and_mul")
+    with pytest.raises(ValueError, match="weight-only"):
+        QuantLinear(64, 48, bias=False, scheme="w4a4-nvfp4", weight=lowbit.quantize(torch.randn(48, 64), "nvfp4"),
+                    activation="silu_and_mul")

@@ -55,9 +55,9 @@ def test_fused_members_give_the_unfused_layers_columns():
     plain, fused = _pair("w4a16-nvfp4")
     x = torch.randn(1, 1, SHAPE.hidden, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            want = getattr(plain.layers[0], name)(x)
-            got = getattr(fused.layers[0], name)(x)
+        for name in ("q_proj", "k_proj", "v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            want = plain.layers[0].get_submodule(name)(x)
+            got = fused.layers[0].get_submodule(name)(x)
             assert got.shape == want.shape and _rel(got, want) < 1e-2, name
 
 

@@ -330,8 +330,9 @@ def fused_checks(rank: int, world: int, device: str, scheme: str = "w4a16-nvfp4"
     unfuse_projections(fused)
     a, b = plain.state_dict(), fused.state_dict()
     out["unfused_same_state"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    out["unfused_colwise"] = all(isinstance(getattr(lay, n), ColwiseQuantLinear) and getattr(lay, n).tp.world == world
-                                 for lay in fused.layers for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    out["unfused_colwise"] = all(isinstance(lay.get_submodule(n), ColwiseQuantLinear)
+                                 and lay.get_submodule(n).tp.world == world for lay in fused.layers
+                                 for n in ("q_proj", "k_proj", "v_proj", "mlp.gate_proj", "mlp.up_proj"))
     out["unfused_equal"] = bool(torch.equal(probe_output(fused), want))
     # a plan's exact shards and row-parallel layers stay unfused (each group left as it was)
     from lowbit.nn import fuse_projections

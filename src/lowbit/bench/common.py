@@ -132,13 +132,16 @@ def lowbit_config(config: str, modes: Sequence[str], known: str) -> tuple[str, s
     return scheme, mode
 
 
-def fuse_or_fail(model: torch.nn.Module, config: str) -> None:
-    """``lowbit.nn.fuse_projections(model)`` for a ``+fused`` config; ValueError if nothing could be fused
-    (a scheme whose weights do not stack), so that such a config never runs unfused under its name."""
-    from ..nn import fuse_projections
+def fuse_or_fail(model: torch.nn.Module, config: str, gated_mlp: bool = False) -> None:
+    """``lowbit.nn.fuse_projections(model, gated_mlp=...)`` for a ``+fused`` / ``+gated`` config; ValueError if
+    nothing could be fused (a scheme whose weights do not stack), or, with ``gated_mlp``, no MLP became gated,
+    so that such a config never runs as something else under its name."""
+    from ..nn import GatedMLP, fuse_projections
 
-    if not fuse_projections(model):
+    if not fuse_projections(model, gated_mlp=gated_mlp):
         raise ValueError(f"config {config!r}: no projections of this scheme could be fused")
+    if gated_mlp and not any(isinstance(m, GatedMLP) for m in model.modules()):
+        raise ValueError(f"config {config!r}: no MLP of this scheme could be gated")
 
 
 def on_cuda(device: str) -> bool:

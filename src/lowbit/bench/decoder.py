@@ -36,6 +36,22 @@ SHAPES = {
 
 
 
+class DecoderMLP(nn.Module):
+    """Llama's MLP, laid out as transformers' ``LlamaMLP`` (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``):
+    ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, s: DecoderShape, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.gate_proj = nn.Linear(s.hidden, s.intermediate, **kw)
+        self.up_proj = nn.Linear(s.hidden, s.intermediate, **kw)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, **kw)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
 class DecoderBlock(nn.Module):
     """One Llama decoder layer over a static KV cache (the heads it holds are sized from its projections)."""
 
@@ -46,9 +62,7 @@ class DecoderBlock(nn.Module):
         self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, **kw)
         self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, **kw)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, **kw)
-        self.gate_proj = nn.Linear(s.hidden, s.intermediate, **kw)
-        self.up_proj = nn.Linear(s.hidden, s.intermediate, **kw)
-        self.down_proj = nn.Linear(s.intermediate, s.hidden, **kw)
+        self.mlp = DecoderMLP(s, dtype, device)
         self.attn_norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
         self.mlp_norm = nn.RMSNorm(s.hidden, eps=1e-5, dtype=dtype, device=device)
         self.s = s
@@ -68,7 +82,7 @@ class DecoderBlock(nn.Module):
         b, t, _ = h.shape
         h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
         x = self.mlp_norm(h)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return h + self.mlp(x)
 
     def forward(self, h, cos, sin, pos, mask, k_cache, v_cache):
         q, k, v = self.attention_inputs(h)

@@ -1,5 +1,6 @@
 """The configurations the end-to-end benchmark compares, applied to a model as a user would apply them:
-``bf16``, ``lowbit:<scheme>`` (``+fused``: sibling projections fused), ``torchao:int4``,
+``bf16``, ``lowbit:<scheme>`` (``+fused``: sibling projections fused; ``+gated``: and the gated MLP run as
+one GEMV with the activation and product in its epilogue), ``torchao:int4``,
 ``torchao:fp8-rowwise`` and ``bnb:nf4`` (the peers where installed), and the weight bytes each leaves (:func:`weight_bytes`)."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _linear_filter(module: nn.Module, fqn: str) -> bool:
 
 def apply_config(model: nn.Module, config: str) -> nn.Module:
     """Quantize ``model`` in place as ``config`` says: ``bf16``, ``lowbit:<scheme>`` (``lowbit:<scheme>+fused``:
-    then q/k/v and gate/up fused, ``lowbit.nn.fuse_projections``), ``torchao:int4``, ``torchao:fp8-rowwise`` or
+    then q/k/v and gate/up fused, ``lowbit.nn.fuse_projections``; ``+gated``: the same with ``gated_mlp=True``),
+    ``torchao:int4``, ``torchao:fp8-rowwise`` or
     ``bnb:nf4`` (ImportError where the peer is not installed)."""
     if config == "bf16":
         return model
@@ -39,10 +41,11 @@ def apply_config(model: nn.Module, config: str) -> nn.Module:
     if kind == "lowbit":
         import lowbit
 
-        scheme, fused = lowbit_config(config, ("fused",), "lowbit:<scheme>, lowbit:<scheme>+fused")
+        scheme, fused = lowbit_config(config, ("fused", "gated"),
+                                      "lowbit:<scheme>, lowbit:<scheme>+fused, lowbit:<scheme>+gated")
         model = lowbit.quantize_model(model, scheme)
         if fused:
-            fuse_or_fail(model, config)
+            fuse_or_fail(model, config, gated_mlp=fused == "gated")
         return model
     if kind == "torchao":
         from torchao.quantization import quantize_

@@ -44,8 +44,8 @@ SHAPES = {
 DEFAULT_CONFIGS = ("bf16", "lowbit:w4a16-nvfp4", "lowbit:w4a16-nvfp4+fused", "lowbit:w8a8-fp8-block")
 TARGETS = {"decode_graph": 0.6, "compiled_graph": 0.6, "prefill": 0.55}
 PLAN = {"layers.*.q_proj": "colwise", "layers.*.k_proj": "colwise", "layers.*.v_proj": "colwise",
-        "layers.*.o_proj": "rowwise", "layers.*.gate_proj": "colwise", "layers.*.up_proj": "colwise",
-        "layers.*.down_proj": "rowwise"}
+        "layers.*.o_proj": "rowwise", "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
 
 
 class Stack(torch.nn.Module):
@@ -73,7 +73,7 @@ class Stack(torch.nn.Module):
                 layer.v_proj(x)
                 h = h + layer.o_proj(q)
                 x = layer.mlp_norm(h)
-                h = h + layer.down_proj(torch.nn.functional.silu(layer.gate_proj(x)) * layer.up_proj(x))
+                h = h + layer.mlp(x)
             return h
         cos, sin = self.cos[pos], self.sin[pos]
         mask = self.key_pos[None, :] <= pos[:, None]

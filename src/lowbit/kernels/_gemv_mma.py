@@ -446,7 +446,7 @@ def gemv_mma_kernel(
     m0 = 2 * (lane2 % 4) + (d2 % 2)
     # split-K: workspace [SPLIT, 8 NT, N], one counter per (N tile, n-tile)
     gemv_epilogue(tl.sum(acc0, axis=0), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
-              out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
+              out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 2)
     if NT == 2:
         gemv_epilogue(tl.sum(acc1, axis=0), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
-                  bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
+                  bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 2)

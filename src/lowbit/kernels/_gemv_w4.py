@@ -426,7 +426,7 @@ def gemv_w4_fma_kernel(
     acc = _stack_rows(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1), MP)
     m = tl.arange(0, MP)
     gemv_epilogue(acc, cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr,
-              ws_ptr, MP, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
+              ws_ptr, MP, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 8)
 
 
 @triton.jit
@@ -492,4 +492,4 @@ def gemv_w4_dot_kernel(
                 xf = (xb.to(tl.int32) << 16).to(tl.float32, bitcast=True)
             acc += tl.dot(wt, xf, input_precision="ieee")
     gemv_epilogue(tl.trans(acc), cnt_ptr + pid_n, pid_k, m[:, None], rows[None, :], M, N, gs_ptr, rs_ptr, bias_ptr,
-              out_ptr, ws_ptr, MP, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
+              out_ptr, ws_ptr, MP, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 8)

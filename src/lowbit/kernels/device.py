@@ -22,6 +22,11 @@ ACT_NONE = tl.constexpr(0)
 ACT_GELU = tl.constexpr(1)
 ACT_GELU_TANH = tl.constexpr(2)
 ACT_SILU = tl.constexpr(3)
+ACT_GATED = tl.constexpr(4)
+"""Added to an activation code: the gated form ``act(gate) * up`` (``silu_and_mul`` ...): the weight's rows
+hold gate and up interleaved in blocks of 8 (fused rows 16j..16j+7 are gate rows 8j..8j+7, 16j+8..16j+15 the
+up rows 8j..8j+7; ``lowbit.kernels.gemv_prepack.gated_layout``), and output row 8j + i is
+``act(gate[8j+i]) * up[8j+i]``, written to an output of N / 2 columns."""
 # GS_KIND: what the epilogue does with gs_ptr[0]
 GS_NONE = tl.constexpr(0)
 GS_DIVIDE = tl.constexpr(1)  # nvfp4 global scale S (dequant = value * sf / S)
@@ -237,12 +242,26 @@ def gemv_activation(y, ACT: tl.constexpr):
 
 
 @triton.jit
+def _gate_pairs(t, PAIR: tl.constexpr):
+    """(gate, up) halves of ``t`` [A, B] whose dim 1 runs over groups of 2 PAIR elements, the first PAIR of a
+    group from gate rows and the next PAIR from the matching up rows: each [A, B / 2], in group order."""
+    A: tl.constexpr = t.shape[0]
+    B: tl.constexpr = t.shape[1]
+    t = tl.reshape(t, (A, B // (2 * PAIR), 2, PAIR))
+    t = tl.permute(t, (0, 1, 3, 2))
+    return tl.split(tl.reshape(t, (A, B // 2, 2)))
+
+
+@triton.jit
 def gemv_finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST: tl.constexpr,
-                GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+                GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                PAIR: tl.constexpr):
     """acc: fp32 partial sums for x rows ``m`` and output rows ``rows`` (index tensors broadcastable to acc's
     shape); writes out[m, rows]. ROW_SCALE 1 multiplies by rs_ptr[0], 2 by rs_ptr[m], 3 divides by rs_ptr[0]
     (what x's own scales leave over: an FP8 activation's per-token scale, an nvfp4 activation's global scale;
-    applied before the bias)."""
+    applied before the bias). With ACT >= ACT_GATED the gated form (see ACT_GATED): ``PAIR`` is the distance
+    along acc's dim 1 between a gate row and its up row (8 in a row-per-column tile, 2 in the mma C fragment
+    layout), and out has N / 2 columns."""
     y = acc * POST
     if GS_KIND == GS_DIVIDE:
         y = tl.div_rn(y, tl.load(gs_ptr))
@@ -256,18 +275,27 @@ def gemv_finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST: tl.
         y = tl.div_rn(y, tl.load(rs_ptr))
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-    y = gemv_activation(y, ACT)
-    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=(m < M) & (rows < N))
+    if ACT >= ACT_GATED:
+        gate, up = _gate_pairs(y, PAIR)
+        r, _ = _gate_pairs(rows + m * 0, PAIR)       # fused row of each gate value
+        mm, _ = _gate_pairs(m + rows * 0, PAIR)
+        orow = (r // 16) * 8 + r % 16
+        y = gemv_activation(gate, ACT - ACT_GATED) * up
+        tl.store(out_ptr + mm * (N // 2) + orow, y.to(out_ptr.dtype.element_ty), mask=(mm < M) & (r < N))
+    else:
+        y = gemv_activation(y, ACT)
+        tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=(m < M) & (rows < N))
 
 
 @triton.jit
 def gemv_epilogue(acc, cnt, pid_k, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, ws_ptr,
                   MP: tl.constexpr, SPLIT: tl.constexpr, POST: tl.constexpr, GS_KIND: tl.constexpr,
-                  ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+                  ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PAIR: tl.constexpr):
     """:func:`gemv_finish`, after the split-K reduction when SPLIT > 1: ``cnt`` is this output tile's counter,
     the workspace is [SPLIT, MP, N] fp32 (rows past N are never read back, x rows m >= M are ignored)."""
     if SPLIT == 1:
-        gemv_finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
+        gemv_finish(acc, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT,
+                    PAIR)
     else:
         wmask = rows < N
         tl.store(ws_ptr + (pid_k * MP + m) * N + rows, acc, mask=wmask)
@@ -279,4 +307,5 @@ def gemv_epilogue(acc, cnt, pid_k, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_
                 tot += tl.load(ws_ptr + (s * MP + m) * N + rows, mask=wmask, other=0.0, cache_modifier=".cg")
             # every program of this tile has arrived: reset the counter for the next launch
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-            gemv_finish(tot, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT)
+            gemv_finish(tot, m, rows, M, N, gs_ptr, rs_ptr, bias_ptr, out_ptr, POST, GS_KIND, ROW_SCALE, HAS_BIAS,
+                        ACT, PAIR)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -69,6 +69,7 @@ class PreparedW4:
     plans: dict = field(default_factory=dict, repr=False)  # launch plans under the default TILE
     mma: object = field(default=None, repr=False)  # MmaLayout, made on first use (False: not applicable)
     plan_n: int = 0              # rows the launches are planned for (lowbit.formats.shards.plan_rows; 0: n)
+    gated: object = field(default=None, repr=False)  # the gated layout (gated_layout), made on first use
 
     device: torch.device = field(default=None, repr=False)
 
@@ -273,6 +274,39 @@ def prepare_w4(w: QTensor) -> PreparedW4:
     return p
 
 
+def gated_why_not(p: PreparedW4) -> str | None:
+    """None if the GEMV kernels can run the gated activations (``silu_and_mul`` ...) on ``p``, else why not."""
+    if p.n % 16:
+        return f"the gated GEMV pairs gate and up rows in blocks of 8: N must be a multiple of 16, got {p.n}"
+    if p.plan_n != p.n:
+        return "a column shard's launches are planned for its whole weight; gated shards are not laid out"
+    if p.fmt_code == FMT_CODES["nf4_dq"]:
+        return "double-quantized nf4 absmax blocks would be cut by the row interleave"
+    return None
+
+
+def gated_layout(p: PreparedW4) -> PreparedW4:
+    """``p`` with its rows interleaved for the gated GEMV (``lowbit.kernels.device.ACT_GATED``): for a weight
+    ``[gate; up]`` of N rows, fused rows 16j .. 16j+7 are gate rows 8j .. 8j+7 and 16j+8 .. 16j+15 up rows 8j ..
+    8j+7, so each 16-row tile holds the pairs its epilogue multiplies. A copy of the words and scales, made once
+    and kept on ``p`` (ValueError where :func:`gated_why_not` says no)."""
+    if p.gated is not None:
+        return p.gated
+    why = gated_why_not(p)
+    if why is not None:
+        raise ValueError(f"gemv_w4: {why}")
+    half = p.n // 2
+    j = torch.arange(half // 8, device=p.device).view(-1, 1, 1) * 8
+    i = torch.arange(8, device=p.device).view(1, 1, -1)
+    h = torch.arange(2, device=p.device).view(1, -1, 1) * half
+    perm = (h + j + i).reshape(-1)                    # fused row -> source row
+    g = replace(p, words=p.words[perm].contiguous(), scales=p.scales[perm].contiguous(), plans={}, mma=None,
+                gated=None)
+    if not no_caching():
+        p.gated = g
+    return g
+
+
 def no_caching() -> bool:
     """Whether a layout made now is for this call only: inside the custom op (per-call scratch) or a CUDA-graph
     capture (see :func:`prepare_w4`)."""
@@ -284,4 +318,5 @@ def clear_prepared() -> None:
     for _, p in _PREPARED.values():
         p.plans.clear()
         p.mma = None
+        p.gated = None
     _PREPARED.clear()

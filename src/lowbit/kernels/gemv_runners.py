@@ -16,7 +16,7 @@ import torch
 from . import interpreting as _interpreting
 from .gemv_mma_layout import mma_layout, mma_table
 from .gemv_prepack import PreparedW4
-from .gemv_w4 import MMA, TILE, Plan, make_plan, mma_plan, mma_regime, mma_x_dtypes
+from .gemv_w4 import GATED, MMA, TILE, Plan, make_plan, mma_plan, mma_regime, mma_x_dtypes
 from .scratch import KeptScratch
 
 
@@ -101,7 +101,8 @@ class GemvRunner:
         self.no_bias = torch.empty(16, dtype=x_dtype, device=dev)
         self.ws = torch.empty(16, dtype=torch.float32, device=dev)
         self.cnt = torch.empty(16, dtype=torch.int32, device=dev)
-        self.m, self.n, self.dtype, self.device = m, p.n, x_dtype, dev
+        # a gated activation (p then the gated layout, gemv_prepack.gated_layout) writes N / 2 columns
+        self.m, self.n, self.dtype, self.device = m, p.n // 2 if act & GATED else p.n, x_dtype, dev
         self.scratch = KeptScratch(dev, self.dev_index, self.ws_numel, self.n_cnt)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, rs: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,7 +130,7 @@ def traced_gemv(x: torch.Tensor, words: torch.Tensor | None, scales: torch.Tenso
     ``no_bias``: a placeholder of x's dtype for the bias pointer when ``bias`` is None."""
     m, dev = x.shape[0], x.device
     mma, plan = _default_plan(f, m, x.dtype, bias is not None, act, dev.index)
-    out = torch.empty((m, f.n), dtype=x.dtype, device=dev)
+    out = torch.empty((m, f.n // 2 if act & GATED else f.n), dtype=x.dtype, device=dev)
     if plan.split > 1 and (ws.numel() < plan.split * plan.mp * f.n or cnt.numel() < plan.n_tiles):
         ws = torch.empty(plan.split * plan.mp * f.n, dtype=torch.float32, device=dev)
         cnt = torch.zeros(plan.n_tiles, dtype=torch.int32, device=dev)

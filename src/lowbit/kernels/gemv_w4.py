@@ -44,11 +44,14 @@ from . import interpreting as _interpreting
 from ._launch import Launch
 from .device import GS_DIVIDE, GS_MULTIPLY, GS_NONE
 from .gemv_mma_layout import MmaLayout, has_mma_layout, mma_layout
-from .gemv_prepack import FMT_CODES, PreparedW4, cached, clear_prepared, prepare_w4, why_not
+from .gemv_prepack import FMT_CODES, PreparedW4, cached, clear_prepared, gated_layout, prepare_w4, why_not
 from .scratch import split_k_scratch
 
 
-ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}
+ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3,
+               "gelu_and_mul": 5, "gelu_tanh_and_mul": 6, "silu_and_mul": 7}
+"""Epilogue codes; 4 + code is the gated form ``act(gate) * up`` (``lowbit.kernels.device.ACT_GATED``)."""
+GATED = 4
 MAX_M = 16
 
 TILE = {
@@ -235,6 +238,8 @@ def make_plan(fmt_code: int, wpb: int, post: float, gs_kind: int, n: int, kdim: 
     kw = kdim // 8
     c = _chunks(kw, t["chunks"])
     bn = t["bn"]
+    if act & GATED and bn % 16:
+        raise ValueError(f"gemv_w4: the gated epilogue pairs rows within 16-row blocks; bn={bn} is not a multiple of 16")
     iters = kw // (4 * c)
     n_tiles = cdiv(n, bn)
     sms = _num_sms(device_index) if device_index is not None else 4
@@ -339,7 +344,9 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
             non-contiguous or misaligned x is copied.
         w: QTensor with logical shape ``[N, K]`` (see :func:`supports`), or :func:`prepare_w4`'s result.
         bias: None or ``[N]`` (any float dtype; added in fp32).
-        activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``.
+        activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``; or the gated forms
+            ``"gelu_and_mul"``, ``"gelu_tanh_and_mul"``, ``"silu_and_mul"``: ``w`` is ``[gate; up]`` (N rows, a
+            multiple of 16) and the result ``act(gate) * up`` has N / 2 columns, each product formed in fp32.
         config: a TILE-shaped dict overriding :data:`TILE` (sweeps). Without it the plan is cached on the
             prepared weight: call :func:`clear_cache` after editing :data:`TILE` in place.
         mma_config: an :data:`MMA`-shaped dict overriding it, or False for the FMA / dot kernels only (a
@@ -353,7 +360,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         out_dtype: the result dtype (default x's): bfloat16, float16 or float32.
 
     Returns:
-        ``[M, N]`` tensor of x's dtype.
+        ``[M, N]`` tensor of x's dtype (``[M, N / 2]`` for a gated activation).
     """
     p = w if type(w) is PreparedW4 else prepare_w4(w)
     if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() != 2 or x.shape[1] != p.k \
@@ -363,6 +370,14 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     if act < 0:
         raise ValueError(f"gemv_w4: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     m, n = x.shape[0], p.n
+    n_out = n
+    if act & GATED:
+        # the weight is [gate; up]: run on its row-interleaved copy, the bias permuted the same way
+        p = gated_layout(p)
+        n_out = n // 2
+        if bias is not None:
+            bias = _check_bias(bias, x, n)
+            bias = torch.cat([bias[:n_out].view(-1, 1, 8), bias[n_out:].view(-1, 1, 8)], 1).reshape(n)
     if bias is not None:
         bias = _check_bias(bias, x, n)
     out_dtype = x.dtype if out_dtype is None else out_dtype
@@ -377,7 +392,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
         row_scale, rs_mode = divide_by, 3
     else:
         rs_mode = 0 if row_scale is None else _check_row_scale(row_scale, x)
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n_out, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
     if not x.is_contiguous() or x.data_ptr() % 16:
@@ -452,6 +467,10 @@ def compile_variants():
         ("int4_awq", "fma", 1, "*bf16", 1, True, 1, GS_NONE.value, 4, 0),   # group 32
         ("int4_awq", "dot", 16, "*bf16", 1, False, 0, GS_NONE.value, 8, 1),  # group 64
         ("nf4_dq", "fma", 1, "*fp16", 1, False, 0, GS_NONE.value, 4, 0),     # blocksize 32
+        # the gated epilogue (silu / gelu_tanh and mul), with and without split-K
+        ("nvfp4", "fma", 1, "*bf16", 2, False, 7, GS_DIVIDE.value, 2, 0),
+        ("int4_awq", "fma", 2, "*bf16", 1, True, 6, GS_NONE.value, 16, 0),
+        ("mxfp4", "dot", 16, "*bf16", 4, False, 7, GS_NONE.value, 4, 0),
     ]
     for fmt, path, mp, xd, split, has_bias, act, gs_kind, wpb, rs in cases:
         t = TILE["fma"] if path == "fma" else TILE["dot"]
@@ -466,7 +485,8 @@ def compile_variants():
                "KQ": "i32", **{f"T{i}": "i32" for i in range(8)}}
     for fmt_code, nt, split, has_bias, act, gs_kind, rs in [(0, 1, 1, False, 0, 1, 0), (0, 2, 4, True, 1, 1, 2),
                                                             (1, 1, 4, True, 3, 0, 1), (1, 2, 1, False, 2, 0, 0),
-                                                            (0, 1, 2, False, 0, 2, 2), (0, 2, 1, True, 0, 1, 3)]:
+                                                            (0, 1, 2, False, 0, 2, 2), (0, 2, 1, True, 0, 1, 3),
+                                                            (0, 1, 4, False, 7, 1, 0), (1, 2, 1, True, 6, 0, 0)]:
         consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63}
@@ -477,6 +497,7 @@ def compile_variants():
         (km.FMT_INT4, 1, 4, True, 3, 1, True), (km.FMT_INT4, 2, 1, False, 2, 2, True),
         (km.FMT_NF4, 1, 1, False, 0, 1, False), (km.FMT_NF4, 2, 4, True, 1, 1, False),
         (km.FMT_NF4, 1, 4, True, 3, 2, True), (km.FMT_NF4, 2, 1, False, 2, 1, True),
+        (km.FMT_INT4, 2, 4, False, 7, 2, False), (km.FMT_NF4, 1, 1, False, 7, 1, False),
     ]:
         xd = "*fp16" if xf16 else "*bf16"
         sig = dict(mma_sig, x_ptr=xd, s_ptr="*i32", bias_ptr=xd, out_ptr=xd)

@@ -4,7 +4,7 @@ Importing this package does not import triton or transformers.
 """
 
 from .compute import set_compute
-from .fuse import FusedProjection, fuse_projections, unfuse_projections
+from .fuse import FusedProjection, GatedMLP, fuse_projections, unfuse_projections
 from .modules import QuantLinear
 from .quantize import DEFAULT_SKIP, FUSED_GROUPS, calibrate_absmax, fused_groups, quantize_model
 from .schemes import SCHEMES, Scheme, get_scheme
@@ -13,6 +13,7 @@ __all__ = [
     "DEFAULT_SKIP",
     "FUSED_GROUPS",
     "FusedProjection",
+    "GatedMLP",
     "SCHEMES",
     "QuantLinear",
     "Scheme",

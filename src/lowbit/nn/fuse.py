@@ -14,6 +14,16 @@ decode step, and one larger GEMV, which reads the weights at a better rate than 
 same input" is the same tensor object: the model must not change it in place between its siblings' calls
 (transformers' and diffusers' attention and MLP blocks pass one unmodified tensor to each).
 
+Gated MLPs (``gated_mlp=True``): a block holding ``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``
+(SiLU or GELU), whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` as in transformers' Llama,
+Mistral, Qwen2/3 and Gemma MLPs, is replaced by a :class:`GatedMLP`: one W4A16 :class:`QuantLinear` over
+``[gate; up]`` with the gated activation (``"silu_and_mul"`` ...: the GEMV multiplies ``act(gate) * up`` in its
+epilogue, in fp32, and writes the half-width result), then the block's own ``down_proj``. One launch instead of
+three per decode step (two GEMVs, the activation and the product) and no [M, 2 I] intermediate. The product is
+formed in fp32 and rounded once, where the unfused block rounds gate, up, the activation and the product each to
+bf16: results differ from the unfused model's within that rounding. Weight-only schemes only (the gated
+epilogue is the W4A16 GEMV's); other blocks get the sibling fusion above.
+
 The fused model is for running: :func:`unfuse_projections` gives the members back as ordinary layers (their
 own QTensors, copied out of the fused weight), which is what saving a checkpoint, tensor-parallel plans and
 anything else that looks for the original layers need; those refuse a fused model
@@ -31,6 +41,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..formats.rows import ROW_ALIGN, cat_rows, slice_rows
@@ -130,9 +141,65 @@ def _fusable(members: list[QuantLinear]) -> str | None:
     return None
 
 
-def fuse_projections(model: nn.Module) -> list[tuple[str, ...]]:
+class GatedMLP(nn.Module):
+    """A gated MLP block run as ``down_proj(gate_up_proj(x))``: ``gate_up_proj`` is one :class:`QuantLinear` over
+    the block's ``[gate; up]`` weight with a gated activation (``"silu_and_mul"`` ...), ``down_proj`` the
+    block's own. The original block (without its gate and up layers) is kept, unregistered, for
+    :func:`unfuse_projections`."""
+
+    def __init__(self, gate_up_proj: QuantLinear, down_proj: nn.Module, original: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self._original = [original]  # a plain list: not a submodule (no second copy in state_dict)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))
+
+
+_GATED_BY_TYPE = {"SiLU": "silu_and_mul", "SiLUActivation": "silu_and_mul", "GELUTanh": "gelu_tanh_and_mul",
+                  "PytorchGELUTanh": "gelu_tanh_and_mul", "NewGELUActivation": "gelu_tanh_and_mul",
+                  "GELUActivation": "gelu_and_mul"}
+"""transformers' activation modules (by class name, so that transformers need not be imported) and the gated
+activation of each; ``nn.GELU`` by its ``approximate``."""
+
+
+def gated_activation(act: Any) -> str | None:
+    """The gated activation (:data:`lowbit.ops.linear.GATED_ACTIVATIONS`) for a block's ``act_fn``, or None."""
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh_and_mul" if act.approximate == "tanh" else "gelu_and_mul"
+    if type(act).__name__ == "GELUActivation" and getattr(act, "act", F.gelu) is not F.gelu:
+        return None  # transformers' python GELU: not the erf GELU of torch
+    return _GATED_BY_TYPE.get(type(act).__name__)
+
+
+def _gated_mlp(block: nn.Module) -> tuple[str, QuantLinear] | None:
+    """(gated activation, the fused QuantLinear) for a gated MLP ``block``, or None where it is not one or its
+    gate and up layers cannot share one gated weight."""
+    gate, up = getattr(block, "gate_proj", None), getattr(block, "up_proj", None)
+    if isinstance(block, GatedMLP) or not isinstance(getattr(block, "down_proj", None), nn.Module):
+        return None
+    act = gated_activation(getattr(block, "act_fn", None))
+    if act is None or not isinstance(gate, QuantLinear) or not isinstance(up, QuantLinear):
+        return None
+    if (type(gate) is not QuantLinear or type(up) is not QuantLinear or _fusable([gate, up]) is not None
+            or not gate.scheme.weight_only or gate.out_features != up.out_features or gate.out_features % 8):
+        return None
+    try:
+        weight = cat_rows([gate.weight_qtensor, up.weight_qtensor])
+    except ValueError:
+        return None
+    bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
+    fused = QuantLinear(gate.in_features, weight.shape[0], bias=bias is not None, scheme=gate.scheme, weight=weight,
+                        bias_tensor=bias, input_global_scale=gate.input_global_scale, activation=act,
+                        backend=gate.backend)
+    return act, fused
+
+
+def fuse_projections(model: nn.Module, *, gated_mlp: bool = False) -> list[tuple[str, ...]]:
     """Fuse the sibling projections of a quantized ``model`` in place (see the module docstring); returns the
-    groups fused, by qualified module name. Groups whose layers cannot share one weight (another scheme,
+    groups fused, by qualified module name. With ``gated_mlp``, gated MLP blocks of a weight-only scheme become
+    :class:`GatedMLP` (their group is returned as ``(<block>.gate_proj, <block>.up_proj)`` too). Groups whose layers cannot share one weight (another scheme,
     input size, bias presence, static activation scale, a fused activation, nvfp4 weights without one shared
     global scale, double-quantized nf4, row counts :func:`lowbit.formats.rows.slice_rows` could not cut back
     out, layouts :func:`lowbit.formats.rows.cat_rows` cannot stack) are left as they are.
@@ -142,9 +209,21 @@ def fuse_projections(model: nn.Module) -> list[tuple[str, ...]]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    done = []
+    if gated_mlp:
+        for name, block in list(model.named_modules()):
+            made = _gated_mlp(block)
+            if made is None:
+                continue
+            del block.gate_proj, block.up_proj       # the fused layer holds their rows
+            replacement = GatedMLP(made[1], block.down_proj, block)
+            parent, _, child = name.rpartition(".")
+            if not name:
+                raise ValueError("fuse_projections: the model itself is a gated MLP block; fuse its parent")
+            setattr(model.get_submodule(parent) if parent else model, child, replacement)
+            done.append((f"{name}.gate_proj", f"{name}.up_proj"))
     modules = dict(model.named_modules())
     names = [n for n, m in modules.items() if isinstance(m, QuantLinear)]
-    done = []
     for group in fused_groups(names):
         members = [modules[n] for n in group]
         if _fusable(members) is not None:
@@ -182,12 +261,28 @@ def unfuse_projections(model: nn.Module) -> list[tuple[str, ...]]:
     of the fused one, bit for bit the weights they had); returns the groups unfused."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    done = []
+    for name, m in list(model.named_modules()):
+        if isinstance(m, GatedMLP):
+            block = m._original[0]
+            fused = m.gate_up_proj
+            q = fused.weight_qtensor
+            half = q.shape[0] // 2
+            for attr, (r0, r1) in (("gate_proj", (0, half)), ("up_proj", (half, 2 * half))):
+                bias = None if fused.bias is None else fused.bias[r0:r1].clone()
+                setattr(block, attr, QuantLinear(fused.in_features, half, bias=bias is not None,
+                                                 scheme=fused.scheme, weight=_own_copy(slice_rows(q, r0, r1)),
+                                                 bias_tensor=bias, input_global_scale=fused.input_global_scale,
+                                                 activation=None, backend=fused.backend))
+            block.down_proj = m.down_proj
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, block)
+            done.append((f"{name}.gate_proj", f"{name}.up_proj"))
     by_group: dict[int, list[tuple[str, FusedProjection]]] = {}
     for name, m in model.named_modules():
         if isinstance(m, FusedProjection):
             by_group.setdefault(id(m._group), []).append((name, m))
     modules = dict(model.named_modules())
-    done = []
     for members in by_group.values():
         fused = members[0][1]._group[0]
         q = fused.weight_qtensor
@@ -218,9 +313,10 @@ def _own_copy(q):
 def refuse_fused(model: nn.Module, what: str) -> None:
     """ValueError naming ``what`` if ``model`` holds fused projections (:func:`fuse_projections`)."""
     for name, m in model.named_modules():
-        if isinstance(m, FusedProjection):
+        if isinstance(m, FusedProjection | GatedMLP):
             raise ValueError(f"{what}: {name} is a fused projection; call lowbit.nn.unfuse_projections(model) "
                              "first (fusing is for running the model, checkpoints and plans name the original layers)")
 
 
-__all__ = ["FusedProjection", "fuse_projections", "refuse_fused", "unfuse_projections"]
+__all__ = ["FusedProjection", "GatedMLP", "fuse_projections", "gated_activation", "refuse_fused",
+           "unfuse_projections"]

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..api import dequantize, quantize
 from ..formats.qtensor import QTensor
-from ..ops.linear import ACTIVATIONS
+from ..ops.linear import ACTIVATIONS, GATED_ACTIVATIONS
 from ..ops.prepared import PreparedWeight, prepare
 from .schemes import Scheme, get_scheme
 
@@ -45,7 +45,9 @@ class QuantLinear(nn.Module):
         in_features, out_features: as ``nn.Linear``.
         scheme: the :class:`~lowbit.nn.Scheme`.
         activation: None, ``"gelu"``, ``"gelu_tanh"`` or ``"silu"`` applied after the bias (fused,
-            as the ``nvfp4_packed`` plugin does).
+            as the ``nvfp4_packed`` plugin does); or, for weight-only schemes, a gated form (``"silu_and_mul"``
+            ...: the weight is ``[gate; up]`` and the output ``act(gate) * up`` has ``out_features / 2``
+            columns; :func:`lowbit.nn.fuse_projections` builds such layers for gated MLPs).
         backend: passed to the lowbit ops (None: ``$LOWBIT_BACKEND`` or ``"auto"``).
         input_global_scale: buffer, fp32 ``[1]`` static NVFP4 activation multiplier (``2688 / absmax``) or None.
         compute, keep_fp8_weight: ``"exact"`` (default) or, for ``w4a4-nvfp4``, ``"fp8_block"``: the opt-in
@@ -87,6 +89,10 @@ class QuantLinear(nn.Module):
         self.scheme = get_scheme(scheme)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if activation in GATED_ACTIVATIONS and (not self.scheme.weight_only or self.out_features % 2):
+            raise ValueError(f"activation {activation!r} (act(gate) * up over the [gate; up] rows of the weight) needs "
+                             f"a weight-only scheme and an even out_features, got {self.scheme.name} and "
+                             f"{self.out_features}")
         self.activation = activation
         self.backend = backend
         self.weight_format = self.scheme.weight_format

@@ -59,8 +59,12 @@ from .policy import GEMV_MAX_M  # noqa: F401 - re-exported (lowbit.ops.GEMV_MAX_
 
 SUPPORTED_FORMATS = formats_with("linear_weight")  # nvfp4, mxfp4, fp4_b32, nf4, bnb_fp4, int4_awq
 """Weight formats :func:`linear` accepts."""
-ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu")
-"""``"gelu"`` is the exact (erf) GELU, ``"gelu_tanh"`` its tanh approximation."""
+ACTIVATIONS = (None, "gelu", "gelu_tanh", "silu", "gelu_and_mul", "gelu_tanh_and_mul", "silu_and_mul")
+"""``"gelu"`` is the exact (erf) GELU, ``"gelu_tanh"`` its tanh approximation. The ``*_and_mul`` forms are
+gated (vLLM's ``SiluAndMul``): the weight is ``[gate; up]``, stacked along its rows, and the result
+``act(gate) * up`` has half its rows as columns (a fused gate/up projection of a Llama-style MLP)."""
+GATED_ACTIVATIONS = {"gelu_and_mul": "gelu", "gelu_tanh_and_mul": "gelu_tanh", "silu_and_mul": "silu"}
+"""Gated activation -> the activation applied to its gate half."""
 X_DTYPES = (torch.bfloat16, torch.float16)
 """Activation dtypes; the output has x's dtype."""
 DEQUANT_CHUNK_BYTES = 64 << 20
@@ -80,6 +84,9 @@ def _check(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, activation: s
     op_common.check_x(x, w, "lowbit.linear", X_DTYPES, "bfloat16 or float16 (W4A16)")
     if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"lowbit.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation in GATED_ACTIVATIONS and n % 2:
+        raise ValueError(f"lowbit.linear: activation {activation!r} splits the weight's rows into gate and up "
+                         f"halves; N must be even, got {n}")
     device = x.device
     for name in _WEIGHT_FIELDS:
         t = getattr(w, name)
@@ -113,9 +120,14 @@ def check_weight(w: QTensor) -> tuple[int, int]:
 
 
 def apply_activation(y: torch.Tensor, activation: str | None, inplace: bool = False) -> torch.Tensor:
-    """``activation`` of ``y``; ``inplace`` overwrites ``y`` (a buffer of ours, never a user's tensor)."""
+    """``activation`` of ``y``; ``inplace`` overwrites ``y`` (a buffer of ours, never a user's tensor). A gated
+    activation returns ``act(y[..., :N/2]) * y[..., N/2:]``, a new tensor of half the width."""
     if activation is None:
         return y
+    base = GATED_ACTIVATIONS.get(activation)
+    if base is not None:
+        half = y.shape[-1] // 2
+        return apply_activation(y[..., :half], base) * y[..., half:]
     if activation in ("gelu", "gelu_tanh"):
         approximate = "tanh" if activation == "gelu_tanh" else "none"
         return torch.ops.aten.gelu_(y, approximate=approximate) if inplace else F.gelu(y, approximate=approximate)
@@ -288,6 +300,8 @@ def chunked_gemm(x2: torch.Tensor, chunks: Sequence[tuple[int, int, Any]], n: in
     x2's dtype: one chunk is one ``F.linear``; several are BLAS calls writing their column blocks of the output."""
     if len(chunks) == 1:
         return apply_activation(F.linear(x2, chunks[0][2](), bias), activation)
+    if activation in GATED_ACTIVATIONS:  # the gate and up halves of a row come from different chunks
+        return apply_activation(chunked_gemm(x2, chunks, n, bias, None), activation)
     out = torch.empty((x2.shape[0], n), dtype=x2.dtype, device=x2.device)
     for n0, n1, decode in chunks:
         wc = decode()
@@ -351,14 +365,23 @@ def _run(
     m = x2.shape[0]
     path, target, facts = policy.linear_decide(m, x2.device, w, backend)
     if target is not None and path != "unavailable":
+        if activation in GATED_ACTIVATIONS and not (path == "gemv_w4" and _gated_gemv(w)):
+            return apply_activation(target(x2, w, bias, None), activation)
         return target(x2, w, bias, activation)
     if path == "dequant_gemm":
         return linear_dequant_gemm(x2, w, bias, activation)
     if path == "reference":
         return linear_reference(x2, w, bias, activation, dequant_backend=backend)
     if path == "empty":
-        return x2.new_empty((0, w.shape[0]))
+        return x2.new_empty((0, w.shape[0] // 2 if activation in GATED_ACTIVATIONS else w.shape[0]))
     raise target(f"lowbit.linear: {_reason(path, facts, m, x2.device, w)}")
+
+
+def _gated_gemv(w: QTensor) -> bool:
+    """Whether the GEMV runs a gated activation on ``w`` itself (else the product, then the gating in torch)."""
+    from ..kernels.gemv_prepack import gated_why_not, prepare_w4
+
+    return gated_why_not(prepare_w4(w)) is None
 
 
 def linear(
@@ -378,13 +401,15 @@ def linear(
             double-quantized absmax), ``int4_awq`` (any group size dividing K), ``fp4_b32``, ``bnb_fp4`` (on CUDA
             always the Triton dequantize kernel + cuBLAS: ``policy.DEQUANT_ONLY_FORMATS``).
         bias: None or ``[N]`` in x's dtype, on x's device.
-        activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``, applied after the bias.
+        activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``, applied after the bias; or a
+            gated form of :data:`ACTIVATIONS` (``"silu_and_mul"`` ...): ``w`` is ``[gate; up]`` and the result
+            ``act(gate) * up`` has N / 2 columns.
         backend: ``"auto"`` (default, or ``$LOWBIT_BACKEND``): Triton kernels on CUDA, the reference on
             CPU; ``"triton"``: kernels only (ValueError off CUDA); ``"torch"``: :func:`linear_reference`
             on any device. :func:`explain` says what runs and why.
 
     Returns:
-        ``[..., N]`` tensor in x's dtype. Inputs are never modified.
+        ``[..., N]`` tensor in x's dtype (``[..., N / 2]`` for a gated activation). Inputs are never modified.
 
     Raises:
         TypeError: x or bias dtype, w not a QTensor.
@@ -401,7 +426,7 @@ def linear(
         out = torch.ops.lowbit.linear_w4a16(x2, *tensors, bias, w.fmt, [n, k], meta, activation, chosen)
     else:
         out = _run(x2, w, bias, activation, chosen)
-    return out if flat else out.reshape(*x.shape[:-1], n)
+    return out if flat else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 # ---------------------------------------------------------------------------------------------- custom op
@@ -472,4 +497,4 @@ def _linear_w4a16_fake(
     torch._check(x.dim() == 2, lambda: f"lowbit::linear_w4a16: x must be 2-D [M, K], got {x.dim()}-D")
     torch._check(len(shape) == 2, lambda: "lowbit::linear_w4a16: shape must be the weight's [N, K]")
     torch._check(x.shape[1] == shape[1], lambda: "lowbit::linear_w4a16: K mismatch between x and the weight")
-    return x.new_empty((x.shape[0], shape[0]))
+    return x.new_empty((x.shape[0], shape[0] // 2 if activation in GATED_ACTIVATIONS else shape[0]))

@@ -36,7 +36,7 @@ import torch
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
 from . import policy
-from .linear import ACTIVATIONS, apply_activation, check_weight, linear
+from .linear import ACTIVATIONS, GATED_ACTIVATIONS, apply_activation, check_weight, linear
 from .policy import GEMV_MAX_M
 from .prepared_scaled import SCALED_X_DTYPES, ScaledCalls
 from .prepared_w4a16 import X_DTYPES, W4A16Calls
@@ -71,6 +71,13 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.w = w
         self.n, self.k = w.shape
+        self.gated = activation in GATED_ACTIVATIONS
+        if self.gated and (not weight_only or self.n % 2):
+            raise ValueError(f"activation {activation!r} (gate and up halves of the weight's rows) needs a "
+                             f"weight-only scheme and an even number of rows, got N={self.n}"
+                             + ("" if weight_only else f" and activations quantized to {act_format}"))
+        self.n_out = self.n // 2 if self.gated else self.n
+        """Columns of the output (half the rows for a gated activation)."""
         self.weight_only = weight_only
         self.activation = activation
         self.act_code = 0  # the GEMV kernels' code of ``activation`` (set with the layouts)
@@ -131,7 +138,7 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
                 run = self.runners.get((m, x.dtype, bias is None))
                 if run is not None and x.is_contiguous() and not x.data_ptr() & 15:
                     out = run(x.view(m, self.k), bias)
-                    return out if len(shape) == 2 else out.view(*shape[:-1], self.n)
+                    return out if len(shape) == 2 else out.view(*shape[:-1], self.n_out)
             if x.dtype in X_DTYPES and x.shape[-1] == self.k and x.device == self.device:
                 out = self._gemv_call(x, bias)
                 if out is not None:
@@ -176,7 +183,7 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
         triton_op, everything else through :meth:`call_general` (opaque custom ops)."""
         f = self.facts
         if (f is not None and x.dtype in X_DTYPES and x.shape[-1] == self.k and x.device == self.device
-                and (bias is None or bias.dtype == x.dtype)):
+                and (bias is None or (bias.dtype == x.dtype and not self.gated))):
             x2 = x.reshape(-1, self.k)
             m = x2.shape[0]
             if 0 < m <= GEMV_MAX_M:
@@ -193,7 +200,7 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
                     x2.contiguous(), *t, *self.traced_extra, self.no_bias[x.dtype], bias, f.fmt,
                     f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code,
                     f.plan_n)
-                return out.reshape(*x.shape[:-1], self.n)
+                return out.reshape(*x.shape[:-1], self.n_out)
         ft = self.fp8_traced
         if (ft is not None and act_global_scale is None and x.dtype in SCALED_X_DTYPES and x.shape[-1] == self.k
                 and x.device == self.device and (bias is None or bias.dtype == x.dtype)):

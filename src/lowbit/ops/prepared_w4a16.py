@@ -41,6 +41,12 @@ class W4A16Calls:
         if policy.DEQUANT_GEMM_MIN_M is not None and slice_rows_reason(self.w) is None:
             self._dequant_min_m = policy.dequant_gemm_min_m(self.w.fmt)
         p = prepare_w4(self.w)
+        if self.gated:
+            from ..kernels.gemv_prepack import gated_layout, gated_why_not
+
+            if gated_why_not(p) is not None:
+                return  # no GEMV layout for this gated weight: every call takes the general path
+            p = gated_layout(p)  # [gate; up] rows interleaved for the gated epilogue
         self.facts = facts(p)   # builds the tensor-core layout too
         lay = mma_layout(p)
         dummy = p.nested if lay is None else None
@@ -69,7 +75,7 @@ class W4A16Calls:
                 return self._dequant_gemm_call(x, x2, bias)
             return None
         if bias is not None:
-            if (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
+            if (self.gated or bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
                     or bias.device != self.device or bias.shape != (self.n,)):
                 return None
             self._bias_ok = bias  # the fast path's check: this very tensor (a layer passes its own bias)
@@ -86,7 +92,7 @@ class W4A16Calls:
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         out = run(x2, bias)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n_out)
 
     def _dequant_gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """:func:`lowbit.ops.linear.linear_dequant_gemm` with the chunks' decode launches made once per x dtype
@@ -101,7 +107,7 @@ class W4A16Calls:
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         out = chunked_gemm(x2, chunks, self.n, bias, self.activation)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n_out)
 
     def _build_chunks(self, dtype: torch.dtype) -> list:
         """[(n0, n1, KernelCall decoding those rows to ``dtype``)] for the chunks of ``linear_dequant_gemm``,
