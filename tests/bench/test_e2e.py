@@ -183,3 +183,19 @@ def test_default_configs_measure_fused_projections_too():
     for config in e2e.DEFAULT_CONFIGS:
         if config.startswith("lowbit:"):
             e2e.apply_config(decoder.build_decoder(e2e.SHAPES["tiny"], 8, "cpu"), config)
+
+
+def test_gated_config_runs_the_mlp_as_one_gated_layer():
+    from lowbit.nn import GatedMLP
+
+    plain = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-nvfp4")
+    gated = e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a16-nvfp4+gated")
+    assert all(isinstance(b.mlp, GatedMLP) for b in gated.layers)
+    # the same codes and scales; gate and up shared one nvfp4 global scale, now held once (4 bytes a layer)
+    assert e2e.weight_bytes(plain) - e2e.weight_bytes(gated) == 4 * len(gated.layers)
+    ids = torch.randint(0, e2e.SHAPES["tiny"].vocab, (1, 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, got = plain(ids, torch.arange(4)).float(), gated(ids, torch.arange(4)).float()
+    assert ((got - want).norm() / want.norm()) < 2e-2     # the product rounded once instead of four times
+    with pytest.raises(ValueError, match="could be gated|could be fused"):
+        e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a4-nvfp4+gated")

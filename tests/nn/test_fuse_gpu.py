@@ -1,7 +1,10 @@
 """Fused sibling projections on CUDA: a fused decoder computes what the unfused one computes (each member's
 columns through the GEMV or GEMM of the stacked weight, within the rounding of another split of the sums) in
 eager mode, captured in a CUDA graph and under torch.compile (Inductor, fullgraph, default and
-reduce-overhead); the fused GEMV reads the stacked weight in one launch per group.
+reduce-overhead); the fused GEMV reads the stacked weight in one launch per group. Gated MLPs
+(``fuse_projections(gated_mlp=True)``): the gated layer against the float64 oracle in every GEMV regime and
+the larger-M routes, the gated decoder against the unfused one, two launches less per layer, CUDA graphs and
+torch.compile.
 
 Run on the device machine: ``python -m pytest -q -p no:cacheprovider tests/nn/test_fuse_gpu.py``.
 """
@@ -122,3 +125,100 @@ def test_compiled_fused_step_equals_compiled_unfused(mode):
     got = _compiled_logits(fused, mode, ids, pos)
     assert _rel(got, want) < 1e-2
     assert _rel(got, eager) < 3e-2
+
+
+# ------------------------------------------------------------------------------------------ gated MLPs
+
+W4A16 = [s for s in SCHEMES if s.startswith("w4a16-")]
+
+
+def _gated_pair(scheme):
+    plain, fused = _pair(scheme)
+    fuse_projections(fused, gated_mlp=True)       # q/k/v stay fused; gate/up become one gated layer
+    from lowbit.nn import GatedMLP
+
+    assert all(isinstance(layer.mlp, GatedMLP) for layer in fused.layers)
+    return plain, fused
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 9, 16, 40, 600])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4_awq", "nf4", "fp4_b32"])
+def test_gated_layer_against_the_fp32_oracle(fmt, m):
+    # every GEMV regime (tensor-core at M >= 2 and for large weights at M = 1, FMA, dot), the GEMM and the
+    # dequantize route: act(gate) * up of the stacked weight, against the float64 oracle
+    from lowbit.testing import linear_oracle
+
+    g = torch.Generator(device="cuda").manual_seed(m)
+    n, k = 2 * 7168, 2048          # a Llama-like gate/up of 7168 rows each (tensor-core GEMV at M = 1 too)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    opts = {"group_size": 128} if fmt == "int4_awq" else {}
+    q = lowbit.quantize(w.half() if fmt == "int4_awq" else w.bfloat16(), fmt, **opts)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    for act in ("silu_and_mul", "gelu_tanh_and_mul"):
+        want = linear_oracle(x, q, None, act)
+        got = lowbit.linear(x, q, activation=act)
+        assert got.shape == (m, n // 2)
+        assert _rel(got, want) < 5e-3, (act, lowbit.explain(x, q), _rel(got, want))
+        layer = lowbit.nn.QuantLinear(k, n, bias=False, scheme={"nvfp4": "w4a16-nvfp4", "mxfp4": "w4a16-mxfp4",
+                                                               "int4_awq": "w4a16-int4", "nf4": "w4a16-nf4",
+                                                               "fp4_b32": "w4a16-fp4b32"}[fmt],
+                                      weight=q, activation=act)
+        with torch.inference_mode():
+            assert torch.equal(layer(x), layer(x)) and _rel(layer(x), want) < 5e-3
+
+
+@pytest.mark.parametrize("scheme", W4A16)
+@pytest.mark.parametrize("tokens", [1, 5, 300], ids=["decode", "m5", "prefill"])
+def test_gated_equals_unfused_eager(scheme, tokens):
+    plain, fused = _gated_pair(scheme)
+    ids = torch.randint(0, SHAPE.vocab, (1, tokens), device="cuda")
+    pos = torch.arange(tokens, device="cuda")
+    with torch.inference_mode():
+        clear_cache(plain)
+        clear_cache(fused)
+        want, got = plain(ids, pos), fused(ids, pos)
+    assert _rel(got, want) < 2e-2, _rel(got, want)
+
+
+def _kernels(model, ids, pos):
+    with torch.inference_mode():
+        model(ids, pos)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            model(ids, pos)
+            torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_gated_decode_step_launches_two_kernels_less_a_layer_and_replays_in_a_graph():
+    _, sibling_fused = _pair("w4a16-nvfp4")
+    _, fused = _gated_pair("w4a16-nvfp4")
+    ids, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.tensor([3], device="cuda")
+    before, after = _kernels(sibling_fused, ids, pos), _kernels(fused, ids, pos)
+    # per layer: q/k/v, o, gate/up (gated), down; the SiLU and the product are gone
+    assert len([n for n in after if "gemv" in n]) == 4 * SHAPE.layers, after
+    assert len(before) - len(after) == 2 * SHAPE.layers, (before, after)
+    with torch.inference_mode():
+        clear_cache(fused)
+        want = fused(ids, pos).clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fused(ids, pos)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused(ids, pos)
+        clear_cache(fused)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_gated_step_equals_compiled_unfused(mode):
+    plain, fused = _gated_pair("w4a16-int4")
+    ids, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.tensor([3], device="cuda")
+    want = _compiled_logits(plain, mode, ids, pos)
+    got = _compiled_logits(fused, mode, ids, pos)
+    assert _rel(got, want) < 2e-2
