@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gptq import CASES, IDS, _assert_same_result, _same  # this folder's cases
 
 import lowbit
 from lowbit.algorithms import GPTQ, HessianAccumulator, gptq_graphs, gptq_quantize
-
-from test_gptq import CASES, IDS, _assert_same_result, _same  # this folder's cases
 
 pytestmark = pytest.mark.gpu
 
@@ -68,3 +67,32 @@ def test_refinement_on_the_gpu_decodes_exactly_and_lowers_the_objective(fmt, opt
         assert _same(getattr(q, field), getattr(q0, field)), field
     Hd = H + 0.03 * H.diagonal().mean() * torch.eye(H.shape[0], device=H.device)
     assert objective(w, values, Hd) < objective(w, v0, Hd)
+
+
+@pytest.mark.parametrize(("fmt", "opts"), CASES, ids=IDS)
+def test_refinement_from_cuda_graphs_gives_the_eager_loops_bits(fmt, opts):
+    # the sweeps' full blocks replayed from one CUDA graph each against the same sweeps launched eagerly
+    import time
+
+    from lowbit.algorithms.gptq_refine import refine
+    from lowbit.algorithms.grids import grid_for
+
+    w, _, H = _layer(seed=4, k=1024 + 256)        # several full blocks and a partial one
+    grid = grid_for(w, fmt, **opts)
+    G = grid.group
+    states = [grid.fit(w[:, g * G:(g + 1) * G]) for g in range(w.shape[1] // G)]
+    parts = [grid.round(w[:, g * G:(g + 1) * G], states[g]) for g in range(len(states))]
+    codes = torch.cat([c for c, _ in parts], dim=1)
+    values = torch.cat([v for _, v in parts], dim=1)
+    Hd = H + 0.01 * H.diagonal().mean() * torch.eye(H.shape[0], device=H.device)
+    times = {}
+    out = {}
+    for graphs in (False, True):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out[graphs] = refine(grid, w, values, codes, states, Hd, sweeps=2, block_size=128, graphs=graphs)
+        torch.cuda.synchronize()
+        times[graphs] = time.perf_counter() - t0
+    assert torch.equal(out[False][1], out[True][1])
+    assert torch.equal(out[False][0].abs(), out[True][0].abs())
+    print(f"{fmt}: eager {times[False]:.3f} s, graphs {times[True]:.3f} s")

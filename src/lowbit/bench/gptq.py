@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cli-defaults", action="store_true",
                    help="the settings `lowbit quantize --algorithm gptq` runs (act-order, scale search, refinement "
                         "sweeps, the asymmetric objective) instead of GPTQ()'s plain defaults")
+    p.add_argument("--set", default="", metavar="KEY=VALUE,...",
+                   help="GPTQ fields over those, e.g. 'refine_sweeps=0,asymmetric=0' (ints, floats, 0/1 for flags), "
+                        "to time the parts of a configuration one at a time")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None, metavar="PATH")
     return p
@@ -176,17 +179,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lowbit bench gptq: unknown or empty --schemes/--modes: {bad}", file=sys.stderr)
         return 2
     s = SHAPES[args.shape]
+    fields: dict = {"act_order": args.act_order}
     if args.cli_defaults:
         from ..cli.algorithm_flags import GPTQ_DEFAULTS
 
-        config = GPTQ(**GPTQ_DEFAULTS)
-    else:
-        config = GPTQ(act_order=args.act_order)
+        fields = dict(GPTQ_DEFAULTS)
+    for item in filter(None, args.set.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            fields[key.strip()] = float(value) if "." in value or "e" in value else int(value)
+        except ValueError:
+            print(f"lowbit bench gptq: --set {item!r}: not KEY=<number>", file=sys.stderr)
+            return 2
+    for key in ("act_order", "asymmetric"):
+        if key in fields:
+            fields[key] = bool(fields[key])
+    try:
+        config = GPTQ(**fields)
+    except (TypeError, ValueError) as e:
+        print(f"lowbit bench gptq: {e}", file=sys.stderr)
+        return 2
     calib = hidden_states(s, args.calib, args.seq, args.device, 1)
     held = hidden_states(s, args.held, args.seq, args.device, 2)
     result: dict = {"suite": "gptq", "header": header(), "args": {
         "shape": args.shape, "calib": args.calib, "seq": args.seq, "act_order": args.act_order,
-        "cli_defaults": args.cli_defaults,
+        "cli_defaults": args.cli_defaults, "set": args.set,
         "device": args.device}, "rows": []}
     for scheme in schemes:
         for mode in modes:
