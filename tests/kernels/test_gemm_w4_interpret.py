@@ -297,6 +297,16 @@ def test_int4_prelayout_and_cache_cpu():
     w.scale.mul_(2)
     codes2, sz2 = g.prelayout_int4_awq(w)
     assert codes2 is not codes and torch.equal((sz2 & 0xFFFF).to(torch.int16), w.scale.view(torch.int16).t())
+    # during a CUDA-graph capture a layout serves that call only (its memory is the graph's): nothing is kept
+    w2 = lowbit.quantize(torch.randn(48, 2112, generator=gen).half(), "int4_awq", group_size=64)
+    capturing = torch.cuda.is_current_stream_capturing, torch.cuda.is_available
+    torch.cuda.is_current_stream_capturing, torch.cuda.is_available = (lambda: True), (lambda: True)
+    try:
+        first = g.prelayout_int4_awq(w2)[0]
+        assert g.prelayout_int4_awq(w2)[0] is not first
+    finally:
+        torch.cuda.is_current_stream_capturing, torch.cuda.is_available = capturing
+    assert g.prelayout_int4_awq(w2)[0] is g.prelayout_int4_awq(w2)[0]
 
 
 def test_input_errors_cpu():

@@ -172,6 +172,10 @@ def _entries(key: torch.Tensor) -> dict:
 
 
 def _cached(key: torch.Tensor, tag: str, deps: tuple, build):
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # a layout made during a capture lives in the graph's memory pool and its build is part of the graph
+        # (it runs on every replay): it serves this call only. Call a weight once before capturing it.
+        return build()
     stamp = _stamp(deps)
     entries = _entries(key)
     hit = entries.get(tag)
