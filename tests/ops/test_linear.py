@@ -694,3 +694,19 @@ def test_kept_dequant_chunks_are_made_once_per_weight_and_dtype(monkeypatch):
         assert lin.kept_chunks(lowbit.quantize(torch.randn(256, 128), "nvfp4"), torch.bfloat16) is None
     monkeypatch.setattr(lin._kernels, "dequantize_call", lambda w: None)
     assert lin.kept_chunks(lowbit.quantize(torch.randn(256, 128), "nvfp4"), torch.bfloat16) is None
+
+
+@pytest.mark.parametrize(("fmt", "opts"), [("nvfp4", {}), ("int4_awq", {"group_size": 64}), ("nf4", {})])
+def test_kept_dequant_chunks_do_not_keep_the_weight_alive(fmt, opts):
+    # the real kernel calls (made, not launched): they hold storage aliases, so the weight's death drops them
+    pytest.importorskip("triton")
+    import gc
+    import weakref
+
+    w = lowbit.quantize(torch.randn(512, 128).half() if fmt == "int4_awq" else torch.randn(512, 128), fmt, **opts)
+    chunks = lin.kept_chunks(w, torch.bfloat16)
+    assert chunks and len(chunks) == 2
+    key, ref = id(w.data), weakref.ref(w.data)
+    del w, chunks
+    gc.collect()
+    assert ref() is None and key not in lin._KEPT_CHUNKS

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -267,8 +267,22 @@ def kept_chunks(w: QTensor, dtype: torch.dtype) -> list | None:
             _KEPT_CHUNKS.pop(key, None)
 
         hit = _KEPT_CHUNKS[key] = (weakref.ref(data, drop), sig, {})
-    chunks = hit[2][dtype] = decode_chunks(w, dtype)
+    # the launches hold aliases of w's storage, not views of its tensors: a view keeps its base tensor, and
+    # with it w.data, alive, and the entry would never be dropped
+    chunks = hit[2][dtype] = decode_chunks(_storage_aliases(w), dtype)
     return chunks or None
+
+
+def _storage_aliases(q: QTensor) -> QTensor:
+    """``q`` with each tensor field replaced by a tensor over the same memory that is not a view of it (no
+    reference to the original tensor object)."""
+    changes = {}
+    for f in fields(q):
+        t = getattr(q, f.name)
+        if isinstance(t, torch.Tensor):
+            alias = torch.empty(0, dtype=t.dtype, device=t.device)
+            changes[f.name] = alias.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return replace(q, **changes)
 
 
 def decode_chunks(w: QTensor, dtype: torch.dtype) -> list:
