@@ -221,3 +221,26 @@ def test_gated_activation_of_lowbit_linear():
     with pytest.raises(ValueError, match="weight-only"):
         QuantLinear(64, 48, bias=False, scheme="w4a4-nvfp4", weight=lowbit.quantize(torch.randn(48, 64), "nvfp4"),
                     activation="silu_and_mul")
+
+
+def test_gated_mlp_of_a_transformers_llama():
+    # transformers' own LlamaMLP (its act_fn a transformers activation class): gated, computes within bf16
+    # rounding of the unfused model, unfuses to the same weights
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=300)
+    torch.manual_seed(0)
+    m = lowbit.quantize_model(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), "w4a16-int4")
+    ref_state = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = torch.randint(0, 300, (1, 7))
+    with torch.no_grad():
+        want = m(ids).logits.float()
+        groups = fuse_projections(m, gated_mlp=True)
+        assert ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj") in groups
+        assert all(isinstance(layer.mlp, GatedMLP) for layer in m.model.layers)
+        got = m(ids).logits.float()
+    assert ((got - want).norm() / want.norm()) < 2e-2
+    unfuse_projections(m)
+    assert type(m.model.layers[0].mlp).__name__ == "LlamaMLP"
+    state = m.state_dict()
+    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
