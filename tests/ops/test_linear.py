@@ -342,9 +342,10 @@ def test_dispatch_rules(weights, kernels):
     for m in (1, 2, 7, policy.GEMV_MAX_M):
         assert _path(w, m).path == "gemv_w4"
         assert _path(w, m, "triton").path == "gemv_w4"
-    for m in (policy.GEMV_MAX_M + 1, 33, policy.DEQUANT_GEMM_MIN_M - 1):
+    min_m = policy.dequant_gemm_min_m(w.fmt)
+    for m in (policy.GEMV_MAX_M + 1, 33, min_m - 1):
         assert _path(w, m).path == "gemm_w4"
-    for m in (policy.DEQUANT_GEMM_MIN_M, 4096):
+    for m in (min_m, 4096):
         plan = _path(w, m)
         assert plan.path == "dequant_gemm" and "then cuBLAS" in plan.reason
     assert _path(w, 0).path == "empty"
@@ -369,8 +370,8 @@ def test_dispatch_rules(weights, kernels):
         assert "nf4 not yet" in plan.reason and "backend='torch'" in plan.reason
     assert "no module lowbit.kernels.gemv_w4" in _path(w, 1).reason
     kernels["gemm_w4"] = None
-    assert _path(w, 300).path == "unavailable"
-    assert _path(w, 300, "torch").path == "reference"
+    assert _path(w, 200).path == "unavailable"
+    assert _path(w, 200, "torch").path == "reference"
 
 
 def test_dispatch_no_triton(weights, kernels, monkeypatch):
@@ -616,6 +617,8 @@ def test_linear_dequant_gemm_matches_reference_over_several_chunks(fmt, opts, ac
 
 def test_dequant_gemm_is_chosen_only_when_enabled(monkeypatch):
     q = lowbit.quantize(torch.randn(256, 128), "nvfp4")
+    assert "DEQUANT_GEMM_MIN_M_BY_FORMAT['nvfp4']=256" in lin._reason("dequant_gemm", (), 4096, torch.device("cuda"), q)
+    monkeypatch.setattr(policy, "DEQUANT_GEMM_MIN_M_BY_FORMAT", {})
     monkeypatch.setattr(policy, "DEQUANT_GEMM_MIN_M", None)
     assert policy.linear_decide(4096, torch.device("cuda"), q, "auto")[0] != "dequant_gemm"
     monkeypatch.setattr(policy, "DEQUANT_GEMM_MIN_M", 1024)
@@ -629,13 +632,15 @@ def test_dequant_gemm_is_chosen_only_when_enabled(monkeypatch):
 def test_dequant_gemm_threshold_per_format(weights, kernels, monkeypatch):
     kernels["gemv_w4"] = _stand_in("gemv_w4")
     kernels["gemm_w4"] = _stand_in("gemm_w4")
-    for fmt in ("nvfp4", "mxfp4"):                  # no override: these switch at DEQUANT_GEMM_MIN_M
+    for fmt in ("mxfp4", "int4_awq"):               # no override: these switch at DEQUANT_GEMM_MIN_M
+        assert fmt not in policy.DEQUANT_GEMM_MIN_M_BY_FORMAT
         assert _path(weights[fmt], policy.DEQUANT_GEMM_MIN_M - 1).path == "gemm_w4"
         assert _path(weights[fmt], policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"
-    nf4_min = policy.DEQUANT_GEMM_MIN_M_BY_FORMAT["nf4"]  # the shipped override, below the default
-    assert nf4_min < policy.DEQUANT_GEMM_MIN_M
-    assert _path(weights["nf4"], nf4_min - 1).path == "gemm_w4"
-    assert _path(weights["nf4"], nf4_min).path == "dequant_gemm"
+    for fmt in ("nf4", "nvfp4"):                    # the shipped overrides, below the default
+        low = policy.DEQUANT_GEMM_MIN_M_BY_FORMAT[fmt]
+        assert low < policy.DEQUANT_GEMM_MIN_M
+        assert _path(weights[fmt], low - 1).path == "gemm_w4"
+        assert _path(weights[fmt], low).path == "dequant_gemm"
     monkeypatch.setitem(policy.DEQUANT_GEMM_MIN_M_BY_FORMAT, "nf4", 2 * policy.DEQUANT_GEMM_MIN_M)
     assert _path(weights["nf4"], policy.DEQUANT_GEMM_MIN_M).path == "gemm_w4"
     assert _path(weights["nf4"], 2 * policy.DEQUANT_GEMM_MIN_M).path == "dequant_gemm"

@@ -188,7 +188,7 @@ def test_dispatch(fmt):
         plan = lin.plan_linear((m, 4096), w)
         if m <= policy.GEMV_MAX_M and gemv is not None and gemv.supports(w) is None:
             assert plan.path == "gemv_w4", str(plan)
-        elif policy.DEQUANT_GEMM_MIN_M is not None and m >= policy.DEQUANT_GEMM_MIN_M:
+        elif policy.DEQUANT_GEMM_MIN_M is not None and m >= policy.dequant_gemm_min_m(w.fmt):
             assert plan.path == "dequant_gemm", str(plan)
         elif gemm is not None and gemm.supports(w) is None:
             assert plan.path == "gemm_w4", str(plan)

@@ -48,10 +48,11 @@ dequantize-then-cuBLAS 0.48-0.63x at M=512 (the GEMM 0.20-0.42x), 0.65-0.78x at 
 0.75-0.95x at 2048 (GEMM 0.30-0.51x): faster on all 72 (format, shape, M >= 512) cases. At M=256 the two
 are even (dequantize 0.35-0.46x, GEMM 0.21-0.50x; nf4's GEMM 0.21-0.29x, hence its override), at M <= 128
 the GEMM wins (0.42-0.80x against 0.29-0.44x; int4 at M=64 up to 1.03x)."""
-DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {"nf4": 256}
-"""Per-format values replacing :data:`DEQUANT_GEMM_MIN_M` (when that is not None): nf4's GEMM, which looks up
-its table per weight, is the slowest one from M=128 on (0.19-0.29x against dequantizing's 0.37-0.45x at
-M=256 in the sweep above)."""
+DEQUANT_GEMM_MIN_M_BY_FORMAT: dict[str, int] = {"nf4": 256, "nvfp4": 256}
+"""Per-format values replacing :data:`DEQUANT_GEMM_MIN_M` (when that is not None), where dequantizing already
+wins at M=256 in the sweep above: nf4, whose GEMM looks up its table per weight (0.21-0.29x against
+dequantizing's 0.37-0.45x), and nvfp4 (0.27-0.38x against 0.35-0.43x, faster on all 11 shapes of two runs;
+mxfp4 and int4_awq were even there, 3 of 6 and 1 of 6)."""
 SCALED_GEMV_MAX_M = GEMV_MAX_M
 """Up to this M, an nvfp4 / mxfp4 weight with an nvfp4, mxfp4 or fp8_rowwise activation runs the W4A16 GEMV."""
 FOLD_MIN_M = 1024
@@ -161,7 +162,9 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
         if facts[:1] == ("dequant_only",):
             return (f"no W4A16 kernel reads this {w.fmt} weight directly (policy.dequant_only): dequantize chunks "
                     f"of {chunk_rows} rows exactly, then cuBLAS, at every M")
-        return (f"M={m} >= DEQUANT_GEMM_MIN_M={dequant_gemm_min_m(w.fmt)}: dequantize chunks of {chunk_rows} rows "
+        name = (f"DEQUANT_GEMM_MIN_M_BY_FORMAT[{w.fmt!r}]" if w.fmt in DEQUANT_GEMM_MIN_M_BY_FORMAT
+                else "DEQUANT_GEMM_MIN_M")
+        return (f"M={m} >= {name}={dequant_gemm_min_m(w.fmt)}: dequantize chunks of {chunk_rows} rows "
                 "(Triton), then cuBLAS")
     if path == "gemm_w4":
         if m <= GEMV_MAX_M:
