@@ -32,6 +32,21 @@ def _time_graph(fn) -> float:
     return graph_ms(fn, repeats=50, calls=GRAPH_CALLS) * 1e3
 
 
+def eager_us(fn, calls: int = 200, warmups: int = 10) -> float:
+    """Microseconds per call of ``fn`` called back to back eagerly (host and launches included), after
+    ``warmups`` calls."""
+    import time
+
+    for _ in range(warmups):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def _copy_roof() -> float:
     """GB/s of a device-to-device copy (bytes read + written)."""
     from lowbit.bench.timing import CudaTimer

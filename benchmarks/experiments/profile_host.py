@@ -22,7 +22,7 @@ import triton
 import lowbit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
-from _common import _time_graph  # noqa: E402
+from _common import _time_graph, eager_us
 
 CASES = [  # (name, a format, a options, b format, b options, M, N, K)
     ("fp8_block_m16", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 16, 24576, 1536),
@@ -32,17 +32,6 @@ CASES = [  # (name, a format, a options, b format, b options, M, N, K)
     ("w4a8_m4096", "fp8_rowwise", {}, "mxfp4", {}, 4096, 7168, 2048),
     ("nvfp4_m16", "nvfp4", {}, "nvfp4", {}, 16, 7168, 2048),
 ]
-
-
-def _eager_us(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
@@ -65,7 +54,7 @@ def main() -> None:
 
         row = {"case": name, "M": m, "N": n, "K": k, "plan": str(lowbit.ops.plan_scaled_mm(aq, wq))}
         row["graph_us"] = _time_graph(fn)
-        row["eager_us"] = _eager_us(fn)
+        row["eager_us"] = eager_us(fn)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(100):

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,24 +24,13 @@ import lowbit
 from lowbit.ops import policy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
-from _common import SHAPES, _copies, _problem, _quantize, _rotating, header
+from _common import SHAPES, _copies, _problem, _quantize, _rotating, eager_us, header
 
 from lowbit.bench.common import rel_errors
 from lowbit.bench.timing import graph_ms
 
 ROUTES = {"gemm": 1 << 40, "dequant": 1}
 lin = sys.modules["lowbit.ops.linear"]  # the package's `linear` attribute is the function
-
-
-def eager_us(fn, calls: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
@@ -72,7 +60,7 @@ def main() -> None:
                     row = {"fmt": name, "n": n, "k": k, "m": m}
                     cub = _rotating([lambda w_=w_, x=x: F.linear(x, w_) for w_ in ws])
                     row["cublas_graph_us"] = graph_ms(cub, repeats=10, calls=5) * 1e3
-                    row["cublas_eager_us"] = eager_us(cub)
+                    row["cublas_eager_us"] = eager_us(cub, calls=30, warmups=3)
                     routes = [("gemm", ROUTES["gemm"], None)] + [
                         ("dequant" if i == 0 else f"dequant{mb}", 1, mb)
                         for i, mb in enumerate(int(v) for v in args.chunk_mb.split(","))]
@@ -86,7 +74,7 @@ def main() -> None:
                         fro, _ = rel_errors(out.float(), ref)
                         fn = _rotating([lambda q_=q_, x=x: lowbit.linear(x, q_) for q_ in qs])
                         g = graph_ms(fn, repeats=10, calls=5) * 1e3
-                        e = eager_us(fn)
+                        e = eager_us(fn, calls=30, warmups=3)
                         row[route] = {"path": path, "graph_us": g, "eager_us": e, "rel_fro": fro, "chunk_mb": mb,
                                       "graph_x_cublas": row["cublas_graph_us"] / g,
                                       "eager_x_cublas": row["cublas_eager_us"] / e}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_gptq import CASES, IDS, _assert_same_result, _same  # this folder's cases
+from test_gptq_refine import rounded_to_nearest
 
 import lowbit
 from lowbit.algorithms import GPTQ, HessianAccumulator, gptq_graphs, gptq_quantize
@@ -79,11 +80,7 @@ def test_refinement_from_cuda_graphs_gives_the_eager_loops_bits(fmt, opts):
 
     w, _, H = _layer(seed=4, k=1024 + 256)        # several full blocks and a partial one
     grid = grid_for(w, fmt, **opts)
-    G = grid.group
-    states = [grid.fit(w[:, g * G:(g + 1) * G]) for g in range(w.shape[1] // G)]
-    parts = [grid.round(w[:, g * G:(g + 1) * G], states[g]) for g in range(len(states))]
-    codes = torch.cat([c for c, _ in parts], dim=1)
-    values = torch.cat([v for _, v in parts], dim=1)
+    states, codes, values = rounded_to_nearest(grid, w)
     Hd = H + 0.01 * H.diagonal().mean() * torch.eye(H.shape[0], device=H.device)
     times = {}
     out = {}

@@ -51,6 +51,15 @@ def test_sweeps_never_increase_the_objective_and_decode_exactly(fmt, opts, act_o
     assert first < objective(w, v0, Hobj) * 0.995
 
 
+def rounded_to_nearest(grid, w):
+    """(group states, codes, values) of ``w`` rounded to nearest on ``grid``, group by group: a start for
+    :func:`refine` without GPTQ."""
+    G = grid.group
+    states = [grid.fit(w[:, g * G:(g + 1) * G]) for g in range(w.shape[1] // G)]
+    parts = [grid.round(w[:, g * G:(g + 1) * G], states[g]) for g in range(len(states))]
+    return states, torch.cat([c for c, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+
 @pytest.mark.parametrize(("fmt", "opts"), CASES, ids=IDS)
 def test_converged_values_are_the_nearest_grid_value_of_each_coordinate(fmt, opts):
     # a fixed point: for every value, given all the others, no other value of its group's grid is nearer
@@ -58,10 +67,7 @@ def test_converged_values_are_the_nearest_grid_value_of_each_coordinate(fmt, opt
     w, _, H = _layer(2, out=8, k=128)
     grid = grid_for(w, fmt, scale_search=SEARCH, **opts)
     G = grid.group
-    states = [grid.fit(w[:, g * G:(g + 1) * G]) for g in range(w.shape[1] // G)]
-    parts = [grid.round(w[:, g * G:(g + 1) * G], states[g]) for g in range(len(states))]
-    codes = torch.cat([c for c, _ in parts], dim=1)
-    values = torch.cat([v for _, v in parts], dim=1)
+    states, codes, values = rounded_to_nearest(grid, w)
     q, c = refine(grid, w, values, codes, states, H, sweeps=30, block_size=32)
     E = (w - q).double()
     Hd = H.double()
@@ -145,11 +151,7 @@ def test_block_graph_buffers_give_the_eager_loops_bits(fmt, opts):
     H[5, :] = 0.0
     H[:, 5] = 0.0
     grid = grid_for(w, fmt, scale_search=SEARCH, **opts)
-    G = grid.group
-    states = [grid.fit(w[:, g * G:(g + 1) * G]) for g in range(w.shape[1] // G)]
-    parts = [grid.round(w[:, g * G:(g + 1) * G], states[g]) for g in range(len(states))]
-    codes = torch.cat([c for c, _ in parts], dim=1)
-    values = torch.cat([v for _, v in parts], dim=1)
+    states, codes, values = rounded_to_nearest(grid, w)
     q0, c0 = refine(grid, w, values, codes, states, H, sweeps=3, block_size=256, graphs=False)
     q1, c1 = refine(grid, w, values, codes, states, H, sweeps=3, block_size=256, graphs=True)
     assert torch.equal(c0, c1)

@@ -216,7 +216,7 @@ def test_gated_activation_of_lowbit_linear():
         assert got.shape == (2, 3, 24)
         want = (f(y[..., :24]) * y[..., 24:]).to(torch.bfloat16)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="N must be even"):
+    with pytest.raises(ValueError, match="even number of rows"):
         lowbit.linear(x, lowbit.quantize(torch.randn(47, 64), "nvfp4"), activation="silu_and_mul")
     with pytest.raises(ValueError, match="weight-only"):
         QuantLinear(64, 48, bias=False, scheme="w4a4-nvfp4", weight=lowbit.quantize(torch.randn(48, 64), "nvfp4"),

@@ -64,37 +64,49 @@ def test_fused_members_give_the_unfused_layers_columns():
             assert got.shape == want.shape and _rel(got, want) < 1e-2, name
 
 
+def _kernels(model, ids, pos):
+    """CUDA kernel names of one decode step of ``model``, after a warm-up step."""
+    with torch.inference_mode():
+        model(ids, pos)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            model(ids, pos)
+            torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def test_one_launch_per_group_in_a_decode_step():
     _, fused = _pair("w4a16-nvfp4")
     ids, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.tensor([3], device="cuda")
-    with torch.inference_mode():
-        fused(ids, pos)                      # prepare the runners
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fused(ids, pos)
-            torch.cuda.synchronize()
-    gemv = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "gemv" in e.name]
+    gemv = [n for n in _kernels(fused, ids, pos) if "gemv" in n]
     # per layer: q/k/v fused, o, gate/up fused, down
-    assert len(gemv) == 4 * SHAPE.layers, [e.name for e in gemv]
+    assert len(gemv) == 4 * SHAPE.layers, gemv
+
+
+def _replayed_and_eager(model, ids, pos):
+    """(the output of a CUDA-graph replay of one decode step, the same step run eagerly), each from an empty
+    cache."""
+    from lowbit.bench.timing import capture_graph
+
+    holder = {}
+
+    def step():
+        holder["out"] = model(ids, pos)
+
+    with torch.inference_mode():
+        clear_cache(model)
+        want = model(ids, pos).clone()
+        graph = capture_graph(step)
+        clear_cache(model)
+        graph.replay()
+        torch.cuda.synchronize()
+    return holder["out"], want
 
 
 def test_cuda_graph_replay_equals_eager():
     _, fused = _pair("w4a16-int4")
     ids, pos = torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.tensor([3], device="cuda")
-    with torch.inference_mode():
-        clear_cache(fused)
-        want = fused(ids, pos).clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fused(ids, pos)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = fused(ids, pos)
-        clear_cache(fused)
-        g.replay()
-        torch.cuda.synchronize()
+    out, want = _replayed_and_eager(fused, ids, pos)
     assert torch.equal(out, want)
     assert all(m._out.x is None for m in fused.modules() if isinstance(m, FusedProjection))
 
@@ -180,16 +192,6 @@ def test_gated_equals_unfused_eager(scheme, tokens):
     assert _rel(got, want) < 2e-2, _rel(got, want)
 
 
-def _kernels(model, ids, pos):
-    with torch.inference_mode():
-        model(ids, pos)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            model(ids, pos)
-            torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def test_gated_decode_step_launches_two_kernels_less_a_layer_and_replays_in_a_graph():
     _, sibling_fused = _pair("w4a16-nvfp4")
     _, fused = _gated_pair("w4a16-nvfp4")
@@ -198,20 +200,7 @@ def test_gated_decode_step_launches_two_kernels_less_a_layer_and_replays_in_a_gr
     # per layer: q/k/v, o, gate/up (gated), down; the SiLU and the product are gone
     assert len([n for n in after if "gemv" in n]) == 4 * SHAPE.layers, after
     assert len(before) - len(after) == 2 * SHAPE.layers, (before, after)
-    with torch.inference_mode():
-        clear_cache(fused)
-        want = fused(ids, pos).clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fused(ids, pos)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused(ids, pos)
-        clear_cache(fused)
-        graph.replay()
-        torch.cuda.synchronize()
+    out, want = _replayed_and_eager(fused, ids, pos)
     assert torch.equal(out, want)
 
 

@@ -29,12 +29,13 @@ def objective(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
     return float(((E @ H.double()) * E).sum())
 
 
-def _column(Wj, Qj, Cj, Ej, Gb, gi, Hi, d, lv, dEi, positive) -> None:
+def _column(Wj, Qj, Cj, Ej, Gb, gi, Hi, d, lv, dEi, positive, skip_unchanged: bool = False) -> None:
     """One column's move, in place: ``q_j* = w_j + (sum_{k != j} H_jk E[:, k]) / H_jj`` (the sum being
     ``G[:, j] - H_jj E[:, j]``), each value to the nearest level of its grid ``lv`` ``[rows, 16]`` when that is
     strictly nearer than its current one; ``d`` is ``H_jj`` as a 0-d tensor (``positive``: whether it is
     above 0, a 0-d bool tensor, or None where the caller skips the others), ``dEi`` receives the change of
-    ``E[:, j]`` and ``Gb`` its rank-1 update. Tensor ops only (no host sync), so a CUDA graph can hold it."""
+    ``E[:, j]`` and ``Gb`` its rank-1 update. Tensor ops only (no host sync), so a CUDA graph can hold it;
+    ``skip_unchanged`` asks the host whether any value moves and returns early if none does (CPU only)."""
     target = Wj + (gi - Ej * d) / d
     dist = (lv - target.unsqueeze(1)).abs()
     best = dist.argmin(dim=1, keepdim=True)
@@ -43,6 +44,8 @@ def _column(Wj, Qj, Cj, Ej, Gb, gi, Hi, d, lv, dEi, positive) -> None:
     better = dist.gather(1, best) < dist.gather(1, cur)
     if positive is not None:
         better = better & positive
+    if skip_unchanged and not bool(better.any()):
+        return
     new = torch.where(better, best, cur)
     q_new = lv.gather(1, new).squeeze(1)
     delta = Qj - q_new  # the change of E[:, j]
@@ -167,19 +170,9 @@ def refine(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: 
                 with few_threads(W.device):
                     for i in range(b2 - b1):
                         j = b1 + i
-                        if not diag[j] > 0:
-                            continue
-                        if skip_unchanged:
-                            # the CPU asks first whether anything moves (the same test as _column's)
-                            d = diag_t[j]
-                            target = Wt[j] + (Gb[i] - Et[j] * d) / d
-                            lv = levels[j // G]
-                            dist = (lv - target.unsqueeze(1)).abs()
-                            cur = Ct[j].unsqueeze(1).long()
-                            if not bool((dist.min(dim=1, keepdim=True).values < dist.gather(1, cur)).any()):
-                                continue
-                        _column(Wt[j], Qt[j], Ct[j], Et[j], Gb, Gb[i], Hb[i], diag_t[j], levels[j // G], dEt[i],
-                                None)
+                        if diag[j] > 0:
+                            _column(Wt[j], Qt[j], Ct[j], Et[j], Gb, Gb[i], Hb[i], diag_t[j], levels[j // G],
+                                    dEt[i], None, skip_unchanged)
             if b1 > 0:
                 Gt[:b1].addmm_(Hp[:b1, b1:b2], dEt)
             if b2 < cols:

@@ -372,14 +372,13 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     m, n = x.shape[0], p.n
     n_out = n
     if act & GATED:
-        # the weight is [gate; up]: run on its row-interleaved copy, the bias permuted the same way
+        # the weight is [gate; up]: run on its row-interleaved copy, the bias permuted the same way below
         p = gated_layout(p)
         n_out = n // 2
-        if bias is not None:
-            bias = _check_bias(bias, x, n)
-            bias = torch.cat([bias[:n_out].view(-1, 1, 8), bias[n_out:].view(-1, 1, 8)], 1).reshape(n)
     if bias is not None:
         bias = _check_bias(bias, x, n)
+        if act & GATED:
+            bias = torch.cat([bias[:n_out].view(-1, 1, 8), bias[n_out:].view(-1, 1, 8)], 1).reshape(n)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"gemv_w4: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")

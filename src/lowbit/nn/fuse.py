@@ -180,9 +180,10 @@ def _gated_mlp(block: nn.Module) -> tuple[str, QuantLinear] | None:
     if isinstance(block, GatedMLP) or not isinstance(getattr(block, "down_proj", None), nn.Module):
         return None
     act = gated_activation(getattr(block, "act_fn", None))
-    if act is None or not isinstance(gate, QuantLinear) or not isinstance(up, QuantLinear):
+    # QuantLinear itself: a tensor-parallel shard class is left to the sibling fusion
+    if act is None or type(gate) is not QuantLinear or type(up) is not QuantLinear:
         return None
-    if (type(gate) is not QuantLinear or type(up) is not QuantLinear or _fusable([gate, up]) is not None
+    if (_fusable([gate, up]) is not None
             or not gate.scheme.weight_only or gate.out_features != up.out_features or gate.out_features % 8):
         return None
     try:

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..api import dequantize, quantize
 from ..formats.qtensor import QTensor
-from ..ops.linear import ACTIVATIONS, GATED_ACTIVATIONS
+from ..ops.linear import ACTIVATIONS, gated_why_not
 from ..ops.prepared import PreparedWeight, prepare
 from .schemes import Scheme, get_scheme
 
@@ -89,10 +89,9 @@ class QuantLinear(nn.Module):
         self.scheme = get_scheme(scheme)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if activation in GATED_ACTIVATIONS and (not self.scheme.weight_only or self.out_features % 2):
-            raise ValueError(f"activation {activation!r} (act(gate) * up over the [gate; up] rows of the weight) needs "
-                             f"a weight-only scheme and an even out_features, got {self.scheme.name} and "
-                             f"{self.out_features}")
+        why = gated_why_not(activation, self.scheme.weight_only, self.out_features)
+        if why is not None:
+            raise ValueError(why)
         self.activation = activation
         self.backend = backend
         self.weight_format = self.scheme.weight_format

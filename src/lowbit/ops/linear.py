@@ -65,6 +65,16 @@ gated (vLLM's ``SiluAndMul``): the weight is ``[gate; up]``, stacked along its r
 ``act(gate) * up`` has half its rows as columns (a fused gate/up projection of a Llama-style MLP)."""
 GATED_ACTIVATIONS = {"gelu_and_mul": "gelu", "gelu_tanh_and_mul": "gelu_tanh", "silu_and_mul": "silu"}
 """Gated activation -> the activation applied to its gate half."""
+
+
+def gated_why_not(activation: str | None, weight_only: bool, rows: int) -> str | None:
+    """None unless ``activation`` is gated and a layer of ``rows`` weight rows (weight-only or not) cannot take
+    it; then the reason, for the ValueError of whoever builds the layer."""
+    if activation not in GATED_ACTIVATIONS or (weight_only and rows % 2 == 0):
+        return None
+    return (f"activation {activation!r} (act(gate) * up over the [gate; up] rows of the weight) needs a "
+            f"weight-only scheme and an even number of rows, got {'weight-only' if weight_only else 'activations quantized'}"
+            f" and {rows} rows")
 X_DTYPES = (torch.bfloat16, torch.float16)
 """Activation dtypes; the output has x's dtype."""
 DEQUANT_CHUNK_BYTES = 64 << 20
@@ -84,9 +94,9 @@ def _check(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, activation: s
     op_common.check_x(x, w, "lowbit.linear", X_DTYPES, "bfloat16 or float16 (W4A16)")
     if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"lowbit.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if activation in GATED_ACTIVATIONS and n % 2:
-        raise ValueError(f"lowbit.linear: activation {activation!r} splits the weight's rows into gate and up "
-                         f"halves; N must be even, got {n}")
+    why = gated_why_not(activation, True, n)
+    if why is not None:
+        raise ValueError(f"lowbit.linear: {why}")
     device = x.device
     for name in _WEIGHT_FIELDS:
         t = getattr(w, name)

@@ -36,7 +36,7 @@ import torch
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
 from . import policy
-from .linear import ACTIVATIONS, GATED_ACTIVATIONS, apply_activation, check_weight, linear
+from .linear import ACTIVATIONS, GATED_ACTIVATIONS, apply_activation, check_weight, gated_why_not, linear
 from .policy import GEMV_MAX_M
 from .prepared_scaled import SCALED_X_DTYPES, ScaledCalls
 from .prepared_w4a16 import X_DTYPES, W4A16Calls
@@ -72,10 +72,9 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
         self.w = w
         self.n, self.k = w.shape
         self.gated = activation in GATED_ACTIVATIONS
-        if self.gated and (not weight_only or self.n % 2):
-            raise ValueError(f"activation {activation!r} (gate and up halves of the weight's rows) needs a "
-                             f"weight-only scheme and an even number of rows, got N={self.n}"
-                             + ("" if weight_only else f" and activations quantized to {act_format}"))
+        why = gated_why_not(activation, weight_only, self.n)
+        if why is not None:
+            raise ValueError(why)
         self.n_out = self.n // 2 if self.gated else self.n
         """Columns of the output (half the rows for a gated activation)."""
         self.weight_only = weight_only
