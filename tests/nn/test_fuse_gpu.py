@@ -23,7 +23,7 @@ MAX_LEN = 320  # the cache holds the longest prompt of the tests (300 tokens)
 SCHEMES = ["w4a16-nvfp4", "w4a16-mxfp4", "w4a16-int4", "w4a16-nf4", "w4a16-fp4b32", "w4a4-nvfp4", "w4a8-mxfp4"]
 
 
-def _pair(scheme):
+def _pair(scheme, gated_mlp=False):
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -33,7 +33,7 @@ def _pair(scheme):
                 if p.dim() >= 2:
                     p.normal_(0.0, 0.05)
         models.append(lowbit.quantize_model(m.eval(), scheme))
-    assert fuse_projections(models[1])
+    assert fuse_projections(models[1], gated_mlp=gated_mlp)
     return models
 
 
@@ -145,8 +145,7 @@ W4A16 = [s for s in SCHEMES if s.startswith("w4a16-")]
 
 
 def _gated_pair(scheme):
-    plain, fused = _pair(scheme)
-    fuse_projections(fused, gated_mlp=True)       # q/k/v stay fused; gate/up become one gated layer
+    plain, fused = _pair(scheme, gated_mlp=True)    # q/k/v fused; gate/up one gated layer
     from lowbit.nn import GatedMLP
 
     assert all(isinstance(layer.mlp, GatedMLP) for layer in fused.layers)
