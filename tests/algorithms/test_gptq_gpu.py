@@ -93,3 +93,25 @@ def test_refinement_from_cuda_graphs_gives_the_eager_loops_bits(fmt, opts):
     assert torch.equal(out[False][1], out[True][1])
     assert torch.equal(out[False][0].abs(), out[True][0].abs())
     print(f"{fmt}: eager {times[False]:.3f} s, graphs {times[True]:.3f} s")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gram_sums_on_cuda_match_float64(dtype):
+    # bf16/fp16 rows take the half-precision GEMM with fp32 output (exact products, fp32 sums): within fp32
+    # rounding of the float64 sums over several batches, as the fp32 path is, for H and the cross term C
+    from lowbit.algorithms.gptq import CrossAccumulator
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    k = 384
+    batches = [(torch.randn(n, k, generator=g, device="cuda") * 3).to(dtype) for n in (700, 1, 2048, 333)]
+    floats = [(b.float() + 0.01 * torch.randn(b.shape, generator=g, device="cuda")).to(dtype) for b in batches]
+    acc = CrossAccumulator(k, "cuda")
+    for b, f in zip(batches, floats):
+        acc.add_pair(b, f)
+    x, xf = torch.cat(batches).double(), torch.cat(floats).double()
+    n = x.shape[0]
+    for got, want in ((acc.H, 2 * x.T @ x / n), (acc.C, 2 * xf.T @ x / n)):
+        assert got.dtype == torch.float32
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 2e-6, (dtype, err)
+    assert acc.n == n

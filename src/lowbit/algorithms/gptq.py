@@ -165,17 +165,37 @@ class HessianAccumulator:
         self._add_rows(self._rows(x))
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.detach().reshape(-1, self.in_features).to(self.H.device, torch.float32)
+        """``x``'s rows on ``H``'s device: kept in bf16/fp16 where :func:`_half_products` applies, else fp32."""
+        x = x.detach().reshape(-1, self.in_features).to(self.H.device)
+        return x if _half_products(x) else x.float()
 
     def _add_rows(self, x: torch.Tensor) -> None:
         m = x.shape[0]
         if m == 0:
             return
         # kept as a mean so that the sums of many batches stay in fp32 range
-        self.H.mul_(self.n / (self.n + m))
+        beta = self.n / (self.n + m)
         self.n += m
+        if _half_products(x):
+            self.H = torch.addmm(self.H, x.t(), x, out_dtype=torch.float32, beta=beta, alpha=2.0 / self.n)
+            return
+        self.H.mul_(beta)
         x = x * math.sqrt(2.0 / self.n)
         self.H.addmm_(x.t(), x)
+
+
+def _half_products(x: torch.Tensor) -> bool:
+    """Whether ``x``'s Gram products run as a bf16/fp16 GEMM with fp32 output (CUDA, x in bf16 or fp16).
+
+    The products of two bf16 or fp16 values are exact in fp32 and the tensor cores add them in fp32, so this
+    is the fp32 product of the fp32 copies up to the order of the sums, at tensor-core speed; the fp32 GEMM
+    it replaces took seconds per Llama-3-8B layer (about 1.3e14 flops for H and as many for the asymmetric
+    cross term). Elsewhere the rows are converted to fp32 first."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _ADDMM_OUT_DTYPE
+
+
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype")
+"""torch has ``addmm(..., out_dtype=...)`` (bf16/fp16 inputs, fp32 output)."""
 
 
 class CrossAccumulator(HessianAccumulator):
@@ -200,8 +220,11 @@ class CrossAccumulator(HessianAccumulator):
             return
         n = self.n
         self._add_rows(xq)
+        if xq.dtype == xf.dtype and _half_products(xq):
+            self.C = torch.addmm(self.C, xf.t(), xq, out_dtype=torch.float32, beta=n / self.n, alpha=2.0 / self.n)
+            return
         self.C.mul_(n / self.n)
-        self.C.addmm_(xf.t(), xq, alpha=2.0 / self.n)
+        self.C.addmm_(xf.t().float(), xq.float(), alpha=2.0 / self.n)
 
 
 def _damped_choleskys(H: torch.Tensor, damp: float):
