@@ -97,8 +97,9 @@ def test_refinement_from_cuda_graphs_gives_the_eager_loops_bits(fmt, opts):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gram_sums_on_cuda_match_float64(dtype):
-    # bf16/fp16 rows take the half-precision GEMM with fp32 output (exact products, fp32 sums): within fp32
-    # rounding of the float64 sums over several batches, as the fp32 path is, for H and the cross term C
+    # bf16/fp16 rows take the half-precision GEMM with fp32 output (exact products, the tensor cores' fp32
+    # sums): on an H200 3.7e-6 (bf16) and 7.2e-6 (fp16) from the float64 sums over several batches, the fp32
+    # path under 2e-6; products rounded to bf16 would be about 1e-3 off
     from lowbit.algorithms.gptq import CrossAccumulator
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -113,5 +114,5 @@ def test_gram_sums_on_cuda_match_float64(dtype):
     for got, want in ((acc.H, 2 * x.T @ x / n), (acc.C, 2 * xf.T @ x / n)):
         assert got.dtype == torch.float32
         err = ((got.double() - want).norm() / want.norm()).item()
-        assert err < 2e-6, (dtype, err)
+        assert err < 2e-5, (dtype, err)
     assert acc.n == n

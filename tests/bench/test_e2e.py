@@ -199,3 +199,18 @@ def test_gated_config_runs_the_mlp_as_one_gated_layer():
     assert ((got - want).norm() / want.norm()) < 2e-2     # the product rounded once instead of four times
     with pytest.raises(ValueError, match="could be gated|could be fused"):
         e2e.apply_config(e2e.build_decoder(e2e.SHAPES["tiny"], 8, device="cpu"), "lowbit:w4a4-nvfp4+gated")
+
+
+def test_compiled_steps_have_a_code_object_each_and_are_timed_in_rounds():
+    from lowbit.bench import e2e_timing
+
+    s = e2e.SHAPES["tiny"]
+    a, b = (decoder.build_decoder(s, 16, "cpu") for _ in range(2))
+    fa, fb = (e2e_timing._compiled_step(m, 1, None) for m in (a, b))
+    ca, cb = (f._torchdynamo_orig_callable.__code__ for f in (fa, fb))
+    assert ca is not cb and ca.co_name != cb.co_name   # one Dynamo cache per model, no shared guards
+    out = e2e_timing.compiled_rounds(s, ["lowbit:w4a16-int4", "nope"], 1, 16, 4, 1, "cpu", rounds=2)
+    row = out["lowbit:w4a16-int4"]
+    assert row["tok_s"] == max(row["rounds"]) > 0 and len(row["rounds"]) == 2 and row["compile_s"] > 0
+    assert row["layers"] == 1
+    assert isinstance(out["nope"], str)             # a config that cannot be built is reported, not raised

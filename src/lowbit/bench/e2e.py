@@ -4,9 +4,9 @@
 configuration (bf16, lowbit schemes, torchao int4 / fp8-rowwise, bitsandbytes nf4 when installed), and
 measures in one run, on one GPU:
 
-- decode tokens/s at batch 1 with a static KV cache: eager (every config's model built, then timed in
-  interleaved rounds), ``torch.compile`` (default mode), ``torch.compile(mode="reduce-overhead")`` (CUDA-graph
-  trees) and a manually captured CUDA graph;
+- decode tokens/s at batch 1 with a static KV cache: eager and ``torch.compile`` default mode (every config's
+  model built, then timed in interleaved rounds: both are host-bound), ``torch.compile(mode="reduce-overhead")``
+  (CUDA-graph trees) and a manually captured CUDA graph;
 - prefill time of ``--prefill`` tokens, eager;
 - transformers' ``LlamaForCausalLM.generate()`` decode tokens/s on the same shapes, eager (every config's model
   built, then timed in interleaved rounds);
@@ -46,6 +46,7 @@ from .e2e_generate import generate_rounds
 from .e2e_report import compare, format_table, ratios
 from .e2e_timing import (
     REPEATS,
+    compiled_rounds,
     decode_compiled,
     decode_graph,
     eager_rounds,
@@ -80,7 +81,6 @@ def run_config(config: str, s: DecoderShape, args: argparse.Namespace, device) -
     start = args.prefill
     attempt("host", lambda: _host_row(model, device))
     attempt("graph", lambda: decode_graph(model, args.steps, start))
-    attempt("compile", lambda: decode_compiled(model, args.steps, start, None, args.compile_layers, device))
     attempt("compile-ro", lambda: decode_compiled(model, args.steps, start, "reduce-overhead",
                                                   args.compile_layers, device))
     attempt("prefill", lambda: prefill_ms(model, args.prefill, device))
@@ -154,9 +154,12 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json_path, "w") as f:
                 json.dump(result, f, indent=1, default=str)
     configs = [r["config"] for r in result["rows"]]
-    # eager decode and generate: every config's model built beside the others, timed in interleaved rounds
+    # eager and compiled decode and generate: every config's model built beside the others, timed in
+    # interleaved rounds
     rounds = {
         "eager": lambda: eager_rounds(s, configs, args.steps, args.prefill + args.steps + 16, args.prefill, device),
+        "compile": lambda: compiled_rounds(s, configs, args.steps, args.prefill + args.steps + 16, args.prefill,
+                                           args.compile_layers, device),
         "generate": lambda: generate_rounds(s, configs, args.steps, device),
     }
     for mode, fn in rounds.items():

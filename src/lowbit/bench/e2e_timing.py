@@ -1,6 +1,6 @@
 """How the end-to-end benchmark times a decoder: decode steps replayed from a manually captured CUDA graph or
-``torch.compile``d (default mode and reduce-overhead), eager decode with every config's model built together
-and timed in interleaved rounds (:func:`interleaved_rounds`, which transformers' ``generate()`` uses too), the
+``torch.compile``d (default mode and reduce-overhead), eager and compiled (default mode) decode with every
+config's model built together and timed in interleaved rounds (:func:`interleaved_rounds`, which transformers' ``generate()`` uses too), the
 prefill time, and the host time of one call."""
 
 from __future__ import annotations
@@ -154,6 +154,68 @@ def interleaved_rounds(configs: list[str], build: Callable[[str], Any], warm: Ca
 
 
 
+def _compiled_step(model: Decoder, n_layers: int, mode: str | None):
+    """``torch.compile`` of a decode step over ``model``'s first ``n_layers`` layers, on a code object of its
+    own: steps of several models on one shared code object would be cache entries of one Dynamo cache, whose
+    guards run in turn on every call, so the models checked later would pay the others' guards."""
+    import types
+
+    def step(tok, pos):
+        return model(tok, pos, n_layers).argmax(-1, keepdim=True)
+
+    step = types.FunctionType(step.__code__.replace(co_name=f"decode_step_{id(model):x}"), step.__globals__,
+                              step.__name__, None, step.__closure__)
+    return torch.compile(step, mode=mode, fullgraph=True)
+
+
+def compiled_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, start: int, n_layers: int,
+                    device, rounds: int = 5) -> dict[str, dict | str]:
+    """``torch.compile`` (default mode) decode tokens/s per config in :func:`interleaved_rounds`: each config's
+    step compiled and warmed, then timed one window of ``steps`` in turn with the others, the best kept. The
+    default mode is host-bound (the GPU waits on the launches), so a host that slows for a while would
+    otherwise decide the ratio of whichever config it was timing (two configs with the same launches measured
+    0.88 and 1.59 ms per 4-layer step one after the other on a lent machine)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compile_s: dict[int, float] = {}
+
+    def build(config: str):
+        model = apply_config(build_decoder(s, max_len, device), config)
+        return model, _compiled_step(model, n_layers, None)
+
+    def warm(built) -> None:
+        _, fn = built
+        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        pos = torch.tensor([start], device=device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(3):
+                tok = fn(tok, pos).clone()
+        sync(device)
+        compile_s[id(fn)] = time.perf_counter() - t0
+
+    def window(built) -> tuple[float, float]:
+        _, fn = built
+        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+        pos = torch.tensor([start], device=device)
+        with torch.inference_mode():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = fn(tok, pos).clone()
+                pos += 1
+            sync(device)
+        return steps / (time.perf_counter() - t0), compile_s[id(fn)]
+
+    raw = interleaved_rounds(configs, build, warm, window, int(bf16_model_bytes(s) * 1.15) + (2 << 30), device,
+                             rounds)
+    torch._dynamo.reset()
+    return {c: v if isinstance(v, str) else {"tok_s": max(t for t, _ in v), "compile_s": v[0][1],
+                                            "layers": n_layers, "rounds": [t for t, _ in v]}
+            for c, v in raw.items()}
+
+
 def eager_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, start: int, device,
                  rounds: int = 3) -> dict[str, float | str]:
     """Eager decode tokens/s of the decoder per config in :func:`interleaved_rounds` (one window of ``steps``
@@ -186,6 +248,6 @@ def eager_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, 
 
 
 __all__ = [
-    "REPEATS", "decode_compiled", "decode_graph", "eager_rounds", "host_us_per_call", "interleaved_rounds",
+    "REPEATS", "compiled_rounds", "decode_compiled", "decode_graph", "eager_rounds", "host_us_per_call", "interleaved_rounds",
     "prefill_ms",
 ]
