@@ -15,9 +15,9 @@ import time
 import torch
 
 import lowbit
+from lowbit.algorithms import GPTQ
 from lowbit.bench.decoder import SHAPES
 from lowbit.bench.gptq import build, hidden_states
-from lowbit.algorithms import GPTQ
 from lowbit.cli.algorithm_flags import GPTQ_DEFAULTS
 
 

@@ -209,3 +209,85 @@ def test_asymmetric_damp_is_checked():
         GPTQ(asymmetric=True, asymmetric_damp=0.0)
     with pytest.raises(TypeError, match="asymmetric_damp"):
         GPTQ(asymmetric_damp="1")
+
+
+class _Wide(nn.Module):
+    """q/k/v of 128 rows (nvfp4 and mxfp4 stack rows in tiles of 128) on one input, or on copies of it; named
+    as Llama's, so that nvfp4 gives them one global scale."""
+
+    def __init__(self, copied: bool) -> None:
+        super().__init__()
+        self.copied = copied
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(64, 128) for _ in range(3))
+        self.o_proj = nn.Linear(128, 64)
+
+    def forward(self, x):
+        xs = [x.clone() for _ in range(3)] if self.copied else [x] * 3
+        h = torch.tanh(self.q_proj(xs[0])) * torch.sigmoid(self.k_proj(xs[1])) + self.v_proj(xs[2])
+        return x + self.o_proj(h)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-int4", "w4a16-nvfp4", "w4a16-mxfp4", "w4a16-nf4"])
+def test_siblings_on_one_input_share_statistics_and_one_column_loop(monkeypatch, scheme):
+    # q/k/v on one tensor: one accumulator for the three (H and C computed once) and one GPTQ run over their
+    # stacked rows (the nf4 scheme has no double quantization), with the bits of separate runs on equal copies of the input
+    # (rows are independent in GPTQ; on this CPU the stacked block updates round as the separate ones do)
+    import lowbit.algorithms.gptq as G
+
+    made, runs = [], []
+    real_acc, real_gptq = G.CrossAccumulator, G.gptq_quantize
+
+    class Counting(real_acc):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    def counting_gptq(weight, *a, **kw):
+        runs.append(weight.shape[0])
+        return real_gptq(weight, *a, **kw)
+
+    monkeypatch.setattr(G, "CrossAccumulator", Counting)
+    monkeypatch.setattr(G, "gptq_quantize", counting_gptq)
+    calib = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    nets = []
+    for copied in (False, True):
+        torch.manual_seed(7)
+        net = nn.Sequential(_Wide(copied), _Wide(copied))
+        made.clear()
+        runs.clear()
+        lowbit.quantize_model(net, scheme, skip=(), calibration=calib, algorithm=GPTQ(asymmetric=True))
+        # per block: q/k/v, then o; copied inputs: q, k, v and o each
+        assert len(made) == (8 if copied else 4), (copied, len(made))
+        assert sorted(runs) == sorted([128, 128, 128, 64] * 2 if copied else [384, 64] * 2), runs
+        nets.append(net)
+    for a, b in zip(nets[0].modules(), nets[1].modules()):
+        if isinstance(a, QuantLinear):
+            qa, qb = a.weight_qtensor, b.weight_qtensor
+            assert qa.shape == qb.shape and qa.fmt == qb.fmt
+            for name in ("data", "scale", "global_scale", "zero", "nested_scale", "nested_offset"):
+                ta, tb = getattr(qa, name, None), getattr(qb, name, None)
+                assert (ta is None) == (tb is None), name
+                if ta is not None:
+                    assert torch.equal(ta, tb), (scheme, name)
+
+
+@pytest.mark.parametrize(("fmt", "opts"), [("nf4", {"blocksize": 64}), ("nf4", {"double_quant": True}),
+                                           ("nvfp4", {}), ("int4_awq", {"group_size": 32})],
+                         ids=["nf4-default-dq", "nf4-dq", "nvfp4-own-global-scale", "int4-options-differ"])
+def test_siblings_are_not_stacked_where_the_stack_would_quantize_differently(fmt, opts):
+    from lowbit.algorithms.gptq import CrossAccumulator, _gptq_stacked_siblings
+
+    lins = {n: nn.Linear(64, 128) for n in ("q", "k")}
+    acc = CrossAccumulator(64)
+    acc.add_pair(torch.randn(16, 64), torch.randn(16, 64))
+    shared = {"q": acc, "k": acc}
+
+    def options(name, lin):
+        if fmt == "int4_awq" and name == "k":
+            return fmt, {"group_size": 64}
+        return fmt, opts
+
+    assert _gptq_stacked_siblings(["q", "k"], shared, lins, options, GPTQ(asymmetric=True)) == {}
+    if fmt == "int4_awq":  # the same options do stack
+        got = _gptq_stacked_siblings(["q", "k"], shared, lins, lambda n, lin: (fmt, opts), GPTQ(asymmetric=True))
+        assert sorted(got) == ["k", "q"] and got["q"].shape == (128, 64)

@@ -473,6 +473,7 @@ def apply_gptq(
         setattr(modules[parent_name] if parent_name else model, child, new)
 
     def quantize_group(group: list[str], acc: dict) -> None:
+        stacked = _gptq_stacked_siblings(group, acc, targets, quantize_options, config)
         for n in group:
             lin = targets[n]
             fmt, opts = quantize_options(n, lin)
@@ -482,8 +483,8 @@ def apply_gptq(
                 why = f"{fmt} has no GPTQ grid"
             elif a.n == 0:
                 why = "never ran during calibration"
-            q = None
-            if why is None:
+            q = stacked.pop(n, None)
+            if why is None and q is None:
                 try:
                     q, _ = gptq_quantize(lin.weight, a.H, fmt, config=config, C=getattr(a, "C", None), **opts)
                 except ValueError as e:
@@ -521,27 +522,112 @@ def _float_inputs(stage, ref_modules, reference, calibrate_on):
     # each layer's first input itself (not a copy) is held until the pass ends, so no later tensor can take its
     # memory: equal addresses mean one same input
     first: dict[str, torch.Tensor] = {}
+    # the latest input and its copy: a sibling called on that very tensor (q/k/v) keeps the same copy, so the
+    # siblings' lists hold one copy per call between them (the input is held, so its address is not reused)
+    latest: list = [None, None, None]
 
     def record(name: str, x: torch.Tensor) -> None:
         first.setdefault(name, x)
-        kept[name].append(x.detach().clone())
+        key = _input_key(x)
+        if latest[0] != key:
+            latest[:] = [key, x, x.detach().clone()]
+        kept[name].append(latest[2])
 
     with recording_inputs({n: ref_modules[n] for n in stage}, record):
         calibrate_on(reference)
+    latest.clear()
     groups: dict[tuple, list[str]] = {}
     for n, x in first.items():  # in the order of the layers' first calls
-        groups.setdefault((x.data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride())), []).append(n)
+        groups.setdefault(_input_key(x), []).append(n)
     ran = set(first)
     first.clear()
     # layers that never ran go last, each alone (they are rounded to nearest)
     return kept, [*groups.values(), *([n] for n in stage if n not in ran)]
 
 
+def _same_options(a: Mapping, b: Mapping) -> bool:
+    """Whether two ``lowbit.quantize`` option dicts are equal (tensor values compared by value)."""
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
+            if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.shape == w.shape
+                    and v.dtype == w.dtype and torch.equal(v, w.to(v.device))):
+                return False
+        elif v != w:
+            return False
+    return True
+
+
+def _gptq_stacked_siblings(group, acc, targets, quantize_options, config) -> dict[str, QTensor]:
+    """GPTQ of siblings sharing one accumulator (q/k/v, see :func:`_paired_statistics`) as one weight: their
+    rows stacked, one column loop (and refinement) for all, each member's rows cut back out with
+    :func:`lowbit.formats.rows.slice_rows`. GPTQ treats rows independently (each row's updates use only that
+    row and the shared ``H``), so this computes what separate runs compute, up to the rounding of the block
+    updates' matrix products; it runs a third of the per-column launches for q/k/v. Siblings of other
+    formats or options, row counts that ``slice_rows`` cannot cut at, double-quantized nf4 (its nested
+    statistics span the whole weight) and nvfp4 without a given (shared) global scale are left to separate
+    runs. Returns member name -> QTensor."""
+    from ..formats.rows import ROW_ALIGN, slice_rows, slice_rows_reason
+
+    out: dict[str, QTensor] = {}
+    by_acc: dict[int, list[str]] = {}
+    for n in group:
+        by_acc.setdefault(id(acc[n]), []).append(n)
+    for members in by_acc.values():
+        a = acc[members[0]]
+        if len(members) < 2 or a.n == 0:
+            continue
+        lins = [targets[n] for n in members]
+        fmt, opts = quantize_options(members[0], lins[0])
+        if (fmt not in GRID_FORMATS or fmt not in ROW_ALIGN or opts.get("double_quant", fmt in ("nf4", "bnb_fp4"))
+                or (fmt == "nvfp4" and opts.get("global_scale") is None)):
+            continue  # (an nvfp4 global scale not given is the weight's own: the stack's would differ)
+        w0 = lins[0].weight
+        if any(lin.weight.dtype != w0.dtype or lin.weight.device != w0.device
+               or lin.weight.shape[1] != w0.shape[1] for lin in lins[1:]):
+            continue
+        if any(not _same_options(opts, o) or f != fmt for f, o in (quantize_options(n, lin)
+                                                                  for n, lin in zip(members[1:], lins[1:]))):
+            continue
+        starts = [0]
+        for lin in lins:
+            starts.append(starts[-1] + lin.weight.shape[0])
+        if any(s % ROW_ALIGN[fmt] for s in starts[:-1]):
+            continue
+        try:
+            q, _ = gptq_quantize(torch.cat([lin.weight.detach() for lin in lins]), a.H, fmt, config=config,
+                                 C=getattr(a, "C", None), **opts)
+        except ValueError:
+            continue  # e.g. a group straddling a member boundary: each member alone says which one
+        if slice_rows_reason(q) is not None:
+            continue
+        for n, n0, n1 in zip(members, starts, starts[1:]):
+            out[n] = slice_rows(q, n0, n1)
+    return out
+
+
+def _input_key(x: torch.Tensor) -> tuple:
+    """What identifies one input tensor while it is alive: its memory, view and in-place version."""
+    return x.data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x._version
+
+
 def _paired_statistics(group, targets, kept, run_calibration):
     """``H`` and ``C`` of every layer of ``group``: the quantized model's inputs paired call by call with the
-    float copy's (``kept``, emptied as they are paired)."""
-    acc = {n: CrossAccumulator(targets[n].in_features, targets[n].weight.device) for n in group}
+    float copy's (``kept``, emptied as they are paired).
+
+    Siblings that read the very same input in every call on the float copy (q/k/v: their ``kept`` lists hold
+    the same copies) share one accumulator: each call's pair is added once, by the first of them, and the
+    others' calls are checked to be on that same tensor. Their ``H`` and ``C`` are equal, computed once."""
+    lead = group[0]
+    shared = [n for n in group[1:] if len(kept[n]) == len(kept[lead])
+              and all(a is b for a, b in zip(kept[n], kept[lead]))]
+    acc = {n: CrossAccumulator(targets[n].in_features, targets[n].weight.device)
+           for n in group if n not in shared}
+    acc.update(dict.fromkeys(shared, acc[lead]))
     calls = dict.fromkeys(group, 0)
+    lead_input: list = [None]
 
     def pair(name: str, x: torch.Tensor) -> None:
         i = calls[name]
@@ -549,11 +635,20 @@ def _paired_statistics(group, targets, kept, run_calibration):
         if i >= len(kept[name]):
             raise ValueError(f"asymmetric GPTQ: {name} ran more often on the quantized model than on the float "
                              "copy; the calibration must run the same batches in the same order every time")
-        x_float, kept[name][i] = kept[name][i], None  # freed as soon as it is paired
+        x_float, kept[name][i] = kept[name][i], None  # freed as soon as it is paired (by every sibling)
+        if name in shared:
+            if calls[lead] != i + 1 or lead_input[0] is None or _input_key(lead_input[0]) != _input_key(x):
+                raise ValueError(f"asymmetric GPTQ: {name} and {lead} read one input on the float copy but not "
+                                 "on the quantized model; the calibration must run the model the same way every "
+                                 "time")
+            return
+        if name == lead:
+            lead_input[0] = x
         acc[name].add_pair(x, x_float)
 
     with recording_inputs({n: targets[n] for n in group}, pair):
         run_calibration()
+    lead_input.clear()
     for n in group:
         if calls[n] != len(kept[n]):
             raise ValueError(f"asymmetric GPTQ: {n} ran {len(kept[n])} times on the float copy and {calls[n]} "
