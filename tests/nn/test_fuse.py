@@ -37,7 +37,7 @@ def test_fused_model_computes_the_same_and_unfuses_to_the_same_weights(scheme):
     fused = _model(scheme)
     ids, pos = torch.randint(0, SHAPE.vocab, (1, 5)), torch.arange(5)
     want = _step(ref, ids, pos)
-    groups = fuse_projections(fused)
+    groups = fuse_projections(fused, gated_mlp=False)
     assert len(groups) == 2 * SHAPE.layers
     assert {g[0].rpartition(".")[2] for g in groups} == {"q_proj", "gate_proj"}
     layer = fused.layers[0]
@@ -56,7 +56,7 @@ def test_fused_model_computes_the_same_and_unfuses_to_the_same_weights(scheme):
 
 def test_one_gemm_per_group_and_nothing_kept_after_the_group():
     m = _model("w4a16-nvfp4")
-    fuse_projections(m)
+    fuse_projections(m, gated_mlp=False)
     calls = []
     fused_layers = {id(mod._group[0]): mod._group[0] for mod in m.modules() if isinstance(mod, FusedProjection)}
     for layer in fused_layers.values():
@@ -76,7 +76,7 @@ def test_any_order_and_other_inputs_give_each_members_own_projection():
     with torch.no_grad():
         want = {n: getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")}
         want_other = getattr(attn, "k_proj")(other)
-        fuse_projections(m)
+        fuse_projections(m, gated_mlp=False)
         got_v = attn.v_proj(x)                        # members called out of order
         got_k_other = attn.k_proj(other)              # cross-attention: another input
         got_q = attn.q_proj(x)
@@ -93,14 +93,14 @@ def test_groups_that_cannot_share_a_weight_are_left_alone():
     torch.manual_seed(0)
     shape = DecoderShape(hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32, vocab=64, layers=1)
     m = lowbit.quantize_model(Decoder(shape, max_len=8, device="cpu").eval(), "w4a16-nvfp4")
-    groups = fuse_projections(m)          # k (64 rows) would start v at row 192: not a multiple of 128
+    groups = fuse_projections(m, gated_mlp=False)          # k (64 rows) would start v at row 192: not a multiple of 128
     assert [g[0].rpartition(".")[2] for g in groups] == ["gate_proj"]
     assert isinstance(m.layers[0].q_proj, QuantLinear)
 
 
 def test_checkpoints_and_parallel_plans_refuse_a_fused_model(tmp_path):
     m = _model("w4a16-nvfp4")
-    fuse_projections(m)
+    fuse_projections(m, gated_mlp=False)
     with pytest.raises(ValueError, match="unfuse_projections"):
         lowbit.save_quantized(m, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -114,7 +114,7 @@ def test_compiled_step_traces_the_fused_members_in_one_graph():
     m = _model("w4a16-nvfp4")
     ids, pos = torch.randint(0, SHAPE.vocab, (1, 4)), torch.arange(4)
     want = _step(m, ids, pos)
-    fuse_projections(m)
+    fuse_projections(m, gated_mlp=False)
     torch._dynamo.reset()
     fn = torch.compile(lambda i, p: m(i, p), backend="aot_eager", fullgraph=True)
     with torch.no_grad():

@@ -14,7 +14,7 @@ decode step, and one larger GEMV, which reads the weights at a better rate than 
 same input" is the same tensor object: the model must not change it in place between its siblings' calls
 (transformers' and diffusers' attention and MLP blocks pass one unmodified tensor to each).
 
-Gated MLPs (``gated_mlp=True``): a block holding ``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``
+Gated MLPs (``gated_mlp=True``, the default): a block holding ``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``
 (SiLU or GELU), whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` as in transformers' Llama,
 Mistral, Qwen2/3 and Gemma MLPs, is replaced by a :class:`GatedMLP`: one W4A16 :class:`QuantLinear` over
 ``[gate; up]`` with the gated activation (``"silu_and_mul"`` ...: the GEMV multiplies ``act(gate) * up`` in its
@@ -197,10 +197,14 @@ def _gated_mlp(block: nn.Module) -> tuple[str, QuantLinear] | None:
     return act, fused
 
 
-def fuse_projections(model: nn.Module, *, gated_mlp: bool = False) -> list[tuple[str, ...]]:
+def fuse_projections(model: nn.Module, *, gated_mlp: bool = True) -> list[tuple[str, ...]]:
     """Fuse the sibling projections of a quantized ``model`` in place (see the module docstring); returns the
-    groups fused, by qualified module name. With ``gated_mlp``, gated MLP blocks of a weight-only scheme become
-    :class:`GatedMLP` (their group is returned as ``(<block>.gate_proj, <block>.up_proj)`` too). Groups whose layers cannot share one weight (another scheme,
+    groups fused, by qualified module name. With ``gated_mlp`` (the default), gated MLP blocks of a weight-only
+    scheme become :class:`GatedMLP` (their group is returned as ``(<block>.gate_proj, <block>.up_proj)`` too):
+    on a Llama-3-8B-shaped decoder on an H200 it was ahead of the sibling fusion alone in every run mode
+    measured (eager, CUDA graph, ``torch.compile``), and it is what serving engines run. Its outputs differ from
+    the unfused model's within bf16 rounding; ``gated_mlp=False`` keeps the sibling fusion, whose outputs are
+    the unfused model's. Groups whose layers cannot share one weight (another scheme,
     input size, bias presence, static activation scale, a fused activation, nvfp4 weights without one shared
     global scale, double-quantized nf4, row counts :func:`lowbit.formats.rows.slice_rows` could not cut back
     out, layouts :func:`lowbit.formats.rows.cat_rows` cannot stack) are left as they are.
