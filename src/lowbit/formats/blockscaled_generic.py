@@ -101,7 +101,8 @@ def quantize_blockscaled(
     """
     xb = as_blocks(x, block_size)
     amax_b = xb.abs().amax(dim=-1)
-    rcp_max = torch.tensor(1.0 / element.max_normal, dtype=torch.float32, device=x.device)
+    # a fill, not a host-to-device copy (see true_div)
+    rcp_max = torch.full((), 1.0 / element.max_normal, dtype=torch.float32, device=x.device)
     if scale_type == "e4m3":
         s = torch.ones((), dtype=torch.float32, device=x.device) if global_scale is None else global_scale
         # fp32(1/E) times amax: LightX2V's `vecMax * 0.16666666666666666f`, vLLM's `amax * (1/6)`

@@ -127,9 +127,11 @@ def true_div(a: torch.Tensor, c: float) -> torch.Tensor:
 
     On CUDA, PyTorch turns ``tensor / python_number`` into a multiply by the rounded reciprocal, which
     differs from the division in the last bit; dividing by a same-device tensor keeps true division, so the
-    reference gives the CPU's bits everywhere.
+    reference gives the CPU's bits everywhere. The divisor is made by ``torch.full`` (a fill on the device), not
+    ``torch.tensor`` (a copy from pageable host memory, which waits for the device's queued work first: GPTQ's
+    fits call this once per group between graph replays, and CUDA-graph capture refuses the copy).
     """
-    return a / torch.tensor(c, dtype=a.dtype, device=a.device)
+    return a / torch.full((), c, dtype=a.dtype, device=a.device)
 
 
 def encode_e8m0(x: torch.Tensor, rounding: ScaleRounding | str) -> torch.Tensor:

@@ -51,7 +51,7 @@ def row_scale(x: torch.Tensor) -> torch.Tensor:
     else:
         amax = xf.abs().amax(dim=-1, keepdim=True)
     s = torch.maximum(
-        true_div(amax, FP8_E4M3_MAX), torch.tensor(MIN_SCALE, dtype=torch.float32, device=x.device)
+        true_div(amax, FP8_E4M3_MAX), torch.full((), MIN_SCALE, dtype=torch.float32, device=x.device)
     )
     return canonical_nan(s)
 
