@@ -207,7 +207,7 @@ def test_compiled_steps_have_a_code_object_each_and_are_timed_in_rounds():
     s = e2e.SHAPES["tiny"]
     a, b = (decoder.build_decoder(s, 16, "cpu") for _ in range(2))
     fa, fb = (e2e_timing._compiled_step(m, 1, None) for m in (a, b))
-    ca, cb = (f._torchdynamo_orig_callable.__code__ for f in (fa, fb))
+    ca, cb = (f.compiled._torchdynamo_orig_callable.__code__ for f in (fa, fb))
     assert ca is not cb and ca.co_name != cb.co_name   # one Dynamo cache per model, no shared guards
     out = e2e_timing.compiled_rounds(s, ["lowbit:w4a16-int4", "nope"], 1, 16, 4, 1, "cpu", rounds=2)
     row = out["lowbit:w4a16-int4"]

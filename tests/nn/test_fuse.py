@@ -31,12 +31,22 @@ def _step(m, ids, pos):
         return m(ids, pos).float()
 
 
+def _reference_and_copy(scheme):
+    """Two equal quantized decoders, a 5-token step's input and the first one's output."""
+    ref, other = _model(scheme), _model(scheme)
+    ids, pos = torch.randint(0, SHAPE.vocab, (1, 5)), torch.arange(5)
+    return ref, other, ids, pos, _step(ref, ids, pos)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        assert v.dtype == b[k].dtype and torch.equal(v, b[k]), k
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_fused_model_computes_the_same_and_unfuses_to_the_same_weights(scheme):
-    ref = _model(scheme)
-    fused = _model(scheme)
-    ids, pos = torch.randint(0, SHAPE.vocab, (1, 5)), torch.arange(5)
-    want = _step(ref, ids, pos)
+    ref, fused, ids, pos, want = _reference_and_copy(scheme)
     groups = fuse_projections(fused, gated_mlp=False)
     assert len(groups) == 2 * SHAPE.layers
     assert {g[0].rpartition(".")[2] for g in groups} == {"q_proj", "gate_proj"}
@@ -48,10 +58,7 @@ def test_fused_model_computes_the_same_and_unfuses_to_the_same_weights(scheme):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert unfuse_projections(fused)
     assert not any(isinstance(m, FusedProjection) for m in fused.modules())
-    a, b = ref.state_dict(), fused.state_dict()
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    _assert_same_state(ref.state_dict(), fused.state_dict())
 
 
 def test_one_gemm_per_group_and_nothing_kept_after_the_group():
@@ -142,10 +149,7 @@ W4A16 = [s for s in SCHEMES if s.startswith("w4a16-")]
 
 @pytest.mark.parametrize("scheme", W4A16)
 def test_gated_mlp_runs_one_layer_with_the_product_inside_and_unfuses_to_the_same_weights(scheme):
-    ref = _model(scheme)
-    fused = _model(scheme)
-    ids, pos = torch.randint(0, SHAPE.vocab, (1, 5)), torch.arange(5)
-    want = _step(ref, ids, pos)
+    ref, fused, ids, pos, want = _reference_and_copy(scheme)
     groups = fuse_projections(fused, gated_mlp=True)
     assert sorted(g[0].rpartition(".")[2] for g in groups) == ["gate_proj"] * SHAPE.layers + ["q_proj"] * SHAPE.layers
     mlp = fused.layers[0].mlp
@@ -165,10 +169,7 @@ def test_gated_mlp_runs_one_layer_with_the_product_inside_and_unfuses_to_the_sam
     assert ((got - want).norm() / want.norm()) < 2e-2
     assert unfuse_projections(fused)
     assert not any(isinstance(m, GatedMLP | FusedProjection) for m in fused.modules())
-    a, b = ref.state_dict(), fused.state_dict()
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    _assert_same_state(ref.state_dict(), fused.state_dict())
     torch.testing.assert_close(_step(fused, ids, pos), want, rtol=0, atol=0)
 
 
@@ -242,5 +243,4 @@ def test_gated_mlp_of_a_transformers_llama():
     assert ((got - want).norm() / want.norm()) < 2e-2
     unfuse_projections(m)
     assert type(m.model.layers[0].mlp).__name__ == "LlamaMLP"
-    state = m.state_dict()
-    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in state)
+    _assert_same_state(ref_state, m.state_dict())

@@ -1,7 +1,7 @@
 """How the end-to-end benchmark times a decoder: decode steps replayed from a manually captured CUDA graph or
 ``torch.compile``d (default mode and reduce-overhead), eager and compiled (default mode) decode with every
-config's model built together and timed in interleaved rounds (:func:`interleaved_rounds`, which transformers' ``generate()`` uses too), the
-prefill time, and the host time of one call."""
+config's model built together and timed in interleaved rounds (:func:`interleaved_rounds`, which transformers'
+``generate()`` uses too), the prefill time, and the host time of one call."""
 
 from __future__ import annotations
 
@@ -43,34 +43,29 @@ def decode_compiled(model: Decoder, steps: int, start: int, mode: str | None, n_
     import torch._dynamo
 
     torch._dynamo.reset()
+    fn = _compiled_step(model, n_layers, mode)
+    t0 = time.perf_counter()
+    _decode_window(fn, 3, start, device, mode)
+    compile_s = time.perf_counter() - t0
+    best = max(_decode_window(fn, steps, start, device, mode) for _ in range(REPEATS))
+    return {"tok_s": best, "compile_s": compile_s, "layers": n_layers}
 
-    def step(tok, pos):
-        return model(tok, pos, n_layers).argmax(-1, keepdim=True)
 
-    fn = torch.compile(step, mode=mode, fullgraph=True)
+def _decode_window(step: Callable, steps: int, start: int, device, mode: str | None = None) -> float:
+    """Tokens/s of ``steps`` greedy decode steps ``tok = step(tok, pos)`` from position ``start`` (batch 1),
+    synchronized before and after; under reduce-overhead each step is marked as a new CUDA-graph-tree step."""
     tok = torch.zeros(1, 1, dtype=torch.long, device=device)
     pos = torch.tensor([start], device=device)
     with torch.inference_mode():
+        sync(device)
         t0 = time.perf_counter()
-        for _ in range(3):
+        for _ in range(steps):
             if mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
-            tok = fn(tok, pos).clone()
+            tok = step(tok, pos)
+            pos += 1
         sync(device)
-        compile_s = time.perf_counter() - t0
-        best = 0.0
-        for _ in range(REPEATS):
-            pos.fill_(start)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                if mode == "reduce-overhead":
-                    torch.compiler.cudagraph_mark_step_begin()
-                tok = fn(tok, pos).clone()
-                pos += 1
-            sync(device)
-            best = max(best, steps / (time.perf_counter() - t0))
-    return {"tok_s": best, "compile_s": compile_s, "layers": n_layers}
-
+    return steps / (time.perf_counter() - t0)
 
 
 def prefill_ms(model: Decoder, tokens: int, device, repeats: int = 3) -> float:
@@ -155,8 +150,8 @@ def interleaved_rounds(configs: list[str], build: Callable[[str], Any], warm: Ca
 
 
 def _compiled_step(model: Decoder, n_layers: int, mode: str | None):
-    """``torch.compile`` of a decode step over ``model``'s first ``n_layers`` layers, on a code object of its
-    own: steps of several models on one shared code object would be cache entries of one Dynamo cache, whose
+    """``torch.compile`` of a decode step over ``model``'s first ``n_layers`` layers (its output cloned: a
+    CUDA-graph tree reuses its output memory), on a code object of its own: steps of several models on one shared code object would be cache entries of one Dynamo cache, whose
     guards run in turn on every call, so the models checked later would pay the others' guards."""
     import types
 
@@ -165,7 +160,13 @@ def _compiled_step(model: Decoder, n_layers: int, mode: str | None):
 
     step = types.FunctionType(step.__code__.replace(co_name=f"decode_step_{id(model):x}"), step.__globals__,
                               step.__name__, None, step.__closure__)
-    return torch.compile(step, mode=mode, fullgraph=True)
+    fn = torch.compile(step, mode=mode, fullgraph=True)
+
+    def run(tok, pos):
+        return fn(tok, pos).clone()
+
+    run.compiled = fn
+    return run
 
 
 def compiled_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, start: int, n_layers: int,
@@ -178,38 +179,19 @@ def compiled_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: in
     import torch._dynamo
 
     torch._dynamo.reset()
-    compile_s: dict[int, float] = {}
 
-    def build(config: str):
+    def build(config: str) -> dict:
         model = apply_config(build_decoder(s, max_len, device), config)
-        return model, _compiled_step(model, n_layers, None)
+        return {"model": model, "fn": _compiled_step(model, n_layers, None)}
 
-    def warm(built) -> None:
-        _, fn = built
-        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
-        pos = torch.tensor([start], device=device)
+    def warm(built: dict) -> None:
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for _ in range(3):
-                tok = fn(tok, pos).clone()
-        sync(device)
-        compile_s[id(fn)] = time.perf_counter() - t0
+        _decode_window(built["fn"], 3, start, device)
+        built["compile_s"] = time.perf_counter() - t0
 
-    def window(built) -> tuple[float, float]:
-        _, fn = built
-        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
-        pos = torch.tensor([start], device=device)
-        with torch.inference_mode():
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                tok = fn(tok, pos).clone()
-                pos += 1
-            sync(device)
-        return steps / (time.perf_counter() - t0), compile_s[id(fn)]
-
-    raw = interleaved_rounds(configs, build, warm, window, int(bf16_model_bytes(s) * 1.15) + (2 << 30), device,
-                             rounds)
+    raw = interleaved_rounds(configs, build, warm, lambda built: (_decode_window(built["fn"], steps, start, device),
+                                                                  built["compile_s"]),
+                             int(bf16_model_bytes(s) * 1.15) + (2 << 30), device, rounds)
     torch._dynamo.reset()
     return {c: v if isinstance(v, str) else {"tok_s": max(t for t, _ in v), "compile_s": v[0][1],
                                             "layers": n_layers, "rounds": [t for t, _ in v]}
@@ -223,16 +205,7 @@ def eager_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, 
     lent machines, so the configs share the machine state instead."""
 
     def window(model) -> float:
-        tok = torch.zeros(1, 1, dtype=torch.long, device=device)
-        pos = torch.tensor([start], device=device)
-        with torch.inference_mode():
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                tok = model(tok, pos).argmax(-1, keepdim=True)
-                pos += 1
-            sync(device)
-        return steps / (time.perf_counter() - t0)
+        return _decode_window(lambda tok, pos: model(tok, pos).argmax(-1, keepdim=True), steps, start, device)
 
     def warm(model) -> None:
         tok = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -248,6 +221,6 @@ def eager_rounds(s: DecoderShape, configs: list[str], steps: int, max_len: int, 
 
 
 __all__ = [
-    "REPEATS", "compiled_rounds", "decode_compiled", "decode_graph", "eager_rounds", "host_us_per_call", "interleaved_rounds",
-    "prefill_ms",
+    "REPEATS", "compiled_rounds", "decode_compiled", "decode_graph", "eager_rounds", "host_us_per_call",
+    "interleaved_rounds", "prefill_ms",
 ]
