@@ -150,3 +150,38 @@ def test_labels_and_cli_flags():
                          (("--algorithm", "gptq", "--gptq-scale-search", "1.2"), r"--gptq-scale-search: .*\(0, 1\]")):
         with pytest.raises(ValueError, match=words):
             algorithm(*extra)
+
+
+def _adversarial_weight(k: int = 256) -> torch.Tensor:
+    """Gaussian rows with the groups that make fits differ: a zero group, ties at the largest value, huge and
+    tiny groups."""
+    w = _weight(seed=3, out=24, k=k)
+    w[0, :64] = 0.0
+    w[1, :128] = 0.01
+    w[2, 64:128] = torch.tensor([-0.5, 0.5]).repeat(32)
+    w[3, 128:] *= 1e4
+    w[4] *= 1e-6
+    return w
+
+
+@pytest.mark.parametrize("factors", [(), FACTORS], ids=["plain", "searched"])
+@pytest.mark.parametrize(("fmt", "opts"), CASES, ids=IDS)
+def test_fit_groups_is_one_fit_per_group(fmt, opts, factors, monkeypatch):
+    """Fitting many groups in one call (act-order's static groups) gives each group the bits of its own fit,
+    also when the groups are split over several calls."""
+    from lowbit.algorithms import grids
+
+    w = _adversarial_weight()
+    grid = grid_for(w, fmt, scale_search=factors, **opts)
+    G = grid.group
+    one_by_one = [grid.fit(w[:, g * G:(g + 1) * G]) for g in range(w.shape[1] // G)]
+    for limit in (grids.FIT_ELEMENTS, 3 * w.shape[0] * G, 1):
+        monkeypatch.setattr(grids, "FIT_ELEMENTS", limit)
+        together = grid.fit_groups(w)
+        assert len(together) == len(one_by_one)
+        for a, b in zip(together, one_by_one, strict=True):
+            assert len(a) == len(b)
+            for x, y in zip(a, b, strict=True):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.dtype.itemsize]
+                assert torch.equal(x.view(bits), y.view(bits))

@@ -347,8 +347,7 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ,
     states: list = [None] * n_groups
     if config.act_order:
         # static groups: the scales of every group from the (dead-zeroed) weight before any update
-        for g in range(n_groups):
-            states[g] = grid.fit(W[:, g * G:(g + 1) * G])
+        states = grid.fit_groups(W[:, :n_groups * G])
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
         W, H = W[:, perm], H[perm][:, perm]
         group_of = (perm // G).tolist()

@@ -43,6 +43,10 @@ GRID_FORMATS = ("nvfp4", "mxfp4", "fp4_b32", "nf4", "bnb_fp4", "int4_awq")
 State = tuple[torch.Tensor, ...]
 """The scales of one group, per row (what :meth:`Grid.fit` returns and :meth:`Grid.round` reads)."""
 
+FIT_ELEMENTS = 1 << 23
+"""The most weights :meth:`Grid.fit_groups` fits in one call (32 MB of fp32; a scale search holds a few
+copies per factor)."""
+
 
 class Grid:
     """The grid of one weight ``[rows, K]`` in one format: groups of :attr:`group` consecutive columns."""
@@ -61,6 +65,27 @@ class Grid:
     def fit(self, w: torch.Tensor) -> State:
         """Scales of one group from its weights ``w`` (fp32 ``[rows, group]``)."""
         raise NotImplementedError
+
+    def fit_groups(self, w: torch.Tensor) -> list[State]:
+        """The states of every group of ``w`` (fp32 ``[rows, n * group]``): :meth:`fit` of each group, in a
+        few calls over many groups at once.
+
+        A fit treats each row of its input on its own (a block's scales come from that block alone), so the
+        groups' rows stacked into one input get the states one fit per group gives; one call per group
+        would instead cost a few dozen kernel launches per group (thousands for a large layer), far more
+        than their arithmetic. At most :data:`FIT_ELEMENTS` weights go into one call, which bounds the
+        temporaries of a scale search."""
+        rows, cols = w.shape
+        G = self.group
+        n = cols // G
+        per_call = max(1, FIT_ELEMENTS // max(1, rows * G))
+        states: list[State] = []
+        for g0 in range(0, n, per_call):
+            k = min(n, g0 + per_call) - g0
+            blocks = w[:, g0 * G:(g0 + k) * G].reshape(rows, k, G).transpose(0, 1).reshape(k * rows, G)
+            fitted = self.fit(blocks)
+            states += [tuple(t[j * rows:(j + 1) * rows] for t in fitted) for j in range(k)]
+        return states
 
     def round(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, fp32 dequantized values) of fp32 values ``x`` (``[rows]`` or ``[rows, n]``) on the grid of
