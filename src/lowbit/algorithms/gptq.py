@@ -362,11 +362,12 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ,
     bs = -(-config.block_size // G) * G
     graphs = None
     if gptq_graphs.graphs_apply(W.device, cols, bs):
-        graphs = gptq_graphs.BlockGraphs(grid, rows, bs, W.device, states, group_of, capture=W.device.type == "cuda")
+        graphs = gptq_graphs.BlockGraphs(grid, rows, bs, W.device, states, group_of, static=perm is not None,
+                                         capture=W.device.type == "cuda")
     for i1 in range(0, cols, bs):
         i2 = min(i1 + bs, cols)
         if graphs is not None and i2 - i1 == bs:
-            Err1 = graphs.run_block(W, U, Q, i1, perm is None)
+            Err1 = graphs.run_block(W, U, Q, i1)
             codes = graphs.store_codes(codes, Q.shape[1], i1)
         else:
             W1 = W[:, i1:i2].clone()
