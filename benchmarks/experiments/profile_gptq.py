@@ -14,8 +14,8 @@ timers that synchronize the device before and after, so each phase's time includ
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
+import cProfile
 import functools
 import pstats
 import time

@@ -117,9 +117,30 @@ class _BlockGraph:
 
 
 USE_CUDA_GRAPHS = True
-"""On CUDA, run each full block of a sweep from one CUDA graph (:class:`_BlockGraph`): about twenty small
-kernels per column, which launched one by one cost more host time than they run (a sweep over a Llama-3-8B
-layer's 38912 columns is about 800 000 launches). The same ops on the same data, so the same bits."""
+"""On CUDA without the fused kernel, run each full block of a sweep from one CUDA graph
+(:class:`_BlockGraph`): about twenty small kernels per column, which launched one by one cost more host time
+than they run (a sweep over a Llama-3-8B layer's 38912 columns is about 800 000 launches). The same ops on the
+same data, so the same bits."""
+
+USE_FUSED_KERNEL = True
+"""On CUDA (with Triton), run each block of a sweep as one Triton kernel (``lowbit.kernels.gptq``): a program
+per tile of rows takes the block's columns in order, the same per-column arithmetic as :func:`_column`
+except the rank-1 update of ``G``, which may round differently (one FMA); tens of times faster than the
+graphs, which still run one small kernel per operation per column."""
+
+
+def _fused_kernel(device: torch.device, block_size: int):
+    """``lowbit.kernels.gptq.refine_block`` where it runs (CUDA, Triton, no capture in progress, a block it
+    takes), else None."""
+    if not (USE_FUSED_KERNEL and device.type == "cuda") or torch.cuda.is_current_stream_capturing():
+        return None
+    from ..kernels import triton_available
+
+    if triton_available() is not None:
+        return None
+    from ..kernels.gptq import MAX_BLOCK, refine_block
+
+    return refine_block if block_size <= MAX_BLOCK else None
 
 
 @torch.no_grad()
@@ -129,9 +150,10 @@ def refine(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: 
     ``[rows, cols]``, the values of ``codes`` under the group ``states`` of ``grid``) against ``W`` with the
     objective's ``H`` (``[cols, cols]``, symmetric).
 
-    Columns with ``H_jj <= 0`` keep their values. ``graphs``: run full blocks through :class:`_BlockGraph`
-    (None: on CUDA when :data:`USE_CUDA_GRAPHS`; True on the CPU runs its buffers without capturing, as the
-    tests do). Returns the refined (values, codes); the inputs are not modified.
+    Columns with ``H_jj <= 0`` keep their values. On CUDA every block runs as one fused kernel where
+    :data:`USE_FUSED_KERNEL` (and ``graphs`` is None); otherwise ``graphs``: run full blocks through
+    :class:`_BlockGraph` (None: on CUDA when :data:`USE_CUDA_GRAPHS`; True on the CPU runs its buffers
+    without capturing, as the tests do). Returns the refined (values, codes); the inputs are not modified.
     """
     rows, cols = W.shape
     G = grid.group
@@ -142,8 +164,9 @@ def refine(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: 
     diag_t = torch.diagonal(Hp).clone()
     diag = diag_t.tolist()
     cuda = W.device.type == "cuda"
+    fused = _fused_kernel(W.device, block_size) if graphs is None else None
     if graphs is None:
-        graphs = cuda and USE_CUDA_GRAPHS and not torch.cuda.is_current_stream_capturing()
+        graphs = fused is None and cuda and USE_CUDA_GRAPHS and not torch.cuda.is_current_stream_capturing()
     block = None
     if graphs and block_size % G == 0 and cols >= block_size:
         block = _BlockGraph(rows, block_size, G, codes.dtype, W.device, capture=cuda)
@@ -153,6 +176,9 @@ def refine(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: 
     # every grid's codes are 0 .. 15 in order: a level's index is its code
     assert levels and torch.equal(levels[0][0].long().cpu(), torch.arange(16))
     levels = [lv.contiguous() for _, lv in levels]
+    if fused is not None:
+        stacked, levels = torch.stack(levels), None  # [groups, rows, 16]
+        dE_buf = torch.empty(block_size, rows, dtype=torch.float32, device=W.device)
     # transposed ([cols, rows]): a column is a contiguous row here
     Wt, Qt, Ct = W.t().contiguous(), Q.t().contiguous(), codes.t().contiguous()
     for _ in range(sweeps):
@@ -160,7 +186,10 @@ def refine(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: 
         Gt = Hp @ Et  # (E H)^T, H symmetric
         for b1 in range(0, cols, block_size):
             b2 = min(b1 + block_size, cols)
-            if block is not None and b2 - b1 == block_size:
+            if fused is not None:
+                fused(Wt, Qt, Ct, Et, Gt, Hp, diag_t, stacked, dE_buf, b1, b2 - b1, G)
+                dEt = dE_buf[:b2 - b1]
+            elif block is not None and b2 - b1 == block_size:
                 with few_threads(W.device):
                     dEt = block.run(Wt, Qt, Ct, Et, Gt, Hp, diag_t, levels, b1)
             else:

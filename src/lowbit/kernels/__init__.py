@@ -38,7 +38,8 @@ from ..formats.registry import REGISTRY, Kernel
 
 # launcher modules; each exposes compile_variants() -> iterable of (jit kernel, signature, constexprs)
 # covering every code path it can launch, which CI compiles for sm_90
-KERNEL_MODULES = ("blockscaled", "fp8_block", "fp8_rowwise", "nf4", "int4_awq", "gemv_w4", "gemm_w4", "scaled_mm")
+KERNEL_MODULES = ("blockscaled", "fp8_block", "fp8_rowwise", "nf4", "int4_awq", "gemv_w4", "gemm_w4", "scaled_mm",
+                  "gptq")
 
 
 def interpreting() -> bool:
