@@ -173,6 +173,38 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
         assert (1, torch.bfloat16, not bias) in fresh._prepared.scaled_runners, "no runner for 3-D x"
 
 
+@pytest.mark.parametrize("scheme", ["w4a4-nvfp4", "w4a4-mxfp4"])
+def test_gemv_route_runner_scratch_per_stream_and_graph(scheme):
+    """The GEMV-route decode runner keeps its intermediates per stream: calls interleaved on two streams, calls
+    whose outputs are kept alive, and a CUDA graph captured after eager calls (fresh, graph-owned scratch)
+    and replayed between eager calls all give the bits of lowbit.ops.scaled_linear."""
+    layer = _layer(scheme, n=256, k=512, bias=True)
+    xs = [torch.randn(1, 512, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    wants = [_want(layer, x) for x in xs]
+    layer(xs[0])
+    runner = layer._prepared.scaled_runners.get((1, torch.bfloat16, False))
+    assert type(runner).__name__ == "GemvRouteDecode"
+    outs = [layer(x) for x in xs]  # kept alive together: each call's output is its own
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        outs_side = [layer(x) for x in reversed(xs)]
+    torch.cuda.current_stream().wait_stream(side)
+    for got, want in zip(outs + outs_side[::-1], wants + wants, strict=True):
+        assert torch.equal(got, want)
+    assert len(runner.kept) == 2
+    static_x = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    for i, (x, want) in enumerate(zip(xs, wants, strict=True)):
+        static_x.copy_(x)
+        graph.replay()
+        eager = layer(xs[(i + 1) % 4])  # an eager call between replays reuses the stream's scratch
+        assert torch.equal(static_out, want)
+        assert torch.equal(eager, wants[(i + 1) % 4])
+
+
 def _adversarial_rows(m, k, dtype):
     """Random rows with an outlier channel, a zero block, +-max of the dtype, ties at the E4M3 grid, and NaN/Inf
     in the last row (its 128-blocks' scales become NaN/Inf)."""

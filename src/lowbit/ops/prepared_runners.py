@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..kernels import scratch_per_call
+
 MAX_RUNNERS = 256
 """Runners kept per layer (one per M up to GEMV_MAX_M, x dtype and bias presence); cleared when full."""
 
@@ -47,7 +49,7 @@ class GemvRouteDecode:
     first call, so the same bits."""
 
     __slots__ = ("amax_launch", "qlaunch", "decode", "gemv", "m", "k", "cols", "cols4", "n_groups", "width",
-                 "nvfp4", "device", "dev_index")
+                 "nvfp4", "device", "dev_index", "kept")
 
     def __init__(self, launches: list, decode: Any, gemv: Any, m: int, k: int, block: int, width: int,
                  device: torch.device) -> None:
@@ -61,23 +63,43 @@ class GemvRouteDecode:
         self.n_groups = m * self.cols
         self.device = device
         self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.kept: dict[int, tuple] = {}
+
+    def _scratch(self) -> tuple:
+        """(activation codes, block scales, amax bits, global scale, decoded activation, its int16 view): the
+        intermediates of one call, which never leave it. Kept per stream (the calls on one stream run one
+        after another), so a call allocates only its output; made fresh inside a CUDA-graph capture (the
+        graph owns them) and inside a custom op's per-call scope (see ``lowbit.kernels.per_call_scratch``)."""
+        if torch._C._cuda_isCurrentStreamCapturing() or scratch_per_call():
+            return self._new_scratch()
+        stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
+        bufs = self.kept.get(stream)
+        if bufs is None:
+            bufs = self.kept[stream] = self._new_scratch()
+        elif self.nvfp4:
+            bufs[2].zero_()  # the absmax pass takes the max into it
+        return bufs
+
+    def _new_scratch(self) -> tuple:
+        dev, m, k = self.device, self.m, self.k
+        xd = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
+        return (torch.empty((m, self.width), dtype=torch.uint8, device=dev),
+                torch.empty((m, self.cols), dtype=torch.uint8, device=dev),
+                torch.zeros(1, dtype=torch.int32, device=dev) if self.nvfp4 else None,
+                torch.empty(1, dtype=torch.float32, device=dev) if self.nvfp4 else None,
+                xd, xd.view(torch.int16))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        dev, idx, m, k = self.device, self.dev_index, self.m, self.k
-        data = torch.empty((m, self.width), dtype=torch.uint8, device=dev)
-        scale = torch.empty((m, self.cols), dtype=torch.uint8, device=dev)
+        idx = self.dev_index
+        data, scale, amax, gs, xd, xd16 = self._scratch()
         if self.nvfp4:
             # lowbit.kernels.blockscaled.quantize_nvfp4 with the default global scale: absmax bits, then the
             # quantize kernel derives 2688 / amax into gs and quantizes with it
-            amax = torch.zeros(1, dtype=torch.int32, device=dev)
-            self.amax_launch.run(idx, x, amax, m * k)
-            gs = torch.empty(1, dtype=torch.float32, device=dev)
+            self.amax_launch.run(idx, x, amax, self.m * self.k)
             self.qlaunch.run(idx, x, data, scale, gs, amax, self.n_groups, self.cols, self.cols4)
         else:
-            gs = None
             self.qlaunch.run(idx, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
-        xd = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
-        self.decode.run(idx, data, scale, scale, xd.view(torch.int16), self.n_groups, self.cols, self.cols4)
+        self.decode.run(idx, data, scale, scale, xd16, self.n_groups, self.cols, self.cols4)
         return self.gemv(xd, bias, gs)
 
 
