@@ -156,3 +156,30 @@ def test_mxfp4_as_fp8_block_bit_exact(rows, k, layout, block):
     assert bool(ek) and bool(er)
     assert_bitexact(fk.data.view(torch.uint8).cpu(), fr.data.view(torch.uint8), "E4M3 bytes")
     assert_bitexact(fk.scale.view(torch.int32).cpu(), fr.scale.view(torch.int32), "scale bits")
+
+
+@pytest.mark.parametrize("convention", ["vllm", "lightx2v"])
+@pytest.mark.parametrize("shape", [(1, 16), (1, 4096), (1, 14336), (4, 4096), (16, 1024), (3, 80)])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nvfp4_roundtrip_small_equals_quantize_then_decode(shape, convention, x_dtype):
+    """The one-launch round trip of decode activations gives the bits of the absmax and quantize kernels then
+    the dequantize kernel without the global scale (and that global scale), on random rows with an outlier
+    channel, zero blocks, +-Inf, NaN and values on E2M1 ties."""
+    import dataclasses
+
+    from lowbit.kernels import blockscaled as kb
+
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g, device="cuda") * torch.logspace(-3, 3, shape[-1], device="cuda")
+    x[0, :16] = 0
+    if shape[-1] >= 64:
+        x[0, 20] = float("inf")
+        x[-1, 33] = -float("inf")
+        x[-1, 35] = float("nan")
+        x[0, 40:56] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, device="cuda")
+    x = x.to(x_dtype)
+    got, gs = kb.nvfp4_roundtrip_small(x, convention)
+    q = kb.quantize_nvfp4(x, None, convention)
+    want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(gs, q.global_scale)

@@ -127,6 +127,21 @@ SCRIPT = textwrap.dedent(
             layout_ok = fk.scale.stride() == (8, 1) and torch.equal(full[:, 5:], torch.zeros(2, 3))
         if not (same(fr, fk) and layout_ok and int(flag) == 0):
             bad.append(("mxfp4_fold cublas_scales", blk))
+    # the one-program NVFP4 round trip of decode activations: the bits of the quantize kernel (default global
+    # scale, from the absmax kernel) then the dequantize kernel on the codes without the global scale, NaN,
+    # Inf, zero blocks and ties included (kernel against kernel: the same fp8 casts on both sides)
+    import dataclasses
+    for shape, conv in (((1, 4096), "vllm"), ((2, 512), "lightx2v"), ((1, 16), "vllm"), ((1, 14336), "vllm"),
+                        ((3, 80), "lightx2v")):
+        xr = (torch.randn(shape) * torch.logspace(-3, 3, shape[-1])[None, :]).to(torch.bfloat16)
+        xr[0, :16] = 0
+        if shape[-1] >= 64:
+            xr[0, 20] = float("inf"); xr[-1, 33] = float("nan"); xr[0, 40:56] = 3.0
+        got, gs = kb.nvfp4_roundtrip_small(xr, conv)
+        q = kb.quantize_nvfp4(xr, None, conv)
+        want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)) or not torch.equal(gs, q.global_scale):
+            bad.append(("nvfp4_roundtrip", shape, conv))
     print("BAD", bad)
     """
 )

@@ -265,3 +265,31 @@ def finite_absmax_kernel(x_ptr, out_ptr, N, CHUNK: tl.constexpr, CHUNKS: tl.cons
         a = tl.abs(tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32))
         best = tl.maximum(best, tl.where((a == a) & (a != float("inf")), a, 0.0))
     tl.atomic_max(out_ptr, tl.max(best, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def nvfp4_roundtrip_small_kernel(
+    x_ptr, gscale_ptr, out_ptr, N,
+    BLOCK_N: tl.constexpr, E4M3_ORDER: tl.constexpr, NAN_FIXUP: tl.constexpr,
+    MAX: tl.constexpr, RCP_MAX: tl.constexpr, EMAX: tl.constexpr,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+):
+    """One program: ``x`` (N contiguous elements, N <= BLOCK_N, N % 16 == 0) quantized to NVFP4 with the
+    default global scale, exactly as ``finite_absmax_kernel`` then ``quantize_blockscaled_kernel``
+    (GSCALE_FROM_AMAX) quantize it, and decoded without the global scale as ``dequantize_blockscaled_kernel``
+    decodes the codes (bf16 out, bits into the int16 view ``out_ptr``); the global scale goes to
+    ``gscale_ptr``. The same device functions in the same order, so the same bits, in one launch instead of
+    three (what a decode step's activation costs on the host)."""
+    offs = tl.arange(0, BLOCK_N)
+    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    amax_t = tl.max(tl.where((a == a) & (a != float("inf")), a, 0.0), axis=0)
+    s = tl.where(amax_t == 0, 1.0, tl.minimum(2688.0 * tl.div_rn(1.0, amax_t), 3.4028234663852886e38))
+    tl.store(gscale_ptr, s)
+    xg = tl.reshape(x, (BLOCK_N // 16, 16))
+    scaled, sf_bits = _group_scales(xg, 0, MAX, RCP_MAX, EMAX, s, E4M3_ORDER)  # SCALE_E4M3
+    codes = _encode_minifloat(scaled, EBITS, MBITS, BIAS, MAX, NAN_FIXUP)
+    v = decode_minifloat(codes, EBITS, MBITS, BIAS)
+    sf = sf_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    out = tl.reshape(v * sf[:, None], (BLOCK_N,))
+    tl.store(out_ptr + offs, _canonical_nan_bits(out, 1), mask=offs < N)

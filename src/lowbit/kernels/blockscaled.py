@@ -93,6 +93,10 @@ def compile_variants():
     for dtype in ("*bf16", "*fp16", "*fp32"):
         yield (k.finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
                {"CHUNK": _ABSMAX_CHUNK, "CHUNKS": _ABSMAX_CHUNKS})
+    for block, convention in ((4096, "vllm"), (16384, "vllm"), (1024, "lightx2v")):
+        yield (k.nvfp4_roundtrip_small_kernel, {"x_ptr": "*bf16", "gscale_ptr": "*fp32", "out_ptr": "*i16",
+                                                "N": "i32"},
+               dict(_roundtrip_consts(block, convention), NAN_FIXUP=False))
 
 
 _MX_KINDS = (k.SCALE_E8M0_RCEIL, k.SCALE_E8M0_FLOOR)
@@ -235,6 +239,47 @@ def quantize_nvfp4(
         global_scale=None if s is None else s.reshape(1), scale_layout=scale_layout,
         params={"convention": convention.value},
     )
+
+
+ROUNDTRIP_MAX = 16384
+"""The most elements :func:`nvfp4_roundtrip_launch`'s one program takes (a decode step's activation rows)."""
+
+
+def nvfp4_roundtrip_launch(n: int, convention: NVFP4Convention | str = "vllm") -> Launch:
+    """The one-program launch that quantizes ``n`` contiguous elements (``n <= ROUNDTRIP_MAX``, ``n % 16 ==
+    0``) to NVFP4 with the default global scale and decodes them without it: ``run(dev, x, gs, out_int16,
+    n)`` writes the bf16 values that :func:`quantize_nvfp4` then the dequantize kernel of the codes (no
+    global scale) give, bit for bit, and the global scale into ``gs`` (fp32 [1])."""
+    if not 0 < n <= ROUNDTRIP_MAX or n % 16:
+        raise ValueError(f"n must be a multiple of 16 in 16 .. {ROUNDTRIP_MAX}, got {n}")
+    block = max(16, 1 << (n - 1).bit_length())
+    return Launch(k.nvfp4_roundtrip_small_kernel, (1,), _roundtrip_consts(block, convention),
+                  4 if block <= 4096 else 8)
+
+
+def _roundtrip_consts(block: int, convention: NVFP4Convention | str) -> dict:
+    return dict(BLOCK_N=block, E4M3_ORDER=_KERNEL_ORDER[NVFP4Convention(convention)], NAN_FIXUP=_interpreting(),
+                MAX=E2M1.max_normal, RCP_MAX=1.0 / E2M1.max_normal, EMAX=E2M1.emax, EBITS=E2M1.ebits,
+                MBITS=E2M1.mbits, BIAS=E2M1.bias)
+
+
+def nvfp4_roundtrip_small(x: torch.Tensor, convention: NVFP4Convention | str = "vllm"
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 values, fp32 [1] global scale) of :func:`nvfp4_roundtrip_launch` on contiguous ``x`` (float32,
+    bf16 or fp16; CUDA, or the CPU under ``TRITON_INTERPRET=1``)."""
+    ref.check_input(x, 16, "nvfp4")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    n = x.numel()
+    lc = nvfp4_roundtrip_launch(n, convention)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    gs = torch.empty(1, dtype=torch.float32, device=x.device)
+    if x.is_cuda:
+        lc.run(x.device.index if x.device.index is not None else torch.cuda.current_device(), x, gs,
+               out.view(torch.int16), n)
+    else:  # the interpreter
+        lc.fn[lc.grid](x, gs, out.view(torch.int16), n, **lc.consts, **lc.options)
+    return out, gs
 
 
 def quantize_mx(

@@ -49,10 +49,13 @@ class GemvRouteDecode:
     first call, so the same bits."""
 
     __slots__ = ("amax_launch", "qlaunch", "decode", "gemv", "m", "k", "cols", "cols4", "n_groups", "width",
-                 "nvfp4", "device", "dev_index", "kept")
+                 "nvfp4", "device", "dev_index", "kept", "roundtrip")
 
     def __init__(self, launches: list, decode: Any, gemv: Any, m: int, k: int, block: int, width: int,
-                 device: torch.device) -> None:
+                 device: torch.device, roundtrip: Any = None) -> None:
+        # roundtrip: for small nvfp4 activations, the one launch that does the absmax, quantize and decode
+        # launches' work with their bits (lowbit.kernels.blockscaled.nvfp4_roundtrip_launch)
+        self.roundtrip = roundtrip
         self.nvfp4 = block == 16
         self.amax_launch = launches[0] if self.nvfp4 else None
         self.qlaunch = launches[-1]
@@ -76,7 +79,7 @@ class GemvRouteDecode:
         bufs = self.kept.get(stream)
         if bufs is None:
             bufs = self.kept[stream] = self._new_scratch()
-        elif self.nvfp4:
+        elif self.nvfp4 and self.roundtrip is None:
             bufs[2].zero_()  # the absmax pass takes the max into it
         return bufs
 
@@ -92,14 +95,17 @@ class GemvRouteDecode:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         idx = self.dev_index
         data, scale, amax, gs, xd, xd16 = self._scratch()
-        if self.nvfp4:
+        if self.roundtrip is not None:
+            self.roundtrip.run(idx, x, gs, xd16, self.m * self.k)
+        elif self.nvfp4:
             # lowbit.kernels.blockscaled.quantize_nvfp4 with the default global scale: absmax bits, then the
             # quantize kernel derives 2688 / amax into gs and quantizes with it
             self.amax_launch.run(idx, x, amax, self.m * self.k)
             self.qlaunch.run(idx, x, data, scale, gs, amax, self.n_groups, self.cols, self.cols4)
         else:
             self.qlaunch.run(idx, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
-        self.decode.run(idx, data, scale, scale, xd16, self.n_groups, self.cols, self.cols4)
+        if self.roundtrip is None:
+            self.decode.run(idx, data, scale, scale, xd16, self.n_groups, self.cols, self.cols4)
         return self.gemv(xd, bias, gs)
 
 

@@ -188,12 +188,22 @@ class ScaledCalls:
             return
         m, k = x.shape
         gemv = GemvRunner(prepare_w4(self.w), m, torch.bfloat16, bias is not None, 0, rs_mode)
+        roundtrip = None
+        if rs_mode == 3 and m * k <= blockscaled.ROUNDTRIP_MAX:
+            # absmax, quantize and decode of a decode step's activation in one launch (the same bits)
+            roundtrip = blockscaled.nvfp4_roundtrip_launch(m * k, kwargs.get("convention", "vllm"))
+            probe = torch.empty((m, k), dtype=torch.bfloat16, device=self.device)
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            roundtrip.run(idx, x, torch.empty(1, dtype=torch.float32, device=self.device),
+                          probe.view(torch.int16), m * k)  # compiles it, outside any capture
+            if roundtrip.compiled is None:
+                roundtrip = None
         if len(self.scaled_runners) >= MAX_RUNNERS:
             self.scaled_runners.clear()
         if bias is not None:
             self._bias_ok = bias
         self.scaled_runners[(m, x.dtype, bias is None)] = GemvRouteDecode(
-            keep, decode.launch, gemv, m, k, block, a2.data.shape[-1], self.device)
+            keep, decode.launch, gemv, m, k, block, a2.data.shape[-1], self.device, roundtrip)
 
     def _add_mx_runner(self, x: torch.Tensor, a: QTensor, kwargs: dict, route: Any,
                        bias: torch.Tensor | None) -> None:
