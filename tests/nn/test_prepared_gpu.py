@@ -173,17 +173,19 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
         assert (1, torch.bfloat16, not bias) in fresh._prepared.scaled_runners, "no runner for 3-D x"
 
 
-@pytest.mark.parametrize("scheme", ["w4a4-nvfp4", "w4a4-mxfp4"])
-def test_gemv_route_runner_scratch_per_stream_and_graph(scheme):
-    """The GEMV-route decode runner keeps its intermediates per stream: calls interleaved on two streams, calls
-    whose outputs are kept alive, and a CUDA graph captured after eager calls (fresh, graph-owned scratch)
-    and replayed between eager calls all give the bits of lowbit.ops.scaled_linear."""
+@pytest.mark.parametrize(("scheme", "runner_type"), [("w4a4-nvfp4", "GemvRouteDecode"),
+                                                      ("w4a4-mxfp4", "GemvRouteDecode"),
+                                                      ("w8a8-mxfp8", "MXDecode")])
+def test_decode_runner_scratch_per_stream_and_graph(scheme, runner_type):
+    """The decode runners keep their intermediates per stream: calls interleaved on two streams, calls whose
+    outputs are kept alive, and a CUDA graph captured after eager calls (fresh, graph-owned scratch) and
+    replayed between eager calls all give the bits of lowbit.ops.scaled_linear."""
     layer = _layer(scheme, n=256, k=512, bias=True)
     xs = [torch.randn(1, 512, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     wants = [_want(layer, x) for x in xs]
     layer(xs[0])
     runner = layer._prepared.scaled_runners.get((1, torch.bfloat16, False))
-    assert type(runner).__name__ == "GemvRouteDecode"
+    assert type(runner).__name__ == runner_type
     outs = [layer(x) for x in xs]  # kept alive together: each call's output is its own
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

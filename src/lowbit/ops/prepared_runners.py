@@ -18,6 +18,21 @@ MAX_RUNNERS = 256
 """Runners kept per layer (one per M up to GEMV_MAX_M, x dtype and bias presence); cleared when full."""
 
 
+def stream_scratch(kept: dict, dev_index: int, make) -> tuple[tuple, bool]:
+    """(buffers, made now): a runner's intermediates of one call, which never leave it, kept in ``kept`` per
+    stream (the calls on one stream run one after another), so a call allocates only its output. Made fresh
+    (``make()``) inside a CUDA-graph capture, where the graph owns them, and inside a custom op's per-call
+    scope (see ``lowbit.kernels.per_call_scratch``)."""
+    if torch._C._cuda_isCurrentStreamCapturing() or scratch_per_call():
+        return make(), True
+    stream = torch._C._cuda_getCurrentRawStream(dev_index)
+    bufs = kept.get(stream)
+    if bufs is None:
+        bufs = kept[stream] = make()
+        return bufs, True
+    return bufs, False
+
+
 class Fp8BlockDecode:
     """``run(x, bias) -> out``: the decode call of a layer whose activations are quantized to fp8_block
     (block 1x128) and whose GEMM is lowbit's decoding kernel (``lowbit.kernels.scaled_mm.KernelRoute``), at one
@@ -70,16 +85,9 @@ class GemvRouteDecode:
 
     def _scratch(self) -> tuple:
         """(activation codes, block scales, amax bits, global scale, decoded activation, its int16 view): the
-        intermediates of one call, which never leave it. Kept per stream (the calls on one stream run one
-        after another), so a call allocates only its output; made fresh inside a CUDA-graph capture (the
-        graph owns them) and inside a custom op's per-call scope (see ``lowbit.kernels.per_call_scratch``)."""
-        if torch._C._cuda_isCurrentStreamCapturing() or scratch_per_call():
-            return self._new_scratch()
-        stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
-        bufs = self.kept.get(stream)
-        if bufs is None:
-            bufs = self.kept[stream] = self._new_scratch()
-        elif self.nvfp4 and self.roundtrip is None:
+        intermediates of one call (see :func:`stream_scratch`)."""
+        bufs, fresh = stream_scratch(self.kept, self.dev_index, self._new_scratch)
+        if not fresh and self.nvfp4 and self.roundtrip is None:
             bufs[2].zero_()  # the absmax pass takes the max into it
         return bufs
 
@@ -112,11 +120,12 @@ class GemvRouteDecode:
 class MXDecode:
     """``run(x, bias) -> out``: the decode call of a layer whose activations are quantized to an MX format
     (linear scales) and whose GEMM is lowbit's decoding kernel (``KernelRoute``), at one M, x dtype and bias
-    presence: the quantize kernel's launch as ``lowbit.kernels.blockscaled.quantize_mx`` makes it (into fresh
-    data and scale buffers), then the GEMM, so the same bits as :func:`lowbit.ops.scaled_linear`."""
+    presence: the quantize kernel's launch as ``lowbit.kernels.blockscaled.quantize_mx`` makes it (into data and
+    scale buffers kept per stream, :func:`stream_scratch`), then the GEMM, so the same bits as
+    :func:`lowbit.ops.scaled_linear`."""
 
     __slots__ = ("qlaunch", "m", "k", "width", "cols", "cols4", "n_groups", "data_dtype", "route", "a_strides",
-                 "device", "dev_index")
+                 "device", "dev_index", "kept")
 
     def __init__(self, qlaunch: Any, m: int, k: int, data_dtype: torch.dtype, route: Any, a_strides: tuple,
                  device: torch.device) -> None:
@@ -131,14 +140,17 @@ class MXDecode:
         self.n_groups = m * self.cols
         self.route, self.a_strides, self.device = route, a_strides, device
         self.dev_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.kept: dict[int, tuple] = {}
+
+    def _new_scratch(self) -> tuple:
+        data = torch.empty((self.m, self.width), dtype=torch.uint8, device=self.device)
+        return (data, torch.empty((self.m, self.cols), dtype=torch.uint8, device=self.device),
+                data if self.data_dtype == torch.uint8 else data.view(self.data_dtype))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        data = torch.empty((self.m, self.width), dtype=torch.uint8, device=self.device)
-        scale = torch.empty((self.m, self.cols), dtype=torch.uint8, device=self.device)
+        (data, scale, typed), _ = stream_scratch(self.kept, self.dev_index, self._new_scratch)
         self.qlaunch.run(self.dev_index, x, data, scale, scale, scale, self.n_groups, self.cols, self.cols4)
-        if self.data_dtype != torch.uint8:
-            data = data.view(self.data_dtype)
-        return self.route.run(data, scale, scale, self.a_strides, None, bias)
+        return self.route.run(typed, scale, scale, self.a_strides, None, bias)
 
 
 class Fp8BlockCublas:
