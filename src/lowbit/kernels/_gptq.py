@@ -65,8 +65,8 @@ def refine_block_kernel(
         target = w + tl.div_rn(gi - _mul_rn(e, d, ON_GPU), d)
         lv_row = (rows64 * (j // GROUP) + r64) * 16
         best = tl.zeros([BR], dtype=tl.int32)
-        best_d = tl.abs(tl.load(lv_ptr + lv_row, mask=rmask, other=0.0) - target)
         best_v = tl.load(lv_ptr + lv_row, mask=rmask, other=0.0)
+        best_d = tl.abs(best_v - target)
         cur_d = tl.where(c == 0, best_d, 0.0)
         cur_v = tl.where(c == 0, best_v, 0.0)
         for n in tl.static_range(1, 16):

@@ -17,6 +17,9 @@ from ..kernels import scratch_per_call
 MAX_RUNNERS = 256
 """Runners kept per layer (one per M up to GEMV_MAX_M, x dtype and bias presence); cleared when full."""
 
+MAX_STREAMS = 8
+"""Streams whose scratch one runner keeps (:func:`stream_scratch`); cleared when full."""
+
 
 def stream_scratch(kept: dict, dev_index: int, make) -> tuple[tuple, bool]:
     """(buffers, made now): a runner's intermediates of one call, which never leave it, kept in ``kept`` per
@@ -28,6 +31,8 @@ def stream_scratch(kept: dict, dev_index: int, make) -> tuple[tuple, bool]:
     stream = torch._C._cuda_getCurrentRawStream(dev_index)
     bufs = kept.get(stream)
     if bufs is None:
+        if len(kept) >= MAX_STREAMS:  # streams come and go: keep the buffers of a few
+            kept.clear()
         bufs = kept[stream] = make()
         return bufs, True
     return bufs, False
