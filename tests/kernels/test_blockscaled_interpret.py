@@ -152,3 +152,16 @@ def test_blockscaled_kernels_under_the_interpreter():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BAD []" in out.stdout, out.stdout[-2000:]
+
+
+def test_nvfp4_roundtrip_launch_takes_only_what_one_program_holds():
+    from lowbit.kernels import blockscaled as kb
+
+    for n in (0, 8, 24, kb.ROUNDTRIP_MAX + 16):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            kb.nvfp4_roundtrip_launch(n)
+    lc = kb.nvfp4_roundtrip_launch(4096 + 16, "lightx2v")
+    assert lc.grid == (1, 1, 1) and lc.consts["BLOCK_N"] == 8192 and lc.consts["E4M3_ORDER"] == 1
+    for convention in ("modelopt", "torchao"):  # not a convention / one without the kernel's multiplier order
+        with pytest.raises(ValueError, match="convention"):
+            kb.nvfp4_roundtrip_launch(64, convention)

@@ -110,3 +110,29 @@ def test_refine_block_rejects_what_it_cannot_take():
         refine_block(**dict(args, ncols=32))
     with pytest.raises(ValueError, match="contiguous"):
         refine_block(**dict(args, Qt=torch.zeros(rows, cols).t()))
+
+
+def test_the_fused_refinement_is_chosen_only_where_it_runs():
+    """CUDA with Triton and a block the kernel takes: the fused kernel; the CPU, a block wider than its G tile
+    or the switch off: the torch loop (graphs or eager)."""
+    import torch
+
+    from lowbit.algorithms import gptq_refine
+    from lowbit.kernels.gptq import MAX_BLOCK, refine_block
+
+    cuda = torch.device("cuda")
+    assert gptq_refine._fused_kernel(torch.device("cpu"), 128) is None
+    if torch.cuda.is_available():  # on a GPU machine a capture check runs first; the rest is the same
+        assert gptq_refine._fused_kernel(cuda, 128) is refine_block
+    else:
+        original = torch.cuda.is_current_stream_capturing
+        torch.cuda.is_current_stream_capturing = lambda: False
+        try:
+            assert gptq_refine._fused_kernel(cuda, 128) is refine_block
+            assert gptq_refine._fused_kernel(cuda, MAX_BLOCK) is refine_block
+            assert gptq_refine._fused_kernel(cuda, MAX_BLOCK + 1) is None
+            gptq_refine.USE_FUSED_KERNEL = False
+            assert gptq_refine._fused_kernel(cuda, 128) is None
+        finally:
+            gptq_refine.USE_FUSED_KERNEL = True
+            torch.cuda.is_current_stream_capturing = original

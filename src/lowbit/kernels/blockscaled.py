@@ -258,7 +258,10 @@ def nvfp4_roundtrip_launch(n: int, convention: NVFP4Convention | str = "vllm") -
 
 
 def _roundtrip_consts(block: int, convention: NVFP4Convention | str) -> dict:
-    return dict(BLOCK_N=block, E4M3_ORDER=_KERNEL_ORDER[NVFP4Convention(convention)], NAN_FIXUP=_interpreting(),
+    conv = NVFP4Convention(convention)
+    if conv not in _KERNEL_ORDER:
+        raise ValueError(f"convention: the nvfp4 round trip implements 'vllm' and 'lightx2v', got {conv.value!r}")
+    return dict(BLOCK_N=block, E4M3_ORDER=_KERNEL_ORDER[conv], NAN_FIXUP=_interpreting(),
                 MAX=E2M1.max_normal, RCP_MAX=1.0 / E2M1.max_normal, EMAX=E2M1.emax, EBITS=E2M1.ebits,
                 MBITS=E2M1.mbits, BIAS=E2M1.bias)
 
