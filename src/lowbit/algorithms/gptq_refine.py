@@ -172,13 +172,16 @@ def refine(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: 
         block = _BlockGraph(rows, block_size, G, codes.dtype, W.device, capture=cuda)
     # a column without a change costs no update; asking costs a synchronization on a GPU, so only the CPU asks
     skip_unchanged = not cuda
-    levels = [grid.levels(st) for st in states]
     # every grid's codes are 0 .. 15 in order: a level's index is its code
-    assert levels and torch.equal(levels[0][0].long().cpu(), torch.arange(16))
-    levels = [lv.contiguous() for _, lv in levels]
+    assert states and torch.equal(grid.levels(states[0])[0].long().cpu(), torch.arange(16))
     if fused is not None:
-        stacked, levels = torch.stack(levels), None  # [groups, rows, 16]
+        # [groups, rows, 16], filled group by group (a list then a stack would hold it twice)
+        stacked = torch.empty((len(states), rows, 16), dtype=torch.float32, device=W.device)
+        for g, st in enumerate(states):
+            stacked[g] = grid.levels(st)[1]
         dE_buf = torch.empty(block_size, rows, dtype=torch.float32, device=W.device)
+    else:
+        levels = [grid.levels(st)[1].contiguous() for st in states]
     # transposed ([cols, rows]): a column is a contiguous row here
     Wt, Qt, Ct = W.t().contiguous(), Q.t().contiguous(), codes.t().contiguous()
     for _ in range(sweeps):
