@@ -41,6 +41,7 @@ a layer would absorb the drift that the layers before it already absorbed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -428,6 +429,48 @@ def _stages(names: Iterable[str], sequential: bool) -> list[list[str]]:
     return list(order.values())
 
 
+@contextlib.contextmanager
+def _stopping_after(model: nn.Module, block: nn.Module | None):
+    """While open, a calibration pass over ``model`` ends each batch's forward once ``block`` (the stage's
+    numbered block, or the Linear that is the stage) has returned: what a stage's statistics need has run,
+    and the rest of the model would only be computed and thrown away (``lowbit.nn.quantize.StopForward``,
+    which ``run_calibration`` catches per batch).
+
+    It stops only from the second batch on, and only if the first batch ran ``block`` exactly once: a block
+    that runs twice in one forward (shared weights) or not at all keeps the whole forward, as does a block
+    that is the model itself (None)."""
+    if block is None or block is model:
+        yield
+        return
+    from ..nn.quantize import StopForward
+
+    state = {"batch": -1, "calls": 0, "first": None}
+
+    def on_model(module, args, kwargs):
+        if state["batch"] == 0:
+            state["first"] = state["calls"]
+        state["batch"] += 1
+        state["calls"] = 0
+
+    def on_block(module, args, output):
+        state["calls"] += 1
+        if state["batch"] >= 1 and state["first"] == 1:
+            raise StopForward
+
+    handles = [model.register_forward_pre_hook(on_model, with_kwargs=True), block.register_forward_hook(on_block)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+STOP_EARLY = True
+"""Sequential GPTQ's calibration passes end each batch's forward after the stage being calibrated (see
+:func:`_stopping_after`); False runs every pass through the whole model. Either way the statistics are the
+same, bit for bit."""
+
+
 @torch.no_grad()
 def apply_gptq(
     model: nn.Module,
@@ -438,6 +481,7 @@ def apply_gptq(
     config: GPTQ | None = None,
     log: Callable[[str], None] | None = None,
     calibrate_on: Callable[[nn.Module], Any] | None = None,
+    stop_early: bool = False,
 ) -> dict[str, str]:
     """GPTQ every Linear of ``targets`` in place, stage by stage (see the module docstring).
 
@@ -452,6 +496,8 @@ def apply_gptq(
         log: progress lines (None: silent).
         calibrate_on: ``calibrate_on(m)`` runs the model ``m`` (a float copy of ``model``) over the same
             calibration data as ``run_calibration``, in the same order; needed by ``config.asymmetric``.
+        stop_early: both run ``lowbit.nn.quantize.run_calibration`` over an iterable, so a sequential pass
+            may end each batch's forward after the stage it calibrates (:data:`STOP_EARLY`).
 
     Returns:
         name -> ``"gptq"`` or why the layer was rounded to nearest instead (it never ran during calibration,
@@ -495,19 +541,28 @@ def apply_gptq(
             how[n] = "gptq" if why is None else f"round-to-nearest: {why}"
             replace(n, build(n, lin, q))
 
+    stop = stop_early and STOP_EARLY and config.sequential
+
+    def block_of(mods: dict, stage: list[str]) -> nn.Module | None:
+        return mods.get(stage_of(stage[0])) if stop else None
+
     for stage in _stages(targets, config.sequential):
         if reference is None:
             acc = {n: HessianAccumulator(targets[n].in_features, targets[n].weight.device) for n in stage}
-            with recording_inputs({n: targets[n] for n in stage}, lambda name, x: acc[name].add(x)):
+            with (recording_inputs({n: targets[n] for n in stage}, lambda name, x: acc[name].add(x)),
+                  _stopping_after(model, block_of(modules, stage))):
                 run_calibration()
             quantize_group(stage, acc)
         else:
             # inside a stage too, each layer is calibrated on the outputs of the layers before it already
             # quantized: a layer fitted to the float output absorbs the drift of its inputs, and a later layer
             # calibrated on the unquantized ones would absorb the same drift a second time
-            kept, groups = _float_inputs(stage, ref_modules, reference, calibrate_on)
+            with _stopping_after(reference, block_of(ref_modules, stage)):
+                kept, groups = _float_inputs(stage, ref_modules, reference, calibrate_on)
             for group in groups:
-                quantize_group(group, _paired_statistics(group, targets, kept, run_calibration))
+                with _stopping_after(model, block_of(modules, stage)):
+                    acc = _paired_statistics(group, targets, kept, run_calibration)
+                quantize_group(group, acc)
         if log is not None:
             log(f"gptq: {', '.join(stage)}")
     fallback = [f"{n} ({w.split(': ', 1)[1]})" for n, w in how.items() if w != "gptq"]
@@ -703,6 +758,7 @@ def apply_gptq_scheme(
     input_scales: Mapping[str, torch.Tensor],
     backend: str | None,
     calibrate_on: Callable[[nn.Module], Any] | None = None,
+    stop_early: bool = False,
 ) -> dict[str, str]:
     """:func:`apply_gptq` with ``QuantLinear`` layers of ``scheme`` (what ``quantize_model`` calls): nvfp4
     weights keep the global scale ``quantize_model`` chose (shared by fused siblings), activations their
@@ -728,7 +784,8 @@ def apply_gptq_scheme(
             lin.in_features, lin.out_features, bias is not None, scheme=scheme, weight=q, bias_tensor=bias,
             input_global_scale=input_scales.get(name), backend=backend))
 
-    return apply_gptq(model, targets, build, options, run_calibration, config, calibrate_on=calibrate_on)
+    return apply_gptq(model, targets, build, options, run_calibration, config, calibrate_on=calibrate_on,
+                      stop_early=stop_early)
 
 
 __all__ = [

@@ -141,6 +141,11 @@ def _run_callable(model: nn.Module, calibration: Any) -> int:
     return calls[0]
 
 
+class StopForward(Exception):  # noqa: N818 - a signal, not an error
+    """Raised by a calibration hook once a pass has recorded everything it needs of the current batch:
+    :func:`run_calibration` ends that batch's forward there and goes on with the next batch."""
+
+
 @torch.no_grad()
 def run_calibration(model: nn.Module, calibration: Iterable[Any]) -> int:
     """Run ``model`` (in eval mode, no grad) on every batch; returns the number of batches.
@@ -148,7 +153,9 @@ def run_calibration(model: nn.Module, calibration: Iterable[Any]) -> int:
     A batch that is a dict runs ``model(**batch)``, a tuple/list ``model(*batch)``, anything else ``model(batch)``;
     tensors are moved to the model's device. A callable ``calibration`` is called as ``calibration(model)``
     and drives the model itself (a denoising loop over several timesteps, a whole pipeline call); the count
-    is then the number of forward calls of ``model`` it made, and ValueError if it made none.
+    is then the number of forward calls of ``model`` it made, and ValueError if it made none. A
+    :class:`StopForward` raised during a batch's forward ends that batch (hooks that stop early are only
+    installed for iterable calibrations: a callable's own loop could not go on).
     """
     _check_calibration(calibration)
     if callable(calibration):
@@ -160,12 +167,15 @@ def run_calibration(model: nn.Module, calibration: Iterable[Any]) -> int:
     try:
         for batch in _batches(calibration):
             batch = to_device(batch, device)
-            if isinstance(batch, Mapping):
-                model(**batch)
-            elif isinstance(batch, (tuple, list)):
-                model(*batch)
-            else:
-                model(batch)
+            try:
+                if isinstance(batch, Mapping):
+                    model(**batch)
+                elif isinstance(batch, (tuple, list)):
+                    model(*batch)
+                else:
+                    model(batch)
+            except StopForward:
+                pass
             n += 1
     finally:
         model.train(was_training)
@@ -404,7 +414,8 @@ def quantize_model(
 
         apply_gptq_scheme(model, targets, scheme, lambda: run_calibration(model, calibration), algorithm,
                           global_scales, input_scales, backend,
-                          calibrate_on=lambda m: run_calibration(m, calibration))
+                          calibrate_on=lambda m: run_calibration(m, calibration),
+                          stop_early=not callable(calibration))
         return model
     from ..algorithms.rotation import carry_input_transform
 
@@ -426,6 +437,7 @@ def quantize_model(
 __all__ = [
     "DEFAULT_SKIP",
     "FUSED_GROUPS",
+    "StopForward",
     "activation_global_scale",
     "calibrate_absmax",
     "fused_groups",
