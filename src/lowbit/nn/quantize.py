@@ -141,7 +141,7 @@ def _run_callable(model: nn.Module, calibration: Any) -> int:
     return calls[0]
 
 
-class StopForward(Exception):  # noqa: N818 - a signal, not an error
+class StopForward(Exception):
     """Raised by a calibration hook once a pass has recorded everything it needs of the current batch:
     :func:`run_calibration` ends that batch's forward there and goes on with the next batch."""
 
