@@ -438,7 +438,8 @@ def _stopping_after(model: nn.Module, block: nn.Module | None):
 
     It stops only from the second batch on, and only if the first batch ran ``block`` exactly once: a block
     that runs twice in one forward (shared weights) or not at all keeps the whole forward, as does a block
-    that is the model itself (None)."""
+    that is the model itself (None). A model whose later batches run the block more often than the first
+    (data-dependent repetition) needs :data:`STOP_EARLY` off."""
     if block is None or block is model:
         yield
         return
