@@ -491,8 +491,8 @@ def gptq(name: str = "h100_gptq.json") -> list[str]:
            _hdr_method(name, d["header"], extra=f"{a['calib']} calibration sequences of {a['seq']} tokens, "
                        f"{settings}."), "",
            ("Seconds per layer: the whole `quantize_model(..., algorithm=GPTQ(...))` call (calibration pass with "
-            "the projections' Hessians, then GPTQ of the seven projections; siblings on one input share theirs since "
-            "git 04f5dca), the float layer's forward over the "
+            "the projections' Hessians, then GPTQ of the seven projections; siblings on one input share theirs), "
+            "the float layer's forward over the "
             "calibration set alone, and round-to-nearest `quantize_model` of the same layer; relative output error "
             "of the layer on held-out sequences, GPTQ against round-to-nearest. Modes: `graphs` replays each lazy "
             f"block's column loop from CUDA graphs, `eager` launches it op by op. Target: a layer in <= {target:g} s."),
@@ -519,7 +519,8 @@ def render() -> str:
               "(`benchmarks/results/h100_<benchmark>.json`). Each table states its source file, GPU, date, git "
               "sha and versions. Runs on different days ran on different machines and code, so compare numbers "
               "within a table only. The H200 runs are in `benchmarks/results/h200_*.json` (the block offload "
-              "table of the H200 is here too: its bound was first met there, and so are the H200's GPTQ table and the 2 x H200 tensor-parallel and conversion tables); the history of how "
+              "table of the H200 is here too: its bound was first met there, and so are the H200's GPTQ table and "
+              "the 2 x H200 tensor-parallel and conversion tables); the history of how "
               "each kernel got here is in [perf_notes.md](perf_notes.md) and [history.md](history.md)."), "",
              ("Method: every benchmark checks its outputs against lowbit's CPU reference (bit for bit, or the "
               "stated relative error) before timing; times are medians (`triton.testing.do_bench`) or CUDA-graph "

@@ -230,8 +230,8 @@ class _Wide(nn.Module):
 @pytest.mark.parametrize("scheme", ["w4a16-int4", "w4a16-nvfp4", "w4a16-mxfp4", "w4a16-nf4"])
 def test_siblings_on_one_input_share_statistics_and_one_column_loop(monkeypatch, scheme):
     # q/k/v on one tensor: one accumulator for the three (H and C computed once) and one GPTQ run over their
-    # stacked rows (the nf4 scheme has no double quantization), with the bits of separate runs on equal copies of the input
-    # (rows are independent in GPTQ; on this CPU the stacked block updates round as the separate ones do)
+    # stacked rows (the nf4 scheme has no double quantization), with the bits of separate runs on equal copies of
+    # the input (rows are independent in GPTQ; on this CPU the stacked block updates round as the separate ones do)
     import lowbit.algorithms.gptq as G
 
     made, runs = [], []

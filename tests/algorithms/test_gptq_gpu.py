@@ -70,26 +70,42 @@ def test_refinement_on_the_gpu_decodes_exactly_and_lowers_the_objective(fmt, opt
     assert objective(w, values, Hd) < objective(w, v0, Hd)
 
 
-@pytest.mark.parametrize(("fmt", "opts"), CASES, ids=IDS)
-def test_refinement_from_cuda_graphs_gives_the_eager_loops_bits(fmt, opts):
-    # the sweeps' full blocks replayed from one CUDA graph each against the same sweeps launched eagerly
-    import time
-
-    from lowbit.algorithms.gptq_refine import refine
+def _refinement_case(fmt, opts, dead: int | None = None):
+    """(w, grid, states, codes, values, dampened H) of a layer rounded to nearest: several full 128-column
+    blocks and a partial one; ``dead``: an input whose row and column of H are zero."""
     from lowbit.algorithms.grids import grid_for
 
-    w, _, H = _layer(seed=4, k=1024 + 256)        # several full blocks and a partial one
+    w, _, H = _layer(seed=4, k=1024 + 256)
     grid = grid_for(w, fmt, **opts)
     states, codes, values = rounded_to_nearest(grid, w)
     Hd = H + 0.01 * H.diagonal().mean() * torch.eye(H.shape[0], device=H.device)
-    times = {}
-    out = {}
-    for graphs in (False, True):
+    if dead is not None:
+        Hd[dead, :] = 0.0
+        Hd[:, dead] = 0.0
+    return w, grid, states, codes, values, Hd
+
+
+def _timed_refines(case, sweeps: int, modes) -> tuple[dict, dict]:
+    """``refine`` of ``case`` once per ``graphs`` value in ``modes``: (results, seconds) by mode."""
+    import time
+
+    from lowbit.algorithms.gptq_refine import refine
+
+    w, grid, states, codes, values, Hd = case
+    out, times = {}, {}
+    for graphs in modes:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out[graphs] = refine(grid, w, values, codes, states, Hd, sweeps=2, block_size=128, graphs=graphs)
+        out[graphs] = refine(grid, w, values, codes, states, Hd, sweeps=sweeps, block_size=128, graphs=graphs)
         torch.cuda.synchronize()
         times[graphs] = time.perf_counter() - t0
+    return out, times
+
+
+@pytest.mark.parametrize(("fmt", "opts"), CASES, ids=IDS)
+def test_refinement_from_cuda_graphs_gives_the_eager_loops_bits(fmt, opts):
+    # the sweeps' full blocks replayed from one CUDA graph each against the same sweeps launched eagerly
+    out, times = _timed_refines(_refinement_case(fmt, opts), 2, (False, True))
     assert torch.equal(out[False][1], out[True][1])
     assert torch.equal(out[False][0].abs(), out[True][0].abs())
     print(f"{fmt}: eager {times[False]:.3f} s, graphs {times[True]:.3f} s")
@@ -100,24 +116,11 @@ def test_fused_refinement_kernel_follows_the_torch_loop(fmt, opts):
     # the default on CUDA: one Triton kernel per block. Its arithmetic is the torch loop's except the rank-1
     # update of G (one FMA), so a value may move differently only at a near-tie; the codes still decode to the
     # values bit for bit and the objective ends as low
-    import time
+    from lowbit.algorithms.gptq_refine import objective
 
-    from lowbit.algorithms.gptq_refine import objective, refine
-    from lowbit.algorithms.grids import grid_for
-
-    w, _, H = _layer(seed=4, k=1024 + 256)        # several full blocks and a partial one
-    grid = grid_for(w, fmt, **opts)
-    states, codes, values = rounded_to_nearest(grid, w)
-    Hd = H + 0.01 * H.diagonal().mean() * torch.eye(H.shape[0], device=H.device)
-    Hd[5, :] = 0.0
-    Hd[:, 5] = 0.0                                # a dead input keeps its values
-    times, out = {}, {}
-    for graphs in (None, False):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out[graphs] = refine(grid, w, values, codes, states, Hd, sweeps=3, block_size=128, graphs=graphs)
-        torch.cuda.synchronize()
-        times[graphs] = time.perf_counter() - t0
+    case = _refinement_case(fmt, opts, dead=5)      # the dead input keeps its values
+    w, grid, states, codes, values, Hd = case
+    out, times = _timed_refines(case, 3, (None, False))
     (v_fused, c_fused), (v_loop, c_loop) = out[None], out[False]
     differ = (c_fused != c_loop).float().mean().item()
     assert differ < 1e-3, differ

@@ -21,8 +21,9 @@ import sys
 import textwrap
 
 import pytest
+from interpreter_compat import LOOP_BOUNDS  # this folder's interpreter patch
 
-SCRIPT = textwrap.dedent(r'''
+SCRIPT = LOOP_BOUNDS + textwrap.dedent(r'''
     import dataclasses
 
     import numpy as np
@@ -35,15 +36,6 @@ SCRIPT = textwrap.dedent(r'''
     from lowbit.kernels import fp8_block as L
 
     np.seterr(all="ignore")
-    # triton 3.6's interpreter takes int() of 1-element arrays for runtime loop bounds (the rowwise kernel's
-    # K loop), which numpy >= 2.4 refuses: the same one-attribute patch as test_gemm_w4_interpret
-    _orig_patch = ti._patch_lang_tensor
-
-    def _patch(tensor, scope):
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    ti._patch_lang_tensor = _patch
     _TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16,
               tl.float8e4nv: torch.float8_e4m3fn}
     _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

@@ -15,8 +15,8 @@ What the interpreter can be trusted with here, and how each part is checked:
   the kernel uses ``tl.load`` and an exp-based tanh instead. wgmma itself is covered by the sm_90 compile
   test and the GPU tests.
 
-triton 3.6's interpreter takes ``int()`` of 1-element arrays for runtime loop bounds, which numpy >= 2.4
-refuses; the script patches that one attribute.
+The script starts with ``interpreter_compat.LOOP_BOUNDS`` (triton 3.6's interpreter and numpy >= 2.4 disagree
+on runtime loop bounds).
 """
 
 import os
@@ -25,22 +25,12 @@ import sys
 import textwrap
 
 import pytest
+from interpreter_compat import LOOP_BOUNDS  # this folder's interpreter patch
 
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent(
+SCRIPT = LOOP_BOUNDS + textwrap.dedent(
     '''
-    import numpy as np
-    import triton.runtime.interpreter as _ti
-
-    _orig_patch = _ti._patch_lang_tensor
-
-    def _patch(tensor, scope):
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    _ti._patch_lang_tensor = _patch
-
     import torch
     import triton
     import triton.language as tl

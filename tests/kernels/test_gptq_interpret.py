@@ -16,24 +16,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from interpreter_compat import LOOP_BOUNDS  # this folder's interpreter patch
 
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent(
+SCRIPT = LOOP_BOUNDS + textwrap.dedent(
     """
     import sys
 
-    import numpy as np
     import torch
-    from triton.runtime import interpreter as _ti
 
-    _orig_patch = _ti._patch_lang_tensor
-
-    def _patch(tensor, scope):
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    _ti._patch_lang_tensor = _patch
     sys.path.insert(0, TESTS)
     from test_gptq import _layer
 

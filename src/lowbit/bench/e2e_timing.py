@@ -151,8 +151,9 @@ def interleaved_rounds(configs: list[str], build: Callable[[str], Any], warm: Ca
 
 def _compiled_step(model: Decoder, n_layers: int, mode: str | None):
     """``torch.compile`` of a decode step over ``model``'s first ``n_layers`` layers (its output cloned: a
-    CUDA-graph tree reuses its output memory), on a code object of its own: steps of several models on one shared code object would be cache entries of one Dynamo cache, whose
-    guards run in turn on every call, so the models checked later would pay the others' guards."""
+    CUDA-graph tree reuses its output memory), on a code object of its own: steps of several models on one
+    shared code object would be cache entries of one Dynamo cache, whose guards run in turn on every call, so
+    the models checked later would pay the others' guards."""
     import types
 
     def step(tok, pos):

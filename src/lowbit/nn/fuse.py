@@ -14,9 +14,9 @@ decode step, and one larger GEMV, which reads the weights at a better rate than 
 same input" is the same tensor object: the model must not change it in place between its siblings' calls
 (transformers' and diffusers' attention and MLP blocks pass one unmodified tensor to each).
 
-Gated MLPs (``gated_mlp=True``, the default): a block holding ``gate_proj``, ``up_proj``, ``down_proj`` and an ``act_fn``
-(SiLU or GELU), whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` as in transformers' Llama,
-Mistral, Qwen2/3 and Gemma MLPs, is replaced by a :class:`GatedMLP`: one W4A16 :class:`QuantLinear` over
+Gated MLPs (``gated_mlp=True``, the default): a block holding ``gate_proj``, ``up_proj``, ``down_proj`` and an
+``act_fn`` (SiLU or GELU), whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` as in transformers'
+Llama, Mistral, Qwen2/3 and Gemma MLPs, is replaced by a :class:`GatedMLP`: one W4A16 :class:`QuantLinear` over
 ``[gate; up]`` with the gated activation (``"silu_and_mul"`` ...: the GEMV multiplies ``act(gate) * up`` in its
 epilogue, in fp32, and writes the half-width result), then the block's own ``down_proj``. One launch instead of
 three per decode step (two GEMVs, the activation and the product) and no [M, 2 I] intermediate. The product is
