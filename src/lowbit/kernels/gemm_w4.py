@@ -435,3 +435,112 @@ def compile_variants():
                 "ws_ptr": "*fp32", "gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": dtype,
                 "M": "i32", "N": "i32", "stride_om": "i32"}, dict(
                 SPLIT_K=2, BLOCK_M=32, BLOCK_N=128, GSCALE_MODE=gscale, HAS_BIAS=bias, ACT=act, ON_GPU=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the warp-specialized decoded-operand GEMM (``_gemm_w4_ws``)
+
+WS_FORMATS = ("nvfp4", "mxfp4", "int4_awq")
+WS_CONFIG = dict(BN=128, BK=64, STAGES=4, RSTAGES=6, RLAG=3, GROUP_M=8, CONSUMER_REGS=168, LOADER_REGS=24,
+                 DECODER_REGS=152)
+"""128 x BN output tiles (two consumer warpgroups of 64 rows), BK-wide K steps; x and decoded-weight rings of
+STAGES slots, the packed weight's ring of RSTAGES slots loaded RLAG steps ahead. Registers: see
+``_gemm_w4_ws.launch_options``."""
+
+
+def ws_supports(x: torch.Tensor, w: QTensor) -> str | None:
+    """None if the warp-specialized GEMM runs ``x @ dequant(w).T``, else the reason it does not."""
+    why = supports(w)
+    if why is not None:
+        return why
+    if w.fmt not in WS_FORMATS:
+        return f"no warp-specialized kernel for {w.fmt!r} (have {', '.join(WS_FORMATS)})"
+    k_dim = w.shape[1]
+    if k_dim % 32:
+        return f"K = {k_dim} is not a multiple of 32 (the packed weight's rows must be 16-byte multiples)"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x must be bfloat16 or float16, got {x.dtype}"
+    if not _tma_ok(x):
+        return "x must have a 16-byte aligned base and row stride and a contiguous last dim"
+    if w.fmt != "int4_awq":
+        data = w.data.view(torch.uint8)
+        if not data.is_contiguous() or data.data_ptr() % 16:
+            return "the packed weight must be contiguous with a 16-byte aligned base"
+    return None
+
+
+def _ws_weight(w: QTensor, bn: int, bk: int):
+    """(packed weight as int32 [N, K / 8], its TMA descriptor, scales, scale row stride, constexprs), cached
+    per weight: the descriptor is built once."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    n, k_dim = w.shape
+
+    def build():
+        consts = dict(FMT=_FMT_ID[w.fmt], SCALE_SWIZZLED=False, GSCALE_MODE=0)
+        if w.fmt == "int4_awq":
+            codes, sz = prelayout_int4_awq(w)
+            consts["GROUP"] = w.params["group_size"]
+            scales, stride_sn, gscale = sz, sz.stride(0), sz
+        else:
+            codes = w.data.view(torch.uint8)
+            block = 16 if w.fmt == "nvfp4" else 32
+            consts["GROUP"] = block
+            scales = w.scale.contiguous().view(torch.uint8)
+            consts["SCALE_SWIZZLED"] = w.scale_layout == "swizzled"
+            cols = k_dim // block
+            stride_sn = -(-cols // 4) * 4 if consts["SCALE_SWIZZLED"] else cols
+            gscale = scales
+            if w.fmt == "nvfp4":
+                if w.params.get("per_tensor_scale") is not None:
+                    gscale = _per_tensor_scale(w, codes.device)
+                    consts["GSCALE_MODE"] = 2
+                elif w.global_scale is not None:
+                    gscale = w.global_scale.reshape(1).to(device=codes.device, dtype=torch.float32)
+                    consts["GSCALE_MODE"] = 1
+        words = codes.view(torch.int32)
+        layout = gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32)
+        desc = GluonDescriptor(words, [n, k_dim // 8], [words.stride(0), 1], [bn, bk // 8], layout)
+        return words, desc, scales, stride_sn, gscale, consts
+
+    deps = (w.data, w.scale, w.zeros, w.global_scale, bn, bk)
+    return _cached(w.data, f"ws{bn}x{bk}", deps, build)
+
+
+def gemm_w4_ws(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activation: str | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """``act(x @ dequant(w).T + bias)`` through the warp-specialized Gluon kernel (``_gemm_w4_ws``): the weight
+    decoded into shared memory by its own warpgroup, both wgmma operands from shared memory. Same contract as
+    ``gemm_w4``; ``ws_supports(x, w)`` says which calls it takes."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from . import _gemm_w4_ws as kw
+
+    _check_inputs(x, w, bias, activation)
+    why = ws_supports(x, w)
+    if why is not None:
+        raise ValueError(f"gemm_w4_ws: {why}")
+    cfg = dict(WS_CONFIG)
+    cfg.update(config or {})
+    m, k_dim = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    bn, bk = cfg["BN"], cfg["BK"]
+    _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, bn, bk)
+    gl_dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    x_desc = GluonDescriptor(x, [m, k_dim], [x.stride(0), 1], [64, bk],
+                             gl.NVMMASharedLayout.get_default_for([64, bk], gl_dt))
+    tiles = cdiv(m, 128) * cdiv(n, bn)
+    programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    has_bias = bias is not None
+    kw.gemm_w4_ws_kernel[(programs,)](
+        x_desc, w_desc, scales, gscale, bias.contiguous() if has_bias else out, out, m, n, k_dim, stride_sn,
+        out.stride(0), HAS_BIAS=has_bias, ACT=ACTIVATIONS[activation], BN=bn, BK=bk, STAGES=cfg["STAGES"],
+        RSTAGES=cfg["RSTAGES"], RLAG=cfg["RLAG"], GROUP_M=cfg["GROUP_M"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+        LOADER_REGS=cfg["LOADER_REGS"], DECODER_REGS=cfg["DECODER_REGS"], **consts, **kw.launch_options(),
+    )
+    return out
