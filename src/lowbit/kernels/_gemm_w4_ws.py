@@ -75,7 +75,7 @@ def _loader(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_em
             s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
             FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
             ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-            RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+            RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
     BM: gl.constexpr = CONSUMERS * ROWS_PER_CONSUMER
     num_m = gl.cdiv(M, BM)
     num_n = gl.cdiv(N, BN)
@@ -85,7 +85,7 @@ def _loader(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_em
     x_bytes: gl.constexpr = BM * BK * 2
     raw_bytes: gl.constexpr = BN * BK // 2
     # the weight runs RLAG steps ahead of x: its first RLAG steps before the loop
-    for s in range(gl.minimum(RLAG, total)):
+    for s in range(gl.minimum(RLAG, total) if DEBUG != 4 else 0):
         _, pid_n, kt = _step_coords(s, k_tiles, num_m, num_n, GROUP_M)
         r = s % RSTAGES
         mbarrier.wait(raw_empty.index(r), ((s // RSTAGES) & 1) ^ 1)
@@ -93,7 +93,7 @@ def _loader(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_em
         tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kt * (BK // 8)], raw_ready.index(r), raw_bufs.index(r))
     for s in range(total):
         ahead = s + RLAG
-        if ahead < total:
+        if (ahead < total) and (DEBUG != 4):
             _, pid_n, kt = _step_coords(ahead, k_tiles, num_m, num_n, GROUP_M)
             r = ahead % RSTAGES
             mbarrier.wait(raw_empty.index(r), ((ahead // RSTAGES) & 1) ^ 1)
@@ -171,7 +171,7 @@ def _decoder(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_e
              s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
              FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
              ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-             RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+             RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
     BM: gl.constexpr = CONSUMERS * ROWS_PER_CONSUMER
     W: gl.constexpr = BK // 8
     DT: gl.constexpr = x_desc.dtype
@@ -196,13 +196,22 @@ def _decoder(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_e
         scale = nxt
         _, pid_n, kt = _step_coords(s + 1, k_tiles, num_m, num_n, GROUP_M)
         rows = pid_n * BN + lanes
-        nxt = _load_scales(s_ptr, rows, (rows < N) & (s + 1 < total), words, kt, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
+        if DEBUG != 2:
+            nxt = _load_scales(s_ptr, rows, (rows < N) & (s + 1 < total), words, kt, K, stride_sn, FMT, GROUP, BK,
+                               SCALE_SWIZZLED)
         r = s % RSTAGES
-        mbarrier.wait(raw_ready.index(r), (s // RSTAGES) & 1)
-        packed = raw_bufs.index(r).load(word_layout)
-        gl.thread_barrier()  # every warp has read the slot before it is handed back
-        mbarrier.arrive(raw_empty.index(r))
-        w = _decode(packed, scale, DT, FMT, shift_layout)
+        if DEBUG == 4:
+            packed = gl.zeros([BN, W], gl.int32, word_layout)
+        else:
+            mbarrier.wait(raw_ready.index(r), (s // RSTAGES) & 1)
+            packed = raw_bufs.index(r).load(word_layout)
+            gl.thread_barrier()  # every warp has read the slot before it is handed back
+            mbarrier.arrive(raw_empty.index(r))
+        if DEBUG == 1:
+            w = gl.reshape(gl.expand_dims(packed, 2) + gl.zeros([BN, W, 8], gl.int32, code_layout),
+                           [BN, BK]).to(gl.int16).to(DT, bitcast=True)
+        else:
+            w = _decode(packed, scale, DT, FMT, shift_layout)
         slot = s % STAGES
         mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)
         w_bufs.index(slot).store(w)
@@ -222,7 +231,7 @@ def _consumer(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_
               s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
               FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
               ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+              RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup ``WG``: rows [WG * 64, WG * 64 + 64) of every tile."""
     R: gl.constexpr = ROWS_PER_CONSUMER
     BM: gl.constexpr = CONSUMERS * R
@@ -278,7 +287,8 @@ def gemm_w4_ws_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
                       FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
                       ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                       RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr,
-                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr):
+                      CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr,
+                      DEBUG: gl.constexpr = 0):
     """Launch with ``launch_options()`` and at most one program per SM. ``x_desc``: x [M, K] (bf16/fp16) with
     [64, BK] boxes; ``w_desc``: the packed weight as int32 [N, K / 8] with [BN, BK / 8] boxes; ``s_ptr``: the
     block scales [N, K / GROUP] (uint8 codes, linear layout; int4: the int32 scale|zero words), row stride
@@ -306,14 +316,14 @@ def gemm_w4_ws_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
     gl.warp_specialize([
         (_consumer, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
                      s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, 0)),
+                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG, 0)),
         (_consumer, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
                      s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, 1)),
+                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG, 1)),
         (_loader, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
                    s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                   FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, -1)),
+                   FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG, -1)),
         (_decoder, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
                     s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                    FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, -1)),
+                    FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG, -1)),
     ], [4, 1, DECODE_WARPS], [CONSUMER_REGS, LOADER_REGS, DECODER_REGS])

@@ -535,12 +535,13 @@ def gemm_w4_ws(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
     x_desc = GluonDescriptor(x, [m, k_dim], [x.stride(0), 1], [64, bk],
                              gl.NVMMASharedLayout.get_default_for([64, bk], gl_dt))
     tiles = cdiv(m, 128) * cdiv(n, bn)
-    programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    programs = cfg.get("PROGRAMS") or min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
     has_bias = bias is not None
     kw.gemm_w4_ws_kernel[(programs,)](
         x_desc, w_desc, scales, gscale, bias.contiguous() if has_bias else out, out, m, n, k_dim, stride_sn,
         out.stride(0), HAS_BIAS=has_bias, ACT=ACTIVATIONS[activation], BN=bn, BK=bk, STAGES=cfg["STAGES"],
         RSTAGES=cfg["RSTAGES"], RLAG=cfg["RLAG"], GROUP_M=cfg["GROUP_M"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
-        LOADER_REGS=cfg["LOADER_REGS"], DECODER_REGS=cfg["DECODER_REGS"], **consts, **kw.launch_options(),
+        LOADER_REGS=cfg["LOADER_REGS"], DECODER_REGS=cfg["DECODER_REGS"], DEBUG=cfg.get("DEBUG", 0), **consts,
+        **kw.launch_options(),
     )
     return out
