@@ -29,11 +29,11 @@ def main() -> None:
             tiles = -(-m // 128) * -(-n // 128)
             line = [f"{fmt} {n}x{k} M={m} cuBLAS {t_cub:.1f}us"]
             for label, cfg in (("ws", {}), ("nodecode", {"DEBUG": 1}), ("noscale", {"DEBUG": 2}),
-                               ("noweight", {"DEBUG": 4}), ("1tile/prog", {"PROGRAMS": tiles})):
+                               ("noweight", {"DEBUG": 4}), ("persistent", {"PROGRAMS": min(tiles, 132)}), ("release-now", {"DEBUG": 5})):
                 out = g.gemm_w4_ws(x, q, config=cfg)
                 t = graph_ms(lambda c=cfg: g.gemm_w4_ws(x, q, config=c), repeats=20, calls=5) * 1e3
                 text = f"{label} {t:.1f}us ({t_cub / t:.2f}x)"
-                if cfg.get("DEBUG", 0) == 0:
+                if cfg.get("DEBUG", 0) in (0, 5):
                     err = ((out.float() - ref).norm() / ref.norm()).item()
                     diff = sum(int((g.gemm_w4_ws(x, q, config=cfg) != out).sum()) for _ in range(5))
                     text += f" err {err:.1e} nondet {diff}"

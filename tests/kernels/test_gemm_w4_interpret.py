@@ -296,7 +296,14 @@ def test_int4_prelayout_and_cache_cpu():
         assert g.prelayout_int4_awq(w2)[0] is not first
     finally:
         torch.cuda.is_current_stream_capturing, torch.cuda.is_available = capturing
-    assert g.prelayout_int4_awq(w2)[0] is g.prelayout_int4_awq(w2)[0]
+    kept = g.prelayout_int4_awq(w2)[0]
+    assert g.prelayout_int4_awq(w2)[0] is kept
+    # a layout kept before the capture is what the capture uses (no rebuild on every replay)
+    torch.cuda.is_current_stream_capturing, torch.cuda.is_available = (lambda: True), (lambda: True)
+    try:
+        assert g.prelayout_int4_awq(w2)[0] is kept
+    finally:
+        torch.cuda.is_current_stream_capturing, torch.cuda.is_available = capturing
 
 
 def test_input_errors_cpu():

@@ -259,12 +259,18 @@ def _consumer(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_
             mbarrier.wait(w_ready.index(slot), phase)
             acc = warpgroup_mma(x_bufs.index(slot * CONSUMERS + WG), w_bufs.index(slot).permute((1, 0)), acc,
                                 use_acc=kt > 0, is_async=True)
-            # the previous step's wgmma has read its slot: hand that slot back
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kt > 0)
+            if DEBUG == 5:
+                # every wgmma waited for at once, its slot handed back at once
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(empty.index(slot))
+            else:
+                # the previous step's wgmma has read its slot: hand that slot back
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=kt > 0)
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        if DEBUG != 5:
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
         rows = pid_m * BM + WG * R + gl.arange(0, R, layout=row_layout)
         cols = pid_n * BN + gl.arange(0, BN, layout=col_layout)
         col_ok = cols < N

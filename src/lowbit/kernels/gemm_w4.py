@@ -172,15 +172,16 @@ def _entries(key: torch.Tensor) -> dict:
 
 
 def _cached(key: torch.Tensor, tag: str, deps: tuple, build):
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        # a layout made during a capture lives in the graph's memory pool and its build is part of the graph
-        # (it runs on every replay): it serves this call only. Call a weight once before capturing it.
-        return build()
     stamp = _stamp(deps)
     entries = _entries(key)
     hit = entries.get(tag)
     if hit is not None and hit[0] == stamp:
         return hit[1]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # a layout made during a capture lives in the graph's memory pool and its build is part of the graph
+        # (it runs on every replay): it serves this call only, and is not kept. Call a weight once before
+        # capturing it, so that the capture finds the kept layout.
+        return build()
     value = build()
     entries[tag] = (stamp, value)
     return value
@@ -535,7 +536,9 @@ def gemm_w4_ws(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
     x_desc = GluonDescriptor(x, [m, k_dim], [x.stride(0), 1], [64, bk],
                              gl.NVMMASharedLayout.get_default_for([64, bk], gl_dt))
     tiles = cdiv(m, 128) * cdiv(n, bn)
-    programs = cfg.get("PROGRAMS") or min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    # one program per tile: the kernel's persistent walk (several tiles per program) gave nondeterministic
+    # outputs on an H200, cause not found; "PROGRAMS" reproduces it for the probe
+    programs = cfg.get("PROGRAMS") or tiles
     has_bias = bias is not None
     kw.gemm_w4_ws_kernel[(programs,)](
         x_desc, w_desc, scales, gscale, bias.contiguous() if has_bias else out, out, m, n, k_dim, stride_sn,
