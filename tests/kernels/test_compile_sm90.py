@@ -42,9 +42,12 @@ def compile_for_hopper(fn, signature, constexprs):
     if fn.is_gluon():
         from triton.experimental.gluon._runtime import GluonASTSource
 
-        from lowbit.kernels import _fp8_block_ws
+        from lowbit.kernels import _fp8_block_ws, _gemm_w4_ws
 
-        options = _fp8_block_ws.launch_options(constexprs["CONSUMERS"])
+        if fn.__name__ == "gemm_w4_ws_kernel":
+            options = _gemm_w4_ws.launch_options()
+        else:
+            options = _fp8_block_ws.launch_options(constexprs["CONSUMERS"])
         return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=HOPPER, options=options)
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=HOPPER)
 
@@ -186,3 +189,21 @@ def test_bnb_fp4_dequantize_runs_a_compiled_nf4_variant():
     kernel = REGISTRY["bnb_fp4"].dequantize_kernel
     assert (kernel.module, kernel.launcher) == ("nf4", "dequantize_bnb_fp4")
     assert any(fn is nf4.k.dequantize_nf4_kernel and "lut_ptr" in sig for fn, sig, _ in nf4.compile_variants())
+
+
+def test_w4a16_warp_specialized_kernel_ptx():
+    """The Gluon W4A16 kernel: TMA loads of x and the packed weight, bf16/fp16 wgmma from shared memory with one
+    in flight, the decoded tile stored to shared memory and fenced for the tensor cores, register hand-over."""
+    from lowbit.kernels import gemm_w4
+
+    variants = [v for v in gemm_w4.compile_variants() if v[0].__name__ == "gemm_w4_ws_kernel"]
+    assert len(variants) == 6
+    for fn, sig, consts in variants:
+        ptx = compile_for_hopper(fn, sig, consts).asm["ptx"]
+        dt = "bf16" if "bf16" in sig["out_ptr"] else "f16"
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, consts
+        assert f"wgmma.mma_async.sync.aligned.m64n128k16.f32.{dt}.{dt}" in ptx, consts
+        assert "wgmma.wait_group.sync.aligned 1" in ptx, consts
+        assert "fence.proxy.async.shared::cta" in ptx, consts
+        assert "st.shared.v4.b32" in ptx, consts
+        assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx, consts

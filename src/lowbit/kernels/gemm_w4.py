@@ -430,6 +430,7 @@ def compile_variants():
     for fmt, dtype, name, kw in cases:
         fn, sig, consts, _ = _variant(fmt, dtype, name, **kw)
         yield fn, sig, consts
+    yield from _ws_compile_variants()
     for dtype in ("*bf16", "*fp16"):
         for gscale, bias, act in ((0, False, 0), (1, True, 1), (2, True, 3)):
             yield k.split_k_reduce_kernel, {
@@ -548,3 +549,38 @@ def gemm_w4_ws(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
         **kw.launch_options(),
     )
     return out
+
+
+def _ws_compile_variants():
+    """The warp-specialized kernel: each format, both activation dtypes, swizzled scales, both nvfp4 global
+    scale modes, the epilogues. Descriptor signatures come from host descriptors over small CPU tensors, as the
+    JIT would write them."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from . import _gemm_w4_ws as kw
+
+    def desc_sig(dtype, gl_dtype, block):
+        t = torch.empty(256, 256, dtype=dtype)
+        d = GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
+
+    cfg = WS_CONFIG
+    cases = [("nvfp4", "bf16", dict(GSCALE_MODE=1, HAS_BIAS=True, ACT=1)),
+             ("nvfp4", "fp16", dict(SCALE_SWIZZLED=True, GSCALE_MODE=2, ACT=2)),
+             ("mxfp4", "bf16", dict(SCALE_SWIZZLED=True, ACT=3)), ("mxfp4", "fp16", {}),
+             ("int4_awq", "bf16", dict(HAS_BIAS=True)), ("int4_awq", "fp16", dict(GROUP=64))]
+    for fmt, dtype, extra in cases:
+        tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
+        sig = {"x_desc": desc_sig(tdt, gdt, [64, cfg["BK"]]),
+               "w_desc": desc_sig(torch.int32, gl.int32, [cfg["BN"], cfg["BK"] // 8]),
+               "s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
+               "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_sn": "i32", "stride_om": "i32"}
+        consts = dict(FMT=_FMT_ID[fmt], GROUP={"nvfp4": 16, "mxfp4": 32, "int4_awq": 128}[fmt],
+                      SCALE_SWIZZLED=False, GSCALE_MODE=0, HAS_BIAS=False, ACT=0,
+                      **{k: cfg[k] for k in ("BN", "BK", "STAGES", "RSTAGES", "RLAG", "GROUP_M", "CONSUMER_REGS",
+                                             "LOADER_REGS", "DECODER_REGS")}, DEBUG=0)
+        consts.update(extra)
+        yield kw.gemm_w4_ws_kernel, sig, consts
