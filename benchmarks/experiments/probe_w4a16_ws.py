@@ -25,13 +25,13 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ wf.T
             cub = wf.to(torch.bfloat16)
-            t_cub = graph_ms(lambda: torch.nn.functional.linear(x, cub), repeats=20, calls=5) * 1e3
+            t_cub = graph_ms(lambda x=x, cub=cub: torch.nn.functional.linear(x, cub), repeats=20, calls=5) * 1e3
             tiles = -(-m // 128) * -(-n // 128)
             line = [f"{fmt} {n}x{k} M={m} cuBLAS {t_cub:.1f}us"]
             for label, cfg in (("ws", {}), ("nodecode", {"DEBUG": 1}), ("noscale", {"DEBUG": 2}),
                                ("noweight", {"DEBUG": 4}), ("persistent", {"PROGRAMS": min(tiles, 132)}), ("release-now", {"DEBUG": 5})):
                 out = g.gemm_w4_ws(x, q, config=cfg)
-                t = graph_ms(lambda c=cfg: g.gemm_w4_ws(x, q, config=c), repeats=20, calls=5) * 1e3
+                t = graph_ms(lambda c=cfg, x=x, q=q: g.gemm_w4_ws(x, q, config=c), repeats=20, calls=5) * 1e3
                 text = f"{label} {t:.1f}us ({t_cub / t:.2f}x)"
                 if cfg.get("DEBUG", 0) in (0, 5):
                     err = ((out.float() - ref).norm() / ref.norm()).item()

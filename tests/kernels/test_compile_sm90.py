@@ -112,7 +112,8 @@ def test_gemv_mma_covers_fp4_int4_and_nf4():
 @pytest.mark.parametrize("fn, signature, constexprs", _mma_variants())
 def test_gemv_mma_uses_tensor_cores_and_16_byte_copies(fn, signature, constexprs):
     """The tensor-core GEMV: mma.sync m16n8k16 per 256 weights, 16-byte weight loads into registers with no
-    shared memory or barrier in the K loop, and the layout its inline asm relies on (each lane holds 4 consecutive words of dim 2: sizePerThread 4, 32 lanes)."""
+    shared memory or barrier in the K loop, and the layout its inline asm relies on
+    (each lane holds 4 consecutive words of dim 2: sizePerThread 4, 32 lanes)."""
     ty = "f16" if constexprs.get("XF16") else "bf16"
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})

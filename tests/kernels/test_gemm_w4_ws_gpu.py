@@ -12,11 +12,10 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_gemm_w4_gpu import REL_FRO, REL_MAX, dequantized, reference, weight  # this folder's helpers
 
 import lowbit
 from lowbit.kernels import gemm_w4 as g
-
-from test_gemm_w4_gpu import REL_FRO, REL_MAX, dequantized, reference, weight  # this folder's helpers
 
 pytestmark = pytest.mark.gpu
 

@@ -14,8 +14,16 @@ register-A hazard) and no warp that issues a wgmma waits for a decode:
   shared memory, keeping one in flight; the fp32 accumulator gets the epilogue (global scale, bias, activation)
   and one rounding to the output dtype.
 
-The launch is persistent: program ``p`` walks the output tiles ``p, p + P, ...`` in grouped order, and every
-partition walks the same flat sequence of (tile, K step).
+Program ``p`` of ``P`` walks the output tiles ``p, p + P, ...`` in grouped order, every partition the same flat
+sequence of (tile, K step). The launcher starts one program per tile: with several tiles per program the
+outputs were nondeterministic on an H200 (a quarter of the second tiles wrong; waiting for every wgmma did not
+change it; the cause is not found), with one they are exact and repeatable.
+
+Status: correct (GPU tests against the fp32 reference and the Triton GEMM), not routed by ``lowbit.ops.policy``:
+on an H200 it runs at 0.12-0.52x cuBLAS bf16, below the routes it would replace at every M. Without any decode
+the skeleton (x loads, shared-memory stores of a tile, the wgmma ring) already takes 0.45x; docs/perf_notes.md
+has the measurements. ``DEBUG`` selects the probe's variants (0 is the kernel): 1 stores the packed bits
+undecoded, 2 skips the scale loads, 4 skips the weight loads and decode, 5 waits for every wgmma.
 
 Decoding (exact, the same values as ``_gemm_w4``'s decode and the formats' references):
 - FMT 0 nvfp4 / 1 mxfp4: an E2M1 code's bits go to the bottom of the exponent field of the activation dtype
@@ -73,9 +81,11 @@ def _step_coords(step, k_tiles, num_m, num_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _loader(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
             s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-            FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+            FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr,
+            HAS_BIAS: gl.constexpr,
             ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-            RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
+            RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr,
+            WG: gl.constexpr):
     BM: gl.constexpr = CONSUMERS * ROWS_PER_CONSUMER
     num_m = gl.cdiv(M, BM)
     num_n = gl.cdiv(N, BN)
@@ -169,9 +179,11 @@ def _decode(words, scale, DT: gl.constexpr, FMT: gl.constexpr, shift_layout: gl.
 @gluon.jit
 def _decoder(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
              s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-             FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+             FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr,
+            HAS_BIAS: gl.constexpr,
              ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-             RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
+             RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr,
+            WG: gl.constexpr):
     BM: gl.constexpr = CONSUMERS * ROWS_PER_CONSUMER
     W: gl.constexpr = BK // 8
     DT: gl.constexpr = x_desc.dtype
@@ -229,9 +241,11 @@ def _tanh(x):
 @gluon.jit
 def _consumer(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
               s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-              FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+              FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr,
+            HAS_BIAS: gl.constexpr,
               ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr, WG: gl.constexpr):
+              RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr,
+            WG: gl.constexpr):
     """Consumer warpgroup ``WG``: rows [WG * 64, WG * 64 + 64) of every tile."""
     R: gl.constexpr = ROWS_PER_CONSUMER
     BM: gl.constexpr = CONSUMERS * R
@@ -290,7 +304,8 @@ def _consumer(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_
 
 @gluon.jit
 def gemm_w4_ws_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                      FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr,
+            HAS_BIAS: gl.constexpr,
                       ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                       RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr,
@@ -322,14 +337,18 @@ def gemm_w4_ws_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
     gl.warp_specialize([
         (_consumer, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
                      s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG, 0)),
+                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M,
+                     DEBUG, 0)),
         (_consumer, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
                      s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG, 1)),
+                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M,
+                     DEBUG, 1)),
         (_loader, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
                    s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                   FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG, -1)),
+                   FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M,
+                   DEBUG, -1)),
         (_decoder, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
                     s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                    FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG, -1)),
+                    FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M,
+                    DEBUG, -1)),
     ], [4, 1, DECODE_WARPS], [CONSUMER_REGS, LOADER_REGS, DECODER_REGS])
