@@ -82,12 +82,19 @@ def run_case(name, m, n, k, dtype=torch.bfloat16, bias=True, act=None, config=No
     x = torch.randn(m, k + row_pad, device="cuda", generator=gen).to(dtype)[:, :k]
     b = torch.randn(n, device="cuda", generator=gen).to(dtype) if bias else None
     out = g.gemm_w4(x, w, b, act, config=config)
-    assert out.shape == (m, n) and out.dtype == dtype
+    check_output(out, x, name, n, b, act)
+
+
+def check_output(out, x, name, n, b, act):
+    """``out`` of a W4A16 GEMM of ``x`` with weight ``weight(name, n, K)``: shape, dtype, finite, and within
+    REL_FRO / REL_MAX of the fp32 reference."""
+    m, k = x.shape
+    assert out.shape == (m, n) and out.dtype == x.dtype
     ref = reference(x, dequantized(name, n, k), b, act)
     err = out.float() - ref
     rel_fro = (err.norm() / ref.norm()).item()
     rel_max = (err.abs().max() / ref.abs().max()).item()
-    what = f"{name} {dtype} M={m} N={n} K={k} bias={bias} act={act}"
+    what = f"{name} {x.dtype} M={m} N={n} K={k} bias={b is not None} act={act}"
     assert torch.isfinite(out).all(), what
     assert rel_fro <= REL_FRO and rel_max <= REL_MAX, f"{what}: rel Frobenius {rel_fro:.2e}, rel max {rel_max:.2e}"
 

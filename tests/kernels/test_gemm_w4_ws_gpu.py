@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_gemm_w4_gpu import REL_FRO, REL_MAX, dequantized, reference, weight  # this folder's helpers
+from test_gemm_w4_gpu import check_output, weight  # this folder's helpers
 
 import lowbit
 from lowbit.kernels import gemm_w4 as g
@@ -30,14 +30,7 @@ def run_ws(name, m, n, k, dtype=torch.bfloat16, bias=True, act=None, config=None
     b = torch.randn(n, device="cuda", generator=gen).to(dtype) if bias else None
     assert g.ws_supports(x, w) is None
     out = g.gemm_w4_ws(x, w, b, act, config=config)
-    assert out.shape == (m, n) and out.dtype == dtype
-    ref = reference(x, dequantized(name, n, k), b, act)
-    err = out.float() - ref
-    rel_fro = (err.norm() / ref.norm()).item()
-    rel_max = (err.abs().max() / ref.abs().max()).item()
-    what = f"{name} {dtype} M={m} N={n} K={k} bias={bias} act={act}"
-    assert torch.isfinite(out).all(), what
-    assert rel_fro <= REL_FRO and rel_max <= REL_MAX, f"{what}: rel Frobenius {rel_fro:.2e}, rel max {rel_max:.2e}"
+    check_output(out, x, name, n, b, act)
     return x, w, b, out
 
 

@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gluon_device import grouped_tile
+
 # rows per consumer warpgroup: one wgmma m64 row block
 ROWS_PER_CONSUMER = gl.constexpr(64)
 
@@ -37,16 +39,6 @@ def launch_options(consumers: int = 2) -> dict:
     per thread); setmaxnreg then moves registers from the producer (24) to the consumers (240)."""
     assert consumers == 2, "two consumer warpgroups (three spill at 160 registers)"
     return {"num_warps": 4, "maxnreg": 168}
-
-
-@gluon.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % size_m
-    pid_n = (tile % per_group) // size_m
-    return pid_m, pid_n
 
 
 @gluon.jit
@@ -61,7 +53,7 @@ def _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_p
     tile_bytes: gl.constexpr = (BM + BN) * BK
     it = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         for kt in range(k_tiles):
             slot = it % STAGES
             # a fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait
@@ -110,7 +102,7 @@ def _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_p
     zero = gl.zeros([R, BN], gl.float32, acc_layout)
     it = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         rows = pid_m * BM + WG * R + gl.arange(0, R, layout=row_layout)
         row_ok = rows < M
         sa_ptrs = as_ptr + rows.to(gl.int64) * stride_as0

@@ -46,6 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .gluon_device import grouped_tile
+
 ROWS_PER_CONSUMER = gl.constexpr(64)
 CONSUMERS = gl.constexpr(2)
 DECODE_WARPS = gl.constexpr(4)
@@ -61,55 +63,47 @@ def launch_options() -> dict:
 
 
 @gluon.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % size_m
-    pid_n = (tile % per_group) // size_m
-    return pid_m, pid_n
+def _program_steps(M, N, K, BN: gl.constexpr, BK: gl.constexpr):
+    """(row tiles, column tiles, K steps per tile, this program's number of (tile, K step) steps)."""
+    num_m = gl.cdiv(M, CONSUMERS * ROWS_PER_CONSUMER)
+    num_n = gl.cdiv(N, BN)
+    k_tiles = gl.cdiv(K, BK)
+    return num_m, num_n, k_tiles, gl.cdiv(num_m * num_n - gl.program_id(0), gl.num_programs(0)) * k_tiles
 
 
 @gluon.jit
 def _step_coords(step, k_tiles, num_m, num_n, GROUP_M: gl.constexpr):
     """Flat step of this program -> (pid_m, pid_n, kt)."""
     tile = gl.program_id(0) + (step // k_tiles) * gl.num_programs(0)
-    pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+    pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
     return pid_m, pid_n, step % k_tiles
 
 
 @gluon.jit
-def _loader(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
-            s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-            FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr,
-            HAS_BIAS: gl.constexpr,
-            ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-            RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr,
-            WG: gl.constexpr):
+def _load_weight(w_desc, raw_bufs, raw_ready, raw_empty, step, k_tiles, num_m, num_n, BN: gl.constexpr,
+                 BK: gl.constexpr, RSTAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """TMA of step ``step``'s packed weight tile into its ring slot, once the decoder has handed the slot back."""
+    _, pid_n, kt = _step_coords(step, k_tiles, num_m, num_n, GROUP_M)
+    r = step % RSTAGES
+    mbarrier.wait(raw_empty.index(r), ((step // RSTAGES) & 1) ^ 1)
+    mbarrier.expect(raw_ready.index(r), BN * BK // 2)
+    tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kt * (BK // 8)], raw_ready.index(r), raw_bufs.index(r))
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, x_bufs, raw_bufs, x_ready, raw_ready, raw_empty, empty, M, N, K,
+            BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, RSTAGES: gl.constexpr, RLAG: gl.constexpr,
+            GROUP_M: gl.constexpr, DEBUG: gl.constexpr):
     BM: gl.constexpr = CONSUMERS * ROWS_PER_CONSUMER
-    num_m = gl.cdiv(M, BM)
-    num_n = gl.cdiv(N, BN)
-    k_tiles = gl.cdiv(K, BK)
-    my_tiles = gl.cdiv(num_m * num_n - gl.program_id(0), gl.num_programs(0))
-    total = my_tiles * k_tiles
+    num_m, num_n, k_tiles, total = _program_steps(M, N, K, BN, BK)
     x_bytes: gl.constexpr = BM * BK * 2
-    raw_bytes: gl.constexpr = BN * BK // 2
     # the weight runs RLAG steps ahead of x: its first RLAG steps before the loop
     for s in range(gl.minimum(RLAG, total) if DEBUG != 4 else 0):
-        _, pid_n, kt = _step_coords(s, k_tiles, num_m, num_n, GROUP_M)
-        r = s % RSTAGES
-        mbarrier.wait(raw_empty.index(r), ((s // RSTAGES) & 1) ^ 1)
-        mbarrier.expect(raw_ready.index(r), raw_bytes)
-        tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kt * (BK // 8)], raw_ready.index(r), raw_bufs.index(r))
+        _load_weight(w_desc, raw_bufs, raw_ready, raw_empty, s, k_tiles, num_m, num_n, BN, BK, RSTAGES, GROUP_M)
     for s in range(total):
-        ahead = s + RLAG
-        if (ahead < total) and (DEBUG != 4):
-            _, pid_n, kt = _step_coords(ahead, k_tiles, num_m, num_n, GROUP_M)
-            r = ahead % RSTAGES
-            mbarrier.wait(raw_empty.index(r), ((ahead // RSTAGES) & 1) ^ 1)
-            mbarrier.expect(raw_ready.index(r), raw_bytes)
-            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kt * (BK // 8)], raw_ready.index(r),
-                                            raw_bufs.index(r))
+        if (s + RLAG < total) and (DEBUG != 4):
+            _load_weight(w_desc, raw_bufs, raw_ready, raw_empty, s + RLAG, k_tiles, num_m, num_n, BN, BK, RSTAGES,
+                         GROUP_M)
         pid_m, _, kt = _step_coords(s, k_tiles, num_m, num_n, GROUP_M)
         slot = s % STAGES
         # a fresh mbarrier counts as having completed the phase before phase 0: the first lap does not wait
@@ -177,14 +171,10 @@ def _decode(words, scale, DT: gl.constexpr, FMT: gl.constexpr, shift_layout: gl.
 
 
 @gluon.jit
-def _decoder(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
-             s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-             FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr,
-            HAS_BIAS: gl.constexpr,
-             ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-             RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr,
-            WG: gl.constexpr):
-    BM: gl.constexpr = CONSUMERS * ROWS_PER_CONSUMER
+def _decoder(x_desc, raw_bufs, w_bufs, raw_ready, raw_empty, w_ready, empty, s_ptr, M, N, K, stride_sn,
+             FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, BN: gl.constexpr,
+             BK: gl.constexpr, STAGES: gl.constexpr, RSTAGES: gl.constexpr, GROUP_M: gl.constexpr,
+             DEBUG: gl.constexpr):
     W: gl.constexpr = BK // 8
     DT: gl.constexpr = x_desc.dtype
     # one thread holds the eight codes of a word; a warp covers 32 / W rows of W words
@@ -193,11 +183,7 @@ def _decoder(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_e
     row_layout: gl.constexpr = gl.SliceLayout(1, word_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, word_layout)
     shift_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, code_layout))
-    num_m = gl.cdiv(M, BM)
-    num_n = gl.cdiv(N, BN)
-    k_tiles = gl.cdiv(K, BK)
-    my_tiles = gl.cdiv(num_m * num_n - gl.program_id(0), gl.num_programs(0))
-    total = my_tiles * k_tiles
+    num_m, num_n, k_tiles, total = _program_steps(M, N, K, BN, BK)
     words = gl.arange(0, W, layout=col_layout)
     lanes = gl.arange(0, BN, layout=row_layout)
     # the scales of step s + 1 are loaded while step s decodes (an L2 round trip is longer than a step)
@@ -239,13 +225,10 @@ def _tanh(x):
 
 
 @gluon.jit
-def _consumer(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
-              s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-              FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr,
-            HAS_BIAS: gl.constexpr,
-              ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr,
-            WG: gl.constexpr):
+def _consumer(x_bufs, w_bufs, x_ready, w_ready, empty, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+              GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, BN: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, DEBUG: gl.constexpr,
+              WG: gl.constexpr):
     """Consumer warpgroup ``WG``: rows [WG * 64, WG * 64 + 64) of every tile."""
     R: gl.constexpr = ROWS_PER_CONSUMER
     BM: gl.constexpr = CONSUMERS * R
@@ -253,9 +236,7 @@ def _consumer(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_
                                                          instr_shape=[16, BN, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    num_m = gl.cdiv(M, BM)
-    num_n = gl.cdiv(N, BN)
-    k_tiles = gl.cdiv(K, BK)
+    num_m, num_n, k_tiles, _ = _program_steps(M, N, K, BN, BK)
     zero = gl.zeros([R, BN], gl.float32, acc_layout)
     g = 1.0
     if GSCALE_MODE == 1:
@@ -264,7 +245,7 @@ def _consumer(x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_
         g = gl.load(gscale_ptr)
     it = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         acc = zero
         for kt in range(k_tiles):
             slot = it % STAGES
@@ -333,22 +314,14 @@ def gemm_w4_ws_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
         mbarrier.init(raw_ready.index(i), count=1)
         mbarrier.init(raw_empty.index(i), count=1)
     # argument tuples written out in place (a tuple assigned to a variable turns its constexprs into tensors);
-    # the last entry is the consumer warpgroup's index (-1: not a consumer)
+    # a consumer's last argument is its warpgroup's index
     gl.warp_specialize([
-        (_consumer, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
-                     s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M,
-                     DEBUG, 0)),
-        (_consumer, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
-                     s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                     FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M,
-                     DEBUG, 1)),
-        (_loader, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
-                   s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                   FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M,
-                   DEBUG, -1)),
-        (_decoder, (x_desc, w_desc, x_bufs, raw_bufs, w_bufs, x_ready, raw_ready, raw_empty, w_ready, empty,
-                    s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
-                    FMT, GROUP, SCALE_SWIZZLED, GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, RSTAGES, RLAG, GROUP_M,
-                    DEBUG, -1)),
+        (_consumer, (x_bufs, w_bufs, x_ready, w_ready, empty, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+                     GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, GROUP_M, DEBUG, 0)),
+        (_consumer, (x_bufs, w_bufs, x_ready, w_ready, empty, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+                     GSCALE_MODE, HAS_BIAS, ACT, BN, BK, STAGES, GROUP_M, DEBUG, 1)),
+        (_loader, (x_desc, w_desc, x_bufs, raw_bufs, x_ready, raw_ready, raw_empty, empty, M, N, K,
+                   BN, BK, STAGES, RSTAGES, RLAG, GROUP_M, DEBUG)),
+        (_decoder, (x_desc, raw_bufs, w_bufs, raw_ready, raw_empty, w_ready, empty, s_ptr, M, N, K, stride_sn,
+                    FMT, GROUP, SCALE_SWIZZLED, BN, BK, STAGES, RSTAGES, GROUP_M, DEBUG)),
     ], [4, 1, DECODE_WARPS], [CONSUMER_REGS, LOADER_REGS, DECODER_REGS])

@@ -234,6 +234,19 @@ def _per_tensor_scale(w: QTensor, device: torch.device) -> torch.Tensor:
                    lambda: torch.as_tensor(pts, dtype=torch.float32).reshape(1).to(device))
 
 
+def _global_scale(w: QTensor, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    """(fp32 [1] tensor, GSCALE_MODE) of an nvfp4 weight's per-tensor factor for the epilogue: 2 with an exact
+    per-tensor divisor ``params["per_tensor_scale"]`` (multiplied), 1 with a global scale S (times 1 / S);
+    (None, 0) without one or for the other formats."""
+    if w.fmt != "nvfp4":
+        return None, 0
+    if w.params.get("per_tensor_scale") is not None:
+        return _per_tensor_scale(w, device), 2
+    if w.global_scale is not None:
+        return w.global_scale.reshape(1).to(device=device, dtype=torch.float32), 1
+    return None, 0
+
+
 def _format_args(w: QTensor, x: torch.Tensor) -> tuple[list, dict]:
     """Pointer/int arguments (w_ptr, s_ptr, z_ptr, nested_ptr, offset_ptr, lut_ptr, dmap_ptr, gscale_ptr,
     stride_wn, stride_sn, s_cols4) and constexprs of the weight format."""
@@ -252,14 +265,9 @@ def _format_args(w: QTensor, x: torch.Tensor) -> tuple[list, dict]:
         # one-byte scales are fetched as aligned int32 words where rows start on a 4-byte boundary
         consts["SCALE_WORDS"] = fmt != "fp4_b32" and (consts["SCALE_SWIZZLED"] or (k_dim // block) % 4 == 0) \
             and scale.data_ptr() % 4 == 0
-        gscale = scale
-        if fmt == "nvfp4":
-            if w.params.get("per_tensor_scale") is not None:
-                gscale = _per_tensor_scale(w, x.device)
-                consts["GSCALE_MODE"] = 2
-            elif w.global_scale is not None:
-                gscale = w.global_scale.reshape(1).to(device=x.device, dtype=torch.float32)
-                consts["GSCALE_MODE"] = 1
+        gscale, consts["GSCALE_MODE"] = _global_scale(w, x.device)
+        if gscale is None:
+            gscale = scale
         cols = k_dim // block
         args = [data, scale, scale, scale, scale, scale, scale, gscale, k_dim // 2, cols, -(-cols // 4) * 4]
     elif fmt == "nf4":
@@ -493,14 +501,9 @@ def _ws_weight(w: QTensor, bn: int, bk: int):
             consts["SCALE_SWIZZLED"] = w.scale_layout == "swizzled"
             cols = k_dim // block
             stride_sn = -(-cols // 4) * 4 if consts["SCALE_SWIZZLED"] else cols
-            gscale = scales
-            if w.fmt == "nvfp4":
-                if w.params.get("per_tensor_scale") is not None:
-                    gscale = _per_tensor_scale(w, codes.device)
-                    consts["GSCALE_MODE"] = 2
-                elif w.global_scale is not None:
-                    gscale = w.global_scale.reshape(1).to(device=codes.device, dtype=torch.float32)
-                    consts["GSCALE_MODE"] = 1
+            gscale, consts["GSCALE_MODE"] = _global_scale(w, codes.device)
+            if gscale is None:
+                gscale = scales
         words = codes.view(torch.int32)
         layout = gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32)
         desc = GluonDescriptor(words, [n, k_dim // 8], [words.stride(0), 1], [bn, bk // 8], layout)
