@@ -286,16 +286,15 @@ def _consumer(x_bufs, w_bufs, x_ready, w_ready, empty, gscale_ptr, bias_ptr, out
 @gluon.jit
 def gemm_w4_ws_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
                       FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, GSCALE_MODE: gl.constexpr,
-            HAS_BIAS: gl.constexpr,
-                      ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, ACT: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                      STAGES: gl.constexpr, RSTAGES: gl.constexpr, RLAG: gl.constexpr, GROUP_M: gl.constexpr,
                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, DECODER_REGS: gl.constexpr,
                       DEBUG: gl.constexpr = 0):
-    """Launch with ``launch_options()`` and at most one program per SM. ``x_desc``: x [M, K] (bf16/fp16) with
-    [64, BK] boxes; ``w_desc``: the packed weight as int32 [N, K / 8] with [BN, BK / 8] boxes; ``s_ptr``: the
-    block scales [N, K / GROUP] (uint8 codes, linear layout; int4: the int32 scale|zero words), row stride
-    ``stride_sn``. K must be a multiple of BK's packing (K % 32 == 0: the weight's TMA rows are 16-byte
-    multiples); tiles past M, N and K read zeros."""
+    """Launch with ``launch_options()`` and one program per output tile (module docstring). ``x_desc``: x [M, K]
+    (bf16/fp16) with [64, BK] boxes; ``w_desc``: the packed weight as int32 [N, K / 8] with [BN, BK / 8] boxes;
+    ``s_ptr``: the block scales [N, K / GROUP] (uint8 codes, linear layout; int4: the int32 scale|zero words),
+    row stride ``stride_sn``. K must be a multiple of BK's packing (K % 32 == 0: the weight's TMA rows are
+    16-byte multiples); tiles past M, N and K read zeros."""
     DT: gl.constexpr = x_desc.dtype
     x_bufs = gl.allocate_shared_memory(DT, [STAGES * CONSUMERS, ROWS_PER_CONSUMER, BK], x_desc.layout)
     raw_bufs = gl.allocate_shared_memory(gl.int32, [RSTAGES, BN, BK // 8], w_desc.layout)
