@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
 
 from .formats.qtensor import QTensor
+from .formats.registry import CHANGES as REGISTRY_CHANGES
 from .formats.registry import REGISTRY
 from .formats.spec import FORMATS, FormatSpec
 
@@ -82,8 +84,44 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, *, backend: str | None = No
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    fn, kwargs = quantizer(fmt, x, backend=backend, **options)
-    return fn(x, **kwargs)
+    key = _resolution_key(fmt, backend, options, x)
+    try:
+        hit = _RESOLVED.get(key) if key is not None else None
+    except TypeError:  # an unhashable value inside a tuple option
+        key = hit = None
+    if hit is None:
+        fn, kwargs = quantizer(fmt, x, backend=backend, **options)
+        if key is not None:
+            if len(_RESOLVED) >= _MAX_RESOLVED:
+                _RESOLVED.clear()
+            _RESOLVED[key] = (fn, {k: v for k, v in kwargs.items() if k not in options})
+        return fn(x, **kwargs)
+    fn, defaults = hit
+    return fn(x, **defaults, **options)
+
+
+_RESOLVED: dict[tuple, tuple[Callable[..., QTensor], dict[str, Any]]] = {}
+"""``quantize``'s decisions (function, defaults) by format name, backend, device type and options: what
+:func:`quantizer` decides once, kept so that a repeated call does not decide again. Option values that are
+tensors enter the key by name only (the decision reads their presence, not their values)."""
+_MAX_RESOLVED = 256
+_HASHABLE_OPTION = (str, int, float, bool, tuple, type(None))
+
+
+def _resolution_key(fmt: Any, backend: str | None, options: dict[str, Any], x: torch.Tensor) -> tuple | None:
+    """The key of ``_RESOLVED`` for this call, or None where the call is not kept (a FormatSpec, whose options
+    do not enter its hash; an option value of another kind)."""
+    if type(fmt) is not str:
+        return None
+    opts = []
+    for k, v in options.items():
+        if isinstance(v, torch.Tensor):
+            opts.append((k, torch.Tensor))
+        elif isinstance(v, _HASHABLE_OPTION):
+            opts.append((k, type(v), v))
+        else:
+            return None
+    return (fmt, backend, os.environ.get("LOWBIT_BACKEND"), x.device.type, tuple(opts), REGISTRY_CHANGES[0])
 
 
 def quantizer(fmt: str | FormatSpec, like: torch.Tensor, *, backend: str | None = None,
@@ -114,11 +152,31 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32, *, backend: str |
         raise TypeError(f"q must be a QTensor, got {type(q).__name__}")
     if dtype not in _DEQUANT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    key = (dtype, backend, os.environ.get("LOWBIT_BACKEND"), REGISTRY_CHANGES[0])
+    kept = _DEQUANT_CALLS.get(q)
+    if kept is not None:
+        call = kept.get(key)
+        if call is not None:
+            return call()
     entry = REGISTRY.get(q.fmt)
     if entry is None:
         raise ValueError(f"unknown format {q.fmt!r}; known formats: {sorted(FORMATS)}")
     kernel = _kernels().dequantize_kernel(q.fmt, q) if resolve_backend(backend) != "torch" else "unused"
-    return _pick(backend, q.data, kernel, entry.dequantize, f"dequantize({q.fmt!r})")(q, dtype)
+    fn = _pick(backend, q.data, kernel, entry.dequantize, f"dequantize({q.fmt!r})")
+    if fn is kernel and q.data.is_cuda:
+        make = _kernels().dequantize_call(q)
+        if make is not None:
+            call = make(q, dtype)
+            if not call.copies:
+                _DEQUANT_CALLS.setdefault(q, {})[key] = call
+            return call()
+    return fn(q, dtype)
+
+
+_DEQUANT_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The kernel call that decodes a QTensor, kept while the QTensor lives (by output dtype, backend and
+registry state): a repeated ``dequantize`` of one weight launches the compiled kernel with no argument
+binding. Only calls that read the QTensor's own memory are kept, so in-place updates of it are seen."""
 
 
 def _kernels():

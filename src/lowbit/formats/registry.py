@@ -92,6 +92,8 @@ class Format:
 
 
 REGISTRY: dict[str, Format] = {}
+CHANGES = [0]
+"""How many times :data:`REGISTRY` changed: callers that keep decisions made from it compare this count."""
 """Format name -> :class:`Format`, in registration order (the order of every derived list)."""
 
 
@@ -115,6 +117,7 @@ def register_format(fmt: Format) -> Format:
         if kernel is not None and not (isinstance(kernel, Kernel) and callable(kernel.covers)):
             raise ValueError(f"register_format({fmt.name!r}): kernels must be Kernel entries with a callable covers")
     REGISTRY[fmt.name] = fmt
+    CHANGES[0] += 1
     FORMATS[fmt.name] = fmt.spec
     return fmt
 
@@ -122,6 +125,7 @@ def register_format(fmt: Format) -> Format:
 def unregister_format(name: str) -> None:
     """Remove a format :func:`register_format` added (a KeyError for an unknown name)."""
     del REGISTRY[name]
+    CHANGES[0] += 1
     FORMATS.pop(name, None)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -46,7 +47,8 @@ class MinifloatSpec:
     @property
     def emax(self) -> int:
         """Exponent of the largest power of two <= max_normal (OCP MX ``emax_elem``)."""
-        return int(torch.tensor(self.max_normal).log2().floor().item())
+        # frexp: max_normal = m * 2^e with 0.5 <= m < 1, exact for every float (no rounding of a log)
+        return math.frexp(self.max_normal)[1] - 1
 
     @property
     def min_normal(self) -> float:

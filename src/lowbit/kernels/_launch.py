@@ -97,10 +97,15 @@ class KernelCall:
     binding (the fixed arguments keep their alignment, the output comes from the caching allocator).
     """
 
-    __slots__ = ("launch", "args", "out_index", "shape", "dtype", "view", "device", "dev_index", "result_shape")
+    __slots__ = ("launch", "args", "out_index", "shape", "dtype", "view", "device", "dev_index", "result_shape",
+                 "copies")
 
     def __init__(self, launch: Launch | None, args: tuple, out_index: int, shape: tuple, dtype: torch.dtype,
-                 view: torch.dtype, device: torch.device, result_shape: tuple | None = None) -> None:
+                 view: torch.dtype, device: torch.device, result_shape: tuple | None = None,
+                 copies: bool = True) -> None:
+        """``copies``: False where every argument that comes from the decoded QTensor is that tensor's own
+        memory (no copy made for alignment or layout), so the call stays right after in-place updates of it."""
+        self.copies = copies
         self.launch, self.args, self.out_index = launch, args, out_index
         self.shape, self.dtype, self.view, self.device = tuple(shape), dtype, view, device
         self.dev_index = device.index if device.type == "cuda" else None
@@ -121,6 +126,12 @@ class KernelCall:
             else:
                 lc.run(self.dev_index, *args)
         return out.reshape(self.result_shape)
+
+
+def same_memory(*pairs: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """True where each (argument, source) pair starts at the same address: the argument is the source's own
+    memory, not a copy."""
+    return all(a.data_ptr() == b.data_ptr() for a, b in pairs)
 
 
 _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
@@ -186,4 +197,4 @@ def _hooks():
     return _RUNTIME[0]
 
 
-__all__ = ["DIRECT_LAUNCH", "KernelCall", "Launch", "launch"]
+__all__ = ["DIRECT_LAUNCH", "KernelCall", "Launch", "launch", "same_memory"]

@@ -16,7 +16,7 @@ from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleR
 from . import _blockscaled as k
 from . import cdiv
 from . import _mx_fold
-from ._launch import KernelCall, Launch, launch
+from ._launch import KernelCall, Launch, launch, same_memory
 from . import interpreting as _interpreting
 
 
@@ -108,51 +108,90 @@ _FORMAT_VARIANTS = (
 )
 
 
-def _data_buffer(m: int, kdim: int, elem: MinifloatSpec, device) -> torch.Tensor:
-    width = kdim if elem.torch_dtype is not None else kdim * elem.bits // 8
-    return torch.empty(m, width, dtype=torch.uint8, device=device)
+class _QuantizeLaunch:
+    """What a quantize call on a tensor of one shape decides (buffer shapes, grid, constexprs), made once per
+    (shape, options) by :func:`_quantize_launch`; ``run`` allocates, launches and reshapes. The compiled kernel
+    is kept per argument alignment (what Triton specializes on besides the fixed sizes), so a repeated call
+    binds no arguments."""
 
+    __slots__ = ("cols", "consts", "grid", "kdim", "launches", "lead", "m", "n_groups", "scale_dtype", "scale_shape",
+                 "swizzled", "view", "width")
 
-def _scale_buffer(m: int, cols: int, swizzled: bool, dtype: torch.dtype, device) -> torch.Tensor:
-    if swizzled:
+    def __init__(self, shape: torch.Size, elem: MinifloatSpec, group: int, scale_kind: int, has_gscale: bool,
+                 swizzled: bool, scale_dtype: torch.dtype, from_amax: bool, e4m3_order: int) -> None:
+        self.lead = shape[:-1]
+        self.m, self.kdim = self.lead.numel(), shape[-1]
+        self.cols = self.kdim // group
+        self.n_groups = self.m * self.cols
+        self.width = self.kdim if elem.torch_dtype is not None else self.kdim * elem.bits // 8
+        self.view = elem.torch_dtype
+        self.swizzled = swizzled
         # padding bytes of the 128x4 tiles must be zero; the kernel writes only real scales
-        return torch.zeros(swizzled_scale_shape(m, cols), dtype=dtype, device=device)
-    return torch.empty(m, cols, dtype=dtype, device=device)
+        self.scale_shape = swizzled_scale_shape(self.m, self.cols) if swizzled else (self.m, self.cols)
+        self.scale_dtype = scale_dtype
+        block_g = _block_g(group)
+        self.grid = (cdiv(self.n_groups, block_g),)
+        self.consts = dict(
+            BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind, MAX=elem.max_normal,
+            RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax, HAS_GSCALE=has_gscale, SWIZZLED=swizzled,
+            NAN_FIXUP=_interpreting(),  # the interpreter's min() keeps NaN: test for it (see _encode_minifloat)
+            GSCALE_FROM_AMAX=from_amax, E4M3_ORDER=e4m3_order, num_warps=TILE["warps"], **_elem_args(elem),
+        )
+        self.launches: dict = {}
+
+    def run(self, x: torch.Tensor, gscale: torch.Tensor | None, amax: torch.Tensor | None,
+            keep: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # the kernel sees a contiguous tensor as a flat sequence of groups; other layouts are copied first
+        x2 = x.view(self.m, self.kdim) if x.is_contiguous() else x.reshape(self.m, self.kdim).contiguous()
+        device = x.device
+        data = torch.empty(self.m, self.width, dtype=torch.uint8, device=device)
+        alloc = torch.zeros if self.swizzled else torch.empty
+        scale = alloc(self.scale_shape, dtype=self.scale_dtype, device=device)
+        if self.n_groups:
+            args = (x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
+                    self.n_groups, self.cols, -(-self.cols // 4) * 4)
+            ran = None
+            if device.type == "cuda":  # as launch() does: the current device's current stream
+                key = (torch._C._cuda_getDevice(), x2.data_ptr() & 15,
+                       0 if gscale is None else gscale.data_ptr() & 15)
+                ran = self.launches.get(key)
+            if ran is not None:
+                ran.run(key[0], *args)
+            else:
+                ran = launch(k.quantize_blockscaled_kernel, self.grid, args, **self.consts)
+                if ran is not None and device.type == "cuda":
+                    self.launches[key] = ran
+            if keep is not None:
+                keep.append(ran)
+        data = data.view(*self.lead, self.width)
+        if self.view is not None:
+            data = data.view(self.view)
+        if not self.swizzled:
+            scale = scale.view(*self.lead, self.cols)
+        return data, scale
+
+
+_QUANTIZE_LAUNCHES: dict = {}
+_MAX_QUANTIZE_LAUNCHES = 256
+
+
+def _quantize_launch(shape: torch.Size, *decided) -> _QuantizeLaunch:
+    key = (shape, *decided)
+    hit = _QUANTIZE_LAUNCHES.get(key)
+    if hit is None:
+        if len(_QUANTIZE_LAUNCHES) >= _MAX_QUANTIZE_LAUNCHES:
+            _QUANTIZE_LAUNCHES.clear()
+        hit = _QUANTIZE_LAUNCHES[key] = _QuantizeLaunch(shape, *decided)
+    return hit
 
 
 def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, amax=None, e4m3_order=0,
                      keep: list | None = None):
     """(data, scale) of the quantize kernel on ``x``; ``keep``: a list that receives the ``Launch`` it ran
     (None where it went through Triton alone), for a caller that launches the same kernel again."""
-    # the kernel sees a contiguous tensor as a flat sequence of groups; other layouts are copied first
-    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1]).contiguous()
-    m, kdim = x2.shape
-    data = _data_buffer(m, kdim, elem, x.device)
-    cols = kdim // group
-    scale = _scale_buffer(m, cols, swizzled, scale_dtype, x.device)
-    n_groups = m * cols
-    if n_groups:
-        block_g = _block_g(group)
-        ran = launch(k.quantize_blockscaled_kernel, (cdiv(n_groups, block_g),), (
-                x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
-                n_groups, cols, -(-cols // 4) * 4,
-            ),
-            BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind, MAX=elem.max_normal,
-            RCP_MAX=1.0 / elem.max_normal, EMAX=elem.emax, HAS_GSCALE=gscale is not None and amax is None,
-            SWIZZLED=swizzled,
-            NAN_FIXUP=_interpreting(),  # the interpreter's min() keeps NaN: test for it (see _encode_minifloat)
-            GSCALE_FROM_AMAX=amax is not None, E4M3_ORDER=e4m3_order, num_warps=TILE["warps"],
-            **_elem_args(elem),
-        )
-        if keep is not None:
-            keep.append(ran)
-    lead = x.shape[:-1]
-    data = data.reshape(*lead, data.shape[-1])
-    if elem.torch_dtype is not None:
-        data = data.view(elem.torch_dtype)
-    if not swizzled:
-        scale = scale.reshape(*lead, cols)
-    return data, scale
+    plan = _quantize_launch(x.shape, elem, group, scale_kind, gscale is not None and amax is None, swizzled,
+                            scale_dtype, amax is not None, e4m3_order)
+    return plan.run(x, gscale, amax, keep)
 
 
 _ABSMAX_CHUNK = 2048
@@ -162,18 +201,29 @@ _ABSMAX_CHUNKS = 8
 def _finite_absmax_bits(x: torch.Tensor, keep: list | None = None) -> torch.Tensor:
     """int32 [1] holding the fp32 bits of max |x| over finite elements (no host sync); ``keep`` as for
     :func:`_launch_quantize`."""
-    flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().reshape(-1)
+    flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if flat.numel():
-        per_program = _ABSMAX_CHUNK * _ABSMAX_CHUNKS
-        ran = launch(k.finite_absmax_kernel, (cdiv(flat.numel(), per_program),), (
-                flat, out, flat.numel(),
-            ),
-            CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4,
-        )
+    n = flat.numel()
+    if n:
+        ran = None
+        if x.is_cuda:  # the compiled launch kept per size and alignment, as launch() would find it
+            key = (torch._C._cuda_getDevice(), n, flat.dtype, flat.data_ptr() & 15)
+            ran = _ABSMAX_LAUNCHES.get(key)
+        if ran is not None:
+            ran.run(key[0], flat, out, n)
+        else:
+            ran = launch(k.finite_absmax_kernel, (cdiv(n, _ABSMAX_CHUNK * _ABSMAX_CHUNKS),), (flat, out, n),
+                         CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4)
+            if ran is not None and x.is_cuda:
+                if len(_ABSMAX_LAUNCHES) >= _MAX_QUANTIZE_LAUNCHES:
+                    _ABSMAX_LAUNCHES.clear()
+                _ABSMAX_LAUNCHES[key] = ran
         if keep is not None:
             keep.append(ran)
     return out
+
+
+_ABSMAX_LAUNCHES: dict = {}
 
 
 def finite_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -319,7 +369,7 @@ def _dequantize_call(q: QTensor, elem, group, scale_kind, dtype) -> KernelCall:
     swizzled = q.scale_layout == "swizzled"
     cols = kdim // group
     n_groups = m * cols
-    call, args = None, (None,)
+    call, args, copies = None, (None,), False
     if n_groups:
         block_g = _block_g(group)
         gscale = q.global_scale
@@ -327,9 +377,10 @@ def _dequantize_call(q: QTensor, elem, group, scale_kind, dtype) -> KernelCall:
         call = Launch(k.dequantize_blockscaled_kernel, (cdiv(n_groups, block_g),),
                         dict(BLOCK_G=block_g, GROUP=group, SCALE_KIND=scale_kind, HAS_GSCALE=gscale is not None,
                              SWIZZLED=swizzled, OUT_KIND=out_kind, **_elem_args(elem)), TILE["warps"])
-        args = (q.data.view(torch.uint8).contiguous(), scale.contiguous(), gscale if gscale is not None else scale,
-                None, n_groups, cols, -(-cols // 4) * 4)
-    return KernelCall(call, args, 3, (m, kdim), dtype, int_view, q.data.device, q.shape)
+        data, scale = q.data.view(torch.uint8).contiguous(), scale.contiguous()
+        args = (data, scale, gscale if gscale is not None else scale, None, n_groups, cols, -(-cols // 4) * 4)
+        copies = not same_memory((data, q.data), (scale, q.scale))
+    return KernelCall(call, args, 3, (m, kdim), dtype, int_view, q.data.device, q.shape, copies)
 
 
 def _launch_dequantize(q: QTensor, elem, group, scale_kind, dtype):

@@ -15,7 +15,7 @@ from ..formats.qtensor import QTensor
 from . import _int4_awq as k
 from . import cdiv
 from . import interpreting as _interpreting
-from ._launch import KernelCall, Launch
+from ._launch import KernelCall, Launch, same_memory
 
 
 # elements per program, widest column tile (powers of two) and warps: best of
@@ -56,7 +56,7 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
     if dtype not in _OUT:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     out_kind, int_view = _OUT[dtype]
-    call, args = None, (None,)
+    call, args, copies = None, (None,), False
     if out_features * in_features:
         ti, tc = _tiles(group_size, out_kind)
         outw = out_features // 8
@@ -67,7 +67,8 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
                         TILE["warps"], enable_fp_fusion=False)
         args = (qweight, qzeros, scales, None, in_features, out_features, outw, nc, qweight.stride(0),
                 qzeros.stride(0), scales.stride(0))
-    return KernelCall(call, args, 3, (out_features, in_features), dtype, int_view, q.data.device)
+        copies = not same_memory((qweight, q.data), (qzeros, q.zeros), (scales, q.scale))
+    return KernelCall(call, args, 3, (out_features, in_features), dtype, int_view, q.data.device, copies=copies)
 
 
 def compile_variants():

@@ -22,7 +22,7 @@ from ..formats.qtensor import QTensor
 from . import _nf4 as k
 from . import cdiv
 from . import interpreting as _interpreting
-from ._launch import KernelCall, Launch
+from ._launch import KernelCall, Launch, same_memory
 
 
 # elements per program (power of two) and warps: best of benchmarks/experiments/sweep_dequant_tile.py on an
@@ -75,7 +75,7 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     device = q.data.device
     out_kind, int_view, vec = _OUT[dtype]
-    call, args = None, (None,)
+    call, args, copies = None, (None,), False
     if n:
         lut, dmap = _tables(device, q.fmt)
         data = _aligned_bytes(q.data)
@@ -90,7 +90,11 @@ def dequantize_call(q: QTensor, dtype: torch.dtype) -> KernelCall:
                         dict(BLOCKSIZE=blocksize, BLOCK=block, V=vec, DOUBLE_QUANT=double_quant, OUT_KIND=out_kind,
                              ON_GPU=not _interpreting()), TILE["warps"], enable_fp_fusion=False)
         args = (data, scale, nested, offset, lut, dmap, None, n)
-    return KernelCall(call, args, 6, (n,), dtype, int_view, device, q.shape)
+        pairs = [(data, q.data), (scale, q.scale)]
+        if double_quant:
+            pairs += [(nested, q.nested_scale), (offset, q.nested_offset)]
+        copies = not same_memory(*pairs)
+    return KernelCall(call, args, 6, (n,), dtype, int_view, device, q.shape, copies)
 
 
 def compile_variants():

@@ -136,7 +136,7 @@ class MXDecode:
                  device: torch.device) -> None:
         self.qlaunch, self.m, self.k = qlaunch, m, k
         self.data_dtype = data_dtype
-        # the quantize kernel's buffers (lowbit.kernels.blockscaled._data_buffer / _scale_buffer): uint8 rows as
+        # the quantize kernel's buffers (as lowbit.kernels.blockscaled._QuantizeLaunch makes them): uint8 rows as
         # wide as the activation's data rows (K bytes for 8-bit elements, viewed as the FP8 dtype after; K * bits
         # / 8 for the packed ones), one E8M0 byte per 32 columns
         self.width = a_strides[0]
