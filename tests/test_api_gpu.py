@@ -22,14 +22,15 @@ def _same(q, r):
 
 
 def _inputs(shape, seed):
-    """The same shape as a plain tensor, a 2-byte-offset view (another alignment) and a transposed copy's
-    transpose (non-contiguous), each with fresh values."""
+    """The same shape as a plain tensor, a 2-byte-offset view (another alignment), a transposed copy's
+    transpose (non-contiguous) and the plain tensor in fp32 and fp16 (other input dtypes), each with fresh
+    values."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     plain = torch.randn(shape, generator=g, device="cuda").bfloat16()
     buf = torch.randn(shape[0] * shape[1] + 1, generator=g, device="cuda").bfloat16()
     offset = buf[1:].view(shape)
     strided = torch.randn(shape[::-1], generator=g, device="cuda").bfloat16().t()
-    return [plain, offset, strided, plain * 3]
+    return [plain, offset, strided, plain * 3, plain.float() * 5, plain.half(), plain]
 
 
 CASES = [("nvfp4", {}), ("nvfp4", {"scale_layout": "swizzled"}), ("nvfp4", {"convention": "lightx2v"}),

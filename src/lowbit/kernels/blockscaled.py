@@ -111,8 +111,8 @@ _FORMAT_VARIANTS = (
 class _QuantizeLaunch:
     """What a quantize call on a tensor of one shape decides (buffer shapes, grid, constexprs), made once per
     (shape, options) by :func:`_quantize_launch`; ``run`` allocates, launches and reshapes. The compiled kernel
-    is kept per argument alignment (what Triton specializes on besides the fixed sizes), so a repeated call
-    binds no arguments."""
+    is kept per device, input dtype and argument alignment (what Triton specializes on besides the fixed
+    sizes), so a repeated call binds no arguments."""
 
     __slots__ = ("cols", "consts", "grid", "kdim", "launches", "lead", "m", "n_groups", "scale_dtype", "scale_shape",
                  "swizzled", "view", "width")
@@ -152,7 +152,7 @@ class _QuantizeLaunch:
                     self.n_groups, self.cols, -(-self.cols // 4) * 4)
             ran = None
             if device.type == "cuda":  # as launch() does: the current device's current stream
-                key = (torch._C._cuda_getDevice(), x2.data_ptr() & 15,
+                key = (torch._C._cuda_getDevice(), x2.dtype, x2.data_ptr() & 15,
                        0 if gscale is None else gscale.data_ptr() & 15)
                 ran = self.launches.get(key)
             if ran is not None:
