@@ -142,6 +142,18 @@ SCRIPT = textwrap.dedent(
         want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
         if not torch.equal(got.view(torch.int16), want.view(torch.int16)) or not torch.equal(gs, q.global_scale):
             bad.append(("nvfp4_roundtrip", shape, conv))
+    # a repeated quantize of one shape builds its QTensor without the checks: every field as the checked one
+    from lowbit.formats.qtensor import QTensor
+    names = [f.name for f in dataclasses.fields(QTensor)]
+    for call in (lambda: kb.quantize_mx(x, "mxfp4", "floor", "swizzled"), lambda: kb.quantize_fp4_b32(xb),
+                 lambda: kb.quantize_nvfp4(y, None, "lightx2v"), lambda: kb.quantize_nvfp4(y, 2.0)):
+        first, again = call(), call()
+        for name in names:
+            a, b = getattr(first, name), getattr(again, name)
+            ok = (torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and a.dtype == b.dtype
+                  and a.shape == b.shape) if isinstance(a, torch.Tensor) else (type(a) is type(b) and a == b)
+            if not ok or sorted(vars(again)) != sorted(names) or again.params is first.params:
+                bad.append(("unchecked QTensor", first.fmt, name))
     print("BAD", bad)
     """
 )

@@ -108,12 +108,22 @@ def test_nf4_shapes_via_api(shape):
             _assert_matches(lowbit.dequantize(qc, dt), want, f"auto {shape} dq={dq} {dt}")
 
 
+def _flush(y):
+    return torch.where(y.abs() < torch.finfo(torch.float32).tiny, y * 0.0, y)
+
+
 def _flush_subnormal_products(q, dtype):
-    """The reference's decode with fp32 subnormal products flushed to a signed zero before the cast, which is
-    what bitsandbytes' CUDA ``dequantize_4bit`` computes (its kernel runs with subnormals flushed; H100,
-    bnb 0.50.2: every subnormal product came back as +-0, every normal one bit for bit)."""
-    y = ref_nf4.dequantize_nf4(q, torch.float32)
-    y = torch.where(y.abs() < torch.finfo(torch.float32).tiny, y * 0.0, y)
+    """The reference's decode with fp32 subnormal products flushed to a signed zero, which is what
+    bitsandbytes' CUDA ``dequantize_4bit`` computes (its kernels run with subnormals flushed; H100, bnb
+    0.50.2: every subnormal product came back as +-0, every normal one bit for bit): the product of the
+    double-quantized absmax decode (``dmap[code] * nested``, before the offset is added) and the final one."""
+    if q.nested_scale is not None:
+        n = q.scale.numel()
+        nested = q.nested_scale.reshape(-1).repeat_interleave(ref_nf4.NESTED_BLOCKSIZE)[:n]
+        absmax = _flush(ref_nf4.dynamic_map()[q.scale.reshape(-1).long()] * nested) + q.nested_offset.reshape(())
+        q = replace(q, scale=absmax, nested_scale=None, nested_offset=None,
+                                params={**q.params, "double_quant": False})
+    y = _flush(ref_nf4.dequantize_nf4(q, torch.float32))
     if dtype == torch.bfloat16:
         return ref_nf4._to_bf16_bnb(y).reshape(q.shape)
     return y.to(dtype)

@@ -243,6 +243,18 @@ class QTensor:
         # never meets inconsistent sizes as a bare reshape error; shapes and dtypes only, no data reads
         validate(self)
 
+    @classmethod
+    def _unchecked(cls, data: torch.Tensor, scale: torch.Tensor, fmt: str, shape: torch.Size, dtype: torch.dtype,
+                   global_scale: torch.Tensor | None, scale_layout: str, params: dict[str, Any]) -> QTensor:
+        """A QTensor built without ``__post_init__``'s checks, for a kernel launcher that made one with the
+        same format, shapes and dtypes before (that one was checked): ``shape`` must be a ``torch.Size``; the
+        fields it does not take are None."""
+        q = object.__new__(cls)
+        q.__dict__.update(data=data, scale=scale, fmt=fmt, shape=shape, dtype=dtype, global_scale=global_scale,
+                          zeros=None, scale_layout=scale_layout, params=params, nested_scale=None,
+                          nested_offset=None)
+        return q
+
     @property
     def spec(self) -> FormatSpec:
         return FORMATS[self.fmt]

@@ -6,6 +6,8 @@ dequantize the reverse. Both are one pass; the default NVFP4 global scale costs 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..formats import blockscaled as ref
@@ -109,26 +111,32 @@ _FORMAT_VARIANTS = (
 
 
 class _QuantizeLaunch:
-    """What a quantize call on a tensor of one shape decides (buffer shapes, grid, constexprs), made once per
-    (shape, options) by :func:`_quantize_launch`; ``run`` allocates, launches and reshapes. The compiled kernel
-    is kept per device, input dtype and argument alignment (what Triton specializes on besides the fixed
-    sizes), so a repeated call binds no arguments."""
+    """What a quantize call on a tensor of one shape decides (buffer shapes, grid, constexprs, the QTensor's
+    format fields), made once per (shape, options) by :func:`_quantize_launch`; ``run`` allocates, launches
+    and builds the QTensor. The compiled kernel is kept per device, input dtype and argument alignment (what
+    Triton specializes on besides the fixed sizes), so a repeated call binds no arguments; the QTensor of a
+    repeated call is not checked again (the first one with these shapes was)."""
 
-    __slots__ = ("cols", "consts", "grid", "kdim", "launches", "lead", "m", "n_groups", "scale_dtype", "scale_shape",
-                 "swizzled", "view", "width")
+    __slots__ = ("checked", "cols", "consts", "data_shape", "fmt", "grid", "launches", "layout", "n_groups",
+                 "params", "scale_dtype", "scale_shape", "scale_view", "shape", "swizzled", "view")
 
-    def __init__(self, shape: torch.Size, elem: MinifloatSpec, group: int, scale_kind: int, has_gscale: bool,
-                 swizzled: bool, scale_dtype: torch.dtype, from_amax: bool, e4m3_order: int) -> None:
-        self.lead = shape[:-1]
-        self.m, self.kdim = self.lead.numel(), shape[-1]
-        self.cols = self.kdim // group
-        self.n_groups = self.m * self.cols
-        self.width = self.kdim if elem.torch_dtype is not None else self.kdim * elem.bits // 8
+    def __init__(self, shape: torch.Size, fmt: str, params: tuple, elem: MinifloatSpec, group: int,
+                 scale_kind: int, has_gscale: bool, swizzled: bool, scale_dtype: torch.dtype, from_amax: bool,
+                 e4m3_order: int) -> None:
+        lead = shape[:-1]
+        m, kdim = lead.numel(), shape[-1]
+        self.shape, self.fmt, self.params = shape, fmt, params
+        self.cols = kdim // group
+        self.n_groups = m * self.cols
+        # the buffers in their final shapes: the kernel sees them (and a contiguous x) as flat sequences
+        self.data_shape = (*lead, kdim if elem.torch_dtype is not None else kdim * elem.bits // 8)
         self.view = elem.torch_dtype
         self.swizzled = swizzled
+        self.layout = "swizzled" if swizzled else "linear"
         # padding bytes of the 128x4 tiles must be zero; the kernel writes only real scales
-        self.scale_shape = swizzled_scale_shape(self.m, self.cols) if swizzled else (self.m, self.cols)
+        self.scale_shape = swizzled_scale_shape(m, self.cols) if swizzled else (*lead, self.cols)
         self.scale_dtype = scale_dtype
+        self.scale_view = _SCALE_VIEW.get(scale_kind)
         block_g = _block_g(group)
         self.grid = (cdiv(self.n_groups, block_g),)
         self.consts = dict(
@@ -138,15 +146,16 @@ class _QuantizeLaunch:
             GSCALE_FROM_AMAX=from_amax, E4M3_ORDER=e4m3_order, num_warps=TILE["warps"], **_elem_args(elem),
         )
         self.launches: dict = {}
+        self.checked = False
 
-    def run(self, x: torch.Tensor, gscale: torch.Tensor | None, amax: torch.Tensor | None,
-            keep: list | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # the kernel sees a contiguous tensor as a flat sequence of groups; other layouts are copied first
-        x2 = x.view(self.m, self.kdim) if x.is_contiguous() else x.reshape(self.m, self.kdim).contiguous()
+    def run(self, x: torch.Tensor, gscale: torch.Tensor | None, amax: torch.Tensor | None, keep: list | None,
+            global_scale: torch.Tensor | None = None) -> QTensor:
+        # other layouts are copied first
+        x2 = x if x.is_contiguous() else x.contiguous()
         device = x.device
-        data = torch.empty(self.m, self.width, dtype=torch.uint8, device=device)
-        alloc = torch.zeros if self.swizzled else torch.empty
-        scale = alloc(self.scale_shape, dtype=self.scale_dtype, device=device)
+        data = torch.empty(self.data_shape, dtype=torch.uint8, device=device)
+        scale = (torch.zeros if self.swizzled else torch.empty)(self.scale_shape, dtype=self.scale_dtype,
+                                                                 device=device)
         if self.n_groups:
             args = (x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
                     self.n_groups, self.cols, -(-self.cols // 4) * 4)
@@ -163,19 +172,28 @@ class _QuantizeLaunch:
                     self.launches[key] = ran
             if keep is not None:
                 keep.append(ran)
-        data = data.view(*self.lead, self.width)
         if self.view is not None:
             data = data.view(self.view)
-        if not self.swizzled:
-            scale = scale.view(*self.lead, self.cols)
-        return data, scale
+        if self.scale_view is not None:
+            scale = scale.view(self.scale_view)
+        if self.checked:
+            return QTensor._unchecked(data, scale, self.fmt, self.shape, x.dtype, global_scale, self.layout,
+                                      dict(self.params))
+        q = QTensor(data=data, scale=scale, fmt=self.fmt, shape=self.shape, dtype=x.dtype, global_scale=global_scale,
+                    scale_layout=self.layout, params=dict(self.params))
+        self.checked = True
+        return q
 
 
+_SCALE_VIEW = {k.SCALE_E4M3: torch.float8_e4m3fn, k.SCALE_E8M0_RCEIL: torch.float8_e8m0fnu,
+               k.SCALE_E8M0_FLOOR: torch.float8_e8m0fnu}
+"""The dtype a QTensor holds its block scales in, by the kernel's scale kind (fp32 scales: as written)."""
 _QUANTIZE_LAUNCHES: dict = {}
 _MAX_QUANTIZE_LAUNCHES = 256
 
 
 def _quantize_launch(shape: torch.Size, *decided) -> _QuantizeLaunch:
+    """The :class:`_QuantizeLaunch` of ``shape`` and the decided options (its constructor's arguments)."""
     key = (shape, *decided)
     hit = _QUANTIZE_LAUNCHES.get(key)
     if hit is None:
@@ -185,22 +203,13 @@ def _quantize_launch(shape: torch.Size, *decided) -> _QuantizeLaunch:
     return hit
 
 
-def _launch_quantize(x, elem, group, scale_kind, gscale, swizzled, scale_dtype, amax=None, e4m3_order=0,
-                     keep: list | None = None):
-    """(data, scale) of the quantize kernel on ``x``; ``keep``: a list that receives the ``Launch`` it ran
-    (None where it went through Triton alone), for a caller that launches the same kernel again."""
-    plan = _quantize_launch(x.shape, elem, group, scale_kind, gscale is not None and amax is None, swizzled,
-                            scale_dtype, amax is not None, e4m3_order)
-    return plan.run(x, gscale, amax, keep)
-
-
 _ABSMAX_CHUNK = 2048
 _ABSMAX_CHUNKS = 8
 
 
 def _finite_absmax_bits(x: torch.Tensor, keep: list | None = None) -> torch.Tensor:
-    """int32 [1] holding the fp32 bits of max |x| over finite elements (no host sync); ``keep`` as for
-    :func:`_launch_quantize`."""
+    """int32 [1] holding the fp32 bits of max |x| over finite elements (no host sync); ``keep``: a list that
+    receives the launch it ran (None where it went through Triton alone)."""
     flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     n = flat.numel()
@@ -238,7 +247,7 @@ def _device_global_scale(g: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"global_scale must be float32, got {g.dtype}")
     if g.numel() != 1:
         raise ValueError(f"global_scale must hold one value, got shape {tuple(g.shape)}")
-    return g.detach().reshape(())
+    return g.detach().reshape(1)
 
 
 _KERNEL_ORDER = {NVFP4Convention.VLLM: k.ORDER_VLLM, NVFP4Convention.LIGHTX2V: k.ORDER_LIGHTX2V}
@@ -254,14 +263,9 @@ def quantize_nvfp4(
     keep: list | None = None,
 ) -> QTensor:
     """``keep``: receives the launches it ran (the absmax pass when the global scale is derived, then the
-    quantize kernel; see :func:`_launch_quantize`)."""
+    quantize kernel; see :func:`quantize_mx`)."""
     ref.check_input(x, 16, "nvfp4")
-    convention = NVFP4Convention(convention)
-    if convention not in _KERNEL_ORDER:
-        raise ValueError(
-            f"convention: the triton nvfp4 kernel implements 'vllm' and 'lightx2v', got {convention.value!r}"
-        )
-    ref.check_layout(scale_layout)
+    convention, order, swizzled = _decided(_nvfp4_options, convention, scale_layout)
     if isinstance(global_scale, str):
         if global_scale != "none":
             raise ValueError(f"global_scale must be a tensor, a float, 'none' or None, got {global_scale!r}")
@@ -277,18 +281,33 @@ def quantize_nvfp4(
     if global_scale is None:
         # default 2688/amax: one absmax pass, then the quantize kernel derives and stores the scale
         amax = _finite_absmax_bits(x, keep)
-        s = torch.empty((), dtype=torch.float32, device=x.device)
-    data, scale = _launch_quantize(
-        x, E2M1, 16, k.SCALE_E4M3, None if s is None else s.reshape(1), scale_layout == "swizzled", torch.uint8,
-        amax=amax, e4m3_order=_KERNEL_ORDER[convention], keep=keep,
-    )
-    if amax is not None and data.numel() == 0:
-        s.fill_(1.0)
-    return QTensor(
-        data=data, scale=scale.view(torch.float8_e4m3fn), fmt="nvfp4", shape=x.shape, dtype=x.dtype,
-        global_scale=None if s is None else s.reshape(1), scale_layout=scale_layout,
-        params={"convention": convention.value},
-    )
+        s = torch.empty(1, dtype=torch.float32, device=x.device)
+        if not x.numel():
+            s.fill_(1.0)
+    elif s is not None and s.dim() != 1:
+        s = s.reshape(1)
+    plan = _quantize_launch(x.shape, "nvfp4", (("convention", convention),), E2M1, 16, k.SCALE_E4M3,
+                            s is not None and amax is None, swizzled, torch.uint8, amax is not None, order)
+    return plan.run(x, s, amax, keep, s)
+
+
+def _decided(options, *args):
+    """``options(*args)`` through its cache; arguments it cannot hash go to the function itself (which raises
+    the error that names the argument)."""
+    try:
+        return options(*args)
+    except TypeError:
+        return options.__wrapped__(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def _nvfp4_options(convention: NVFP4Convention | str, scale_layout: str) -> tuple[str, int, bool]:
+    """(convention name, the kernel's multiplier order, swizzled) of valid options, else a ValueError."""
+    conv = NVFP4Convention(convention)
+    if conv not in _KERNEL_ORDER:
+        raise ValueError(f"convention: the triton nvfp4 kernel implements 'vllm' and 'lightx2v', got {conv.value!r}")
+    ref.check_layout(scale_layout)
+    return conv.value, _KERNEL_ORDER[conv], scale_layout == "swizzled"
 
 
 ROUNDTRIP_MAX = 16384
@@ -339,24 +358,29 @@ def quantize_mx(
     x: torch.Tensor, fmt: str, scale_rounding: ScaleRounding | str = "rceil", scale_layout: str = "linear",
     *, keep: list | None = None,
 ) -> QTensor:
-    """``keep``: see :func:`_launch_quantize` (a prepared layer keeps the launch of its activations)."""
-    spec = FORMATS[fmt]
+    """``keep``: receives the quantize kernel's launch (None where it went through Triton alone), for a caller
+    that launches the same kernel again (a prepared layer keeps the launch of its activations)."""
     ref.check_input(x, 32, fmt)
+    elem, kind, rounding, swizzled = _decided(_mx_options, fmt, scale_rounding, scale_layout)
+    plan = _quantize_launch(x.shape, fmt, (("scale_rounding", rounding),), elem, 32, kind, False, swizzled,
+                            torch.uint8, False, 0)
+    return plan.run(x, None, None, keep)
+
+
+@functools.lru_cache(maxsize=64)
+def _mx_options(fmt: str, scale_rounding: ScaleRounding | str, scale_layout: str
+                ) -> tuple[MinifloatSpec, int, str, bool]:
+    """(element, the kernel's scale kind, rounding name, swizzled) of valid options, else a ValueError."""
     ref.check_layout(scale_layout)
     rounding = ScaleRounding(scale_rounding)
     kind = k.SCALE_E8M0_RCEIL if rounding is ScaleRounding.RCEIL else k.SCALE_E8M0_FLOOR
-    data, scale = _launch_quantize(x, spec.element, 32, kind, None, scale_layout == "swizzled", torch.uint8,
-                                   keep=keep)
-    return QTensor(
-        data=data, scale=scale.view(torch.float8_e8m0fnu), fmt=fmt, shape=x.shape, dtype=x.dtype,
-        scale_layout=scale_layout, params={"scale_rounding": rounding.value},
-    )
+    return FORMATS[fmt].element, kind, rounding.value, scale_layout == "swizzled"
 
 
 def quantize_fp4_b32(x: torch.Tensor) -> QTensor:
     ref.check_input(x, 32, "fp4_b32")
-    data, scale = _launch_quantize(x, E2M1, 32, k.SCALE_FP32, None, False, torch.float32)
-    return QTensor(data=data, scale=scale, fmt="fp4_b32", shape=x.shape, dtype=x.dtype)
+    plan = _quantize_launch(x.shape, "fp4_b32", (), E2M1, 32, k.SCALE_FP32, False, False, torch.float32, False, 0)
+    return plan.run(x, None, None, None)
 
 
 _OUT_KIND = {torch.float32: (0, torch.int32), torch.bfloat16: (1, torch.int16), torch.float16: (2, torch.int16)}
