@@ -130,3 +130,13 @@ def test_a_registry_change_drops_kept_decisions(monkeypatch):
         unregister_format("tagged")
     with pytest.raises(ValueError, match="unknown format 'tagged'"):
         lowbit.quantize(x, "tagged")
+
+
+def test_no_kept_decode_call_where_the_kernel_module_offers_none():
+    from lowbit import kernels
+
+    if kernels.triton_available() is not None:
+        pytest.skip(kernels.triton_available())
+    q = lowbit.quantize(torch.randn(4, 128), "fp8_block", backend="torch")
+    assert callable(kernels.dequantize_kernel("fp8_block", q)) and kernels.dequantize_call(q) is None
+    assert kernels.dequantize_call(lowbit.quantize(torch.randn(4, 64), "mxfp4")) is not None

@@ -159,6 +159,11 @@ def test_nf4_matches_bitsandbytes_cuda_dequantize(blocksize, double_quant, dtype
         assert_bitexact(got, want, "kernel vs reference " + what, any_nan=True)
         assert_bitexact(_flush_subnormal_products(q, dtype).reshape(-1), theirs, "bnb CUDA " + what, any_nan=True)
         normal = ref_nf4.dequantize_nf4(q, torch.float32).reshape(-1).abs() >= torch.finfo(torch.float32).tiny
+        if double_quant:  # and the block's absmax decode is normal (else bnb decodes another absmax)
+            nested = q.nested_scale.reshape(-1).repeat_interleave(ref_nf4.NESTED_BLOCKSIZE)[:q.scale.numel()]
+            product = ref_nf4.dynamic_map()[q.scale.reshape(-1).long()] * nested
+            ok = (product.abs() >= torch.finfo(torch.float32).tiny) | (product == 0)
+            normal &= ok.repeat_interleave(blocksize)[:normal.numel()]
         assert_bitexact(want[normal], theirs[normal], "reference vs bnb CUDA, normal products " + what, any_nan=True)
 
 

@@ -95,7 +95,7 @@ def _launcher(module: str, name: str) -> Callable[..., Any] | None:
     # cached: module lookups cost microseconds, which small launches cannot afford on every call
     if importlib.util.find_spec(f"lowbit.kernels.{module}") is None:
         return None
-    return getattr(importlib.import_module(f"lowbit.kernels.{module}"), name)
+    return getattr(importlib.import_module(f"lowbit.kernels.{module}"), name, None)
 
 
 def _lookup(entry: Kernel | None, fmt: str, arg: Any, what: str) -> Callable[..., Any] | str:
@@ -128,7 +128,7 @@ def dequantize_kernel(fmt: str, q: Any) -> Callable[..., Any] | str:
 
 def dequantize_call(q: Any) -> Callable[..., Any] | None:
     """``fn(q, dtype) -> KernelCall`` of the module whose kernel dequantizes ``q`` (a launch to keep and run
-    again), or None where no kernel covers it."""
+    again), or None where no kernel covers it or its module offers no such call."""
     if not callable(dequantize_kernel(q.fmt, q)):
         return None
     return _launcher(_kernel(q.fmt, "dequantize_kernel").module, "dequantize_call")
