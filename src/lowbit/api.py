@@ -85,10 +85,7 @@ def quantize(x: torch.Tensor, fmt: str | FormatSpec, *, backend: str | None = No
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     key = _resolution_key(fmt, backend, options, x)
-    try:
-        hit = _RESOLVED.get(key) if key is not None else None
-    except TypeError:  # an unhashable value inside a tuple option
-        key = hit = None
+    hit = _RESOLVED.get(key) if key is not None else None
     if hit is None:
         fn, kwargs = quantizer(fmt, x, backend=backend, **options)
         if key is not None:
@@ -105,7 +102,7 @@ _RESOLVED: dict[tuple, tuple[Callable[..., QTensor], dict[str, Any]]] = {}
 :func:`quantizer` decides once, kept so that a repeated call does not decide again. Option values that are
 tensors enter the key by name only (the decision reads their presence, not their values)."""
 _MAX_RESOLVED = 256
-_HASHABLE_OPTION = (str, int, float, bool, tuple, type(None))
+_SCALAR_OPTION = (str, int, float, bool, type(None))
 
 
 def _resolution_key(fmt: Any, backend: str | None, options: dict[str, Any], x: torch.Tensor) -> tuple | None:
@@ -117,9 +114,9 @@ def _resolution_key(fmt: Any, backend: str | None, options: dict[str, Any], x: t
     for k, v in options.items():
         if isinstance(v, torch.Tensor):
             opts.append((k, torch.Tensor))
-        elif isinstance(v, _HASHABLE_OPTION):
+        elif isinstance(v, _SCALAR_OPTION) or (type(v) is tuple and all(isinstance(e, _SCALAR_OPTION) for e in v)):
             opts.append((k, type(v), v))
-        else:
+        else:  # tensors inside a tuple, lists, ...: decided per call
             return None
     return (fmt, backend, os.environ.get("LOWBIT_BACKEND"), x.device.type, tuple(opts), REGISTRY_CHANGES[0])
 
