@@ -142,6 +142,25 @@ SCRIPT = textwrap.dedent(
         want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
         if not torch.equal(got.view(torch.int16), want.view(torch.int16)) or not torch.equal(gs, q.global_scale):
             bad.append(("nvfp4_roundtrip", shape, conv))
+    # swizzled scales without padding (rows % 128 == 0, scale columns % 4 == 0) come in an unzeroed buffer:
+    # every byte must be the kernel's (fresh uint8 buffers filled with 0x5A here to show one it missed)
+    real_empty = torch.empty
+    def poisoned_empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(0x5A) if t.dtype == torch.uint8 else t
+    torch.empty = poisoned_empty
+    try:
+        z = torch.randn(128, 128) * torch.logspace(-3, 3, 128)[:, None]
+        for fmt in ("mxfp4", "mxfp6_e3m2"):
+            r, k = ref.quantize_mx(z, fmt, "rceil", "swizzled"), kb.quantize_mx(z, fmt, "rceil", "swizzled")
+            if not same(r, k):
+                bad.append(("unpadded swizzled", fmt))
+        y2 = y.repeat(19, 1)[:128]
+        r, k = ref.quantize_nvfp4(y2, "none", "vllm", "swizzled"), kb.quantize_nvfp4(y2, "none", "vllm", "swizzled")
+        if not same(r, k):
+            bad.append(("unpadded swizzled", "nvfp4"))
+    finally:
+        torch.empty = real_empty
     # a repeated quantize of one shape builds its QTensor without the checks: every field as the checked one
     from lowbit.formats.qtensor import QTensor
     names = [f.name for f in dataclasses.fields(QTensor)]

@@ -118,7 +118,7 @@ class _QuantizeLaunch:
     repeated call is not checked again (the first one with these shapes was)."""
 
     __slots__ = ("checked", "cols", "consts", "data_shape", "fmt", "grid", "launches", "layout", "n_groups",
-                 "params", "scale_dtype", "scale_shape", "scale_view", "shape", "swizzled", "view")
+                 "params", "scale_dtype", "scale_shape", "scale_view", "shape", "swizzled", "view", "zeroed")
 
     def __init__(self, shape: torch.Size, fmt: str, params: tuple, elem: MinifloatSpec, group: int,
                  scale_kind: int, has_gscale: bool, swizzled: bool, scale_dtype: torch.dtype, from_amax: bool,
@@ -133,8 +133,11 @@ class _QuantizeLaunch:
         self.view = elem.torch_dtype
         self.swizzled = swizzled
         self.layout = "swizzled" if swizzled else "linear"
-        # padding bytes of the 128x4 tiles must be zero; the kernel writes only real scales
         self.scale_shape = swizzled_scale_shape(m, self.cols) if swizzled else (*lead, self.cols)
+        # padding bytes of the 128x4 tiles must be zero and the kernel writes only real scales: a swizzled
+        # buffer with padding starts zeroed (one memset more), one without (rows % 128 == 0, cols % 4 == 0) is
+        # all real scales
+        self.zeroed = swizzled and self.scale_shape != (m, self.cols)
         self.scale_dtype = scale_dtype
         self.scale_view = _SCALE_VIEW.get(scale_kind)
         block_g = _block_g(group)
@@ -154,8 +157,8 @@ class _QuantizeLaunch:
         x2 = x if x.is_contiguous() else x.contiguous()
         device = x.device
         data = torch.empty(self.data_shape, dtype=torch.uint8, device=device)
-        scale = (torch.zeros if self.swizzled else torch.empty)(self.scale_shape, dtype=self.scale_dtype,
-                                                                 device=device)
+        scale = (torch.zeros if self.zeroed else torch.empty)(self.scale_shape, dtype=self.scale_dtype,
+                                                                device=device)
         if self.n_groups:
             args = (x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
                     self.n_groups, self.cols, -(-self.cols // 4) * 4)
