@@ -144,13 +144,15 @@ def run_ops_benches(out_dir: str) -> None:
 
 # every file with GPU tests, one pytest each (see run_tests); the quick ones first
 GPU_TEST_PATHS = [
+    "tests/test_api_gpu.py",
     "tests/kernels/test_gemv_mma_gpu.py", "tests/ops/test_linear_gpu.py", "tests/kernels/test_gemv_w4_gpu.py",
     "tests/kernels/test_nf4_int4_gpu.py", "tests/kernels/test_gemm_w4_gpu.py", "tests/kernels/test_blockscaled_gpu.py",
     "tests/kernels/test_fp8_block_gpu.py", "tests/kernels/test_fp8_rowwise_gpu.py", "tests/ops/test_scaled_mm_gpu.py",
     "tests/nn/test_prepared_gpu.py", "tests/kernels/test_int4_conventions.py", "tests/integrations/test_diffusers_gpu.py",
     "tests/nn/test_offload.py", "tests/nn/test_fuse_gpu.py", "tests/nn/test_fp8_compute_gpu.py",
-    "tests/algorithms/test_gptq_gpu.py", "tests/bench",
+    "tests/algorithms/test_gptq_gpu.py", "tests/kernels/test_gemm_w4_ws_gpu.py", "tests/bench",
 ]
+"""tests/parallel needs two GPUs: ``tests tp --tests tests/parallel`` on a 2-GPU machine."""
 
 
 def suite_command(name: str, json_path: str, extra: str) -> list[str]:

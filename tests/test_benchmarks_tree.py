@@ -240,3 +240,17 @@ def test_gpu_check_runs_the_maintained_benchmarks_through_lowbit_bench():
         assert suite in bench.SUITES
     source = (BENCH / "gpu_check.py").read_text(encoding="utf-8")
     assert "benchmarks/bench_" not in source and "lowbit.bench." + "e2e" not in source
+
+
+def test_gpu_check_runs_every_single_gpu_test_file():
+    """Every test file marked ``gpu`` outside tests/parallel (which needs two GPUs) is one of gpu_check.py's
+    test paths, so the one device call that runs the GPU tests runs all of them."""
+    paths = _load_script(BENCH / "gpu_check.py").GPU_TEST_PATHS
+    listed = {ROOT / p for p in paths}
+    missing = []
+    for f in sorted((ROOT / "tests").rglob("test_*.py")):
+        if "parallel" in f.parts or not re.search(r"^(pytestmark = |@)pytest\.mark\.gpu", f.read_text(), re.M):
+            continue
+        if f not in listed and not any(d.is_dir() and d in f.parents for d in listed):
+            missing.append(str(f.relative_to(ROOT)))
+    assert not missing, f"GPU test files gpu_check.py does not run: {missing}"
