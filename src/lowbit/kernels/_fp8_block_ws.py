@@ -28,10 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_device import grouped_tile
-
-# rows per consumer warpgroup: one wgmma m64 row block
-ROWS_PER_CONSUMER = gl.constexpr(64)
+from .gluon_device import ROWS_PER_CONSUMER, grouped_tile
 
 
 def launch_options(consumers: int = 2) -> dict:

@@ -46,9 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_device import grouped_tile
+from .gluon_device import ROWS_PER_CONSUMER, grouped_tile
 
-ROWS_PER_CONSUMER = gl.constexpr(64)
 CONSUMERS = gl.constexpr(2)
 DECODE_WARPS = gl.constexpr(4)
 

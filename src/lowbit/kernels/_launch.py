@@ -187,6 +187,22 @@ def launch(fn, grid: tuple, args: tuple, **kwargs) -> Launch | None:
     return hit
 
 
+def kept_launch(store: dict, key: tuple | None, fn, grid: tuple, args: tuple, **kwargs) -> Launch | None:
+    """:func:`launch` under the caller's own key: a caller that knows what its launches specialize on (it
+    fixed the sizes) keys ``store`` on the rest, ``key[0]`` the current device's index, and skips the
+    argument key of :func:`launch`. ``key`` None (not on CUDA): a plain :func:`launch`, nothing kept."""
+    hit = store.get(key) if key is not None else None
+    if hit is not None:
+        hit.run(key[0], *args)
+        return hit
+    ran = launch(fn, grid, args, **kwargs)
+    if ran is not None and key is not None:
+        if len(store) >= _MAX_CACHE:
+            store.clear()
+        store[key] = ran
+    return ran
+
+
 _RUNTIME: list = []
 
 
@@ -197,4 +213,4 @@ def _hooks():
     return _RUNTIME[0]
 
 
-__all__ = ["DIRECT_LAUNCH", "KernelCall", "Launch", "launch", "same_memory"]
+__all__ = ["DIRECT_LAUNCH", "KernelCall", "Launch", "kept_launch", "launch", "same_memory"]

@@ -18,7 +18,7 @@ from ..formats.spec import E2M1, FORMATS, MinifloatSpec, NVFP4Convention, ScaleR
 from . import _blockscaled as k
 from . import cdiv
 from . import _mx_fold
-from ._launch import KernelCall, Launch, launch, same_memory
+from ._launch import KernelCall, Launch, kept_launch, launch, same_memory
 from . import interpreting as _interpreting
 
 
@@ -162,17 +162,10 @@ class _QuantizeLaunch:
         if self.n_groups:
             args = (x2, data, scale, gscale if gscale is not None else scale, amax if amax is not None else scale,
                     self.n_groups, self.cols, -(-self.cols // 4) * 4)
-            ran = None
-            if device.type == "cuda":  # as launch() does: the current device's current stream
-                key = (torch._C._cuda_getDevice(), x2.dtype, x2.data_ptr() & 15,
-                       0 if gscale is None else gscale.data_ptr() & 15)
-                ran = self.launches.get(key)
-            if ran is not None:
-                ran.run(key[0], *args)
-            else:
-                ran = launch(k.quantize_blockscaled_kernel, self.grid, args, **self.consts)
-                if ran is not None and device.type == "cuda":
-                    self.launches[key] = ran
+            # as launch() does: the current device's current stream
+            key = (torch._C._cuda_getDevice(), x2.dtype, x2.data_ptr() & 15,
+                   0 if gscale is None else gscale.data_ptr() & 15) if device.type == "cuda" else None
+            ran = kept_launch(self.launches, key, k.quantize_blockscaled_kernel, self.grid, args, **self.consts)
             if keep is not None:
                 keep.append(ran)
         if self.view is not None:
@@ -217,19 +210,10 @@ def _finite_absmax_bits(x: torch.Tensor, keep: list | None = None) -> torch.Tens
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     n = flat.numel()
     if n:
-        ran = None
-        if x.is_cuda:  # the compiled launch kept per size and alignment, as launch() would find it
-            key = (torch._C._cuda_getDevice(), n, flat.dtype, flat.data_ptr() & 15)
-            ran = _ABSMAX_LAUNCHES.get(key)
-        if ran is not None:
-            ran.run(key[0], flat, out, n)
-        else:
-            ran = launch(k.finite_absmax_kernel, (cdiv(n, _ABSMAX_CHUNK * _ABSMAX_CHUNKS),), (flat, out, n),
-                         CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4)
-            if ran is not None and x.is_cuda:
-                if len(_ABSMAX_LAUNCHES) >= _MAX_QUANTIZE_LAUNCHES:
-                    _ABSMAX_LAUNCHES.clear()
-                _ABSMAX_LAUNCHES[key] = ran
+        # the compiled launch kept per size, dtype and alignment
+        key = (torch._C._cuda_getDevice(), n, flat.dtype, flat.data_ptr() & 15) if x.is_cuda else None
+        ran = kept_launch(_ABSMAX_LAUNCHES, key, k.finite_absmax_kernel, (cdiv(n, _ABSMAX_CHUNK * _ABSMAX_CHUNKS),),
+                          (flat, out, n), CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, num_warps=4)
         if keep is not None:
             keep.append(ran)
     return out

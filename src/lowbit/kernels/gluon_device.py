@@ -4,6 +4,9 @@
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+ROWS_PER_CONSUMER = gl.constexpr(64)
+"""Output rows of one consumer warpgroup: one wgmma m64 row block."""
+
 
 @gluon.jit
 def grouped_tile(tile, num_m, num_n, GROUP_M: gl.constexpr):
