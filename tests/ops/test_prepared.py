@@ -110,3 +110,52 @@ def test_attribute_edits_re_prepare():
     layer.activation = "silu"
     assert torch.equal(layer(x), lowbit.linear(x, layer.weight_qtensor, layer.bias, "silu"))
     assert layer._prepared.activation == "silu"
+
+
+class _TraceOnly(Exception):
+    """Raised by the test backend instead of running the graph (the CUDA layouts are traced on CPU)."""
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-int4", "w8a8-fp8-block"])
+def test_compiled_layers_share_scratch_without_identity_guards(monkeypatch, scheme):
+    """Under torch.compile every prepared layer of a device passes the same split-K scratch and placeholders.
+    Read through each layer's own attributes, the same tensor reached by many paths costs the compiled step
+    one identity guard (evaluated in Python) per layer and tensor on every call, which grew the host time of a
+    compiled decode step with the layer count. Read through one table, they are one graph input each and
+    leave no such guard. The CUDA preparation is forced on CPU; the graph is traced, never run."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from lowbit.kernels import scratch
+    from lowbit.ops import policy
+
+    monkeypatch.setattr(policy, "kernels_ready", lambda device, backend: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(scratch, "_TRACED", {})
+    torch.manual_seed(0)
+    layers = [lowbit.nn.QuantLinear.from_linear(torch.nn.Linear(256, 256, bias=False).to(torch.bfloat16), scheme)
+              for _ in range(4)]
+    for layer in layers:
+        layer._prepare()
+        prep = layer._prepared
+        assert prep.facts is not None or prep.fp8_traced is not None, "the traced path was not prepared"
+    model = torch.nn.Sequential(*layers)
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            raise _TraceOnly
+        return run
+
+    def step(x):
+        return model(x)
+
+    torch._dynamo.reset()
+    with pytest.raises(_TraceOnly):
+        torch.compile(step, backend=backend, fullgraph=True)(torch.randn(1, 256, dtype=torch.bfloat16))
+    entries = _debug_get_cache_entry_list(step.__code__)
+    assert len(entries) == 1
+    guards = str(entries[0].guard_manager)
+    identity = [line for line in guards.splitlines() if "LAMBDA_GUARD" in line and "._prepared." in line.split("#")[0]]
+    assert not identity, identity[:3]
+    # and the shared tensors are read: the table is in the guards
+    assert "_TRACED" in guards
+    torch._dynamo.reset()

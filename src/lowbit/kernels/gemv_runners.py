@@ -118,17 +118,21 @@ class GemvRunner:
 
 
 def traced_gemv(x: torch.Tensor, words: torch.Tensor | None, scales: torch.Tensor | None,
-                nested: torch.Tensor | None, tab: torch.Tensor | None, gs: torch.Tensor,
+                nested: torch.Tensor | None, tab: torch.Tensor | None, gs: torch.Tensor | None,
                 mma_words: torch.Tensor | None, mma_scales: torch.Tensor | None,
                 ws: torch.Tensor, cnt: torch.Tensor, rs: torch.Tensor, no_bias: torch.Tensor,
                 bias: torch.Tensor | None, f: GemvFacts, act: int) -> torch.Tensor:
     """The GEMV as ``torch.compile`` traces it (inside a ``triton_op`` body): the plan of :func:`gemv_w4`'s
     default configuration, built from ``f`` and x's shape alone. The layouts of the kernel the plan does not
-    run may be None (:func:`uses_mma` says which one runs). ``ws`` / ``cnt``: the layer's split-K
-    workspace and zeroed counters (``lowbit.kernels.scratch.traced_scratch``; a plan needing more than they
-    hold gets its own, allocated by the graph); ``rs``: an fp32 placeholder for the unused row scale;
+    run may be None (:func:`uses_mma` says which one runs); so may the nested scale, the table and the global
+    scale where the format has none. ``ws`` / ``cnt``: the device's split-K workspace and zeroed counters
+    (``lowbit.kernels.scratch.traced_shared``; a plan needing more than they hold gets its own, allocated by
+    the graph); ``rs``: an fp32 placeholder, for the unused row scale and for the absent tensors above;
     ``no_bias``: a placeholder of x's dtype for the bias pointer when ``bias`` is None."""
     m, dev = x.shape[0], x.device
+    nested = rs if nested is None else nested
+    tab = rs if tab is None else tab
+    gs = rs if gs is None else gs
     mma, plan = _default_plan(f, m, x.dtype, bias is not None, act, dev.index)
     out = torch.empty((m, f.n // 2 if act & GATED else f.n), dtype=x.dtype, device=dev)
     if plan.split > 1 and (ws.numel() < plan.split * plan.mp * f.n or cnt.numel() < plan.n_tiles):

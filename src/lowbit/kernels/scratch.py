@@ -97,26 +97,43 @@ class KeptScratch:
 
 
 _TRACED: dict = {}
+"""device index -> the tensors every prepared layer of that device passes to its triton_op under
+``torch.compile`` (:func:`traced_shared`)."""
 
 
 def traced_scratch(device: torch.device, dev_index: int, ws_numel: int, n_cnt: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 workspace, zeroed int32 counters), at least that large, that compiled graphs take as inputs.
 
-    A layer prepared for ``torch.compile`` holds this pair and passes it to its triton_op, so the compiled
-    code allocates no workspace and launches no memset per GEMV. One pair per device, shared by the layers
-    (launches on a stream run one after another and reset their counters); a larger request replaces it, and
-    the layers prepared earlier keep the smaller pair they hold. The tensors are marked as static addresses:
-    CUDA-graph trees neither copy them per replay nor record again for them.
+    A layer prepared for ``torch.compile`` asks for the pair its plans need when it is prepared; under
+    ``torch.compile`` every layer of the device passes the device's current pair (:func:`traced_shared`), so
+    the compiled code allocates no workspace and launches no memset per GEMV. One pair per device, shared by
+    the layers (launches on a stream run one after another and reset their counters); a larger request
+    replaces it with a larger one. The tensors are marked as static addresses: CUDA-graph trees neither copy
+    them per replay nor record again for them.
     """
-    ws, cnt = _TRACED.get(dev_index, (None, None))
+    shared = _TRACED.get(dev_index)
+    ws, cnt = (None, None) if shared is None else shared[:2]
     if ws is None or ws.numel() < ws_numel or cnt.numel() < n_cnt:
         ws = torch.empty(max(ws_numel, 1 << 16, 0 if ws is None else ws.numel()), dtype=torch.float32,
                          device=device)
         cnt = torch.zeros(max(n_cnt, 4096, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=device)
-        mark_static(ws, cnt)
-        _TRACED[dev_index] = (ws, cnt)
+        placeholders = shared[2:] if shared is not None else tuple(
+            torch.zeros(16, dtype=dt, device=device) for dt in (torch.float32, torch.bfloat16, torch.float16))
+        mark_static(ws, cnt, *placeholders)
+        _TRACED[dev_index] = (ws, cnt, *placeholders)
     return ws, cnt
+
+
+def traced_shared(dev_index: int) -> tuple[torch.Tensor, ...]:
+    """(workspace, counters, fp32 placeholder, bfloat16 placeholder, float16 placeholder) of a device, for the
+    triton_ops of prepared layers under ``torch.compile`` (after :func:`traced_scratch` for that device).
+
+    The layers read these through this one table, not each through an attribute of its own: ``torch.compile``
+    then sees one graph input per tensor, reached one way. The same tensor reached through every layer's own
+    attribute would cost the compiled step an identity check per layer and tensor (evaluated in Python)
+    on every call."""
+    return _TRACED[dev_index]
 
 
 def mark_static(*tensors: torch.Tensor) -> None:

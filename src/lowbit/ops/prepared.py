@@ -35,6 +35,7 @@ import torch
 
 from .. import kernels as _kernels
 from ..formats.qtensor import QTensor
+from ..kernels.scratch import traced_shared
 from . import policy
 from .linear import ACTIVATIONS, GATED_ACTIVATIONS, apply_activation, check_weight, gated_why_not, linear
 from .policy import GEMV_MAX_M
@@ -99,6 +100,7 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
         self._routes: dict = {}      # (M, x dtype, bias dtype) -> (route, target) of the scaled GEMM
         self.scaled_runners: dict = {}  # (M, x dtype, bias is None) -> Fp8BlockDecode
         self.fp8_traced: tuple | None = None  # fp8_block decode under torch.compile (see traced_call)
+        self.traced_index = -1    # the device index of the triton_ops' shared scratch (kernels.scratch.traced_shared)
         ready = layouts and policy.kernels_ready(self.device, backend)
         if weight_only:
             check_weight(w)
@@ -195,8 +197,11 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
                     t = (None, None, None, None, t[4], t[5], t[6])
                 else:
                     t = (*t[:5], None, None)
+                # the device's scratch and placeholders, read through one table (see traced_shared)
+                sh = traced_shared(self.traced_index)
                 out = torch.ops.lowbit.w4a16_gemv(
-                    x2.contiguous(), *t, *self.traced_extra, self.no_bias[x.dtype], bias, f.fmt,
+                    x2.contiguous(), *t, sh[0], sh[1], sh[2], sh[3] if x.dtype == torch.bfloat16 else sh[4],
+                    bias, f.fmt,
                     f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code,
                     f.plan_n)
                 return out.reshape(*x.shape[:-1], self.n_out)
@@ -206,7 +211,9 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
             x2 = x.reshape(-1, self.k)
             m = x2.shape[0]
             if 0 < m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
-                out = torch.ops.lowbit.fp8_block_decode(x2.contiguous(), *ft[:4], bias, ft[4], ft[5], ft[6])
+                sh = traced_shared(self.traced_index)
+                out = torch.ops.lowbit.fp8_block_decode(x2.contiguous(), ft[0], ft[1], sh[0], sh[1], bias, ft[2],
+                                                        ft[3], ft[4])
                 return apply_activation(out, self.activation).reshape(*x.shape[:-1], self.n)
         return self.call_general(x, bias, act_global_scale)
 

@@ -36,7 +36,7 @@ class ScaledCalls:
     def _prepare_fp8_block_traced(self) -> None:
         """fp8_block activations on an fp8_block weight: under ``torch.compile`` decode runs the
         ``lowbit::fp8_block_decode`` triton_op (the activation quantized inside the GEMM), with the weight
-        and a split-K scratch as static graph inputs."""
+        and the device's split-K scratch (``lowbit.kernels.scratch.traced_shared``) as static graph inputs."""
         w, opts = self.w, self.act_options
         if (w.fmt != "fp8_block" or self.act_format != "fp8_block" or set(opts) - {"block", "scale_fmt"}
                 or tuple(opts.get("block", (1, 128))) != (1, 128) or not w.data.is_contiguous()
@@ -47,9 +47,10 @@ class ScaledCalls:
 
         register_fp8_block_op()
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        ws, cnt = traced_scratch(self.device, idx, *ksm.quant_in_gemm_scratch_size(self.n, self.k))
+        traced_scratch(self.device, idx, *ksm.quant_in_gemm_scratch_size(self.n, self.k))  # sized for this weight
+        self.traced_index = idx
         mark_static(w.data, w.scale)
-        self.fp8_traced = (w.data, w.scale, ws, cnt, opts.get("scale_fmt") == "ue8m0", int(w.params["block"][0]),
+        self.fp8_traced = (w.data, w.scale, opts.get("scale_fmt") == "ue8m0", int(w.params["block"][0]),
                            plan_rows(w))
 
     def _scaled_call(self, x: torch.Tensor, bias: torch.Tensor | None,

@@ -49,22 +49,25 @@ class W4A16Calls:
             p = gated_layout(p)  # [gate; up] rows interleaved for the gated epilogue
         self.facts = facts(p)   # builds the tensor-core layout too
         lay = mma_layout(p)
-        dummy = p.nested if lay is None else None
         self.gemv = p
-        self.gemv_tensors = (p.words, p.scales, p.nested, p.tab, p.gs,
-                             lay.words if lay is not None else dummy, lay.scales if lay is not None else dummy)
-        # what the compiled path passes besides the layouts: the split-K scratch and placeholders, made here so
-        # that the compiled code allocates none of them per call
+        # under torch.compile the placeholders (the fp32 one standing for an absent nested scale, table or
+        # global scale) are passed as None and the op puts the device's shared placeholder in their place
+        # (lowbit.kernels.scratch.traced_shared); so are the layouts of a kernel that cannot run
+        placeholder = dummy_tensor(self.device, torch.float32)
+        self.gemv_tensors = tuple(None if t is placeholder else t for t in (
+            p.words, p.scales, p.nested, p.tab, p.gs,
+            lay.words if lay is not None else None, lay.scales if lay is not None else None))
+        # what the compiled path passes besides the layouts: the split-K scratch and placeholders, shared by
+        # the device's layers and made here, so that the compiled code allocates none of them per call
         from ..kernels.scratch import mark_static, traced_scratch
 
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        ws, cnt = traced_scratch(self.device, idx, *traced_scratch_size(self.n, self.k))
-        self.traced_extra = (ws, cnt, dummy_tensor(self.device, torch.float32))
-        self.no_bias = {dt: dummy_tensor(self.device, dt) for dt in X_DTYPES}
+        traced_scratch(self.device, idx, *traced_scratch_size(self.n, self.k))
+        self.traced_index = idx
         self.mma_rule = mma_rule(self.facts)
         # fixed addresses for torch.compile: CUDA-graph trees would otherwise copy every layout into graph-owned
         # memory on each replay (they are not module parameters); guarded, so a re-prepared layer recompiles
-        mark_static(*{id(t): t for t in (*self.gemv_tensors, *self.traced_extra, *self.no_bias.values())}.values())
+        mark_static(*{id(t): t for t in self.gemv_tensors if t is not None}.values())
 
     def _gemv_call(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         k = self.k

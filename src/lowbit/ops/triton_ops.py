@@ -22,7 +22,7 @@ def _gemv_body(
     scales: torch.Tensor | None,
     nested: torch.Tensor | None,
     tab: torch.Tensor | None,
-    gs: torch.Tensor,
+    gs: torch.Tensor | None,
     mma_words: torch.Tensor | None,
     mma_scales: torch.Tensor | None,
     ws: torch.Tensor,
@@ -45,8 +45,8 @@ def _gemv_body(
 ) -> torch.Tensor:
     """``act(x @ W.T + bias)`` for x ``[M, K]`` (M <= 16, contiguous) on a prepared weight's GEMV layouts
     (``lowbit.kernels.gemv_prepack`` and ``gemv_mma_layout``: words, scales, nested absmax, NF4 table, global
-    scale, tensor-core words and scales), its split-K scratch and placeholders
-    (:func:`lowbit.kernels.gemv_runners.traced_gemv`) and its static facts; the plan is
+    scale, tensor-core words and scales; None where the weight has none), the device's split-K scratch and
+    placeholders (:func:`lowbit.kernels.gemv_runners.traced_gemv`) and the weight's static facts; the plan is
     :func:`lowbit.kernels.gemv_w4.gemv_w4`'s default one."""
     from ..kernels.gemv_runners import GemvFacts, traced_gemv
 
