@@ -24,20 +24,23 @@ M_REGIMES: list[tuple[int, str]] = [(32, "m32"), (64, "m64"), (128, "m128"), (51
 # wgmmas, 4 stages (~185 KB shared memory, one program per SM; compiled and inspected on sm_90, not swept: at
 # M > 512 the W4A16 ops take the dequantize route). The small-M tiles keep shared memory under ~110 KB so that
 # two programs share an SM (the decode is most of their work, and it is done once per BLOCK_M rows of x).
-# m64 and m512 are the winners of `benchmarks/experiments/sweep_w4a16_tiles.py gemm --m 64 / --m 256` on an
-# H200 (nvfp4, mxfp4, int4_awq, nf4 on 6144x4096, 4096x14336, 28672x8192; best geometric mean per format):
-# at M = 256 the 128x64 tile of one warpgroup beats the former 128x128 two-warpgroup tile by 1.1-1.6x (more
-# programs at these M); m32 and m128 are not swept yet.
+# Every small-M regime holds the winners of `benchmarks/experiments/sweep_w4a16_tiles.py gemm --m 32 / 64 / 128 /
+# 256` on an H200 (nvfp4, mxfp4, int4_awq, nf4 on 6144x4096, 4096x14336, 28672x8192; best geometric mean of the
+# ratio to cuBLAS per format, each candidate checked against the fp32 reference): from M = 65 the 128x64 tile of
+# one warpgroup with a 128-wide K step (at M = 256 it beats the former 128x128 two-warpgroup tile by 1.1-1.6x:
+# more programs at these M); at M <= 32 a 256-wide K step. Single timings at these sizes vary by up to 2x
+# between neighbouring candidates, so near-ties were settled by what most formats and shapes agreed on.
 CONFIGS: dict[str, dict[str, int]] = {
-    "m32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, GROUP_M=1),
+    "m32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, GROUP_M=1),
     "m64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5, GROUP_M=1),
-    "m128": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, GROUP_M=4),
+    "m128": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=4),
     "m512": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=8),
     "large": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8),
 }
-# (format, regime) -> entries replacing those of CONFIGS[regime]; nf4 at M = 64: a 256-wide K step (its table
-# loads amortized over more of the tile), same sweep
+# (format, regime) -> entries replacing those of CONFIGS[regime] (same sweep): nf4 takes the other K step at
+# M <= 64 (its table loads weigh differently in the tile)
 FORMAT_CONFIGS: dict[tuple[str, str], dict[str, int]] = {
+    ("nf4", "m32"): dict(BLOCK_K=128, num_stages=5),
     ("nf4", "m64"): dict(BLOCK_K=256, num_stages=3),
 }
 # split-K: used when the output tiles fill less than half of the SMs; each split keeps >= this many K tiles
