@@ -244,3 +244,73 @@ def test_gated_mlp_of_a_transformers_llama():
     unfuse_projections(m)
     assert type(m.model.layers[0].mlp).__name__ == "LlamaMLP"
     _assert_same_state(ref_state, m.state_dict())
+
+
+def test_members_share_their_group_holder_copies_get_their_own_and_the_registry_forgets_dead_groups():
+    import copy
+    import gc
+
+    from lowbit.nn.fuse import FUSED_OUTPUTS
+
+    m = _model("w4a16-nvfp4")
+    fuse_projections(m, gated_mlp=False)
+    attn = m.layers[0]
+    keys = {n: getattr(attn, n)._out_key for n in ("q_proj", "k_proj", "v_proj")}
+    assert len(set(keys.values())) == 1 and FUSED_OUTPUTS[keys["q_proj"]] is attn.q_proj._out
+    ids, pos = torch.randint(0, SHAPE.vocab, (1, 3)), torch.arange(3)
+    want = _step(m, ids, pos)
+    for make in (copy.deepcopy, lambda model: torch.load(_saved(model), weights_only=False)):
+        clone = make(m)
+        c = clone.layers[0]
+        ckeys = {getattr(c, n)._out_key for n in ("q_proj", "k_proj", "v_proj")}
+        assert len(ckeys) == 1 and ckeys.isdisjoint(keys.values())   # one new holder for the copied group
+        assert FUSED_OUTPUTS[next(iter(ckeys))] is c.q_proj._out is c.v_proj._out
+        # interleaved calls of the original and the copy on the same input: each group serves its own output
+        x = torch.randn(1, 2, SHAPE.hidden)
+        with torch.no_grad():
+            q = attn.q_proj(x)
+            cq, ck = c.q_proj(x), c.k_proj(x)
+            k = attn.k_proj(x)
+        torch.testing.assert_close(ck, k, rtol=0, atol=0)
+        torch.testing.assert_close(cq, q, rtol=0, atol=0)
+        torch.testing.assert_close(_step(clone, ids, pos), want, rtol=0, atol=0)
+        held = sorted(ckeys)
+        del clone, c, make
+        gc.collect()
+        assert all(k not in FUSED_OUTPUTS for k in held)
+    before = len(FUSED_OUTPUTS)
+    del m, attn
+    gc.collect()
+    assert len(FUSED_OUTPUTS) == before - 2 * SHAPE.layers
+
+
+def _saved(m):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_compiled_fused_members_leave_no_identity_guards():
+    """The members of a fused group reach their shared output holder by the group's key in one table: reached
+    through each member's own attribute, the holder cost two identity guards per group, evaluated in Python on
+    every call of the compiled step."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    m = _model("w4a16-int4")
+    fuse_projections(m, gated_mlp=False)
+
+    def step(ids, pos):
+        return m(ids, pos)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        clear_cache(m)
+        torch.compile(step, backend="eager", fullgraph=True)(torch.randint(0, SHAPE.vocab, (1, 1)),
+                                                              torch.tensor([0]))
+    guards = str(_debug_get_cache_entry_list(step.__code__)[0].guard_manager)
+    identity = [g for g in guards.splitlines() if "LAMBDA_GUARD" in g and "_out" in g.split("#")[0]]
+    assert not identity, identity[:2]
+    torch._dynamo.reset()

@@ -117,12 +117,14 @@ class _TraceOnly(Exception):
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-int4", "w8a8-fp8-block"])
-def test_compiled_layers_share_scratch_without_identity_guards(monkeypatch, scheme):
+def test_compiled_layers_share_scratch_and_plans_without_per_layer_guards(monkeypatch, scheme):
     """Under torch.compile every prepared layer of a device passes the same split-K scratch and placeholders.
     Read through each layer's own attributes, the same tensor reached by many paths costs the compiled step
     one identity guard (evaluated in Python) per layer and tensor on every call, which grew the host time of a
     compiled decode step with the layer count. Read through one table, they are one graph input each and
-    leave no such guard. The CUDA preparation is forced on CPU; the graph is traced, never run."""
+    leave no such guard. Likewise the static facts a traced call reads (shape, format codes, the tensor-core
+    rule, device) come from a plan shared by equal layers and are guarded once, not once per layer. The CUDA
+    preparation is forced on CPU; the graph is traced, never run."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from lowbit.kernels import scratch
@@ -158,4 +160,11 @@ def test_compiled_layers_share_scratch_without_identity_guards(monkeypatch, sche
     assert not identity, identity[:3]
     # and the shared tensors are read: the table is in the guards
     assert "_TRACED" in guards
+    # the layers' static facts come from one shared plan: one key per layer, the plan's values once
+    keys = {layer._prepared.gemv_plan if layer._prepared.gemv_plan >= 0 else layer._prepared.fp8_plan
+            for layer in layers}
+    assert len(keys) == 1
+    assert "_prepared.facts" not in guards and "_prepared.k " not in guards
+    plans = {line.split("PLANS[")[1].split("]")[0] for line in guards.splitlines() if "PLANS[" in line.split("#")[0]}
+    assert len(plans) == 1
     torch._dynamo.reset()

@@ -37,6 +37,8 @@ q/k/v (or gate/up) shards. Unfused, the members come back as the shards they wer
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import fields, replace
 from typing import Any
 
@@ -49,14 +51,40 @@ from .modules import QuantLinear
 from .quantize import fused_groups
 
 
+FUSED_OUTPUTS: dict[int, _FusedOutput] = {}
+"""key -> the output holder of a fused group, while any member lives. Members read their holder here, by the
+group's key, not through an attribute of their own: under ``torch.compile`` one object reached through each
+member's attribute costs an identity guard per member (evaluated in Python on every call of the compiled
+code), and the holder's updates are written back through that path after every call."""
+_keys = itertools.count()
+
+
 class _FusedOutput:
     """The output of a group's fused layer for the last input it was called with, and which members have
-    taken their columns of it (a plain object shared by the members, so that no module holds another)."""
+    taken their columns of it (a plain object shared by the members, so that no module holds another). A copy
+    (``copy.deepcopy``, pickling) is the holder of the copied group: empty, under its own key."""
 
     def __init__(self) -> None:
         self.x: torch.Tensor | None = None
         self.y: torch.Tensor | None = None
         self.served = 0
+        self.members = 0
+        self.key = next(_keys)
+        FUSED_OUTPUTS[self.key] = self
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+def _member_gone(key: int) -> None:
+    out = FUSED_OUTPUTS.get(key)
+    if out is not None:
+        out.members -= 1
+        if out.members <= 0:
+            del FUSED_OUTPUTS[key]
 
 
 class FusedProjection(nn.Module):
@@ -78,9 +106,20 @@ class FusedProjection(nn.Module):
         self._members = members
         self._shard: tuple[type, Any] | None = None
         """For a column-parallel member: its own class and ``tp``, given back by :func:`unfuse_projections`."""
+        self._join_holder()
+
+    def _join_holder(self) -> None:
+        out = self._out
+        self._out_key = out.key
+        out.members += 1
+        weakref.finalize(self, _member_gone, out.key)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._join_holder()  # a copy's holder is a new one (see _FusedOutput)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._out
+        out = FUSED_OUTPUTS[self._out_key]
         bit = 1 << self.index
         if out.x is x and not out.served & bit:
             y = out.y

@@ -41,6 +41,7 @@ from .linear import ACTIVATIONS, GATED_ACTIVATIONS, apply_activation, check_weig
 from .policy import GEMV_MAX_M
 from .prepared_scaled import SCALED_X_DTYPES, ScaledCalls
 from .prepared_w4a16 import X_DTYPES, W4A16Calls
+from .traced_plans import PLANS
 
 
 def _trackable(q: QTensor) -> tuple:
@@ -99,8 +100,11 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
         self._pairs_checked: set = set()
         self._routes: dict = {}      # (M, x dtype, bias dtype) -> (route, target) of the scaled GEMM
         self.scaled_runners: dict = {}  # (M, x dtype, bias is None) -> Fp8BlockDecode
-        self.fp8_traced: tuple | None = None  # fp8_block decode under torch.compile (see traced_call)
-        self.traced_index = -1    # the device index of the triton_ops' shared scratch (kernels.scratch.traced_shared)
+        # under torch.compile (traced_call): keys of the layer's plans in traced_plans.PLANS (-1: none), and the
+        # fp8_block decode's weight tensors
+        self.gemv_plan = -1
+        self.fp8_plan = -1
+        self.fp8_traced: tuple | None = None
         ready = layouts and policy.kernels_ready(self.device, backend)
         if weight_only:
             check_weight(w)
@@ -181,40 +185,44 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
     def traced_call(self, x: torch.Tensor, bias: torch.Tensor | None,
                     act_global_scale: torch.Tensor | None = None) -> torch.Tensor:
         """The call as ``torch.compile`` traces it: the GEMV regime through the ``lowbit::w4a16_gemv``
-        triton_op, everything else through :meth:`call_general` (opaque custom ops)."""
-        f = self.facts
-        if (f is not None and x.dtype in X_DTYPES and x.shape[-1] == self.k and x.device == self.device
-                and (bias is None or (bias.dtype == x.dtype and not self.gated))):
-            x2 = x.reshape(-1, self.k)
-            m = x2.shape[0]
-            if 0 < m <= GEMV_MAX_M:
-                t = self.gemv_tensors
-                # only the layouts of the kernel that runs become graph inputs (each input costs the compiled
-                # code a guard and a size check per call); the rule is gemv_runners.uses_mma's, in comparisons that
-                # a symbolic M traces through (bucket guards, as the op's own plan adds)
-                dtypes, lo, hi, m1 = self.mma_rule
-                if x.dtype in dtypes and lo <= m <= hi and (m > 1 or m1):
-                    t = (None, None, None, None, t[4], t[5], t[6])
-                else:
-                    t = (*t[:5], None, None)
-                # the device's scratch and placeholders, read through one table (see traced_shared)
-                sh = traced_shared(self.traced_index)
-                out = torch.ops.lowbit.w4a16_gemv(
-                    x2.contiguous(), *t, sh[0], sh[1], sh[2], sh[3] if x.dtype == torch.bfloat16 else sh[4],
-                    bias, f.fmt,
-                    f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code,
-                    f.plan_n)
-                return out.reshape(*x.shape[:-1], self.n_out)
-        ft = self.fp8_traced
-        if (ft is not None and act_global_scale is None and x.dtype in SCALED_X_DTYPES and x.shape[-1] == self.k
-                and x.device == self.device and (bias is None or bias.dtype == x.dtype)):
-            x2 = x.reshape(-1, self.k)
-            m = x2.shape[0]
-            if 0 < m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
-                sh = traced_shared(self.traced_index)
-                out = torch.ops.lowbit.fp8_block_decode(x2.contiguous(), ft[0], ft[1], sh[0], sh[1], bias, ft[2],
-                                                        ft[3], ft[4])
-                return apply_activation(out, self.activation).reshape(*x.shape[:-1], self.n)
+        triton_op, fp8_block decode through ``lowbit::fp8_block_decode``, everything else through
+        :meth:`call_general` (opaque custom ops). What the call reads besides the layer's tensors comes from
+        the layer's shared plan (:mod:`lowbit.ops.traced_plans`): each read value is a guard checked on every
+        call of the compiled code, and a plan shared by many layers is checked once."""
+        if self.gemv_plan >= 0:
+            p = PLANS[self.gemv_plan]
+            if (x.dtype in X_DTYPES and x.shape[-1] == p.k and x.device == p.device
+                    and (bias is None or (bias.dtype == x.dtype and not p.gated))):
+                x2 = x.reshape(-1, p.k)
+                m = x2.shape[0]
+                if 0 < m <= GEMV_MAX_M:
+                    t = self.gemv_tensors
+                    # only the layouts of the kernel that runs become graph inputs (each input costs the compiled
+                    # code a guard and a size check per call); the rule is gemv_runners.uses_mma's, in
+                    # comparisons that a symbolic M traces through (bucket guards, as the op's own plan adds)
+                    dtypes, lo, hi, m1 = p.mma_rule
+                    if x.dtype in dtypes and lo <= m <= hi and (m > 1 or m1):
+                        t = (None, None, None, None, t[4], t[5], t[6])
+                    else:
+                        t = (*t[:5], None, None)
+                    # the device's scratch and placeholders, read through one table (see traced_shared)
+                    sh = traced_shared(p.traced_index)
+                    out = torch.ops.lowbit.w4a16_gemv(
+                        x2.contiguous(), *t, sh[0], sh[1], sh[2], sh[3] if x.dtype == torch.bfloat16 else sh[4],
+                        bias, *p.op_args)
+                    return out.reshape(*x.shape[:-1], p.n_out)
+        elif self.fp8_plan >= 0 and act_global_scale is None:
+            p = PLANS[self.fp8_plan]
+            if (x.dtype in SCALED_X_DTYPES and x.shape[-1] == p.k and x.device == p.device
+                    and (bias is None or bias.dtype == x.dtype)):
+                x2 = x.reshape(-1, p.k)
+                m = x2.shape[0]
+                if 0 < m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
+                    sh = traced_shared(p.traced_index)
+                    w_data, w_scale = self.fp8_traced
+                    out = torch.ops.lowbit.fp8_block_decode(x2.contiguous(), w_data, w_scale, sh[0], sh[1], bias,
+                                                            *p.op_args)
+                    return apply_activation(out, p.activation).reshape(*x.shape[:-1], p.n)
         return self.call_general(x, bias, act_global_scale)
 
 

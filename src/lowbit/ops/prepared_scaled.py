@@ -22,6 +22,7 @@ from ..formats.shards import plan_rows
 from . import policy
 from .linear import apply_activation
 from .prepared_runners import MAX_RUNNERS, Fp8BlockCublas, Fp8BlockDecode, GemvRouteDecode, MXDecode
+from .traced_plans import Fp8DecodePlan, plan_key
 from .triton_ops import register_fp8_block_op
 
 SCALED_X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -48,10 +49,11 @@ class ScaledCalls:
         register_fp8_block_op()
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
         traced_scratch(self.device, idx, *ksm.quant_in_gemm_scratch_size(self.n, self.k))  # sized for this weight
-        self.traced_index = idx
         mark_static(w.data, w.scale)
-        self.fp8_traced = (w.data, w.scale, opts.get("scale_fmt") == "ue8m0", int(w.params["block"][0]),
-                           plan_rows(w))
+        self.fp8_traced = (w.data, w.scale)
+        self.fp8_plan = plan_key(Fp8DecodePlan(
+            self.k, self.n, self.device, idx, self.activation,
+            (opts.get("scale_fmt") == "ue8m0", int(w.params["block"][0]), plan_rows(w))))
 
     def _scaled_call(self, x: torch.Tensor, bias: torch.Tensor | None,
                      act_global_scale: torch.Tensor | None) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from . import policy
 from .linear import chunked_gemm, decode_chunks
 from .policy import GEMV_MAX_M
 from .prepared_runners import MAX_RUNNERS
+from .traced_plans import GemvPlan, plan_key
 from .triton_ops import register_gemv_op
 
 X_DTYPES = (torch.bfloat16, torch.float16)
@@ -63,8 +64,10 @@ class W4A16Calls:
 
         idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
         traced_scratch(self.device, idx, *traced_scratch_size(self.n, self.k))
-        self.traced_index = idx
-        self.mma_rule = mma_rule(self.facts)
+        f = self.facts
+        self.gemv_plan = plan_key(GemvPlan(
+            self.k, self.n_out, self.device, self.gated, idx, mma_rule(f),
+            (f.fmt, f.fmt_code, f.n, f.k, f.sk, f.wpb, f.post, f.gs_kind, f.mma_fmt, f.cpg, self.act_code, f.plan_n)))
         # fixed addresses for torch.compile: CUDA-graph trees would otherwise copy every layout into graph-owned
         # memory on each replay (they are not module parameters); guarded, so a re-prepared layer recompiles
         mark_static(*{id(t): t for t in self.gemv_tensors if t is not None}.values())
