@@ -1,7 +1,8 @@
 """Where the host time of a ``torch.compile``d decode step goes (default mode, no CUDA graphs): tokens/s and a
 cProfile of the compiled step for bf16 and lowbit schemes on the ``lowbit e2e`` decoder, plus the step's time
 with the GPU idle (one synchronized step) against its GPU time (a CUDA-graph replay of the eager step); which
-launcher Inductor gave each Triton kernel of the step (its static launcher or Triton's, per kernel name) and,
+launcher Inductor gave each Triton kernel of the step (its static launcher or Triton's, per kernel name), the
+time of one evaluation of the step's guards and their count by kind, and,
 with ``$OUT`` set, the generated code of each config (``$OUT/compiled_step_<config>.py``).
 
     PYTHONPATH=src python benchmarks/experiments/profile_compiled_step.py [--configs bf16,lowbit:w4a16-nvfp4] [--layers 4]
@@ -42,6 +43,25 @@ def launcher_kinds(new: list) -> Counter:
     return kinds
 
 
+def guard_report(fn, frame_locals: dict, calls: int = 200) -> str:
+    """Time of one evaluation of the guards Dynamo keeps for ``fn``'s compiled code (what every call checks
+    before the compiled code runs), and their count by kind (a Python-evaluated ``LAMBDA_GUARD`` costs more)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = _debug_get_cache_entry_list(fn.__code__)
+    if not entries:
+        return "guards: no compiled entry"
+    guards = entries[0].guard_manager
+    if not guards.check(frame_locals):
+        return "guards: the given locals fail them"
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        guards.check(frame_locals)
+    us = (time.perf_counter() - t0) / calls * 1e6
+    kinds = Counter(m.group(1) for m in re.finditer(r"\+- ([A-Z_]+):", str(guards)))
+    return f"guards: {us:.1f} us per check; " + ", ".join(f"{k} {c}" for k, c in kinds.most_common(6))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="bf16,lowbit:w4a16-nvfp4")
@@ -54,7 +74,10 @@ def main() -> None:
     for config in args.configs.split(","):
         torch._dynamo.reset()
         model = e2e.apply_config(e2e.build_decoder(s, 256, "cuda"), config)
-        fn = torch.compile(lambda t, p, m=model: m(t, p).argmax(-1, keepdim=True), fullgraph=True)
+        def step(t, p, m=model):
+            return m(t, p).argmax(-1, keepdim=True)
+
+        fn = torch.compile(step, fullgraph=True)
         tok = torch.zeros(1, 1, dtype=torch.long, device="cuda")
         pos = torch.tensor([8], device="cuda")
         before = set(_autotuners())
@@ -96,6 +119,7 @@ def main() -> None:
               f"launches in the generated code {sum(c.count('.run(') for c in codes)}")
         kinds = launcher_kinds([o for i, o in _autotuners().items() if i not in before])
         print("launchers: " + ", ".join(f"{n} {k} x{c}" for (n, k), c in sorted(kinds.items())))
+        print(guard_report(step, {"t": tok, "p": pos, "m": model}))
         print(buf.getvalue()[:6000], flush=True)
         del model, fn
 
