@@ -92,9 +92,9 @@ class Format:
 
 
 REGISTRY: dict[str, Format] = {}
+"""Format name -> :class:`Format`, in registration order (the order of every derived list)."""
 CHANGES = [0]
 """How many times :data:`REGISTRY` changed: callers that keep decisions made from it compare this count."""
-"""Format name -> :class:`Format`, in registration order (the order of every derived list)."""
 
 
 def register_format(fmt: Format) -> Format:
