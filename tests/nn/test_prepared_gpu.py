@@ -160,7 +160,7 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
         from lowbit.kernels import cublas_fp8_block
 
         if scheme == "w8a8-fp8-block" and cublas_fp8_block._unavailable(0) is None:
-            assert type(runners.get((100, torch.bfloat16, not bias))).__name__ == "Fp8BlockCublas"
+            assert type(runners.get((100, torch.bfloat16, not bias))).__name__ == "Fp8BlockLibraryGemm"
         if scheme in ("w8a8-fp8-block", "w4a8-mxfp4"):  # decode: the activation quantized in the GEMM, one launch
             for m in (1, 2, 16):
                 assert type(runners.get((m, torch.bfloat16, not bias))).__name__ == "QuantInGemm", m

@@ -579,9 +579,11 @@ CUBLAS_CASES = [  # (name, M, N, K, alpha, bias dtype, out dtype, cuBLAS expecte
 
 
 @pytest.mark.parametrize("case", CUBLAS_CASES, ids=lambda c: f"{c[0]}-M{c[1]}-{c[2]}x{c[3]}-{c[5]}-{c[6]}")
-def test_cublas_route(case):
+def test_cublas_route(case, monkeypatch):
     """fp8_block pairs run cuBLASLt's block-scaled GEMM where it can, lowbit's kernels where it cannot; both
-    are the block-scaled product, and each agrees with the reference and with the other."""
+    are the block-scaled product, and each agrees with the reference and with the other (DeepGEMM's route,
+    where installed, is switched off here and tested below)."""
+    monkeypatch.setenv("LOWBIT_DEEP_GEMM", "0")
     km = _km()
     name, m, n, k, alpha, bias_dtype, out_dtype, expected = case
     af, ao, wf, wo = PAIR[name]
@@ -608,6 +610,7 @@ def test_cublas_route(case):
 
 
 def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
+    monkeypatch.setenv("LOWBIT_DEEP_GEMM", "0")
     km = _km()
     w = _weight("fp8_block", (("block", (128, 128)),), 4096, 4096)
     x, a = _act("fp8_block", (), 256, 4096)
@@ -624,6 +627,129 @@ def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
     assert "LOWBIT_CUBLAS_FP8_BLOCK=0" in km.cublas_unsupported(a, w, None, torch.bfloat16)
     assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "kernel"
     assert "cuBLASLt" not in str(smm_dispatch.plan_scaled_mm(a, w))
+
+
+# ------------------------------------------------------------------------ DeepGEMM (deepgemm route)
+
+DEEPGEMM_CASES = [
+    # (m, n, k, alpha, seed): DeepSeek-V3 shapes, M not a multiple of 4, N not a multiple of 128, alpha
+    (256, 7168, 2048, None, 0),
+    (68, 2112, 7168, None, 1),
+    (1030, 2112, 7168, None, 2),
+    (1000, 24576, 1536, 0.75, 3),
+    (4096, 4096, 7168, None, 4),
+    (300, 1024, 1408, 2.0, 5),      # K/128 = 11
+]
+
+
+def _need_deep_gemm(km):
+    pytest.importorskip("deep_gemm")
+    from lowbit.kernels import deep_gemm_fp8
+
+    why = deep_gemm_fp8._unavailable(torch.cuda.current_device())
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("case", DEEPGEMM_CASES, ids=lambda c: f"M{c[0]}-{c[1]}x{c[2]}-a{c[3]}")
+def test_deepgemm_route(case):
+    """Where DeepGEMM is installed, the policy's fp8_block prefill pairs run its FP8 GEMM: the block-scaled
+    product against the fp32 reference, against cuBLASLt's route and lowbit's kernel, alpha folded into the
+    activation scales; the operands are not modified, and the same call twice gives the same bits."""
+    km = _km()
+    _need_deep_gemm(km)
+    m, n, k, alpha, seed = case
+    w = _weight("fp8_block", (("block", (128, 128)),), n, k)
+    x, a = _act("fp8_block", (), m, k, seed=seed)
+    if seed == 3:  # adversarial blocks: a zero block and a block at E4M3's largest finite value
+        x = x.clone()
+        x[:5, :128] = 0
+        x[5:9, 128:256] = 448.0
+        a = _quantize(x, "fp8_block", ())
+    alpha_t = None if alpha is None else torch.tensor([alpha], device="cuda")
+    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "deepgemm"
+    assert "DeepGEMM" in str(smm_dispatch.plan_scaled_mm(a, w))
+    ref = scaled_mm_reference(a, w, alpha_t, None, torch.float32, dequant_backend="torch")
+    before = {key: t.clone() for key, t in (*a.tensors().items(), *w.tensors().items())}
+    out = lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16)
+    assert all(torch.equal(t, before[key]) for key, t in (*a.tensors().items(), *w.tensors().items()))
+    _assert_close(out, ref, f"deepgemm {case}")
+    assert torch.equal(lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16), out)
+    _assert_close(km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "kernel"), ref, f"kernel {case}")
+    if m % 4 == 0:
+        _assert_close(km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "cublas"), ref, f"cublas {case}")
+
+
+@pytest.mark.parametrize("m, k, bias, out_dtype, route", [
+    (256, 16384, False, torch.bfloat16, "cublas"),   # long K at M <= 1024: cuBLASLt
+    (2048, 16384, False, torch.bfloat16, "deepgemm"),
+    (256, 2048, True, torch.bfloat16, "cublas"),     # a bias: cuBLASLt's epilogue
+    (256, 2048, False, torch.float16, "cublas"),     # DeepGEMM writes bf16 only
+    (64, 2048, False, torch.bfloat16, "kernel"),     # decode
+])
+def test_deepgemm_policy_on_the_gpu(m, k, bias, out_dtype, route, monkeypatch):
+    km = _km()
+    _need_deep_gemm(km)
+    w = _weight("fp8_block", (("block", (128, 128)),), 7168, k)
+    _, a = _act("fp8_block", (), m, k)
+    b = _bias(7168, out_dtype) if bias else None
+    assert policy.scaled_route(a, w, b, out_dtype, km) == route
+    monkeypatch.setenv("LOWBIT_DEEP_GEMM", "0")
+    assert policy.scaled_route(a, w, b, out_dtype, km) == ("kernel" if route == "kernel" else "cublas")
+
+
+def test_deepgemm_route_in_a_cuda_graph():
+    km = _km()
+    _need_deep_gemm(km)
+    w = _weight("fp8_block", (("block", (128, 128)),), 4096, 4096)
+    x, a = _act("fp8_block", (), 256, 4096)
+    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "deepgemm"
+    graph, out = _capture(lambda t: scaled_linear(t, w, "fp8_block"), x)
+    for seed in (1, 2):
+        x.copy_(_act("fp8_block", (), 256, 4096, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = scaled_mm_reference(_quantize(x, "fp8_block", ()), w, None, None, torch.float32,
+                                  dequant_backend="torch")
+        _assert_close(out, ref, "DeepGEMM route, graph replay")
+
+
+def test_deepgemm_in_a_prepared_layer_and_its_fallback(monkeypatch):
+    """A w8a8-fp8-block QuantLinear at a prefill M runs the quantize kernel (M-major scales) and DeepGEMM, the
+    same bits as the public ops; if DeepGEMM's call fails, a warning and cuBLASLt's result."""
+    km = _km()
+    _need_deep_gemm(km)
+    import deep_gemm
+
+    from lowbit.kernels import deep_gemm_fp8
+    from lowbit.nn import QuantLinear
+
+    lin = torch.nn.Linear(2048, 7168, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = QuantLinear.from_linear(lin, "w8a8-fp8-block")
+    x = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    wq = layer.weight_qtensor
+    want = scaled_linear(x, wq, "fp8_block")
+    for _ in range(2):
+        assert torch.equal(layer(x), want)
+    run = layer._prepared.scaled_runners.get((512, torch.bfloat16, True))
+    assert type(run).__name__ == "Fp8BlockLibraryGemm" and type(run.mm).__name__ == "PreparedMM"
+    assert run.mm.__class__.__module__ == deep_gemm_fp8.__name__
+    a = _quantize(x, "fp8_block", ())
+    cublas_out = km.scaled_mm(a, wq, None, None, torch.bfloat16, "cublas")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("JIT failed (test)")
+
+    monkeypatch.setattr(deep_gemm, "fp8_gemm_nt", broken)
+    saved = list(deep_gemm_fp8._FAILED)
+    deep_gemm_fp8._FAILED.clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="JIT failed"):
+            got = layer(x)
+        assert torch.equal(got, cublas_out)
+        assert policy.scaled_route(a, wq, None, torch.bfloat16, km) == "cublas"
+    finally:
+        deep_gemm_fp8._FAILED[:] = saved
 
 
 # ------------------------------------------------------------------------ FP8 re-encoding (fold route)

@@ -13,7 +13,8 @@ Every case is also timed as CUDA-graph replays (the host launch cost out of the 
 check: relative Frobenius error <= 1e-2 and max error <= 2e-2 of the max against
 ``lowbit.ops.scaled_mm_reference`` in fp32. Baselines, at every shape: cuBLAS bf16 on the unquantized
 operands, ``torch._scaled_mm`` per-tensor FP8 (E4M3 casts, scales 1), DeepGEMM for the fp8_block pair, and
-lowbit's own Triton GEMM where the dispatch picked another route (``lowbit.scaled_mm[kernel route]``).
+lowbit's own Triton GEMM where the dispatch picked another route (``lowbit.scaled_mm[kernel route]``), and
+cuBLASLt's route where the dispatch picked DeepGEMM's (``lowbit.scaled_mm[cublas route]``).
 """
 
 from __future__ import annotations
@@ -55,11 +56,13 @@ def _io_nbytes(pair: str, shape: Shape, fused: bool) -> int:
     return act + qtensor_nbytes(wf, (n, k), **wo) + m * n * 2
 
 
-def _lowbit_kernel_route(a: Any, qs: list, route: str) -> Baseline:
+def _lowbit_route(a: Any, qs: list, route: str, other: str = "kernel") -> Baseline:
+    """lowbit's ``other`` route of ``lowbit.kernels.scaled_mm`` on the same operands, where the dispatch picked
+    ``route``."""
     def build():
         from lowbit.kernels import scaled_mm as ks
 
-        fns = [lambda q=q: ks.scaled_mm(a, q, None, None, torch.bfloat16, "kernel") for q in qs]
+        fns = [lambda q=q: ks.scaled_mm(a, q, None, None, torch.bfloat16, other) for q in qs]
         fns[0]()
         return rotating(fns)
 
@@ -115,7 +118,9 @@ def _setup(pair: str, fused: bool, rotate_max_m: int = ROTATE_MAX_M) -> Callable
                 baselines["deep_gemm.fp8_gemm_nt"] = optional(lambda: rotating(peers.deep_gemm_fp8(a, qs)),
                                                               "deep_gemm")
             if not fused and route not in ("kernel", "reference", "empty") and on_cuda(ctx.device):
-                baselines["lowbit.scaled_mm[kernel route]"] = _lowbit_kernel_route(a, qs, route)
+                baselines["lowbit.scaled_mm[kernel route]"] = _lowbit_route(a, qs, route)
+            if not fused and route == "deepgemm":  # what runs where DeepGEMM is not installed
+                baselines["lowbit.scaled_mm[cublas route]"] = _lowbit_route(a, qs, route, "cublas")
         return Case(
             fn=rotating(fns),
             bytes=(x.nbytes if fused else a.nbytes) + wq0.nbytes + m * n * 2,

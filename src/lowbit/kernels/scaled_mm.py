@@ -4,8 +4,8 @@ Contract (``lowbit.ops.scaled_mm``): ``supports(a, b)`` returns None or the reas
 pair; ``scaled_mm(a, b, alpha, bias, out_dtype)`` gets QTensors ``a`` [M, K] and ``b`` [N, K] the op layer has
 validated, ``alpha`` None or a fp32 [1] tensor, ``bias`` None or contiguous [N], and returns [M, N].
 
-The routes and what each needs: :mod:`lowbit.kernels.scaled_mm_routes` (gemv, dequant, fold, cublas) and
-:mod:`lowbit.kernels.scaled_mm_launch` (lowbit's kernels, their tile configurations ``CONFIGS``,
+The routes and what each needs: :mod:`lowbit.kernels.scaled_mm_routes` (gemv, dequant, fold, cublas,
+deepgemm) and :mod:`lowbit.kernels.scaled_mm_launch` (lowbit's kernels, their tile configurations ``CONFIGS``,
 ``FP8_CONFIGS``, ``FOLD_CONFIGS``, by M regime; nothing is autotuned). :class:`KernelRoute` is the ``"kernel"``
 route decided once for a layer's weight. No host synchronization: calls can be captured in CUDA graphs.
 """
@@ -39,6 +39,8 @@ from .scaled_mm_launch import (
 )
 from .scaled_mm_routes import (
     cublas_unsupported,
+    deepgemm_mm,
+    deepgemm_unsupported,
     dequant_mm,
     dequant_unsupported,
     fold_mm,
@@ -70,7 +72,7 @@ def supports(a, b) -> str | None:
     return None
 
 
-ROUTES = ("gemv", "fold", "cublas", "dequant", "kernel")
+ROUTES = ("gemv", "fold", "cublas", "deepgemm", "dequant", "kernel")
 
 
 def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kernel", config: dict | None = None,
@@ -82,6 +84,7 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
     - ``"fold"``: the exact E4M3 re-encoding, then cuBLASLt's FP8 GEMM where it can run (``cublas=False``:
       never; True: ValueError where it cannot), else the TMA kernel (with ``config``, that config and no cuBLAS);
     - ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (ValueError where it cannot run);
+    - ``"deepgemm"``: DeepGEMM's FP8 GEMM, where it is installed (ValueError where it cannot run);
     - ``"dequant"``: nvfp4 x nvfp4 or 6/8-bit MX pairs decoded exactly to bf16, then cuBLAS's bf16 GEMM
       (:func:`dequant_unsupported`);
     - ``"kernel"``: lowbit's block-scaled GEMM kernels (``config``: a tile config instead of the table's)."""
@@ -105,6 +108,11 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
         if why is not None:
             raise ValueError(f"route 'cublas': {why}")
         return cb.mm(a.data, a.scale, b.data, b.scale, alpha, bias, out_dtype)
+    if route == "deepgemm":
+        why = deepgemm_unsupported(a, b, bias, out_dtype)
+        if why is not None:
+            raise ValueError(f"route 'deepgemm': {why}")
+        return deepgemm_mm(a, b, alpha, bias, out_dtype)
     if route == "dequant":
         why = dequant_unsupported(a, b)
         if why is not None:

@@ -7,7 +7,8 @@ with them) and its implementation.
   GEMM (the MX pairs with the decoding kernel as a guarded exact fallback);
 - ``"fold"``: mxfp4 re-encoded exactly as E4M3, then an FP8 GEMM (cuBLASLt's or the TMA kernel), with the
   decoding kernel as a guarded exact fallback;
-- ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (:mod:`lowbit.kernels.cublas_fp8_block`).
+- ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (:mod:`lowbit.kernels.cublas_fp8_block`);
+- ``"deepgemm"``: DeepGEMM's FP8 GEMM where it is installed (:mod:`lowbit.kernels.deep_gemm_fp8`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from ..formats.qtensor import QTensor
 from ..formats.shards import plan_rows
 from . import cublas_fp8_block as cb
+from . import deep_gemm_fp8 as dg
 from . import interpreting as _interpreting
 from .scaled_mm_launch import config_for, launch_fp8_block_tma, launch_decoding, operand_args, tma_ready
 
@@ -287,3 +289,32 @@ def cublas_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
     m, k_dim = a.shape
     return cb.unsupported(m, b.shape[0], k_dim, a.data.device, cb.aligned(a.data) and cb.aligned(b.data), bias,
                           out_dtype)
+
+
+def deepgemm_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
+    """None when this fp8_block pair can run on DeepGEMM's FP8 GEMM (the ``"deepgemm"`` route;
+    :mod:`lowbit.kernels.deep_gemm_fp8`), else why not."""
+    if a.fmt != "fp8_block" or b.fmt != "fp8_block" or tuple(b.params.get("block", ())) != (128, 128):
+        return "DeepGEMM takes fp8_block activations with 128x128-block fp8_block weights"
+    if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
+        return "DeepGEMM takes E4M3 data"
+    m, k_dim = a.shape
+    contiguous = a.data.is_contiguous() and b.data.is_contiguous()
+    fp32 = a.scale.dtype == torch.float32 and b.scale.dtype == torch.float32 and a.scale.shape[-1] == k_dim // 128
+    return dg.unsupported(m, b.shape[0], k_dim, a.data.device, contiguous, fp32, bias, out_dtype)
+
+
+def deepgemm_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
+    """The ``"deepgemm"`` route; should DeepGEMM's first call fail, cuBLASLt's route (or lowbit's kernel)."""
+
+    def fallback() -> torch.Tensor:
+        if cublas_unsupported(a, b, bias, out_dtype) is None:
+            return cb.mm(a.data, a.scale, b.data, b.scale, alpha, bias, out_dtype)
+        from .scaled_mm import scaled_mm
+
+        return scaled_mm(a, b, alpha, bias, out_dtype, "kernel")
+
+    # M-major activation scales, as DeepGEMM reads them (its layout when M is a multiple of 4, so no copy in
+    # DeepGEMM), with alpha folded in as on cuBLASLt's route (one fp32 rounding per scale)
+    sa = cb.activation_scales(a.scale, a.shape[0], a.shape[1] // 128, alpha)
+    return dg.mm(a.data, sa, b.data, b.scale, fallback)

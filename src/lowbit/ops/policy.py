@@ -20,6 +20,8 @@ Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.sca
   W6A8): both decoded exactly to bf16, then cuBLAS (MX pairs with a guarded exact fallback);
 - ``"fold"``: ``M >= FOLD_MIN_M``, an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation: the
   exact E4M3 re-encoding, then the FP8 GEMM (cuBLASLt's block-scaled one where it can run, else the TMA kernel);
+- ``"deepgemm"``: ``M >= CUBLAS_FP8_BLOCK_MIN_M``, fp8_block with 128x128 weight blocks, where DeepGEMM is
+  installed and :func:`deepgemm_preferred` says so: DeepGEMM's FP8 GEMM;
 - ``"cublas"``: ``M >= CUBLAS_FP8_BLOCK_MIN_M``, fp8_block with 128x128 weight blocks: cuBLASLt's block-scaled
   FP8 GEMM where it can run;
 - ``"kernel"``: lowbit's block-scaled GEMM kernels (tile configs by M in ``lowbit.kernels.scaled_mm``).
@@ -64,6 +66,16 @@ CUBLAS_FP8_BLOCK_MIN_M = 65
 """From this M, fp8_block pairs run cuBLASLt's block-scaled FP8 GEMM (faster than lowbit's kernels at every
 M >= 256 of a probe on an H100); below it (decode) lowbit's
 split-K kernel streams the weight faster."""
+DEEP_GEMM_CUBLAS_MIN_K = 16384
+DEEP_GEMM_CUBLAS_MAX_M = 1024
+"""Where DeepGEMM is installed, fp8_block pairs from :data:`CUBLAS_FP8_BLOCK_MIN_M` rows run DeepGEMM's FP8
+GEMM, except those with ``K >= DEEP_GEMM_CUBLAS_MIN_K`` and ``M <= DEEP_GEMM_CUBLAS_MAX_M``, which stay on
+cuBLASLt's. H200, ``lowbit bench --ops scaled_mm.fp8_block.prefill`` on the DeepSeek-V3 shapes (N x K 7168x2048,
+24576x1536, 2112x7168, 7168x16384, 4096x7168) at M = 256, 1024, 4096, CUDA-graph replays, DeepGEMM
+(``tokenspeed-deepgemm`` 2.5.0) against cuBLASLt: DeepGEMM 1.11-1.75x faster at M = 256 on 24576x1536,
+2112x7168 and 4096x7168 and 1.32x at M = 1024 on 2112x7168; within 0.95-1.09x of cuBLASLt on the other cases
+(cuBLASLt 1.05x faster at 256x7168x2048, 1.03x at 4096x7168x2048); cuBLASLt faster on the long-K shape at
+M <= 1024 (7168x16384: 1.27x at M = 256, 1.11x at 1024), hence the exception. Not measured below M = 256."""
 
 FP8_BLOCK_QUANT_IN_GEMM_MAX_M = 16
 """Up to this M, an fp8_block weight with fp8_block activations (``w8a8-fp8-block``) quantizes the activation
@@ -200,18 +212,29 @@ def scaled_decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: Q
     return "scaled_mm", module.scaled_mm, (module,)
 
 
+def deepgemm_preferred(m: int, n: int, k: int) -> bool:
+    """Whether an fp8_block GEMM of ``M >= CUBLAS_FP8_BLOCK_MIN_M`` rows should run DeepGEMM rather than
+    cuBLASLt where both can (:data:`DEEP_GEMM_CUBLAS_MIN_K`)."""
+    return not (k >= DEEP_GEMM_CUBLAS_MIN_K and m <= DEEP_GEMM_CUBLAS_MAX_M)
+
+
 def scaled_route(a: QTensor, b: QTensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                  module: Any = None) -> str:
     """Which route of ``lowbit.kernels.scaled_mm`` runs this pair (module docstring): ``"gemv"``, ``"fold"``,
-    ``"cublas"`` or ``"kernel"``. ``module``: the kernel module (default: the one the lookup finds)."""
+    ``"deepgemm"``, ``"cublas"``, ``"dequant"`` or ``"kernel"``. ``module``: the kernel module (default: the one the lookup finds)."""
     km = module if module is not None else kernel_module(SCALED_MM_MODULE)
     m = a.shape[0]
     if m <= SCALED_GEMV_MAX_M and km.gemv_unsupported(a, b) is None:
         return "gemv"
     if m >= FOLD_MIN_M and km.fold_unsupported(a, b) is None:
         return "fold"
-    if m >= CUBLAS_FP8_BLOCK_MIN_M and km.cublas_unsupported(a, b, bias, out_dtype) is None:
-        return "cublas"
+    if m >= CUBLAS_FP8_BLOCK_MIN_M:
+        deepgemm = getattr(km, "deepgemm_unsupported", None)
+        if (deepgemm is not None and deepgemm_preferred(m, b.shape[0], a.shape[1])
+                and deepgemm(a, b, bias, out_dtype) is None):
+            return "deepgemm"
+        if km.cublas_unsupported(a, b, bias, out_dtype) is None:
+            return "cublas"
     if m >= DEQUANT_MM_MIN_M and getattr(km, "dequant_unsupported", None) and km.dequant_unsupported(a, b) is None:
         return "dequant"
     return "kernel"
@@ -225,6 +248,8 @@ _ROUTE_REASONS = {
             "runs if a block does not fit (M >= FOLD_MIN_M={fold})",
     "cublas": "cuBLASLt's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm, BlockWise1x128 x "
               "BlockWise128x128; M >= CUBLAS_FP8_BLOCK_MIN_M={cublas})",
+    "deepgemm": "DeepGEMM's FP8 GEMM (deep_gemm.fp8_gemm_nt, installed; M >= CUBLAS_FP8_BLOCK_MIN_M={cublas}, "
+                "cuBLASLt's instead where K >= DEEP_GEMM_CUBLAS_MIN_K={dg_k} and M <= DEEP_GEMM_CUBLAS_MAX_M={dg_m})",
     "dequant": "nvfp4 x nvfp4 or 6/8-bit MX pairs decoded exactly to bf16 (the weight in chunks of rows), then "
                "cuBLAS's bf16 GEMM with fp32 accumulation and the global scales in its epilogue; for MX pairs an "
                "exact decoding fallback runs if a scale leaves bf16's exact range (M >= DEQUANT_MM_MIN_M={dequant})",
@@ -244,7 +269,8 @@ def scaled_reason(path: str, facts: tuple, device: torch.device, a: QTensor, b: 
     if path == "scaled_mm":
         route = scaled_route(a, b, None, torch.bfloat16, facts[0])
         why = _ROUTE_REASONS[route].format(gemv=SCALED_GEMV_MAX_M, fold=FOLD_MIN_M, cublas=CUBLAS_FP8_BLOCK_MIN_M,
-                                           dequant=DEQUANT_MM_MIN_M)
+                                           dequant=DEQUANT_MM_MIN_M, dg_k=DEEP_GEMM_CUBLAS_MIN_K,
+                                           dg_m=DEEP_GEMM_CUBLAS_MAX_M)
         if (route == "kernel" and a.fmt == b.fmt == "fp8_block" and a.shape[0] <= FP8_BLOCK_QUANT_IN_GEMM_MAX_M):
             why += ("; a prepared layer (QuantLinear) quantizes its activation inside this kernel, one launch "
                     f"(M <= FP8_BLOCK_QUANT_IN_GEMM_MAX_M={FP8_BLOCK_QUANT_IN_GEMM_MAX_M})")
@@ -266,8 +292,21 @@ def kernels_ready(device: torch.device, backend: str | None) -> bool:
 
 
 __all__ = [
-    "CUBLAS_FP8_BLOCK_MIN_M", "DEQUANT_GEMM_MIN_M", "DEQUANT_GEMM_MIN_M_BY_FORMAT", "FOLD_MIN_M", "FP8_COMPUTE_MIN_M",
-    "FP8_BLOCK_QUANT_IN_GEMM_MAX_M", "GEMV_MAX_M",
-    "SCALED_GEMV_MAX_M", "dequant_gemm_min_m", "linear_decide", "linear_reason", "scaled_decide", "scaled_reason",
+    "CUBLAS_FP8_BLOCK_MIN_M",
+    "DEEP_GEMM_CUBLAS_MAX_M",
+    "DEEP_GEMM_CUBLAS_MIN_K",
+    "DEQUANT_GEMM_MIN_M",
+    "DEQUANT_GEMM_MIN_M_BY_FORMAT",
+    "FOLD_MIN_M",
+    "FP8_BLOCK_QUANT_IN_GEMM_MAX_M",
+    "FP8_COMPUTE_MIN_M",
+    "GEMV_MAX_M",
+    "SCALED_GEMV_MAX_M",
+    "deepgemm_preferred",
+    "dequant_gemm_min_m",
+    "linear_decide",
+    "linear_reason",
+    "scaled_decide",
+    "scaled_reason",
     "scaled_route",
 ]

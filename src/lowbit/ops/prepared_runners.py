@@ -158,11 +158,12 @@ class MXDecode:
         return self.route.run(typed, scale, scale, self.a_strides, None, bias)
 
 
-class Fp8BlockCublas:
+class Fp8BlockLibraryGemm:
     """``run(x, bias) -> out``: the call of a layer whose activations are quantized to fp8_block (block 1x128)
-    and whose GEMM is cuBLASLt's block-scaled one (``lowbit.kernels.cublas_fp8_block``), at one M, x dtype and
-    bias presence: the quantize kernel writes the scales M-major (the values the general path computes and then
-    copies into that layout), then the prepared cuBLAS call, so the same bits with one launch less."""
+    and whose GEMM is a library's, cuBLASLt's block-scaled one (``lowbit.kernels.cublas_fp8_block``) or DeepGEMM's
+    (``lowbit.kernels.deep_gemm_fp8``), at one M, x dtype and bias presence: the quantize kernel writes the scales
+    M-major (the values the general path computes and then copies into that layout), then the prepared library
+    call (``mm``), so the same bits with one launch less."""
 
     __slots__ = ("qlaunch", "data_shape", "scale_shape", "m", "k", "n_mblocks", "mm", "device")
 

@@ -21,7 +21,7 @@ from ..formats.qtensor import QTensor
 from ..formats.shards import plan_rows
 from . import policy
 from .linear import apply_activation
-from .prepared_runners import MAX_RUNNERS, Fp8BlockCublas, Fp8BlockDecode, GemvRouteDecode, MXDecode
+from .prepared_runners import MAX_RUNNERS, Fp8BlockDecode, Fp8BlockLibraryGemm, GemvRouteDecode, MXDecode
 from .traced_plans import Fp8DecodePlan, plan_key
 from .triton_ops import register_fp8_block_op
 
@@ -104,7 +104,7 @@ class ScaledCalls:
             out = target(a, self.w, None, bias, x.dtype, name)
         # a runner for the next calls like this one: x contiguous (any number of leading dims, which the fast
         # path flattens as x2 is flattened here) and 16-byte aligned
-        if (name in ("kernel*", "cublas", "gemv") and act_global_scale is None and x.is_contiguous()
+        if (name in ("kernel*", "cublas", "deepgemm", "gemv") and act_global_scale is None and x.is_contiguous()
                 and not x.data_ptr() & 15):
             self._add_scaled_runner(x2, a, fn, kwargs, name, target, bias)
         out = out if flat else out.reshape(*x.shape[:-1], self.n)
@@ -114,7 +114,8 @@ class ScaledCalls:
                            bias: torch.Tensor | None) -> None:
         """Keep a runner for calls like this one when the activation is quantized by the fp8_block kernel (block
         1x128): :class:`Fp8BlockDecode` where the GEMM is lowbit's decoding kernel (``name`` "kernel*", the
-        ``KernelRoute`` ``route``), :class:`Fp8BlockCublas` where it is cuBLASLt's block-scaled GEMM."""
+        ``KernelRoute`` ``route``), :class:`Fp8BlockLibraryGemm` where it is cuBLASLt's block-scaled GEMM or
+        DeepGEMM's."""
         from ..kernels import blockscaled, fp8_block
         from ..kernels.scaled_mm_launch import operand_args
 
@@ -131,14 +132,22 @@ class ScaledCalls:
         if bias is not None and (bias.dtype != x.dtype or bias.data_ptr() & 15 or not bias.is_contiguous()):
             return
         m = x.shape[0]
-        if name == "cublas":
-            # cuBLAS reads M-major activation scales: the quantize kernel writes them so (the same values)
+        if name in ("cublas", "deepgemm"):
+            # cuBLAS and DeepGEMM read M-major activation scales: the quantize kernel writes them so (the same
+            # values)
             plan = fp8_block.quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "column_major")
             if plan.launch is None or plan.batched or plan.scale_strides != (1, m):
                 return
-            from ..kernels.cublas_fp8_block import PreparedMM
+            from ..kernels import cublas_fp8_block
 
-            run = Fp8BlockCublas(plan, PreparedMM(self.w.data, self.w.scale, x.dtype), self.device)
+            mm = cublas_fp8_block.PreparedMM(self.w.data, self.w.scale, x.dtype)
+            if name == "deepgemm":
+                from ..kernels import deep_gemm_fp8
+
+                if bias is not None or m % 4:
+                    return  # the runner falls back to cuBLASLt should DeepGEMM fail: only where cuBLAS runs
+                mm = deep_gemm_fp8.PreparedMM(self.w.data, self.w.scale, mm)
+            run = Fp8BlockLibraryGemm(plan, mm, self.device)
         else:
             run = None
             if m <= policy.FP8_BLOCK_QUANT_IN_GEMM_MAX_M:
