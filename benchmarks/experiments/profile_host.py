@@ -28,6 +28,8 @@ CASES = [  # (name, a format, a options, b format, b options, M, N, K)
     ("fp8_block_m16", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 16, 24576, 1536),
     ("fp8_block_m64", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 64, 2112, 7168),
     ("fp8_block_m4096", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 4096, 7168, 2048),
+    ("fp8_block_m256", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 256, 2112, 7168),
+    ("fp8_block_m256_long_k", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 256, 7168, 16384),
     ("mxfp4_m4096", "mxfp4", {}, "mxfp4", {}, 4096, 7168, 2048),
     ("w4a8_m4096", "fp8_rowwise", {}, "mxfp4", {}, 4096, 7168, 2048),
     ("nvfp4_m16", "nvfp4", {}, "nvfp4", {}, 16, 7168, 2048),

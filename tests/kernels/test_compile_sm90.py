@@ -208,3 +208,27 @@ def test_w4a16_warp_specialized_kernel_ptx():
         assert "fence.proxy.async.shared::cta" in ptx, consts
         assert "st.shared.v4.b32" in ptx, consts
         assert "setmaxnreg.dec.sync.aligned.u32" in ptx and "setmaxnreg.inc.sync.aligned.u32" in ptx, consts
+
+
+def test_dequant_epilogue_rounds_each_step_and_streams_16_bytes():
+    """The dequant route's epilogue as it is launched (fused multiply-adds off): every multiply and the bias add
+    are separately rounded fp32 operations (the bits of the torch ops it replaces), and with the sizes a launch
+    marks divisible by 16 the fp32 partial product is read with 16-byte loads."""
+    if importlib.util.find_spec("lowbit.kernels.scaled_mm") is None:
+        pytest.skip("no scaled_mm kernels")
+    from lowbit.kernels import _scaled_mm, scaled_mm
+
+    variants = [v for v in scaled_mm.compile_variants() if v[0] is _scaled_mm.dequant_epilogue_kernel]
+    assert len(variants) == 3
+    for fn, signature, constexprs in variants:
+        sig = dict(signature)
+        sig.update({name: "constexpr" for name in constexprs})
+        names = list(sig)
+        divisible = [n for n, t in signature.items() if t.startswith("*") or n in ("C", "stride_out")]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+        ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=HOPPER,
+                             options={"enable_fp_fusion": False}).asm["ptx"]
+        assert "fma.rn.f32" not in ptx and "mul.rn.f32" in ptx, constexprs
+        if constexprs["HAS_BIAS"]:
+            assert "add.rn.f32" in ptx
+        assert "ld.global.v4.b32" in ptx

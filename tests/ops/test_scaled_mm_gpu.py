@@ -418,6 +418,45 @@ def test_fp8_block_tma_and_pointer_kernels_agree(m, n, k):
     _assert_close(out, ref, "unaligned a.data (pointer kernel)")
 
 
+@pytest.mark.parametrize("m, c", [(1, 1), (37, 300), (1000, 512), (2049, 1280)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("extras", ["scales", "scales+alpha", "b-only+bias-bf16", "all+bias-fp32"])
+def test_dequant_epilogue_equals_the_torch_steps(m, c, out_dtype, extras):
+    """The dequant route's one-pass epilogue gives the bits of the torch ops it replaced (mul by 1 / global
+    scale of a, of b, alpha, add the bias in fp32, one rounding), on values that round to ties in the output
+    dtype, fp32 subnormals, +-Inf and NaN, into the columns of a wider output (row stride > C)."""
+    _need_kernel()
+    from lowbit.kernels.scaled_mm_routes import dequant_epilogue
+
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + c)
+    acc = torch.randn(m, c, device="cuda", generator=g) * 1000
+    flat = acc.view(-1)
+    flat[::7] = flat[::7].to(torch.bfloat16).float() * (1 + 2 ** -9)  # ties of bf16 after scaling by 1
+    flat[3::11] = 1e-40
+    if flat.numel() > 20:
+        flat[5], flat[6], flat[7] = float("inf"), float("-inf"), float("nan")
+    inv_a = torch.tensor([1.0 / 3.0], device="cuda")
+    inv_b = torch.tensor([0.7], device="cuda")
+    alpha = torch.tensor([1.25], device="cuda")
+    bias = torch.randn(c, device="cuda", generator=g)
+    args = {"scales": (inv_a, inv_b, None, None), "scales+alpha": (inv_a, inv_b, alpha, None),
+            "b-only+bias-bf16": (None, inv_b, None, bias.to(torch.bfloat16)),
+            "all+bias-fp32": (inv_a, inv_b, alpha, bias)}[extras]
+    ia, ib, al, bi = args
+    want = acc.clone()
+    for f in (ia, ib, al):
+        if f is not None:
+            want.mul_(f)
+    if bi is not None:
+        want.add_(bi.to(torch.float32))
+    wide = torch.full((m, c + 40), 7.0, device="cuda", dtype=out_dtype)
+    expected = wide.clone()
+    expected[:, 3:3 + c] = want
+    dequant_epilogue(acc, wide[:, 3:3 + c], ia, ib, al, bi)
+    same = (wide == expected) | (wide.isnan() & expected.isnan())
+    assert same.all(), (wide[~same][:5], expected[~same][:5])
+
+
 WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True,
              "ws": True}  # also the shipped config for M > 1024 (scaled_mm.WS_CONFIG)
 
@@ -670,9 +709,9 @@ def test_deepgemm_route(case):
     assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "deepgemm"
     assert "DeepGEMM" in str(smm_dispatch.plan_scaled_mm(a, w))
     ref = scaled_mm_reference(a, w, alpha_t, None, torch.float32, dequant_backend="torch")
-    before = {key: t.clone() for key, t in (*a.tensors().items(), *w.tensors().items())}
+    before = [t.clone() for t in (*a.tensors().values(), *w.tensors().values())]
     out = lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16)
-    assert all(torch.equal(t, before[key]) for key, t in (*a.tensors().items(), *w.tensors().items()))
+    assert all(torch.equal(t, b) for t, b in zip((*a.tensors().values(), *w.tensors().values()), before))
     _assert_close(out, ref, f"deepgemm {case}")
     assert torch.equal(lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16), out)
     _assert_close(km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "kernel"), ref, f"kernel {case}")
@@ -871,6 +910,25 @@ def test_dequant_route_matches_reference_and_decoding_kernel(m, convention):
         ref = scaled_mm_reference(a, b, *args, torch.float32, dequant_backend="torch")
         _assert_close(lowbit.scaled_mm(a, b, *args, out_dtype), ref, f"dequant route M={m} {convention}")
         _assert_close(km.scaled_mm(a, b, *args, out_dtype, "kernel"), ref, f"decoding kernel M={m}")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_nvfp4_dequant_route_in_chunks_of_weight_rows(out_dtype, monkeypatch):
+    """Weight rows in several chunks (the fp32 partial product of each through the one-pass epilogue into its
+    columns of the output, 128 rows and a ragged last chunk) and in one: both match the reference."""
+    km = _km()
+    from lowbit.kernels import scaled_mm_routes
+
+    m, n, k = 600, 1000, 512
+    g = torch.Generator(device="cuda").manual_seed(25)
+    a = lowbit.quantize(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), "nvfp4")
+    b = lowbit.quantize((torch.randn(n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16), "nvfp4")
+    alpha = torch.tensor([0.5], device="cuda")
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    ref = scaled_mm_reference(a, b, alpha, bias, torch.float32, dequant_backend="torch")
+    _assert_close(km.scaled_mm(a, b, alpha, bias, out_dtype, "dequant"), ref, "dequant route, one chunk")
+    monkeypatch.setattr(scaled_mm_routes, "DEQUANT_CHUNK_BYTES", 128 * 4 * m)
+    _assert_close(km.scaled_mm(a, b, alpha, bias, out_dtype, "dequant"), ref, "dequant route, 8 chunks")
 
 
 # ------------------------------------------------- 6/8-bit MX pairs decoded to bf16 (dequant route)

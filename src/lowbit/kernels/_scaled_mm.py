@@ -430,3 +430,29 @@ def fp8_block_mm_tma_kernel(
         mask = ok_a[:, None] & (offs_n < N)[None, :]
         ptrs = out_ptr + rows_a.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dequant_epilogue_kernel(acc_ptr, out_ptr, inv_a_ptr, inv_b_ptr, alpha_ptr, bias_ptr, M, C, stride_out,
+                            HAS_A: tl.constexpr, HAS_B: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    """The ``"dequant"`` route's epilogue in one pass: ``out[m, c] = acc[m, c] * inv_a * inv_b * alpha +
+    bias[c]`` for an fp32 partial product ``acc`` [M, C] (contiguous) and ``out`` rows ``stride_out`` apart,
+    each step one fp32 rounding in that order (the launcher turns fused multiply-adds off), then one rounding
+    to out's dtype: the bits of the same steps as separate torch ops."""
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_c * BC + tl.arange(0, BC)
+    mask = (rows < M)[:, None] & (cols < C)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    v = tl.load(acc_ptr + r64 * C + cols[None, :], mask=mask, other=0.0)
+    if HAS_A:
+        v = v * tl.load(inv_a_ptr)
+    if HAS_B:
+        v = v * tl.load(inv_b_ptr)
+    if HAS_ALPHA:
+        v = v * tl.load(alpha_ptr)
+    if HAS_BIAS:
+        v = v + tl.load(bias_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + r64 * stride_out + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)

@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from ..formats.qtensor import QTensor
 from ..formats.shards import plan_rows
@@ -155,6 +156,28 @@ def _decode_bf16(q: QTensor) -> torch.Tensor:
     return blockscaled.dequantize_mx(q, torch.bfloat16)
 
 
+DEQUANT_EPILOGUE_TILE = {"BM": 16, "BC": 256}
+
+
+def dequant_epilogue(acc: torch.Tensor, out: torch.Tensor, inv_a: torch.Tensor | None, inv_b: torch.Tensor | None,
+                     alpha: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """``out[:] = ((acc * inv_a) * inv_b) * alpha + bias`` rounded once to out's dtype, for an fp32 ``acc``
+    [M, C] (contiguous), ``out`` [M, C] with unit column stride, fp32 [1] factors and ``bias`` [C] (any dtype,
+    exact in fp32), each optional: one launch reading ``acc`` once, where the torch ops it replaces made three
+    passes over it; the same bits (no fused multiply-add)."""
+    from . import _scaled_mm as k
+
+    m, c = acc.shape
+    if m == 0 or c == 0:
+        return
+    t = DEQUANT_EPILOGUE_TILE
+    grid = (triton.cdiv(m, t["BM"]), triton.cdiv(c, t["BC"]))
+    k.dequant_epilogue_kernel[grid](
+        acc, out, acc if inv_a is None else inv_a, acc if inv_b is None else inv_b, acc if alpha is None else alpha,
+        acc if bias is None else bias, m, c, out.stride(0), HAS_A=inv_a is not None, HAS_B=inv_b is not None,
+        HAS_ALPHA=alpha is not None, HAS_BIAS=bias is not None, num_warps=4, enable_fp_fusion=False, **t)
+
+
 def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     """The ``"dequant"`` route: ``a`` decoded exactly to bf16, ``b`` a chunk of rows at a time (at most
     :data:`DEQUANT_CHUNK_BYTES` of decoded weight or fp32 partial product), each chunk through cuBLAS's bf16
@@ -200,12 +223,16 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
                 torch.addmm(b16[n0:n1], x, w.t(), out=out[:, n0:n1])
             continue
         acc = _mm_fp32(x, w)
+        a32 = None if alpha is None else alpha.reshape(1).to(torch.float32)
+        if acc.is_cuda and not _interpreting():
+            dequant_epilogue(acc, out[:, n0:n1], inv_a, inv_b, a32, None if bias is None else bias[n0:n1])
+            continue
         if inv_a is not None:
             acc.mul_(inv_a)
         if inv_b is not None:
             acc.mul_(inv_b)
-        if alpha is not None:
-            acc.mul_(alpha.reshape(1).to(torch.float32))
+        if a32 is not None:
+            acc.mul_(a32)
         if bias is not None:
             acc.add_(bias[n0:n1].to(torch.float32))
         out[:, n0:n1] = acc
