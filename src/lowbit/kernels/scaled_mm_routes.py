@@ -119,8 +119,12 @@ def _without_global(q: QTensor) -> tuple[QTensor, torch.Tensor | None, bool]:
     return plain, None, False
 
 
-DEQUANT_CHUNK_BYTES = 64 << 20
-"""Largest decoded weight chunk and fp32 partial product the ``"dequant"`` route holds at once."""
+DEQUANT_CHUNK_BYTES = 256 << 20
+"""Largest decoded weight chunk and fp32 partial product the ``"dequant"`` route holds at once. H200, one
+w4a4-nvfp4 ``QuantLinear`` (``benchmarks/experiments/profile_dequant_route.py``), against cuBLAS bf16: at M = 8190
+on 5120 x 5120, 64 MiB chunks (three GEMMs) ran at 0.49x eager and 0.70x as a CUDA graph, 256 MiB (one) at 0.74x
+and 0.77x; on 13824 x 5120, 0.80x / 0.80x against 0.89x / 0.83x; 1024 MiB was no faster than 256 at M = 8190
+and within noise at M = 32760."""
 
 
 def _mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
