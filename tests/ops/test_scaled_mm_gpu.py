@@ -648,12 +648,10 @@ def test_cublas_route(case, monkeypatch):
             km.scaled_mm(a, w, alpha_t, bias, out_dtype, "cublas")
 
 
-def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
-    monkeypatch.setenv("LOWBIT_DEEP_GEMM", "0")
-    km = _km()
+def _library_route_in_a_cuda_graph(km, route):
     w = _weight("fp8_block", (("block", (128, 128)),), 4096, 4096)
     x, a = _act("fp8_block", (), 256, 4096)
-    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "cublas"
+    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == route
     graph, out = _capture(lambda t: scaled_linear(t, w, "fp8_block"), x)
     for seed in (1, 2):
         x.copy_(_act("fp8_block", (), 256, 4096, seed=seed)[0])
@@ -661,7 +659,14 @@ def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
         torch.cuda.synchronize()
         ref = scaled_mm_reference(_quantize(x, "fp8_block", ()), w, None, None, torch.float32,
                                   dequant_backend="torch")
-        _assert_close(out, ref, "cuBLAS route, graph replay")
+        _assert_close(out, ref, f"{route} route, graph replay")
+    return w, a
+
+
+def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
+    monkeypatch.setenv("LOWBIT_DEEP_GEMM", "0")
+    km = _km()
+    w, a = _library_route_in_a_cuda_graph(km, "cublas")
     monkeypatch.setenv("LOWBIT_CUBLAS_FP8_BLOCK", "0")
     assert "LOWBIT_CUBLAS_FP8_BLOCK=0" in km.cublas_unsupported(a, w, None, torch.bfloat16)
     assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "kernel"
@@ -681,7 +686,7 @@ DEEPGEMM_CASES = [
 ]
 
 
-def _need_deep_gemm(km):
+def _need_deep_gemm():
     pytest.importorskip("deep_gemm")
     from lowbit.kernels import deep_gemm_fp8
 
@@ -696,7 +701,7 @@ def test_deepgemm_route(case):
     product against the fp32 reference, against cuBLASLt's route and lowbit's kernel, alpha folded into the
     activation scales; the operands are not modified, and the same call twice gives the same bits."""
     km = _km()
-    _need_deep_gemm(km)
+    _need_deep_gemm()
     m, n, k, alpha, seed = case
     w = _weight("fp8_block", (("block", (128, 128)),), n, k)
     x, a = _act("fp8_block", (), m, k, seed=seed)
@@ -728,7 +733,7 @@ def test_deepgemm_route(case):
 ])
 def test_deepgemm_policy_on_the_gpu(m, k, bias, out_dtype, route, monkeypatch):
     km = _km()
-    _need_deep_gemm(km)
+    _need_deep_gemm()
     w = _weight("fp8_block", (("block", (128, 128)),), 7168, k)
     _, a = _act("fp8_block", (), m, k)
     b = _bias(7168, out_dtype) if bias else None
@@ -739,25 +744,15 @@ def test_deepgemm_policy_on_the_gpu(m, k, bias, out_dtype, route, monkeypatch):
 
 def test_deepgemm_route_in_a_cuda_graph():
     km = _km()
-    _need_deep_gemm(km)
-    w = _weight("fp8_block", (("block", (128, 128)),), 4096, 4096)
-    x, a = _act("fp8_block", (), 256, 4096)
-    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "deepgemm"
-    graph, out = _capture(lambda t: scaled_linear(t, w, "fp8_block"), x)
-    for seed in (1, 2):
-        x.copy_(_act("fp8_block", (), 256, 4096, seed=seed)[0])
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = scaled_mm_reference(_quantize(x, "fp8_block", ()), w, None, None, torch.float32,
-                                  dequant_backend="torch")
-        _assert_close(out, ref, "DeepGEMM route, graph replay")
+    _need_deep_gemm()
+    _library_route_in_a_cuda_graph(km, "deepgemm")
 
 
 def test_deepgemm_in_a_prepared_layer_and_its_fallback(monkeypatch):
     """A w8a8-fp8-block QuantLinear at a prefill M runs the quantize kernel (M-major scales) and DeepGEMM, the
     same bits as the public ops; if DeepGEMM's call fails, a warning and cuBLASLt's result."""
     km = _km()
-    _need_deep_gemm(km)
+    _need_deep_gemm()
     import deep_gemm
 
     from lowbit.kernels import deep_gemm_fp8

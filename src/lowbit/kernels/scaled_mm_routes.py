@@ -310,13 +310,21 @@ def fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: b
     return out
 
 
+def _library_pair_reason(a: QTensor, b: QTensor, library: str) -> str | None:
+    """Why a library's FP8 GEMM cannot take this pair as DeepSeek-V3's recipe (None: it can)."""
+    if a.fmt != "fp8_block" or b.fmt != "fp8_block" or tuple(b.params.get("block", ())) != (128, 128):
+        return f"{library} takes fp8_block activations with 128x128-block fp8_block weights"
+    if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
+        return f"{library} takes E4M3 data"
+    return None
+
+
 def cublas_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
     """None when this fp8_block pair can run on cuBLASLt's block-scaled FP8 GEMM (the ``"cublas"`` route;
     :mod:`lowbit.kernels.cublas_fp8_block`), else why not."""
-    if a.fmt != "fp8_block" or b.fmt != "fp8_block" or tuple(b.params.get("block", ())) != (128, 128):
-        return "cuBLAS takes fp8_block activations with 128x128-block fp8_block weights"
-    if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
-        return "cuBLAS takes E4M3 data"
+    why = _library_pair_reason(a, b, "cuBLAS")
+    if why is not None:
+        return why
     m, k_dim = a.shape
     return cb.unsupported(m, b.shape[0], k_dim, a.data.device, cb.aligned(a.data) and cb.aligned(b.data), bias,
                           out_dtype)
@@ -325,10 +333,9 @@ def cublas_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
 def deepgemm_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
     """None when this fp8_block pair can run on DeepGEMM's FP8 GEMM (the ``"deepgemm"`` route;
     :mod:`lowbit.kernels.deep_gemm_fp8`), else why not."""
-    if a.fmt != "fp8_block" or b.fmt != "fp8_block" or tuple(b.params.get("block", ())) != (128, 128):
-        return "DeepGEMM takes fp8_block activations with 128x128-block fp8_block weights"
-    if a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn:
-        return "DeepGEMM takes E4M3 data"
+    why = _library_pair_reason(a, b, "DeepGEMM")
+    if why is not None:
+        return why
     m, k_dim = a.shape
     contiguous = a.data.is_contiguous() and b.data.is_contiguous()
     fp32 = a.scale.dtype == torch.float32 and b.scale.dtype == torch.float32 and a.scale.shape[-1] == k_dim // 128
