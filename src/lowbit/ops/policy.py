@@ -221,7 +221,8 @@ def deepgemm_preferred(m: int, n: int, k: int) -> bool:
 def scaled_route(a: QTensor, b: QTensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                  module: Any = None) -> str:
     """Which route of ``lowbit.kernels.scaled_mm`` runs this pair (module docstring): ``"gemv"``, ``"fold"``,
-    ``"deepgemm"``, ``"cublas"``, ``"dequant"`` or ``"kernel"``. ``module``: the kernel module (default: the one the lookup finds)."""
+    ``"deepgemm"``, ``"cublas"``, ``"dequant"`` or ``"kernel"``. ``module``: the kernel module (default: the one
+    the lookup finds)."""
     km = module if module is not None else kernel_module(SCALED_MM_MODULE)
     m = a.shape[0]
     if m <= SCALED_GEMV_MAX_M and km.gemv_unsupported(a, b) is None:
