@@ -414,8 +414,9 @@ def compile_variants():
         consts = dict(B_ROWS_PER_SCALE=rows_per_scale, HAS_ALPHA=extras, HAS_BIAS=extras, BM=bm, BN=bn, BK=bk,
                       GROUP_M=cfg["GROUP_M"])
         yield k.fp8_block_mm_tma_kernel, sig, consts
-    for out, bias, flags in (("*bf16", "*bf16", (True, True, False, False)), ("*fp16", "*fp32", (True, True, True, True)),
-                             ("*fp32", "*bf16", (False, True, False, True))):
+    epilogues = (("*bf16", "*bf16", (True, True, False, False)), ("*fp16", "*fp32", (True, True, True, True)),
+                 ("*fp32", "*bf16", (False, True, False, True)))
+    for out, bias, flags in epilogues:
         sig = {"acc_ptr": "*fp32", "out_ptr": out, "inv_a_ptr": "*fp32", "inv_b_ptr": "*fp32", "alpha_ptr": "*fp32",
                "bias_ptr": bias, "M": "i32", "C": "i32", "stride_out": "i32"}
         yield k.dequant_epilogue_kernel, sig, dict(zip(("HAS_A", "HAS_B", "HAS_ALPHA", "HAS_BIAS"), flags),
