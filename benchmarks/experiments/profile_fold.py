@@ -44,11 +44,29 @@ def main() -> None:
                 "cublas_bf16": lambda: x @ w.T,  # noqa: B023
                 "fold_weight_128x128": lambda: kb.mxfp4_fold(wq, (128, 128), flag),  # noqa: B023
             }
-            for act in ("mxfp4", "fp8_rowwise"):
+            for act in ("mxfp4", "fp8_rowwise", "fp8_block"):
                 a = lowbit.quantize(x, act)
                 if act == "mxfp4":
                     cases["fold_activation_1x128"] = lambda a=a, flag=flag: kb.mxfp4_fold(a, (1, 128), flag)
                 cases[f"scaled_mm_{act}"] = lambda a=a, wq=wq: lowbit.scaled_mm(a, wq)
+            cases["quantize_x_fp8_block"] = lambda: lowbit.quantize(x, "fp8_block")  # noqa: B023
+            # the FP8 GEMM alone on operands folded once: cuBLASLt's (as the route runs it) and DeepGEMM's
+            wf = kb.mxfp4_fold(wq, (128, 128), flag, cublas_scales=True)
+            af = lowbit.quantize(x, "fp8_block")
+            from lowbit.kernels import cublas_fp8_block as cb
+
+            sa = cb.activation_scales(af.scale, m, k // 128, None)
+            cases["fp8_gemm_cublas_only"] = lambda: cb.mm(af.data, sa, wf.data, wf.scale, None, None,  # noqa: B023
+                                                          torch.bfloat16, b_scale_zero_padded=True)
+            try:
+                import deep_gemm
+
+                wd = kb.mxfp4_fold(wq, (128, 128), flag)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                cases["fp8_gemm_deepgemm_only"] = lambda: deep_gemm.fp8_gemm_nt(  # noqa: B023
+                    (af.data, sa), (wd.data, wd.scale.contiguous()), out)  # noqa: B023
+            except ImportError:
+                pass
             for name, fn in cases.items():
                 row = {"N": n, "K": k, "M": m, "case": name,
                        "eager_us": do_bench(fn, rep=25, return_mode="median") * 1e3, "graph_us": _time_graph(fn)}
