@@ -18,7 +18,6 @@ def _route(m=4096, n=7168, k=2048, aligned=True, bias=None, out_dtype=torch.bflo
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        ({"m": 4094}, "not a multiple of 4"),
         ({"n": 2120 + 4}, "multiples of 16"),
         ({"k": 2000 + 8}, "multiples of 16"),
         ({"aligned": False}, "16-byte aligned"),
@@ -55,6 +54,18 @@ def test_aligned():
     x = torch.zeros(64, 256, dtype=torch.uint8)
     assert cb.aligned(x) and not cb.aligned(x[:, 8:]) and not cb.aligned(x[:, :200].t())
     assert not cb.aligned(torch.zeros(64, 264, dtype=torch.uint8)[:, :256][1:])
+
+
+def test_any_m_is_taken():
+    """M not a multiple of 4 is padded by mm (cuBLAS's rule), so the route takes it."""
+    assert _route(m=4094) == "not on CUDA" and _route(m=8190) == "not on CUDA"
+
+
+def test_activation_scales_padded_rows_are_zero():
+    s = torch.rand(6, 3) + 0.5
+    sa = cb.activation_scales(s, 6, 3, torch.tensor([2.0]), rows=8)
+    assert sa.shape == (8, 3) and sa.stride() == (1, 8)
+    assert torch.equal(sa[:6], s * 2) and torch.equal(sa[6:], torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("m, kb", [(128, 16), (4100, 3), (68, 1)])

@@ -612,7 +612,7 @@ CUBLAS_CASES = [  # (name, M, N, K, alpha, bias dtype, out dtype, cuBLAS expecte
     ("fp8_block", 256, 1024, 1408, None, None, torch.float32, True),          # K/128 = 11: padded weight scales
     ("fp8_block", 1000, 2112, 7168, None, torch.float32, torch.bfloat16, False),  # fp32 bias: Triton
     ("fp8_block", 1000, 2112, 7168, 0.5, torch.bfloat16, torch.float32, False),   # fp32 out + bias: Triton
-    ("fp8_block", 1030, 2112, 7168, None, None, torch.bfloat16, False),       # M % 4: Triton
+    ("fp8_block", 1030, 2112, 7168, None, None, torch.bfloat16, True),        # M % 4: padded for cuBLAS
     ("fp8_block", 64, 7168, 2048, None, None, torch.bfloat16, False),         # decode: split-K kernel
 ]
 
@@ -646,6 +646,26 @@ def test_cublas_route(case, monkeypatch):
     elif km.cublas_unsupported(a, w, bias, out_dtype) is not None:
         with pytest.raises(ValueError, match="route 'cublas'"):
             km.scaled_mm(a, w, alpha_t, bias, out_dtype, "cublas")
+
+
+@pytest.mark.parametrize("route", ["cublas", "fold"])
+def test_cublas_pads_m_to_a_multiple_of_4(route, monkeypatch):
+    """cuBLASLt takes M a multiple of 4: at M = 8190 mm pads two zero rows, and the output's rows are the bits of
+    the same rows of an M = 8192 input whose last two rows are zero (the GEMM that runs), for fp8_block pairs and
+    for the FP8 GEMM behind the mxfp4 re-encoding."""
+    monkeypatch.setenv("LOWBIT_DEEP_GEMM", "0")
+    km = _km()
+    fmt, wopts = ("fp8_block", (("block", (128, 128)),)) if route == "cublas" else ("mxfp4", ())
+    afmt = "fp8_block" if route == "cublas" else "mxfp4"
+    w = _weight(fmt, wopts, 2112, 1024)
+    x, _ = _act(afmt, (), 8190, 1024, seed=7)
+    a = _quantize(x, afmt, ())
+    a8 = _quantize(torch.cat([x, torch.zeros(2, 1024, device="cuda", dtype=x.dtype)]), afmt, ())
+    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == route
+    out = lowbit.scaled_mm(a, w, None, None, torch.bfloat16)
+    assert out.shape == (8190, 2112) and out.is_contiguous()
+    assert torch.equal(out, lowbit.scaled_mm(a8, w, None, None, torch.bfloat16)[:8190])
+    _assert_close(out, scaled_mm_reference(a, w, None, None, torch.float32, dequant_backend="torch"), route)
 
 
 def _library_route_in_a_cuda_graph(km, route):
@@ -720,8 +740,7 @@ def test_deepgemm_route(case):
     _assert_close(out, ref, f"deepgemm {case}")
     assert torch.equal(lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16), out)
     _assert_close(km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "kernel"), ref, f"kernel {case}")
-    if m % 4 == 0:
-        _assert_close(km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "cublas"), ref, f"cublas {case}")
+    _assert_close(km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "cublas"), ref, f"cublas {case}")
 
 
 @pytest.mark.parametrize("m, k, bias, out_dtype, route", [
@@ -822,9 +841,9 @@ def test_fold_route_matches_reference_and_decoding_kernel(name, m):
     _assert_close(km.scaled_mm(a, w, alpha, bias, torch.float32, "kernel"), ref, f"decoding {name} M={m}")
 
 
-@pytest.mark.parametrize("m", [1030, 1032])  # 1030: the TMA kernel behind the re-encoding, 1032: cuBLASLt
+@pytest.mark.parametrize("m, cublas", [(1030, True), (1032, True), (1032, False)])  # 1030: rows padded for cuBLAS
 @pytest.mark.parametrize("case", ["weight-window", "activation-window", "activation-nan", "weight-nan"])
-def test_fold_route_exact_fallback(case, m):
+def test_fold_route_exact_fallback(case, m, cublas, monkeypatch):
     """Blocks the E4M3 re-encoding cannot hold arm the guarded decoding kernel, which recomputes the output:
     the result is still the block-scaled product (dropping those blocks would be far off: they are the
     largest values of their rows)."""
@@ -848,7 +867,9 @@ def test_fold_route_exact_fallback(case, m):
     odd, block = (wq, (128, 128)) if case.startswith("weight") else (a, (1, 128))
     assert not bool(kb.mxfp4_as_fp8_block(odd, block)[1])
     assert policy.scaled_route(a, wq, None, torch.float32, km) == "fold"
-    assert (km.cb.unsupported(m, n, k, a.data.device, True, None, torch.float32) is None) == (m % 4 == 0)
+    if not cublas:  # the TMA kernel behind the re-encoding
+        monkeypatch.setenv("LOWBIT_CUBLAS_FP8_BLOCK", "0")
+    assert (km.cb.unsupported(m, n, k, a.data.device, True, None, torch.float32) is None) == cublas
     out = lowbit.scaled_mm(a, wq, None, None, torch.float32)
     ref = scaled_mm_reference(a, wq, None, None, torch.float32, dequant_backend="torch")
     if case.endswith("nan"):

@@ -11,7 +11,8 @@ probe. At M <= 64 lowbit's split-K kernel streams the weight faster, so decode s
 
 What cuBLAS takes (probed on an H100 case by case):
 
-- M a multiple of 4 (M = 4095: ``CUBLAS_STATUS_NOT_SUPPORTED``); K and N multiples of 16;
+- M a multiple of 4 (M = 4095: ``CUBLAS_STATUS_NOT_SUPPORTED``): :func:`mm` pads other M with zero rows (a copy
+  of the M x K FP8 activation) and returns the first M rows of the output; K and N multiples of 16;
 - activation scales M-major: ``[M, K/128]`` with strides ``(1, M)``;
 - weight scales ``[N/128, round_up(K/128, 4)]`` row-major, handed over transposed (``[round_up(K/128, 4), N/128]``);
 - a bias only of the output's dtype and only with a bfloat16 or float16 output.
@@ -58,8 +59,6 @@ def unsupported(m: int, n: int, k: int, device: torch.device, operands_aligned: 
     ``CUBLAS_FP8_BLOCK_MIN_M``)."""
     if os.environ.get(ENV, "1") == "0":
         return f"${ENV}=0"
-    if m % 4:
-        return f"M = {m} is not a multiple of 4 (cuBLAS)"
     if n % 16 or k % 16:
         return f"N = {n} and K = {k} must be multiples of 16 (cuBLAS)"
     if not operands_aligned:
@@ -72,17 +71,23 @@ def unsupported(m: int, n: int, k: int, device: torch.device, operands_aligned: 
     return _unavailable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def activation_scales(scale: torch.Tensor, m: int, k_blocks: int, alpha: torch.Tensor | None) -> torch.Tensor:
-    """``scale`` ([M, K/128], or [M, 1] for one scale per row) times ``alpha``, M-major as cuBLAS reads it."""
-    if alpha is None and scale.shape == (m, k_blocks) and scale.stride() == (1, m):
+def activation_scales(scale: torch.Tensor, m: int, k_blocks: int, alpha: torch.Tensor | None,
+                      rows: int | None = None) -> torch.Tensor:
+    """``scale`` ([M, K/128], or [M, 1] for one scale per row) times ``alpha``, M-major as cuBLAS reads it;
+    ``rows`` > M: ``rows`` of them, the ones past M zero (the scales of zero padding rows)."""
+    rows = m if rows is None else rows
+    if alpha is None and rows == m and scale.shape == (m, k_blocks) and scale.stride() == (1, m):
         return scale
-    out = torch.empty_strided((m, k_blocks), (1, m), dtype=torch.float32, device=scale.device)
+    full = torch.empty_strided((rows, k_blocks), (1, rows), dtype=torch.float32, device=scale.device)
+    out = full[:m]
     src = scale.expand(m, k_blocks)
     if alpha is None:
         out.copy_(src)
     else:
         torch.mul(src, alpha, out=out)
-    return out
+    if rows > m:
+        full[m:].zero_()
+    return full
 
 
 def weight_scales(scale: torch.Tensor, zero_padded: bool = False) -> torch.Tensor:
@@ -110,10 +115,17 @@ def mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scal
     import torch.nn.functional as F
 
     m, k = a_data.shape
-    sa = activation_scales(a_scale, m, -(-k // 128), alpha)
+    pad = -m % 4
+    if pad:  # cuBLAS takes M a multiple of 4: zero rows after the activation, the output's first M rows returned
+        full = torch.empty((m + pad, k), dtype=a_data.dtype, device=a_data.device)
+        full[:m].copy_(a_data)
+        full[m:].view(torch.uint8).zero_()
+        a_data = full
+    sa = activation_scales(a_scale, m, -(-k // 128), alpha, m + pad)
     sb = weight_scales(b_scale, b_scale_zero_padded)
-    return F.scaled_mm(a_data, b_data.t(), sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
-                       bias=bias, output_dtype=out_dtype)
+    out = F.scaled_mm(a_data, b_data.t(), sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                      bias=bias, output_dtype=out_dtype)
+    return out[:m] if pad else out
 
 
 class PreparedMM:

@@ -42,7 +42,7 @@ CONFIGS: list[tuple[int, dict]] = [
 WS_CONFIG = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4, "tma": True, "ws": True}
 ONE_PARTITION_CONFIG = {"BM": 64, "BN": 128, "BK": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3, "tma": True,
                         "persistent": True, "per_sm": 2}
-# From M = 65 (M % 4 == 0, aligned, bias rules) fp8_block pairs run cuBLASLt's block-scaled GEMM instead
+# From M = 65 (aligned, bias rules) fp8_block pairs run cuBLASLt's block-scaled GEMM instead
 # (lowbit.ops.policy: the "cublas" route); these configs serve the rest (route "kernel").
 FP8_CONFIGS: list[tuple[int, dict]] = [
     (16, {"BM": 16, "BN": 128, "BK": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "split_k": 16,

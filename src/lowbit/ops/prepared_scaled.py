@@ -133,6 +133,8 @@ class ScaledCalls:
             return
         m = x.shape[0]
         if name in ("cublas", "deepgemm"):
+            if m % 4:  # cuBLAS pads such M (lowbit.kernels.cublas_fp8_block.mm): the general path runs them
+                return
             # cuBLAS and DeepGEMM read M-major activation scales: the quantize kernel writes them so (the same
             # values)
             plan = fp8_block.quant_plan_cached(x, (1, 128), kwargs.get("scale_fmt"), "column_major")
@@ -144,8 +146,8 @@ class ScaledCalls:
             if name == "deepgemm":
                 from ..kernels import deep_gemm_fp8
 
-                if bias is not None or m % 4:
-                    return  # the runner falls back to cuBLASLt should DeepGEMM fail: only where cuBLAS runs
+                if bias is not None:
+                    return  # no bias on DeepGEMM's route
                 mm = deep_gemm_fp8.PreparedMM(self.w.data, self.w.scale, mm)
             run = Fp8BlockLibraryGemm(plan, mm, self.device)
         else:
