@@ -16,7 +16,7 @@ Gluon) kernels and what they embed when compiled (inline-asm text, code tables),
 - W4A16 GEMM (prefill): ``_gemm_w4`` -> ``gemm_w4`` (tile tables in ``gemm_w4_tiles``);
 - quantized x quantized GEMM: ``_scaled_mm`` and the Gluon ``_fp8_block_ws`` -> ``scaled_mm`` with
   ``scaled_mm_launch`` (tiles, launches) and ``scaled_mm_routes`` (fold, dequant, cuBLASLt via
-  ``cublas_fp8_block``).
+  ``cublas_fp8_block``, DeepGEMM where installed via ``deep_gemm_fp8``).
 
 Shared by every family: ``device`` (the Triton device functions: code and scale decoding, packing, scale
 math), ``_launch`` (a launch fixed once and run directly), ``scratch`` (split-K workspaces and counters),
