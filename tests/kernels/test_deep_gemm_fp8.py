@@ -97,7 +97,7 @@ def _capable(deepgemm=None, cublas=None):
 def test_policy(m, k, module, route):
     a = lowbit.quantize(torch.randn(m, k), "fp8_block")
     b = lowbit.quantize(torch.randn(128, k), "fp8_block", block=(128, 128))
-    assert policy.deepgemm_preferred(m, 128, k) == (not (k >= 16384 and m <= 1024))
+    assert policy.deepgemm_preferred(m, k) == (not (k >= 16384 and m <= 1024))
     assert policy.scaled_route(a, b, None, torch.bfloat16, module) == route
 
 

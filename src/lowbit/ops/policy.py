@@ -212,7 +212,7 @@ def scaled_decide(m: int, n: int, k: int, device: torch.device, a: QTensor, b: Q
     return "scaled_mm", module.scaled_mm, (module,)
 
 
-def deepgemm_preferred(m: int, n: int, k: int) -> bool:
+def deepgemm_preferred(m: int, k: int) -> bool:
     """Whether an fp8_block GEMM of ``M >= CUBLAS_FP8_BLOCK_MIN_M`` rows should run DeepGEMM rather than
     cuBLASLt where both can (:data:`DEEP_GEMM_CUBLAS_MIN_K`)."""
     return not (k >= DEEP_GEMM_CUBLAS_MIN_K and m <= DEEP_GEMM_CUBLAS_MAX_M)
@@ -231,7 +231,7 @@ def scaled_route(a: QTensor, b: QTensor, bias: torch.Tensor | None, out_dtype: t
         return "fold"
     if m >= CUBLAS_FP8_BLOCK_MIN_M:
         deepgemm = getattr(km, "deepgemm_unsupported", None)
-        if (deepgemm is not None and deepgemm_preferred(m, b.shape[0], a.shape[1])
+        if (deepgemm is not None and deepgemm_preferred(m, a.shape[1])
                 and deepgemm(a, b, bias, out_dtype) is None):
             return "deepgemm"
         if km.cublas_unsupported(a, b, bias, out_dtype) is None:
