@@ -137,11 +137,20 @@ def gemm(args) -> dict:
             q = _quantize(w, name)
             default = g.choose_config(m, n, k, q.fmt, q.params.get("group_size", 0), dev)
             base = dict(format=name, M=m, N=n, K=k, cublas_tflops=2.0 * m * n * k / t_cublas / 1e9)
-            cands = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, GROUP_M=default["GROUP_M"],
-                          SPLIT_K=default["SPLIT_K"]) for bm, bn, bk, nw, ns in GEMM_SWEEP[regime]]
+            if args.splits:  # the default tile with each split of K (the policy's own choice is "SPLIT_K" above)
+                base["default_split"] = default["SPLIT_K"]
+                cands = [dict({k: v for k, v in default.items() if k != "regime"}, SPLIT_K=s) for s in args.splits]
+            else:
+                cands = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
+                              GROUP_M=default["GROUP_M"], SPLIT_K=default["SPLIT_K"])
+                         for bm, bn, bk, nw, ns in GEMM_SWEEP[regime]]
             case = [_time_gemm(dict(base, config=cfg), x, q, cfg, t_cublas, args.rep) for cfg in cands]
             ok = [r for r in case if "ms" in r]
-            if ok:
+            if ok and args.splits:
+                for r in ok:
+                    print(f"{name:9s} M={m} N={n:6d} K={k:6d} split {r['config']['SPLIT_K']}: "
+                          f"{r['ratio_vs_cublas']:.3f}x cuBLAS (default split {default['SPLIT_K']})", flush=True)
+            elif ok:
                 best = min(ok, key=lambda r: r["ms"])
                 extra = [dict(best["config"], GROUP_M=gm) for gm in GROUP_M_SWEEP if gm != best["config"]["GROUP_M"]]
                 extra.append(dict(best["config"], X_TMA=False))
@@ -164,15 +173,19 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16", help="gemv: rows of x")
     ap.add_argument("--m", type=int, default=4096, help="gemm: rows of x (its regime's candidates are swept)")
     ap.add_argument("--set", default="all", choices=("all", "mma", "m1"), help="gemv: which variants")
+    ap.add_argument("--splits", default=None, help="gemm: sweep these SPLIT_K values (e.g. 1,2,3,4) on the default "
+                    "tile instead of the tile candidates")
     ap.add_argument("--rep", type=int, default=100, help="gemm: do_bench budget per case, ms")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/tmp"))
     args = ap.parse_args()
     args.shapes = list(L.NK) if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     args.ms = [int(v) for v in args.ms.split(",")]
+    args.splits = [int(v) for v in args.splits.split(",")] if args.splits else None
     args.formats = args.formats or list(L.FORMATS if args.mode == "gemv" else FORMATS)
     os.makedirs(args.out, exist_ok=True)
     result = gemv(args) if args.mode == "gemv" else gemm(args)
-    path = os.path.join(args.out, f"sweep_w4a16_{args.mode}" + (f"_m{args.m}" if args.mode == "gemm" else "") + ".json")
+    path = os.path.join(args.out, f"sweep_w4a16_{args.mode}" + (f"_m{args.m}" if args.mode == "gemm" else "")
+                        + ("_split" if args.splits else "") + ".json")
     write_json(path, result)
     print(f"wrote {path}")
 
