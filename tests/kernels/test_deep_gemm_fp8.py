@@ -30,13 +30,19 @@ def _why(m=256, n=7168, k=2048, contiguous=True, fp32=True, bias=None, out_dtype
         ({"fp32": False}, "fp32 scales"),
         ({"out_dtype": torch.float16}, "bfloat16 output"),
         ({"out_dtype": torch.float32}, "bfloat16 output"),
-        ({"bias": torch.zeros(7168, dtype=torch.bfloat16)}, "no bias"),
+        ({"bias": torch.zeros(7168, dtype=torch.float16)}, "bfloat16 bias"),
+        ({"bias": torch.zeros(7168, dtype=torch.float32)}, "bfloat16 bias"),
+        ({"bias": torch.zeros(1, 7168, dtype=torch.bfloat16)}, "of N = 7168 values"),
         ({"m": 0}, "at least 1"),
         ({}, "not on CUDA"),
     ],
 )
 def test_reasons(kwargs, reason):
     assert reason in _why(**kwargs)
+
+
+def test_a_bfloat16_bias_of_n_values_is_taken():
+    assert _why(bias=torch.zeros(7168, dtype=torch.bfloat16)) == "not on CUDA"  # every other check passed
 
 
 def test_switched_off_by_env(monkeypatch):
@@ -71,12 +77,15 @@ def test_pair_reasons():
     assert "N of 64" in routes.deepgemm_unsupported(a2, b2, None, torch.bfloat16)
 
 
-def _capable(deepgemm=None, cublas=None):
-    """A kernel module that can run every route but the GEMV, fold and dequant ones (reasons or None)."""
-    attrs = {"gemv_unsupported": lambda *x: "no", "fold_unsupported": lambda *x: "no",
+def _capable(deepgemm=None, cublas=None, fold="no", fold_deepgemm=None):
+    """A kernel module that can run every route but the GEMV and dequant ones, and the fold routes as ``fold``
+    and ``fold_deepgemm`` say (reasons or None; False: the module has no such check)."""
+    attrs = {"gemv_unsupported": lambda *x: "no", "fold_unsupported": lambda *x: fold,
              "cublas_unsupported": lambda *x: cublas}
     if deepgemm is not False:
         attrs["deepgemm_unsupported"] = lambda *x: deepgemm
+    if fold_deepgemm is not False:
+        attrs["fold_deepgemm_unsupported"] = lambda *x: fold_deepgemm
     return type("M", (), attrs)
 
 
@@ -99,6 +108,38 @@ def test_policy(m, k, module, route):
     b = lowbit.quantize(torch.randn(128, k), "fp8_block", block=(128, 128))
     assert policy.deepgemm_preferred(m, k) == (not (k >= 16384 and m <= 1024))
     assert policy.scaled_route(a, b, None, torch.bfloat16, module) == route
+
+
+@pytest.mark.parametrize(
+    "m, k, module, route",
+    [
+        (1024, 512, _capable(fold=None), "fold_deepgemm"),
+        (8190, 5120, _capable(fold=None), "fold_deepgemm"),
+        (1020, 512, _capable(fold=None), "deepgemm"),       # below FOLD_MIN_M the module's other routes
+        (1024, 16384, _capable(fold=None), "fold"),         # long K at M <= 1024: cuBLASLt behind the re-encoding
+        (2048, 16384, _capable(fold=None), "fold_deepgemm"),
+        (4096, 512, _capable(fold=None, fold_deepgemm="not installed"), "fold"),
+        (4096, 512, _capable(fold=None, fold_deepgemm=False), "fold"),
+    ],
+)
+def test_fold_policy(m, k, module, route):
+    """mxfp4 weights from FOLD_MIN_M rows: DeepGEMM behind the E4M3 re-encoding where it can run and
+    ``deepgemm_preferred`` says so, else the fold route's cuBLASLt / TMA GEMM."""
+    a = lowbit.quantize(torch.randn(m, k), "mxfp4")
+    b = lowbit.quantize(torch.randn(128, k), "mxfp4")
+    assert policy.FOLD_MIN_M == 1024
+    assert policy.scaled_route(a, b, None, torch.bfloat16, module) == route
+
+
+def test_fold_route_reasons_on_cpu():
+    """The fold routes are for the GPU (the re-encoding feeds a GPU GEMM), and a pair the re-encoding does not
+    take says so first."""
+    a = lowbit.quantize(torch.randn(64, 256), "mxfp4")
+    b = lowbit.quantize(torch.randn(128, 256), "mxfp4")
+    why = routes.fold_deepgemm_unsupported(a, b, None, torch.bfloat16)
+    assert why == routes.fold_unsupported(a, b) or why == "not on CUDA"
+    nv = lowbit.quantize(torch.randn(128, 256), "nvfp4")
+    assert "mxfp4 weights" in routes.fold_deepgemm_unsupported(a, nv, None, torch.bfloat16)
 
 
 @pytest.fixture
@@ -146,6 +187,21 @@ def test_route_folds_alpha_into_m_major_activation_scales(fake_deep_gemm):
     (_, asc), _, _ = calls[0]
     assert asc.stride() == (1, 8) and torch.equal(asc, a.scale * 0.5)
     assert a.scale.stride() == (2, 1)  # the caller's scales untouched
+
+
+def test_route_adds_a_bfloat16_bias_after_the_product(fake_deep_gemm):
+    """No bias epilogue in DeepGEMM's SM90 GEMM: the route adds it to the bf16 product (torch's add, one
+    rounding of the fp32 sum), and the bias is not modified."""
+    calls, _ = fake_deep_gemm
+    a, b = _pair(m=8, n=128, k=256)
+    bias = torch.randn(128).to(torch.bfloat16)
+    keep = bias.clone()
+    out = routes.deepgemm_mm(a, b, None, bias, torch.bfloat16)
+    plain = routes.deepgemm_mm(a, b, None, None, torch.bfloat16)
+    assert len(calls) == 2 and torch.equal(bias, keep)
+    assert torch.equal(out, (plain.float() + bias.float()).to(torch.bfloat16))
+    prepared = dg.PreparedMM(b.data, b.scale, lambda *args: None)
+    assert torch.equal(prepared(a.data, a.scale.t().contiguous().t(), bias), out)
 
 
 def test_a_failing_first_call_falls_back_once_with_a_warning(fake_deep_gemm):

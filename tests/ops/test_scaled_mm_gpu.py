@@ -731,23 +731,28 @@ def test_deepgemm_route(case):
         x[5:9, 128:256] = 448.0
         a = _quantize(x, "fp8_block", ())
     alpha_t = None if alpha is None else torch.tensor([alpha], device="cuda")
-    assert policy.scaled_route(a, w, None, torch.bfloat16, km) == "deepgemm"
+    bias = _bias(n) if seed % 2 else None  # no bias epilogue in DeepGEMM: the route adds it to the bf16 product
+    assert policy.scaled_route(a, w, bias, torch.bfloat16, km) == "deepgemm"
     assert "DeepGEMM" in str(smm_dispatch.plan_scaled_mm(a, w))
-    ref = scaled_mm_reference(a, w, alpha_t, None, torch.float32, dequant_backend="torch")
+    ref = scaled_mm_reference(a, w, alpha_t, bias, torch.float32, dequant_backend="torch")
     before = [t.clone() for t in (*a.tensors().values(), *w.tensors().values())]
-    out = lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16)
+    out = lowbit.scaled_mm(a, w, alpha_t, bias, torch.bfloat16)
     assert all(torch.equal(t, b) for t, b in zip((*a.tensors().values(), *w.tensors().values()), before))
     _assert_close(out, ref, f"deepgemm {case}")
-    assert torch.equal(lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16), out)
-    _assert_close(km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "kernel"), ref, f"kernel {case}")
-    _assert_close(km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "cublas"), ref, f"cublas {case}")
+    assert torch.equal(lowbit.scaled_mm(a, w, alpha_t, bias, torch.bfloat16), out)
+    if bias is not None:  # the bias pass: the bf16 product plus the bias, rounded once
+        plain = lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16)
+        assert torch.equal(out, (plain.float() + bias.float()).to(torch.bfloat16))
+    _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "kernel"), ref, f"kernel {case}")
+    _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "cublas"), ref, f"cublas {case}")
 
 
 @pytest.mark.parametrize("m, k, bias, out_dtype, route", [
     (256, 16384, False, torch.bfloat16, "cublas"),   # long K at M <= 1024: cuBLASLt
     (2048, 16384, False, torch.bfloat16, "deepgemm"),
-    (256, 2048, True, torch.bfloat16, "cublas"),     # a bias: cuBLASLt's epilogue
+    (256, 2048, True, torch.bfloat16, "deepgemm"),   # a bf16 bias: added to DeepGEMM's bf16 product
     (256, 2048, False, torch.float16, "cublas"),     # DeepGEMM writes bf16 only
+    (256, 2048, True, torch.float16, "cublas"),      # and takes a bf16 bias only
     (64, 2048, False, torch.bfloat16, "kernel"),     # decode
 ])
 def test_deepgemm_policy_on_the_gpu(m, k, bias, out_dtype, route, monkeypatch):
@@ -787,6 +792,15 @@ def test_deepgemm_in_a_prepared_layer_and_its_fallback(monkeypatch):
     run = layer._prepared.scaled_runners.get((512, torch.bfloat16, True))
     assert type(run).__name__ == "Fp8BlockLibraryGemm" and type(run.mm).__name__ == "PreparedMM"
     assert run.mm.__class__.__module__ == deep_gemm_fp8.__name__
+    # with a bias (a DiT's layers have one): the same runner kind, the bits of the public op's route
+    lin_b = torch.nn.Linear(2048, 7168, bias=True, device="cuda", dtype=torch.bfloat16)
+    layer_b = QuantLinear.from_linear(lin_b, "w8a8-fp8-block")
+    want_b = lowbit.scaled_mm(_quantize(x, "fp8_block", ()), layer_b.weight_qtensor, None, lin_b.bias.detach(),
+                              torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(layer_b(x), want_b)
+    run_b = layer_b._prepared.scaled_runners.get((512, torch.bfloat16, False))
+    assert type(run_b).__name__ == "Fp8BlockLibraryGemm" and run_b.mm.__class__.__module__ == deep_gemm_fp8.__name__
     a = _quantize(x, "fp8_block", ())
     cublas_out = km.scaled_mm(a, wq, None, None, torch.bfloat16, "cublas")
 
@@ -825,7 +839,8 @@ def test_fold_route_matches_reference_and_decoding_kernel(name, m):
     w = _weight(wf, wo, n, k)
     _, a = _act(af, ao, m, k, seed=3)
     routed = m >= policy.FOLD_MIN_M
-    assert (policy.scaled_route(a, w, None, torch.bfloat16, km) == "fold") == routed
+    fold_routes = ("fold", "fold_deepgemm")  # DeepGEMM behind the re-encoding where it is installed and can run
+    assert (policy.scaled_route(a, w, None, torch.bfloat16, km) in fold_routes) == routed
     assert ("E4M3" in str(smm_dispatch.plan_scaled_mm(a, w))) == routed
     alpha = torch.tensor([0.75], device="cuda") if i % 2 else None
     bias = _bias(n) if i != 1 else None
@@ -904,6 +919,101 @@ def test_fold_route_in_a_cuda_graph():
         torch.cuda.synchronize()
         ref = scaled_mm_reference(new, wq, None, None, torch.float32, dequant_backend="torch")
         _assert_close(out, ref, f"graph replay, wide row {scale_row}")
+
+
+FOLD_DEEPGEMM_CASES = [  # (pair, M, N, K, alpha, bias): the DiT's 8190 tokens (M % 4 != 0), W4A8 activations
+    ("mxfp4", 8190, 5120, 5120, None, True),
+    ("mxfp4-swizzled", 1024, 7168, 2048, 0.75, False),
+    ("w4a8-rowwise-mxfp4", 2048, 2112, 7168, None, True),
+    ("w4a8-block-mxfp4", 1500, 4096, 4096, 2.0, True),
+]
+
+
+@pytest.mark.parametrize("case", FOLD_DEEPGEMM_CASES, ids=lambda c: f"{c[0]}-M{c[1]}-{c[2]}x{c[3]}")
+def test_fold_deepgemm_route(case):
+    """Where DeepGEMM is installed, mxfp4 weights from FOLD_MIN_M rows run the exact E4M3 re-encoding, then
+    DeepGEMM's FP8 GEMM: against the fp32 reference, the fold route's cuBLASLt GEMM and the decoding kernel;
+    the operands are not modified, the same call twice gives the same bits, a bias is the bf16 product plus
+    the bias rounded once."""
+    km = _km()
+    _need_deep_gemm()
+    name, m, n, k, alpha, with_bias = case
+    af, ao, wf, wo = PAIR[name]
+    w = _weight(wf, wo, n, k)
+    _, a = _act(af, ao, m, k, seed=9)
+    alpha_t = None if alpha is None else torch.tensor([alpha], device="cuda")
+    bias = _bias(n) if with_bias else None
+    assert policy.scaled_route(a, w, bias, torch.bfloat16, km) == "fold_deepgemm"
+    assert "DeepGEMM" in str(smm_dispatch.plan_scaled_mm(a, w))
+    ref = scaled_mm_reference(a, w, alpha_t, bias, torch.float32, dequant_backend="torch")
+    before = [t.clone() for t in (*a.tensors().values(), *w.tensors().values())]
+    out = lowbit.scaled_mm(a, w, alpha_t, bias, torch.bfloat16)
+    assert all(torch.equal(t, b) for t, b in zip((*a.tensors().values(), *w.tensors().values()), before))
+    _assert_close(out, ref, f"fold_deepgemm {case}")
+    assert torch.equal(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "fold_deepgemm"), out)
+    if bias is not None:
+        plain = km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "fold_deepgemm")
+        assert torch.equal(out, (plain.float() + bias.float()).to(torch.bfloat16))
+    _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "fold"), ref, f"fold {case}")
+    _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.float32, "kernel"), ref, f"decoding {case}")
+    with pytest.raises(ValueError, match="route 'fold_deepgemm'"):
+        km.scaled_mm(a, w, alpha_t, bias, torch.float16, "fold_deepgemm")  # DeepGEMM writes bf16 only
+
+
+@pytest.mark.parametrize("case", ["weight-window", "activation-nan"])
+def test_fold_deepgemm_exact_fallback(case):
+    """A block the re-encoding cannot hold arms the guarded decoding kernel behind DeepGEMM's GEMM too."""
+    km = _km()
+    _need_deep_gemm()
+    m, n, k = 1030, 512, 1024
+    g = torch.Generator(device="cuda").manual_seed(13)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    x = torch.randn(m, k, device="cuda", generator=g)
+    if case == "weight-window":
+        w[7, 160:192] *= 1e6
+    else:
+        x[5, 40] = float("nan")
+    wq = lowbit.quantize(w.to(torch.bfloat16), "mxfp4")
+    a = lowbit.quantize(x.to(torch.bfloat16), "mxfp4")
+    assert policy.scaled_route(a, wq, None, torch.bfloat16, km) == "fold_deepgemm"
+    out = lowbit.scaled_mm(a, wq, None, None, torch.bfloat16)
+    ref = scaled_mm_reference(a, wq, None, None, torch.float32, dequant_backend="torch")
+    if case.endswith("nan"):
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(ref).any()
+        rows = ~torch.isnan(ref).all(1)
+        _assert_close(out[rows], ref[rows], case)
+    else:
+        _assert_close(out, ref, case)
+
+
+def test_fold_deepgemm_in_a_cuda_graph_and_a_prepared_layer():
+    """Captured once, replays follow the input; a w4a4-mxfp4 QuantLinear at M = 8190 takes the route, with
+    the bits of the public ops."""
+    km = _km()
+    _need_deep_gemm()
+    from lowbit.nn import QuantLinear
+
+    m, n, k = 2048, 1024, 2048
+    g = torch.Generator(device="cuda").manual_seed(14)
+    wq = lowbit.quantize((torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16), "mxfp4")
+    a = lowbit.quantize(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), "mxfp4")
+    static = lowbit.QTensor(a.data.clone(), a.scale.clone(), "mxfp4", a.shape, a.dtype)
+    assert policy.scaled_route(static, wq, None, torch.bfloat16, km) == "fold_deepgemm"
+    graph, out = _capture(lambda q: lowbit.scaled_mm(q, wq, None, None, torch.bfloat16), static)
+    for _ in range(2):
+        new = lowbit.quantize(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16), "mxfp4")
+        static.data.copy_(new.data)
+        static.scale.copy_(new.scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, scaled_mm_reference(new, wq, None, None, torch.float32, dequant_backend="torch"),
+                      "fold_deepgemm graph replay")
+    lin = torch.nn.Linear(5120, 5120, bias=True, device="cuda", dtype=torch.bfloat16)
+    layer = QuantLinear.from_linear(lin, "w4a4-mxfp4")
+    x = torch.randn(8190, 5120, device="cuda", dtype=torch.bfloat16)
+    want = lowbit.scaled_mm(lowbit.quantize(x, "mxfp4"), layer.weight_qtensor, None, lin.bias.detach(),
+                            torch.bfloat16)
+    assert torch.equal(layer(x), want) and torch.equal(layer(x), want)
 
 
 # ----------------------------------------------------------- nvfp4 x nvfp4 decoded to bf16 (dequant route)

@@ -121,6 +121,8 @@ def _setup(pair: str, fused: bool, rotate_max_m: int = ROTATE_MAX_M) -> Callable
                 baselines["lowbit.scaled_mm[kernel route]"] = _lowbit_route(a, qs, route)
             if not fused and route == "deepgemm":  # what runs where DeepGEMM is not installed
                 baselines["lowbit.scaled_mm[cublas route]"] = _lowbit_route(a, qs, route, "cublas")
+            if not fused and route == "fold_deepgemm":
+                baselines["lowbit.scaled_mm[fold route]"] = _lowbit_route(a, qs, route, "fold")
         return Case(
             fn=rotating(fns),
             bytes=(x.nbytes if fused else a.nbytes) + wq0.nbytes + m * n * 2,

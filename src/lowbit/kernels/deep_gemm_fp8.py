@@ -14,8 +14,11 @@ What this route takes (DeepGEMM's SM90 FP8 kernels; checked by :func:`unsupporte
 - E4M3 data, K-major and contiguous; K a multiple of 128 and N a multiple of 64;
 - fp32 scales (DeepGEMM lays out the activation's itself: M-major, M padded to 4, as lowbit's quantize kernel
   writes them for this route, so no copy);
-- a bfloat16 output and no bias (those pairs keep cuBLASLt's route, which adds a bias in its epilogue); an
-  ``alpha`` is folded into the activation scales, as on cuBLASLt's route.
+- a bfloat16 output, and a bias (if any) in bfloat16: DeepGEMM's SM90 FP8 GEMM has no bias epilogue, so the
+  route adds it to the bfloat16 product in one more pass (torch's ``add_``: the fp32 sum of the two bfloat16
+  values, rounded once; cuBLASLt adds it to the fp32 product before its one rounding, so the two routes may
+  differ by one bfloat16 ulp there); an ``alpha`` is folded into the activation scales, as on cuBLASLt's
+  route.
 
 DeepGEMM compiles its kernels at run time for each (N, K) (``compiled_dims="nk"``: M stays a runtime value), so
 the first call of a layer shape takes seconds, and it needs ``nvcc`` (``CUDA_HOME``). If that first call fails,
@@ -66,8 +69,8 @@ def unsupported(m: int, n: int, k: int, device: torch.device, operands_contiguou
         return "DeepGEMM's SM90 recipe takes fp32 scales"
     if out_dtype != torch.bfloat16:
         return f"DeepGEMM writes a bfloat16 output (asked for {out_dtype})"
-    if bias is not None:
-        return "no bias on this route (cuBLASLt's adds it in its epilogue)"
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
+        return f"the route adds a bfloat16 bias of N = {n} values (bias {bias.dtype}, shape {tuple(bias.shape)})"
     if m < 1:
         return "M must be at least 1"
     if device.type != "cuda":
@@ -76,10 +79,11 @@ def unsupported(m: int, n: int, k: int, device: torch.device, operands_contiguou
 
 
 def mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
-       fallback=None) -> torch.Tensor:
-    """``(a_data * a_scale) @ (b_data * b_scale).T`` in bfloat16 for E4M3 ``a_data`` [M, K] with 1x128 scales
-    ``a_scale`` [M, K/128] (any layout) and ``b_data`` [N, K] with 128x128 scales ``b_scale`` [ceil(N/128), K/128];
-    :func:`unsupported` must have said yes. ``fallback()`` runs instead if DeepGEMM's first call fails."""
+       fallback=None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(a_data * a_scale) @ (b_data * b_scale).T (+ bias)`` in bfloat16 for E4M3 ``a_data`` [M, K] with 1x128
+    scales ``a_scale`` [M, K/128] (any layout) and ``b_data`` [N, K] with 128x128 scales ``b_scale``
+    [ceil(N/128), K/128]; :func:`unsupported` must have said yes. ``fallback()`` runs instead if DeepGEMM's
+    first call fails (it adds the bias itself)."""
     if _FAILED and fallback is not None:  # a layer prepared before the failure
         return fallback()
     import deep_gemm
@@ -96,13 +100,15 @@ def mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scal
                           f"cuBLASLt's route from now on (set {ENV}=0 to skip DeepGEMM)", RuntimeWarning,
                           stacklevel=2)
         return fallback()
+    if bias is not None:
+        out.add_(bias)
     return out
 
 
 class PreparedMM:
     """:func:`mm` for one weight: ``call(a_data, a_scale, bias) -> out`` as
-    ``lowbit.kernels.cublas_fp8_block.PreparedMM`` takes it (``bias`` None: the route has none), with that
-    cuBLASLt call (``fallback``, the same operands) run instead should DeepGEMM's first call fail."""
+    ``lowbit.kernels.cublas_fp8_block.PreparedMM`` takes it, with that cuBLASLt call (``fallback``, the same
+    operands) run instead should DeepGEMM's first call fail."""
 
     __slots__ = ("b", "fallback")
 
@@ -112,7 +118,7 @@ class PreparedMM:
 
     def __call__(self, a_data: torch.Tensor, a_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         b_data, b_scale = self.b
-        return mm(a_data, a_scale, b_data, b_scale, lambda: self.fallback(a_data, a_scale, bias))
+        return mm(a_data, a_scale, b_data, b_scale, lambda: self.fallback(a_data, a_scale, bias), bias)
 
 
 __all__ = ["ENV", "PreparedMM", "mm", "unsupported"]

@@ -4,10 +4,11 @@ Contract (``lowbit.ops.scaled_mm``): ``supports(a, b)`` returns None or the reas
 pair; ``scaled_mm(a, b, alpha, bias, out_dtype)`` gets QTensors ``a`` [M, K] and ``b`` [N, K] the op layer has
 validated, ``alpha`` None or a fp32 [1] tensor, ``bias`` None or contiguous [N], and returns [M, N].
 
-The routes and what each needs: :mod:`lowbit.kernels.scaled_mm_routes` (gemv, dequant, fold, cublas,
-deepgemm) and :mod:`lowbit.kernels.scaled_mm_launch` (lowbit's kernels, their tile configurations ``CONFIGS``,
-``FP8_CONFIGS``, ``FOLD_CONFIGS``, by M regime; nothing is autotuned). :class:`KernelRoute` is the ``"kernel"``
-route decided once for a layer's weight. No host synchronization: calls can be captured in CUDA graphs.
+The routes and what each needs: :mod:`lowbit.kernels.scaled_mm_routes` (gemv, dequant, fold,
+fold_deepgemm, cublas, deepgemm) and :mod:`lowbit.kernels.scaled_mm_launch` (lowbit's kernels, their tile
+configurations ``CONFIGS``, ``FP8_CONFIGS``, ``FOLD_CONFIGS``, by M regime; nothing is autotuned).
+:class:`KernelRoute` is the ``"kernel"`` route decided once for a layer's weight. No host synchronization:
+calls can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .scaled_mm_routes import (
     deepgemm_unsupported,
     dequant_mm,
     dequant_unsupported,
+    fold_deepgemm_unsupported,
     fold_mm,
     fold_unsupported,
     gemv_unsupported,
@@ -73,7 +75,7 @@ def supports(a, b) -> str | None:
     return None
 
 
-ROUTES = ("gemv", "fold", "cublas", "deepgemm", "dequant", "kernel")
+ROUTES = ("gemv", "fold", "fold_deepgemm", "cublas", "deepgemm", "dequant", "kernel")
 
 
 def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kernel", config: dict | None = None,
@@ -84,6 +86,7 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
     - ``"gemv"``: the activation decoded to bf16, then the W4A16 GEMV;
     - ``"fold"``: the exact E4M3 re-encoding, then cuBLASLt's FP8 GEMM where it can run (``cublas=False``:
       never; True: ValueError where it cannot), else the TMA kernel (with ``config``, that config and no cuBLAS);
+    - ``"fold_deepgemm"``: the exact E4M3 re-encoding, then DeepGEMM's FP8 GEMM (ValueError where it cannot run);
     - ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (ValueError where it cannot run);
     - ``"deepgemm"``: DeepGEMM's FP8 GEMM, where it is installed (ValueError where it cannot run);
     - ``"dequant"``: nvfp4 x nvfp4 or 6/8-bit MX pairs decoded exactly to bf16, then cuBLAS's bf16 GEMM
@@ -104,6 +107,11 @@ def scaled_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, route: str = "kern
             raise ValueError(f"route 'fold': {why}")
         cfg = dict(config) if config is not None else config_for(m, True, fold=True)
         return fold_mm(a, b, alpha, bias, out_dtype, cfg, cublas if config is None else False)
+    if route == "fold_deepgemm":
+        why = fold_deepgemm_unsupported(a, b, bias, out_dtype)
+        if why is not None:
+            raise ValueError(f"route 'fold_deepgemm': {why}")
+        return fold_mm(a, b, alpha, bias, out_dtype, config_for(m, True, fold=True), deepgemm=True)
     if route == "cublas":
         why = cublas_unsupported(a, b, bias, out_dtype)
         if why is not None:

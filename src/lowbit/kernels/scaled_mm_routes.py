@@ -6,7 +6,7 @@ with them) and its implementation.
 - ``"dequant"``: nvfp4 x nvfp4, or a pair of 6/8-bit MX operands, decoded to bf16 exactly, then cuBLAS's bf16
   GEMM (the MX pairs with the decoding kernel as a guarded exact fallback);
 - ``"fold"``: mxfp4 re-encoded exactly as E4M3, then an FP8 GEMM (cuBLASLt's or the TMA kernel), with the
-  decoding kernel as a guarded exact fallback;
+  decoding kernel as a guarded exact fallback; ``"fold_deepgemm"``: the same with DeepGEMM's FP8 GEMM;
 - ``"cublas"``: cuBLASLt's block-scaled FP8 GEMM (:mod:`lowbit.kernels.cublas_fp8_block`);
 - ``"deepgemm"``: DeepGEMM's FP8 GEMM where it is installed (:mod:`lowbit.kernels.deep_gemm_fp8`).
 """
@@ -273,7 +273,22 @@ def fold_unsupported(a: QTensor, b: QTensor) -> str | None:
     return None
 
 
-def fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: bool | None = None) -> torch.Tensor:
+def fold_deepgemm_unsupported(a: QTensor, b: QTensor, bias, out_dtype) -> str | None:
+    """None when this pair can take the ``"fold_deepgemm"`` route: the ``"fold"`` route's re-encoding with
+    DeepGEMM's FP8 GEMM behind it (:mod:`lowbit.kernels.deep_gemm_fp8`), else why not."""
+    why = fold_unsupported(a, b)
+    if why is not None:
+        return why
+    m, k_dim = a.shape
+    # the re-encoding writes contiguous E4M3 data and fp32 scales; an E4M3 activation must be so already
+    contiguous = a.fmt == "mxfp4" or a.data.is_contiguous()
+    return dg.unsupported(m, b.shape[0], k_dim, a.data.device, contiguous, True, bias, out_dtype)
+
+
+def fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: bool | None = None,
+            deepgemm: bool = False) -> torch.Tensor:
+    """The ``"fold"`` route (``deepgemm``: the ``"fold_deepgemm"`` one, :func:`fold_deepgemm_unsupported` must
+    have said yes; cuBLASLt's or the TMA kernel's GEMM instead should DeepGEMM's first call fail)."""
     from . import blockscaled
 
     m, k_dim = a.shape
@@ -285,14 +300,21 @@ def fold_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype, cfg: dict, cublas: b
         raise ValueError(f"cublas=True: {why}")
     use_cublas = why is None and cublas is not False
     dropped = torch.zeros(1, dtype=torch.int32, device=device)
-    # 128x128 weight blocks: one scale per weight tile, so the promotion is one FMA per accumulator element
-    wb = blockscaled.mxfp4_fold(b, (128, 128), dropped, cublas_scales=use_cublas)
-    if a.fmt == "mxfp4":
-        wa = blockscaled.mxfp4_fold(a, (1, 128), dropped, cublas_scales=use_cublas)
+    # 128x128 weight blocks: one scale per weight tile, so the promotion is one FMA per accumulator element;
+    # DeepGEMM reads them [N/128, K/128] contiguous, cuBLASLt in rows padded to 4 K tiles
+    wb = blockscaled.mxfp4_fold(b, (128, 128), dropped, cublas_scales=use_cublas and not deepgemm)
+    if a.fmt == "mxfp4":  # M-major activation scales for cuBLASLt and DeepGEMM alike
+        wa = blockscaled.mxfp4_fold(a, (1, 128), dropped, cublas_scales=use_cublas or deepgemm)
         a_data, a_scale = wa.data, wa.scale
     else:
         a_data, a_scale = a.data, a.scale
-    if use_cublas:
+    if deepgemm:
+        def fallback() -> torch.Tensor:
+            return fold_mm(a, b, alpha, bias, out_dtype, cfg, cublas)
+
+        sa = cb.activation_scales(a_scale, m, k_dim // 128, alpha)
+        out = dg.mm(a_data, sa, wb.data, wb.scale, fallback, bias)
+    elif use_cublas:
         out = cb.mm(a_data, a_scale, wb.data, wb.scale, alpha, bias, out_dtype, b_scale_zero_padded=True)
     else:
         if not tma_ready(a_data):
@@ -355,4 +377,4 @@ def deepgemm_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     # M-major activation scales, as DeepGEMM reads them (its layout when M is a multiple of 4, so no copy in
     # DeepGEMM), with alpha folded in as on cuBLASLt's route (one fp32 rounding per scale)
     sa = cb.activation_scales(a.scale, a.shape[0], a.shape[1] // 128, alpha)
-    return dg.mm(a.data, sa, b.data, b.scale, fallback)
+    return dg.mm(a.data, sa, b.data, b.scale, fallback, bias)

@@ -20,6 +20,8 @@ Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.sca
   W6A8): both decoded exactly to bf16, then cuBLAS (MX pairs with a guarded exact fallback);
 - ``"fold"``: ``M >= FOLD_MIN_M``, an mxfp4 weight with an mxfp4, fp8_rowwise or fp8_block activation: the
   exact E4M3 re-encoding, then the FP8 GEMM (cuBLASLt's block-scaled one where it can run, else the TMA kernel);
+  ``"fold_deepgemm"``: the same pairs where DeepGEMM is installed and :func:`deepgemm_preferred` says so, with
+  DeepGEMM's FP8 GEMM behind the re-encoding;
 - ``"deepgemm"``: ``M >= CUBLAS_FP8_BLOCK_MIN_M``, fp8_block with 128x128 weight blocks, where DeepGEMM is
   installed and :func:`deepgemm_preferred` says so: DeepGEMM's FP8 GEMM;
 - ``"cublas"``: ``M >= CUBLAS_FP8_BLOCK_MIN_M``, fp8_block with 128x128 weight blocks: cuBLASLt's block-scaled
@@ -75,7 +77,10 @@ cuBLASLt's. H200, ``lowbit bench --ops scaled_mm.fp8_block.prefill`` on the Deep
 (``tokenspeed-deepgemm`` 2.5.0) against cuBLASLt: DeepGEMM 1.11-1.75x faster at M = 256 on 24576x1536,
 2112x7168 and 4096x7168 and 1.32x at M = 1024 on 2112x7168; within 0.95-1.09x of cuBLASLt on the other cases
 (cuBLASLt 1.05x faster at 256x7168x2048, 1.03x at 4096x7168x2048); cuBLASLt faster on the long-K shape at
-M <= 1024 (7168x16384: 1.27x at M = 256, 1.11x at 1024), hence the exception. Not measured below M = 256."""
+M <= 1024 (7168x16384: 1.27x at M = 256, 1.11x at 1024), hence the exception. Not measured below M = 256.
+At the DiT shapes (M = 8190: 5120x5120, 13824x5120, 5120x13824; 32760x5120x5120) DeepGEMM was 1.13-1.30x
+faster than cuBLASLt (eager medians), so the FP8 GEMM behind the mxfp4 re-encoding (``"fold_deepgemm"``)
+follows the same rule."""
 
 FP8_BLOCK_QUANT_IN_GEMM_MAX_M = 16
 """Up to this M, an fp8_block weight with fp8_block activations (``w8a8-fp8-block``) quantizes the activation
@@ -221,13 +226,17 @@ def deepgemm_preferred(m: int, k: int) -> bool:
 def scaled_route(a: QTensor, b: QTensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                  module: Any = None) -> str:
     """Which route of ``lowbit.kernels.scaled_mm`` runs this pair (module docstring): ``"gemv"``, ``"fold"``,
-    ``"deepgemm"``, ``"cublas"``, ``"dequant"`` or ``"kernel"``. ``module``: the kernel module (default: the one
-    the lookup finds)."""
+    ``"fold_deepgemm"``, ``"deepgemm"``, ``"cublas"``, ``"dequant"`` or ``"kernel"``. ``module``: the kernel
+    module (default: the one the lookup finds)."""
     km = module if module is not None else kernel_module(SCALED_MM_MODULE)
     m = a.shape[0]
     if m <= SCALED_GEMV_MAX_M and km.gemv_unsupported(a, b) is None:
         return "gemv"
     if m >= FOLD_MIN_M and km.fold_unsupported(a, b) is None:
+        fold_deepgemm = getattr(km, "fold_deepgemm_unsupported", None)
+        if (fold_deepgemm is not None and deepgemm_preferred(m, a.shape[1])
+                and fold_deepgemm(a, b, bias, out_dtype) is None):
+            return "fold_deepgemm"
         return "fold"
     if m >= CUBLAS_FP8_BLOCK_MIN_M:
         deepgemm = getattr(km, "deepgemm_unsupported", None)
@@ -247,6 +256,10 @@ _ROUTE_REASONS = {
     "fold": "mxfp4 re-encoded exactly as E4M3 with one fp32 scale per 128 columns, then the FP8 GEMM "
             "(cuBLASLt's block-scaled one where it can run, else the TMA kernel); an exact decoding fallback "
             "runs if a block does not fit (M >= FOLD_MIN_M={fold})",
+    "fold_deepgemm": "mxfp4 re-encoded exactly as E4M3 with one fp32 scale per 128 columns, then DeepGEMM's FP8 "
+                     "GEMM (deep_gemm.fp8_gemm_nt, installed); an exact decoding fallback runs if a block does not "
+                     "fit (M >= FOLD_MIN_M={fold}; cuBLASLt's GEMM instead where K >= DEEP_GEMM_CUBLAS_MIN_K={dg_k} "
+                     "and M <= DEEP_GEMM_CUBLAS_MAX_M={dg_m})",
     "cublas": "cuBLASLt's block-scaled FP8 GEMM (torch.nn.functional.scaled_mm, BlockWise1x128 x "
               "BlockWise128x128; M >= CUBLAS_FP8_BLOCK_MIN_M={cublas})",
     "deepgemm": "DeepGEMM's FP8 GEMM (deep_gemm.fp8_gemm_nt, installed; M >= CUBLAS_FP8_BLOCK_MIN_M={cublas}, "

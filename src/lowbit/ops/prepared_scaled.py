@@ -146,8 +146,6 @@ class ScaledCalls:
             if name == "deepgemm":
                 from ..kernels import deep_gemm_fp8
 
-                if bias is not None:
-                    return  # no bias on DeepGEMM's route
                 mm = deep_gemm_fp8.PreparedMM(self.w.data, self.w.scale, mm)
             run = Fp8BlockLibraryGemm(plan, mm, self.device)
         else:

@@ -1,0 +1,71 @@
+"""GPU time per kernel of one ``QuantLinear`` call (torch.profiler, CUDA activities), against cuBLAS bf16's
+``F.linear`` on the same shapes: where a scheme's time goes at prefill / DiT sizes. Prints a table per case and
+writes JSON to $OUT.
+
+    PYTHONPATH=src python benchmarks/experiments/profile_qlinear_kernels.py --scheme w4a4-nvfp4 \
+        [--shapes 8190x5120x5120,32760x5120x13824] [--bias]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.nn import QuantLinear
+
+
+def _kernel_times(fn, calls: int) -> tuple[dict[str, float], float]:
+    """(GPU us per call by kernel name, total GPU us per call) over ``calls`` calls after a warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:90]] += ev.device_time_total / calls
+    return dict(per), sum(per.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scheme", default="w4a4-nvfp4")
+    ap.add_argument("--shapes", default="8190x5120x5120,32760x5120x5120,32760x5120x13824")
+    ap.add_argument("--bias", action="store_true")
+    ap.add_argument("--calls", type=int, default=10)
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        m, n, k = (int(v) for v in shape.split("x"))
+        lin = torch.nn.Linear(k, n, bias=args.bias, device="cuda", dtype=torch.bfloat16)
+        layer = QuantLinear.from_linear(lin, args.scheme)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            per, total = _kernel_times(lambda: layer(x), args.calls)
+            _, ref = _kernel_times(lambda: F.linear(x, lin.weight, lin.bias), args.calls)
+        print(f"{args.scheme} {shape}: {total:.1f} us of GPU time a call, cuBLAS bf16 {ref:.1f} us "
+              f"({ref / total:.3f}x)", flush=True)
+        for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
+            print(f"  {us:9.1f} us  {name}", flush=True)
+        rows.append({"scheme": args.scheme, "shape": shape, "bias": args.bias, "gpu_us": total, "cublas_bf16_us": ref,
+                     "kernels_us": per})
+        del layer, lin, x
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT", "benchmarks/results/tmp")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"profile_qlinear_kernels_{args.scheme}.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
