@@ -183,3 +183,38 @@ def test_nvfp4_roundtrip_small_equals_quantize_then_decode(shape, convention, x_
     want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.equal(gs, q.global_scale)
+
+
+@pytest.mark.parametrize("convention", ["vllm", "lightx2v"])
+@pytest.mark.parametrize("shape, global_scale", [((8190, 512), None), ((3, 7, 1024), None), ((300, 160), 448.0),
+                                                 ((64, 4096), "none"), ((1, 16), None)])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_nvfp4_decoded_equals_quantize_then_decode(shape, global_scale, convention, x_dtype):
+    """The dequant route's one-pass activation (quantize, then decode without the global scale) gives the bits
+    of the quantize kernel then the dequantize kernel, and the same global scale: derived (absmax pass), given
+    (a float and a CUDA tensor) and none; outliers, zero blocks, +-Inf, NaN, E2M1 ties; x not modified."""
+    import dataclasses
+
+    from lowbit.kernels import blockscaled as kb
+
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g, device="cuda") * torch.logspace(-3, 3, shape[-1], device="cuda")
+    rows = x.view(-1, shape[-1])
+    rows[0, :16] = 0
+    if shape[-1] >= 64:
+        rows[0, 20] = float("inf")
+        rows[-1, 33] = -float("inf")
+        rows[-1, 35] = float("nan")
+        rows[0, 40:56] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, device="cuda")
+    x = x.to(x_dtype)
+    keep = x.clone()
+    scales = [global_scale] if not isinstance(global_scale, float) else [global_scale,
+                                                                         torch.tensor([global_scale], device="cuda")]
+    for gsc in scales:
+        got, gs = kb.quantize_nvfp4_decoded(x, gsc, convention)
+        q = kb.quantize_nvfp4(x, gsc, convention)
+        want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
+        assert got.shape == x.shape and got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        assert (gs is None and q.global_scale is None) or torch.equal(gs, q.global_scale)
+    assert torch.equal(x.view(torch.uint8), keep.view(torch.uint8))

@@ -142,6 +142,19 @@ SCRIPT = textwrap.dedent(
         want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
         if not torch.equal(got.view(torch.int16), want.view(torch.int16)) or not torch.equal(gs, q.global_scale):
             bad.append(("nvfp4_roundtrip", shape, conv))
+    # the many-program round trip of the dequant route (quantize_nvfp4_decoded): the same bits, derived, given
+    # and no global scale, both conventions, a 3-D x
+    for shape, conv, gsc in (((5, 96), "vllm", None), ((2, 3, 64), "lightx2v", None), ((4, 80), "vllm", 3.0),
+                             ((2, 32), "lightx2v", "none")):
+        xr = (torch.randn(shape) * torch.logspace(-3, 3, shape[-1])).to(torch.bfloat16)
+        xr.view(-1, shape[-1])[0, :16] = 0
+        xr.view(-1, shape[-1])[0, 20] = float("inf"); xr.view(-1, shape[-1])[-1, 17] = float("nan")
+        got, gs = kb.quantize_nvfp4_decoded(xr, gsc, conv)
+        q = kb.quantize_nvfp4(xr, gsc, conv)
+        want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
+        same_gs = (gs is None and q.global_scale is None) or torch.equal(gs, q.global_scale)
+        if got.shape != xr.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)) or not same_gs:
+            bad.append(("quantize_nvfp4_decoded", shape, conv, gsc))
     # swizzled scales without padding (rows % 128 == 0, scale columns % 4 == 0) come in an unzeroed buffer:
     # every byte must be the kernel's (fresh uint8 buffers filled with 0x5A here to show one it missed)
     real_empty = torch.empty

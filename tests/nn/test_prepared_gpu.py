@@ -173,6 +173,42 @@ def test_scaled_schemes_unchanged(scheme, bias, activation):
         assert (1, torch.bfloat16, not bias) in fresh._prepared.scaled_runners, "no runner for 3-D x"
 
 
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias, activation", [(True, None), (False, "gelu")])
+@pytest.mark.parametrize("act_options", [{}, {"convention": "lightx2v"}, {"global_scale": 2.5}])
+def test_nvfp4_dequant_runner_bits_equal_scaled_linear(x_dtype, bias, activation, act_options):
+    """w4a4-nvfp4 at prefill / DiT sizes (the "dequant" route): the kept runner quantizes and decodes the
+    activation in one pass and gives the bits of lowbit.ops.scaled_linear (quantize, then the route), 2-D and
+    3-D x, repeated calls, adversarial rows, a CUDA graph replayed on new inputs."""
+    import dataclasses
+
+    from lowbit.nn.schemes import SCHEMES as ALL
+    from lowbit.ops import policy
+
+    scheme = dataclasses.replace(ALL["w4a4-nvfp4"], act_options=dict(act_options))
+    torch.manual_seed(3)
+    lin = nn.Linear(1024, 640, bias=bias, device="cuda", dtype=x_dtype)
+    layer = QuantLinear.from_linear(lin, scheme, activation=activation)
+    m = policy.DEQUANT_MM_MIN_M + 88
+    xs = [_adversarial_rows(m, 1024, x_dtype) if i == 0 else torch.randn(m, 1024, device="cuda", dtype=x_dtype)
+          for i in range(3)]
+    for x in xs:
+        assert torch.equal(_bits(layer(x)), _bits(_want(layer, x)))
+    runner = layer._prepared.scaled_runners.get((m, x_dtype, not bias))
+    assert type(runner).__name__ == "Nvfp4DequantGemm"
+    x3 = xs[1].reshape(2, m // 2, 1024)
+    assert torch.equal(_bits(layer(x3)), _bits(_want(layer, xs[1]).reshape(2, m // 2, 640)))
+    static_x = xs[0].clone()
+    layer(static_x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_x)
+    for x in xs:
+        static_x.copy_(x)
+        graph.replay()
+        assert torch.equal(_bits(static_out), _bits(_want(layer, x)))
+
+
 @pytest.mark.parametrize(("scheme", "runner_type"), [("w4a4-nvfp4", "GemvRouteDecode"),
                                                       ("w4a4-mxfp4", "GemvRouteDecode"),
                                                       ("w8a8-mxfp8", "MXDecode")])

@@ -758,6 +758,30 @@ def test_deepgemm_route(case):
     _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "cublas"), ref, f"cublas {case}")
 
 
+@pytest.mark.parametrize("m, n", [(1, 64), (300, 1000), (8190, 5120)])
+def test_deepgemm_bias_pass_is_torchs_add(m, n):
+    """The DeepGEMM routes' bias pass equals torch's bf16 ``add_`` bit for bit: random values, exponents far
+    apart, ties, subnormals, signed zeros, Inf and NaN, a ragged last tile."""
+    _need_kernel()
+    from lowbit.kernels import deep_gemm_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    out = (torch.randn(m, n, device="cuda", generator=g) * 2.0 ** torch.randint(-20, 20, (m, n), device="cuda",
+                                                                               generator=g)).to(torch.bfloat16)
+    bias = (torch.randn(n, device="cuda", generator=g) * 2.0 ** torch.randint(-20, 20, (n,), device="cuda",
+                                                                             generator=g)).to(torch.bfloat16)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-39, 1.0],
+                           device="cuda").to(torch.bfloat16)
+    out.view(-1)[: special.numel()] = special
+    bias[: min(n, special.numel())] = special.flip(0)[: min(n, special.numel())]
+    want = out.clone().add_(bias)
+    keep = bias.clone()
+    deep_gemm_fp8.add_bias_(out, bias)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan) and nan.any()  # NaN payloads may differ (PTX's canonical NaN)
+    assert torch.equal(out.view(torch.int16)[~nan], want.view(torch.int16)[~nan]) and torch.equal(bias, keep)
+
+
 @pytest.mark.parametrize("m, k, bias, out_dtype, route", [
     (256, 16384, False, torch.bfloat16, "cublas"),   # long K at M <= 1024: cuBLASLt
     (2048, 16384, False, torch.bfloat16, "deepgemm"),

@@ -141,6 +141,7 @@ def quantize_blockscaled_kernel(
     EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr, RCP_MAX: tl.constexpr,
     EMAX: tl.constexpr, PACK_BITS: tl.constexpr, HAS_GSCALE: tl.constexpr, SWIZZLED: tl.constexpr,
     NAN_FIXUP: tl.constexpr, E4M3_ORDER: tl.constexpr, GSCALE_FROM_AMAX: tl.constexpr = False,
+    DECODED: tl.constexpr = False,
 ):
     """x is contiguous, so it is a flat sequence of groups: each program quantizes BLOCK_G of them.
 
@@ -148,6 +149,11 @@ def quantize_blockscaled_kernel(
     the finite absmax in ``amax_ptr`` (fp32 bits), computed here as the reference does; program 0 writes it
     to ``gscale_ptr``. E4M3_ORDER (SCALE_E4M3 only): ORDER_VLLM or ORDER_LIGHTX2V, the producer whose
     multiplier order the element codes follow.
+
+    DECODED (E2M1 elements with E4M3 scales, nvfp4): instead of the codes and scales, the values they decode
+    to without the global scale, as ``dequantize_blockscaled_kernel`` decodes them (bf16 bits into the int16
+    view ``data_ptr``, x's layout; nothing written to ``scale_ptr``): the activation operand of the
+    ``"dequant"`` route in one pass.
     """
     pid = tl.program_id(0).to(tl.int64)
     g = pid * BLOCK_G + tl.arange(0, BLOCK_G).to(tl.int64)
@@ -171,7 +177,12 @@ def quantize_blockscaled_kernel(
     else:
         codes = _encode_fp8(scaled, ELEM_KIND, MAX)
 
-    if PACK_BITS == 4:
+    if DECODED:
+        v = decode_minifloat(codes, EBITS, MBITS, BIAS)
+        sf = scale_out.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        tl.store(data_ptr + g[:, None] * GROUP + e[None, :], _canonical_nan_bits(v * sf[:, None], 1),
+                 mask=g_ok[:, None])
+    elif PACK_BITS == 4:
         lo, hi = tl.split(tl.reshape(codes, (BLOCK_G, GROUP // 2, 2)))
         b = tl.arange(0, GROUP // 2)
         tl.store(data_ptr + g[:, None] * (GROUP // 2) + b[None, :], (lo | (hi << 4)).to(tl.uint8),
@@ -193,11 +204,12 @@ def quantize_blockscaled_kernel(
     else:
         tl.store(data_ptr + g[:, None] * GROUP + e[None, :], codes.to(tl.uint8), mask=g_ok[:, None])
 
-    soff = _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED)
-    if SCALE_KIND == 3:
-        tl.store(scale_ptr + soff, scale_out.to(tl.float32, bitcast=True), mask=g_ok)
-    else:
-        tl.store(scale_ptr + soff, scale_out.to(tl.uint8), mask=g_ok)
+    if not DECODED:
+        soff = _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED)
+        if SCALE_KIND == 3:
+            tl.store(scale_ptr + soff, scale_out.to(tl.float32, bitcast=True), mask=g_ok)
+        else:
+            tl.store(scale_ptr + soff, scale_out.to(tl.uint8), mask=g_ok)
 
 
 @triton.jit

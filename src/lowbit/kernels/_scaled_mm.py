@@ -439,7 +439,8 @@ def dequant_epilogue_kernel(acc_ptr, out_ptr, inv_a_ptr, inv_b_ptr, alpha_ptr, b
     """The ``"dequant"`` route's epilogue in one pass: ``out[m, c] = acc[m, c] * inv_a * inv_b * alpha +
     bias[c]`` for an fp32 partial product ``acc`` [M, C] (contiguous) and ``out`` rows ``stride_out`` apart,
     each step one fp32 rounding in that order (the launcher turns fused multiply-adds off), then one rounding
-    to out's dtype: the bits of the same steps as separate torch ops."""
+    to out's dtype: the bits of the same steps as separate torch ops. With ``acc`` a bfloat16 product and
+    ``out`` the same tensor (in place), only a bias: the bias pass of the DeepGEMM routes."""
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)

@@ -63,6 +63,13 @@ def quantize_variants():
                     if not has_g:
                         yield (k.quantize_blockscaled_kernel, dict(sig, scale_ptr=_scale_sig(kind)),
                                dict(lx, GSCALE_FROM_AMAX=True))
+                if fmt == "nvfp4" and not swizzled:
+                    # quantize_nvfp4_decoded: bf16 values out, both orders, every kind of global scale
+                    decoded = dict(sig, data_ptr="*i16", scale_ptr="*i16")
+                    for order in (k.ORDER_VLLM, k.ORDER_LIGHTX2V):
+                        for from_amax in ((False,) if has_g else (True, False)):  # given; derived, "none"
+                            yield (k.quantize_blockscaled_kernel, decoded,
+                                   dict(consts, E4M3_ORDER=order, GSCALE_FROM_AMAX=from_amax, DECODED=True))
 
 
 def dequantize_variants():
@@ -253,6 +260,15 @@ def quantize_nvfp4(
     quantize kernel; see :func:`quantize_mx`)."""
     ref.check_input(x, 16, "nvfp4")
     convention, order, swizzled = _decided(_nvfp4_options, convention, scale_layout)
+    s, amax = _nvfp4_global(x, global_scale, keep)
+    plan = _quantize_launch(x.shape, "nvfp4", (("convention", convention),), E2M1, 16, k.SCALE_E4M3,
+                            s is not None and amax is None, swizzled, torch.uint8, amax is not None, order)
+    return plan.run(x, s, amax, keep, s)
+
+
+def _nvfp4_global(x: torch.Tensor, global_scale, keep: list | None) -> tuple[torch.Tensor | None,
+                                                                               torch.Tensor | None]:
+    """(the fp32 [1] global scale the kernel reads or, derived, writes; the absmax bits it derives it from)."""
     if isinstance(global_scale, str):
         if global_scale != "none":
             raise ValueError(f"global_scale must be a tensor, a float, 'none' or None, got {global_scale!r}")
@@ -273,9 +289,32 @@ def quantize_nvfp4(
             s.fill_(1.0)
     elif s is not None and s.dim() != 1:
         s = s.reshape(1)
+    return s, amax
+
+
+def quantize_nvfp4_decoded(x: torch.Tensor, global_scale: torch.Tensor | float | str | None = None,
+                           convention: NVFP4Convention | str = "vllm") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(values, global_scale)``: ``x`` quantized as ``quantize_nvfp4(x, global_scale, convention)`` quantizes
+    it and the codes decoded *without* the global scale, as the dequantize kernel decodes them (bf16, x's
+    shape), bit for bit, in one pass (after the absmax pass where the global scale is derived): the activation
+    operand of ``lowbit.kernels.scaled_mm``'s ``"dequant"`` route without the packed tensor in between. The
+    global scale is the QTensor's (fp32 [1]; None for ``"none"``); the product's exact value is
+    ``values / global_scale``."""
+    ref.check_input(x, 16, "nvfp4")
+    convention, order, _ = _decided(_nvfp4_options, convention, "linear")
+    s, amax = _nvfp4_global(x, global_scale, None)
     plan = _quantize_launch(x.shape, "nvfp4", (("convention", convention),), E2M1, 16, k.SCALE_E4M3,
-                            s is not None and amax is None, swizzled, torch.uint8, amax is not None, order)
-    return plan.run(x, s, amax, keep, s)
+                            s is not None and amax is None, False, torch.uint8, amax is not None, order)
+    x2 = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    if plan.n_groups:
+        bits = out.view(torch.int16)
+        args = (x2, bits, bits, s if s is not None else bits, amax if amax is not None else bits, plan.n_groups,
+                plan.cols, -(-plan.cols // 4) * 4)
+        key = (torch._C._cuda_getDevice(), x2.dtype, x2.data_ptr() & 15, 0 if s is None else s.data_ptr() & 15,
+               "decoded") if x.is_cuda else None
+        kept_launch(plan.launches, key, k.quantize_blockscaled_kernel, plan.grid, args, **plan.consts, DECODED=True)
+    return out, s
 
 
 def _decided(options, *args):

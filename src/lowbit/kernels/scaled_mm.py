@@ -429,6 +429,11 @@ def compile_variants():
                "bias_ptr": bias, "M": "i32", "C": "i32", "stride_out": "i32"}
         yield k.dequant_epilogue_kernel, sig, dict(zip(("HAS_A", "HAS_B", "HAS_ALPHA", "HAS_BIAS"), flags),
                                                    **DEQUANT_EPILOGUE_TILE)
+    # the DeepGEMM routes' bias pass: a bf16 product in place, plus a bf16 bias
+    sig = {"acc_ptr": "*bf16", "out_ptr": "*bf16", "inv_a_ptr": "*bf16", "inv_b_ptr": "*bf16", "alpha_ptr": "*bf16",
+           "bias_ptr": "*bf16", "M": "i32", "C": "i32", "stride_out": "i32"}
+    yield k.dequant_epilogue_kernel, sig, dict(HAS_A=False, HAS_B=False, HAS_ALPHA=False, HAS_BIAS=True,
+                                               **DEQUANT_EPILOGUE_TILE)
     yield from _ws_compile_variants()
 
 

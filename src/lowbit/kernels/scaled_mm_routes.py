@@ -190,10 +190,7 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     alpha and with a bf16 output, cuBLAS writes the output itself (bias in its epilogue): one ``F.linear``
     when the decoded weight fits one chunk, else each chunk's columns in place. MX pairs end with the guarded
     decoding kernel (:func:`dequant_unsupported`)."""
-    from ..formats.rows import ROW_ALIGN, slice_rows, slice_rows_reason
-
     pa, ga, ga_div = _without_global(a)
-    pb, gb, gb_div = _without_global(b)
     m, k_dim = a.shape
     n = b.shape[0]
     guard = None
@@ -201,6 +198,32 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
         guard = mx_scales_outside_bf16(a) | mx_scales_outside_bf16(b)
     x = _decode_bf16(pa)
     inv_a = None if ga is None else (torch.div(1.0, ga) if ga_div else ga)
+    out = _dequant_gemm(x, inv_a, b, alpha, bias, out_dtype)
+    if guard is not None:
+        a_args, ac = operand_args(a)
+        b_args, bc = operand_args(b)
+        launch_decoding(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, config_for(m, False), guard=guard,
+                        plan_n=plan_rows(b))
+    return out
+
+
+def dequant_mm_decoded(x: torch.Tensor, global_scale: torch.Tensor | None, b: QTensor, alpha, bias,
+                       out_dtype) -> torch.Tensor:
+    """The ``"dequant"`` route of an nvfp4 weight ``b`` for an activation already decoded: ``x`` the bf16 values
+    of its codes without the global multiplier ``global_scale`` (fp32 [1] or None), as
+    ``lowbit.kernels.blockscaled.quantize_nvfp4_decoded`` writes them. The bits of :func:`dequant_mm` on the
+    quantized activation."""
+    return _dequant_gemm(x, None if global_scale is None else torch.div(1.0, global_scale), b, alpha, bias,
+                         out_dtype)
+
+
+def _dequant_gemm(x: torch.Tensor, inv_a: torch.Tensor | None, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
+    """:func:`dequant_mm` after the activation's decoding: ``x`` [M, K] bf16, ``inv_a`` its per-tensor factor."""
+    from ..formats.rows import ROW_ALIGN, slice_rows, slice_rows_reason
+
+    pb, gb, gb_div = _without_global(b)
+    m, k_dim = x.shape
+    n = b.shape[0]
     inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)
     # no epilogue of ours: cuBLAS writes the bf16 output (and adds the bias) itself, no fp32 partial product
     direct = inv_a is None and inv_b is None and alpha is None and out_dtype == torch.bfloat16
@@ -212,7 +235,7 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     if rows >= n or slice_rows_reason(pb) is not None:
         rows = n
     one_linear = direct and rows == n  # F.linear allocates the output
-    out = None if one_linear else torch.empty((m, n), dtype=out_dtype, device=a.data.device)
+    out = None if one_linear else torch.empty((m, n), dtype=out_dtype, device=x.device)
     b16 = None if bias is None or not direct else bias.to(torch.bfloat16)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
@@ -240,11 +263,6 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
         if bias is not None:
             acc.add_(bias[n0:n1].to(torch.float32))
         out[:, n0:n1] = acc
-    if guard is not None:
-        a_args, ac = operand_args(a)
-        b_args, bc = operand_args(b)
-        launch_decoding(a_args, ac, b_args, bc, m, n, k_dim, alpha, bias, out, config_for(m, False), guard=guard,
-                        plan_n=plan_rows(b))
     return out
 
 

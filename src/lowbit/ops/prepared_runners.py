@@ -179,3 +179,23 @@ class Fp8BlockLibraryGemm:
         scale = torch.empty_strided(self.scale_shape, (1, m), dtype=torch.float32, device=self.device)
         self.qlaunch(True, x, data, scale, m, k, 0, k, self.n_mblocks)
         return self.mm(data, scale, bias)
+
+
+class Nvfp4DequantGemm:
+    """``run(x, bias) -> out``: the call of a w4a4-nvfp4 layer on the ``"dequant"`` route (prefill and DiT
+    sizes) at one M, x dtype and bias presence: the activation quantized and decoded in one pass
+    (``lowbit.kernels.blockscaled.quantize_nvfp4_decoded``, after the absmax pass of a derived global scale),
+    then the route's GEMM on the decoded values (``scaled_mm_routes.dequant_mm_decoded``): the bits of quantizing
+    then decoding, without writing and reading back the packed activation."""
+
+    __slots__ = ("kwargs", "out_dtype", "w")
+
+    def __init__(self, w: Any, kwargs: dict, out_dtype: torch.dtype) -> None:
+        self.w, self.kwargs, self.out_dtype = w, kwargs, out_dtype
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from ..kernels.blockscaled import quantize_nvfp4_decoded
+        from ..kernels.scaled_mm_routes import dequant_mm_decoded
+
+        values, global_scale = quantize_nvfp4_decoded(x, **self.kwargs)
+        return dequant_mm_decoded(values, global_scale, self.w, None, bias, self.out_dtype)

@@ -21,7 +21,14 @@ from ..formats.qtensor import QTensor
 from ..formats.shards import plan_rows
 from . import policy
 from .linear import apply_activation
-from .prepared_runners import MAX_RUNNERS, Fp8BlockDecode, Fp8BlockLibraryGemm, GemvRouteDecode, MXDecode
+from .prepared_runners import (
+    MAX_RUNNERS,
+    Fp8BlockDecode,
+    Fp8BlockLibraryGemm,
+    GemvRouteDecode,
+    MXDecode,
+    Nvfp4DequantGemm,
+)
 from .traced_plans import Fp8DecodePlan, plan_key
 from .triton_ops import register_fp8_block_op
 
@@ -104,8 +111,8 @@ class ScaledCalls:
             out = target(a, self.w, None, bias, x.dtype, name)
         # a runner for the next calls like this one: x contiguous (any number of leading dims, which the fast
         # path flattens as x2 is flattened here) and 16-byte aligned
-        if (name in ("kernel*", "cublas", "deepgemm", "gemv") and act_global_scale is None and x.is_contiguous()
-                and not x.data_ptr() & 15):
+        if (name in ("kernel*", "cublas", "deepgemm", "gemv", "dequant") and act_global_scale is None
+                and x.is_contiguous() and not x.data_ptr() & 15):
             self._add_scaled_runner(x2, a, fn, kwargs, name, target, bias)
         out = out if flat else out.reshape(*x.shape[:-1], self.n)
         return apply_activation(out, self.activation)
@@ -121,6 +128,9 @@ class ScaledCalls:
 
         if name == "gemv":
             self._add_gemv_route_runner(x, a, fn, kwargs, bias)
+            return
+        if name == "dequant":
+            self._add_nvfp4_dequant_runner(x, a, fn, kwargs, bias)
             return
         if fn is blockscaled.quantize_mx and name == "kernel*":
             self._add_mx_runner(x, a, kwargs, route, bias)
@@ -163,6 +173,26 @@ class ScaledCalls:
         if bias is not None:
             self._bias_ok = bias
         self.scaled_runners[(m, x.dtype, bias is None)] = run
+
+    def _add_nvfp4_dequant_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict,
+                                  bias: torch.Tensor | None) -> None:
+        """Keep a :class:`Nvfp4DequantGemm` for calls like this one: nvfp4 activations of the Triton quantize
+        kernel (vLLM's or LightX2V's convention, the global scale derived per call or given) on an nvfp4
+        weight, the ``"dequant"`` route."""
+        from ..kernels import blockscaled
+
+        if fn is not blockscaled.quantize_nvfp4 or self.w.fmt != "nvfp4" or a.fmt != "nvfp4":
+            return
+        if set(kwargs) - {"convention", "scale_layout", "global_scale"} or "per_tensor_scale" in a.params:
+            return
+        if bias is not None and (bias.data_ptr() & 15 or not bias.is_contiguous()):
+            return
+        opts = {key: v for key, v in kwargs.items() if key != "scale_layout"}
+        if len(self.scaled_runners) >= MAX_RUNNERS:
+            self.scaled_runners.clear()
+        if bias is not None:
+            self._bias_ok = bias
+        self.scaled_runners[(x.shape[0], x.dtype, bias is None)] = Nvfp4DequantGemm(self.w, opts, x.dtype)
 
     def _add_gemv_route_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict,
                                bias: torch.Tensor | None) -> None:
