@@ -179,6 +179,7 @@ class ScaledCalls:
         """Keep a :class:`Nvfp4DequantGemm` for calls like this one: nvfp4 activations of the Triton quantize
         kernel (vLLM's or LightX2V's convention, the global scale derived per call or given) on an nvfp4
         weight, the ``"dequant"`` route."""
+        from ..formats.checks import positive_fp32_scalar
         from ..kernels import blockscaled
 
         if fn is not blockscaled.quantize_nvfp4 or self.w.fmt != "nvfp4" or a.fmt != "nvfp4":
@@ -188,6 +189,11 @@ class ScaledCalls:
         if bias is not None and (bias.data_ptr() & 15 or not bias.is_contiguous()):
             return
         opts = {key: v for key, v in kwargs.items() if key != "scale_layout"}
+        g = opts.get("global_scale")
+        if g is not None and not isinstance(g, str) and not (isinstance(g, torch.Tensor) and g.is_cuda):
+            # a given host scale goes to the device once (the general path copies it per call, which a CUDA
+            # graph capture refuses); the same fp32 value
+            opts["global_scale"] = positive_fp32_scalar(g, "global_scale").to(x.device)
         if len(self.scaled_runners) >= MAX_RUNNERS:
             self.scaled_runners.clear()
         if bias is not None:
