@@ -108,8 +108,8 @@ def mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scal
 def add_bias_(out: torch.Tensor, bias: torch.Tensor) -> None:
     """``out += bias`` in place for a contiguous bfloat16 ``out`` [M, N] and ``bias`` [N]: the fp32 sum of the
     two bfloat16 values rounded once, torch's ``add_`` bit for bit. On CUDA one pass of the ``"dequant"``
-    route's epilogue kernel (torch's broadcasting add runs its non-vectorized kernel there: 118 us against
-    about 25 us at 8190 x 5120 on an H200)."""
+    route's epilogue kernel, 16-byte loads and stores (torch's broadcasting add runs its non-vectorized
+    kernel there: 118 us at 8190 x 5120 on an H200, 0.7 TB/s)."""
     m, n = out.shape
     if not out.is_cuda or m == 0 or n == 0:
         out.add_(bias)
