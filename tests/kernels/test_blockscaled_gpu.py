@@ -158,6 +158,21 @@ def test_mxfp4_as_fp8_block_bit_exact(rows, k, layout, block):
     assert_bitexact(fk.scale.view(torch.int32).cpu(), fr.scale.view(torch.int32), "scale bits")
 
 
+def _nvfp4_activation_rows(shape, x_dtype):
+    """Random activations of ``shape`` (any leading dims) with an outlier channel ramp, a zero block, +-Inf,
+    NaN and values on E2M1 ties in the first / last row."""
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g, device="cuda") * torch.logspace(-3, 3, shape[-1], device="cuda")
+    rows = x.view(-1, shape[-1])
+    rows[0, :16] = 0
+    if shape[-1] >= 64:
+        rows[0, 20] = float("inf")
+        rows[-1, 33] = -float("inf")
+        rows[-1, 35] = float("nan")
+        rows[0, 40:56] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, device="cuda")
+    return x.to(x_dtype)
+
+
 @pytest.mark.parametrize("convention", ["vllm", "lightx2v"])
 @pytest.mark.parametrize("shape", [(1, 16), (1, 4096), (1, 14336), (4, 4096), (16, 1024), (3, 80)])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -169,15 +184,7 @@ def test_nvfp4_roundtrip_small_equals_quantize_then_decode(shape, convention, x_
 
     from lowbit.kernels import blockscaled as kb
 
-    g = torch.Generator(device="cuda").manual_seed(sum(shape))
-    x = torch.randn(shape, generator=g, device="cuda") * torch.logspace(-3, 3, shape[-1], device="cuda")
-    x[0, :16] = 0
-    if shape[-1] >= 64:
-        x[0, 20] = float("inf")
-        x[-1, 33] = -float("inf")
-        x[-1, 35] = float("nan")
-        x[0, 40:56] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, device="cuda")
-    x = x.to(x_dtype)
+    x = _nvfp4_activation_rows(shape, x_dtype)
     got, gs = kb.nvfp4_roundtrip_small(x, convention)
     q = kb.quantize_nvfp4(x, None, convention)
     want = kb.dequantize_nvfp4(dataclasses.replace(q, global_scale=None), torch.bfloat16)
@@ -197,16 +204,7 @@ def test_quantize_nvfp4_decoded_equals_quantize_then_decode(shape, global_scale,
 
     from lowbit.kernels import blockscaled as kb
 
-    g = torch.Generator(device="cuda").manual_seed(sum(shape))
-    x = torch.randn(shape, generator=g, device="cuda") * torch.logspace(-3, 3, shape[-1], device="cuda")
-    rows = x.view(-1, shape[-1])
-    rows[0, :16] = 0
-    if shape[-1] >= 64:
-        rows[0, 20] = float("inf")
-        rows[-1, 33] = -float("inf")
-        rows[-1, 35] = float("nan")
-        rows[0, 40:56] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2, device="cuda")
-    x = x.to(x_dtype)
+    x = _nvfp4_activation_rows(shape, x_dtype)
     keep = x.clone()
     scales = [global_scale] if not isinstance(global_scale, float) else [global_scale,
                                                                          torch.tensor([global_scale], device="cuda")]
