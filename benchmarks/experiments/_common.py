@@ -1,12 +1,16 @@
 """What the probes and sweeps here share, on top of ``lowbit.bench`` (the maintained benchmarks' helpers and
 timer): weight copies rotated out of L2, CUDA-graph timing, the copy roof, the W4A16 problem of the GEMM
-benchmark, atomic JSON writes. Not maintained beyond keeping the scripts here importable.
+benchmark, atomic JSON writes, a cProfile of host calls and the GPU time per kernel. Not maintained beyond keeping the scripts here importable.
 """
 
 from __future__ import annotations
 
+import collections
+import cProfile
+import io
 import json
 import os
+import pstats
 
 import torch
 
@@ -105,3 +109,35 @@ def write_json(path: str, payload: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=1, default=str)
     os.replace(tmp, path)
+
+
+def cprofile_text(fn, calls: int, top: int) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (the GPU synchronized before and after), the ``top`` entries by
+    self time, as text."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def kernel_times(fn, calls: int, warmups: int = 3) -> tuple[dict[str, float], float]:
+    """(GPU us per call by kernel name, total GPU us per call) of ``fn`` under torch.profiler, over ``calls``
+    calls after ``warmups``."""
+    for _ in range(warmups):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:90]] += ev.device_time_total / calls
+    return dict(per), sum(per.values())

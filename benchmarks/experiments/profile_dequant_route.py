@@ -9,11 +9,8 @@ of the eager call (where the host time goes). JSON and the profiles to $OUT.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 
 import torch
@@ -22,7 +19,7 @@ from lowbit.kernels import scaled_mm_routes
 from lowbit.nn import QuantLinear
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
-from _common import eager_us, graph_ms  # noqa: E402
+from _common import cprofile_text, eager_us, graph_ms  # noqa: E402
 
 
 def _graph_us(fn) -> float:
@@ -38,6 +35,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="8190x13824x5120,8190x5120x5120,32760x5120x13824")
     ap.add_argument("--chunks-mb", default="64,256,1024")
     args = ap.parse_args()
+    default_chunk = scaled_mm_routes.DEQUANT_CHUNK_BYTES  # restored after each shape's sweep
     out_dir = os.environ.get("OUT", "benchmarks/results/tmp")
     os.makedirs(out_dir, exist_ok=True)
     rows = []
@@ -53,19 +51,10 @@ def main() -> None:
             g, e = _graph_us(lambda: layer(x)), _eager_us(lambda: layer(x))
             row[f"chunk{mb}"] = {"graph_us": g, "eager_us": e, "graph_vs_bf16": row["bf16_graph_us"] / g,
                                  "eager_vs_bf16": row["bf16_eager_us"] / e}
-            prof = cProfile.Profile()
-            torch.cuda.synchronize()
-            prof.enable()
-            for _ in range(5):
-                layer(x)
-            prof.disable()
-            torch.cuda.synchronize()
-            buf = io.StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
             with open(os.path.join(out_dir, f"dequant_route_{shape}_{mb}mb.txt"), "w") as f:
-                f.write(buf.getvalue())
+                f.write(cprofile_text(lambda: layer(x), 5, 18))
             print(shape, mb, "MB:", json.dumps(row[f"chunk{mb}"]), flush=True)
-        scaled_mm_routes.DEQUANT_CHUNK_BYTES = 64 << 20
+        scaled_mm_routes.DEQUANT_CHUNK_BYTES = default_chunk
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(os.path.join(out_dir, "profile_dequant_route.json"), "w") as f:

@@ -7,12 +7,9 @@ JSON and profiles to $OUT.
 
 from __future__ import annotations
 
-import cProfile
-import io
 import json
 import os
 import platform
-import pstats
 import sys
 import time
 
@@ -22,7 +19,7 @@ import triton
 import lowbit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
-from _common import _time_graph, eager_us
+from _common import _time_graph, cprofile_text, eager_us
 
 CASES = [  # (name, a format, a options, b format, b options, M, N, K)
     ("fp8_block_m16", "fp8_block", {}, "fp8_block", {"block": (128, 128)}, 16, 24576, 1536),
@@ -57,18 +54,11 @@ def main() -> None:
         row = {"case": name, "M": m, "N": n, "K": k, "plan": str(lowbit.ops.plan_scaled_mm(aq, wq))}
         row["graph_us"] = _time_graph(fn)
         row["eager_us"] = eager_us(fn)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(100):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        text = cprofile_text(fn, 100, 25)
         with open(os.path.join(out_dir, f"profile_host_{name}.txt"), "w") as f:
-            f.write(buf.getvalue())
+            f.write(text)
         print(row, flush=True)
-        print("\n".join(buf.getvalue().splitlines()[:40]), flush=True)
+        print("\n".join(text.splitlines()[:40]), flush=True)
         rows.append(row)
         with open(os.path.join(out_dir, "profile_host.json"), "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)

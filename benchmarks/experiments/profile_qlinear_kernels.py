@@ -9,30 +9,16 @@ writes JSON to $OUT.
 from __future__ import annotations
 
 import argparse
-import collections
-import json
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from lowbit.nn import QuantLinear
 
-
-def _kernel_times(fn, calls: int) -> tuple[dict[str, float], float]:
-    """(GPU us per call by kernel name, total GPU us per call) over ``calls`` calls after a warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    per: dict[str, float] = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name[:90]] += ev.device_time_total / calls
-    return dict(per), sum(per.values())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+from _common import kernel_times, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -57,8 +43,8 @@ def main() -> None:
         x = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16) if args.three_d else \
             torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         with torch.inference_mode():
-            per, total = _kernel_times(lambda: layer(x), args.calls)
-            _, ref = _kernel_times(lambda: F.linear(x, lin.weight, lin.bias), args.calls)
+            per, total = kernel_times(lambda layer=layer, x=x: layer(x), args.calls)
+            _, ref = kernel_times(lambda lin=lin, x=x: F.linear(x, lin.weight, lin.bias), args.calls)
         print(f"{args.scheme} {shape}: {total:.1f} us of GPU time a call, cuBLAS bf16 {ref:.1f} us "
               f"({ref / total:.3f}x)", flush=True)
         for name, us in sorted(per.items(), key=lambda kv: -kv[1]):
@@ -71,8 +57,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     tag = ("_bias" if args.bias else "") + ("_3d" if args.three_d else "")
     path = os.path.join(out, f"profile_qlinear_kernels_{args.scheme}{tag}.json")
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    write_json(path, {"device": torch.cuda.get_device_name(), "rows": rows})
     print(f"wrote {path}")
 
 
@@ -83,7 +68,7 @@ def _dit(args) -> None:
     with torch.inference_mode():
         model = dit.apply_config(dit.build_dit(s), args.dit)
         inputs = dit.make_inputs(s, args.tokens, torch.device("cuda"))
-        per, total = _kernel_times(lambda: model(*inputs), 3)
+        per, total = kernel_times(lambda: model(*inputs), 3)
     print(f"DiT block {args.dit} at {args.tokens} tokens: {total:.1f} us of GPU time a call", flush=True)
     for name, us in sorted(per.items(), key=lambda kv: -kv[1])[:25]:
         print(f"  {us:9.1f} us  {name}", flush=True)

@@ -110,17 +110,12 @@ def add_bias_(out: torch.Tensor, bias: torch.Tensor) -> None:
     two bfloat16 values rounded once, torch's ``add_`` bit for bit. On CUDA one pass of the ``"dequant"``
     route's epilogue kernel, 16-byte loads and stores (torch's broadcasting add runs its non-vectorized
     kernel there: 118 us at 8190 x 5120 on an H200, 0.7 TB/s)."""
-    m, n = out.shape
-    if not out.is_cuda or m == 0 or n == 0:
+    if not out.is_cuda:
         out.add_(bias)
         return
-    from . import _scaled_mm as k
-    from ._launch import launch
-    from .scaled_mm_routes import DEQUANT_EPILOGUE_TILE as t
+    from .scaled_mm_routes import dequant_epilogue
 
-    launch(k.dequant_epilogue_kernel, (-(-m // t["BM"]), -(-n // t["BC"])),
-           (out, out, out, out, out, bias, m, n, out.stride(0)), HAS_A=False, HAS_B=False, HAS_ALPHA=False,
-           HAS_BIAS=True, num_warps=4, enable_fp_fusion=False, **t)
+    dequant_epilogue(out, out, None, None, None, bias)
 
 
 class PreparedMM:

@@ -168,17 +168,20 @@ def dequant_epilogue(acc: torch.Tensor, out: torch.Tensor, inv_a: torch.Tensor |
     """``out[:] = ((acc * inv_a) * inv_b) * alpha + bias`` rounded once to out's dtype, for an fp32 ``acc``
     [M, C] (contiguous), ``out`` [M, C] with unit column stride, fp32 [1] factors and ``bias`` [C] (any dtype,
     exact in fp32), each optional: one launch reading ``acc`` once, where the torch ops it replaces made three
-    passes over it; the same bits (no fused multiply-add)."""
+    passes over it; the same bits (no fused multiply-add). ``acc`` may be a bfloat16 product and ``out`` that
+    same tensor: the in-place bias pass of the DeepGEMM routes. The compiled launch is kept
+    (``lowbit.kernels._launch.launch``)."""
     from . import _scaled_mm as k
+    from ._launch import launch
 
     m, c = acc.shape
     if m == 0 or c == 0:
         return
     t = DEQUANT_EPILOGUE_TILE
     grid = (triton.cdiv(m, t["BM"]), triton.cdiv(c, t["BC"]))
-    k.dequant_epilogue_kernel[grid](
+    launch(k.dequant_epilogue_kernel, grid, (
         acc, out, acc if inv_a is None else inv_a, acc if inv_b is None else inv_b, acc if alpha is None else alpha,
-        acc if bias is None else bias, m, c, out.stride(0), HAS_A=inv_a is not None, HAS_B=inv_b is not None,
+        acc if bias is None else bias, m, c, out.stride(0)), HAS_A=inv_a is not None, HAS_B=inv_b is not None,
         HAS_ALPHA=alpha is not None, HAS_BIAS=bias is not None, num_warps=4, enable_fp_fusion=False, **t)
 
 

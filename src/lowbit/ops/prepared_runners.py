@@ -188,14 +188,15 @@ class Nvfp4DequantGemm:
     then the route's GEMM on the decoded values (``scaled_mm_routes.dequant_mm_decoded``): the bits of quantizing
     then decoding, without writing and reading back the packed activation."""
 
-    __slots__ = ("kwargs", "out_dtype", "w")
+    __slots__ = ("gemm", "kwargs", "out_dtype", "quantize", "w")
 
     def __init__(self, w: Any, kwargs: dict, out_dtype: torch.dtype) -> None:
-        self.w, self.kwargs, self.out_dtype = w, kwargs, out_dtype
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from ..kernels.blockscaled import quantize_nvfp4_decoded
         from ..kernels.scaled_mm_routes import dequant_mm_decoded
 
-        values, global_scale = quantize_nvfp4_decoded(x, **self.kwargs)
-        return dequant_mm_decoded(values, global_scale, self.w, None, bias, self.out_dtype)
+        self.w, self.kwargs, self.out_dtype = w, kwargs, out_dtype
+        self.quantize, self.gemm = quantize_nvfp4_decoded, dequant_mm_decoded
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        values, global_scale = self.quantize(x, **self.kwargs)
+        return self.gemm(values, global_scale, self.w, None, bias, self.out_dtype)
