@@ -704,6 +704,27 @@ def test_cublas_route_in_a_cuda_graph_and_off_by_env(monkeypatch):
 
 # ------------------------------------------------------------------------ DeepGEMM (deepgemm route)
 
+def _check_deepgemm_call(km, a, w, alpha, bias, route, what):
+    """A pair the policy sends to ``route`` (``"deepgemm"`` or ``"fold_deepgemm"``): the plan names DeepGEMM;
+    ``lowbit.scaled_mm`` leaves the operands as they were and gives the bits of the route called directly (and of
+    a second call); the product is within tolerance of the fp32 reference, and with a bias the output is the bf16
+    product plus the bias rounded once (:func:`_assert_bias_pass`). Returns the reference with the bias."""
+    assert policy.scaled_route(a, w, bias, torch.bfloat16, km) == route
+    assert "DeepGEMM" in str(smm_dispatch.plan_scaled_mm(a, w))
+    ref = scaled_mm_reference(a, w, alpha, bias, torch.float32, dequant_backend="torch")
+    before = [t.clone() for t in (*a.tensors().values(), *w.tensors().values())]
+    out = lowbit.scaled_mm(a, w, alpha, bias, torch.bfloat16)
+    assert all(torch.equal(t, b) for t, b in zip((*a.tensors().values(), *w.tensors().values()), before))
+    assert torch.equal(lowbit.scaled_mm(a, w, alpha, bias, torch.bfloat16), out)
+    assert torch.equal(km.scaled_mm(a, w, alpha, bias, torch.bfloat16, route), out)
+    if bias is None:
+        _assert_close(out, ref, what)
+    else:
+        ref_plain = scaled_mm_reference(a, w, alpha, None, torch.float32, dequant_backend="torch")
+        _assert_bias_pass(out, km.scaled_mm(a, w, alpha, None, torch.bfloat16, route), bias, ref_plain, what)
+    return ref
+
+
 DEEPGEMM_CASES = [
     # (m, n, k, alpha, seed): DeepSeek-V3 shapes, M not a multiple of 4, N not a multiple of 128, alpha
     (256, 7168, 2048, None, 0),
@@ -741,19 +762,7 @@ def test_deepgemm_route(case):
         a = _quantize(x, "fp8_block", ())
     alpha_t = None if alpha is None else torch.tensor([alpha], device="cuda")
     bias = _bias(n) if seed % 2 else None  # no bias epilogue in DeepGEMM: the route adds it to the bf16 product
-    assert policy.scaled_route(a, w, bias, torch.bfloat16, km) == "deepgemm"
-    assert "DeepGEMM" in str(smm_dispatch.plan_scaled_mm(a, w))
-    ref = scaled_mm_reference(a, w, alpha_t, bias, torch.float32, dequant_backend="torch")
-    before = [t.clone() for t in (*a.tensors().values(), *w.tensors().values())]
-    out = lowbit.scaled_mm(a, w, alpha_t, bias, torch.bfloat16)
-    assert all(torch.equal(t, b) for t, b in zip((*a.tensors().values(), *w.tensors().values()), before))
-    assert torch.equal(lowbit.scaled_mm(a, w, alpha_t, bias, torch.bfloat16), out)
-    if bias is None:
-        _assert_close(out, ref, f"deepgemm {case}")
-    else:  # the bias pass: the bf16 product plus the bias, rounded once
-        ref_plain = scaled_mm_reference(a, w, alpha_t, None, torch.float32, dequant_backend="torch")
-        _assert_bias_pass(out, lowbit.scaled_mm(a, w, alpha_t, None, torch.bfloat16), bias, ref_plain,
-                          f"deepgemm {case}")
+    ref = _check_deepgemm_call(km, a, w, alpha_t, bias, "deepgemm", f"deepgemm {case}")
     _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "kernel"), ref, f"kernel {case}")
     _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "cublas"), ref, f"cublas {case}")
 
@@ -985,19 +994,7 @@ def test_fold_deepgemm_route(case):
     _, a = _act(af, ao, m, k, seed=9)
     alpha_t = None if alpha is None else torch.tensor([alpha], device="cuda")
     bias = _bias(n) if with_bias else None
-    assert policy.scaled_route(a, w, bias, torch.bfloat16, km) == "fold_deepgemm"
-    assert "DeepGEMM" in str(smm_dispatch.plan_scaled_mm(a, w))
-    ref = scaled_mm_reference(a, w, alpha_t, bias, torch.float32, dequant_backend="torch")
-    before = [t.clone() for t in (*a.tensors().values(), *w.tensors().values())]
-    out = lowbit.scaled_mm(a, w, alpha_t, bias, torch.bfloat16)
-    assert all(torch.equal(t, b) for t, b in zip((*a.tensors().values(), *w.tensors().values()), before))
-    assert torch.equal(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "fold_deepgemm"), out)
-    if bias is None:
-        _assert_close(out, ref, f"fold_deepgemm {case}")
-    else:
-        ref_plain = scaled_mm_reference(a, w, alpha_t, None, torch.float32, dequant_backend="torch")
-        _assert_bias_pass(out, km.scaled_mm(a, w, alpha_t, None, torch.bfloat16, "fold_deepgemm"), bias, ref_plain,
-                          f"fold_deepgemm {case}")
+    ref = _check_deepgemm_call(km, a, w, alpha_t, bias, "fold_deepgemm", f"fold_deepgemm {case}")
     _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.bfloat16, "fold"), ref, f"fold {case}")
     _assert_close(km.scaled_mm(a, w, alpha_t, bias, torch.float32, "kernel"), ref, f"decoding {case}")
     with pytest.raises(ValueError, match="route 'fold_deepgemm'"):
