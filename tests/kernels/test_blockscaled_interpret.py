@@ -186,6 +186,14 @@ SCRIPT = textwrap.dedent(
                   and a.shape == b.shape) if isinstance(a, torch.Tensor) else (type(a) is type(b) and a == b)
             if not ok or sorted(vars(again)) != sorted(names) or again.params is first.params:
                 bad.append(("unchecked QTensor", first.fmt, name))
+    # the quantize kernel's E2M1 rounding to a value against encode-then-decode on every bf16 value, the E2M1
+    # codes and midpoints with their neighbours, NaNs and random fp32 patterns
+    import sys
+    sys.path.insert(0, TESTS_DIR)
+    from _e2m1_check import adversarial_fp32_bits, run_e2m1_paths
+    got, want = run_e2m1_paths(adversarial_fp32_bits(1 << 16), nan_fixup=True)
+    if not torch.equal(got, want):
+        bad.append(("e2m1 value path", int((got != want).sum())))
     print("BAD", bad)
     """
 )
@@ -193,7 +201,8 @@ SCRIPT = textwrap.dedent(
 
 def test_blockscaled_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    script = f"TESTS_DIR = {os.path.dirname(os.path.abspath(__file__))!r}\n" + SCRIPT
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BAD []" in out.stdout, out.stdout[-2000:]
 

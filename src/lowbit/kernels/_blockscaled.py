@@ -51,6 +51,27 @@ def _encode_minifloat(x, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.cons
 
 
 @triton.jit
+def _e2m1_rounded(x, NAN_FIXUP: tl.constexpr):
+    """fp32 x -> the fp32 value of its E2M1 code as ``_encode_minifloat`` then ``decode_minifloat`` give it
+    (round-to-nearest-even, saturating at 6, x's sign; NaN -> +6 as there), without the code in between.
+
+    Adding c = 1.5 * 2^(e + 22), e the binade of |x| (at least 0), rounds |x| to a multiple of 2^(e - 1) (the
+    sum's ulp), which is one significand bit in [1, 6] (the carry reaches the next binade as the code's
+    does; 6 is a code, so nothing at or below it rounds above it) and steps of 0.5 below 1; subtracting c is
+    exact. Ties go to even: the sum's last kept bit is x's own bit of that weight."""
+    a = tl.minimum(tl.abs(x), 6.0)
+    if NAN_FIXUP:
+        a = tl.where(x != x, 6.0, a)
+    binade = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 127 << 23)
+    c = (binade + ((22 << 23) | 0x400000)).to(tl.float32, bitcast=True)
+    v = (a + c) - c
+    sign = x.to(tl.int32, bitcast=True) & -0x80000000
+    if NAN_FIXUP:
+        sign = tl.where(x != x, 0, sign)
+    return (v.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _encode_fp8(x, ELEM_KIND: tl.constexpr, MAX: tl.constexpr):
     y = tl.minimum(tl.maximum(x, -MAX), MAX)
     if ELEM_KIND == 1:
@@ -172,17 +193,32 @@ def quantize_blockscaled_kernel(
         s = 1.0
     scaled, scale_out = _group_scales(x, SCALE_KIND, MAX, RCP_MAX, EMAX, s, E4M3_ORDER)
 
-    if ELEM_KIND == 0:
-        codes = _encode_minifloat(scaled, EBITS, MBITS, BIAS, MAX, NAN_FIXUP)
-    else:
-        codes = _encode_fp8(scaled, ELEM_KIND, MAX)
-
     if DECODED:
-        v = decode_minifloat(codes, EBITS, MBITS, BIAS)
+        # the E2M1 rounding as a value, without the code in between (encode-then-decode's value in fewer
+        # instructions: this pass is bound by them). |v| <= 6, so a product is NaN exactly where its block
+        # scale is, and the canonical NaN is chosen per block; v * sf is exact in bf16 (2 + 4 significant bits).
+        v = _e2m1_rounded(scaled, NAN_FIXUP)
         sf = scale_out.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        tl.store(data_ptr + g[:, None] * GROUP + e[None, :], _canonical_nan_bits(v * sf[:, None], 1),
-                 mask=g_ok[:, None])
-    elif PACK_BITS == 4:
+        bits = (v * sf[:, None]).to(tl.bfloat16).to(tl.int16, bitcast=True)
+        bits = tl.where((sf != sf)[:, None], tl.full(bits.shape, 0x7FC0, tl.int16), bits)
+        tl.store(data_ptr + g[:, None] * GROUP + e[None, :], bits, mask=g_ok[:, None])
+    else:
+        if ELEM_KIND == 0:
+            codes = _encode_minifloat(scaled, EBITS, MBITS, BIAS, MAX, NAN_FIXUP)
+        else:
+            codes = _encode_fp8(scaled, ELEM_KIND, MAX)
+        _store_codes(codes, data_ptr, g, g_ok, BLOCK_G, GROUP, PACK_BITS)
+        soff = _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED)
+        if SCALE_KIND == 3:
+            tl.store(scale_ptr + soff, scale_out.to(tl.float32, bitcast=True), mask=g_ok)
+        else:
+            tl.store(scale_ptr + soff, scale_out.to(tl.uint8), mask=g_ok)
+
+
+@triton.jit
+def _store_codes(codes, data_ptr, g, g_ok, BLOCK_G: tl.constexpr, GROUP: tl.constexpr, PACK_BITS: tl.constexpr):
+    """Element codes [BLOCK_G, GROUP] of groups g, packed at PACK_BITS per element into the bytes of data_ptr."""
+    if PACK_BITS == 4:
         lo, hi = tl.split(tl.reshape(codes, (BLOCK_G, GROUP // 2, 2)))
         b = tl.arange(0, GROUP // 2)
         tl.store(data_ptr + g[:, None] * (GROUP // 2) + b[None, :], (lo | (hi << 4)).to(tl.uint8),
@@ -202,14 +238,8 @@ def quantize_blockscaled_kernel(
         tl.store(data_ptr + g[:, None] * (GROUP // 4 * 3) + off[None, :], slots.to(tl.uint8),
                  mask=g_ok[:, None] & (col % 4 < 3)[None, :])
     else:
+        e = tl.arange(0, GROUP)
         tl.store(data_ptr + g[:, None] * GROUP + e[None, :], codes.to(tl.uint8), mask=g_ok[:, None])
-
-    if not DECODED:
-        soff = _scale_offsets(g, groups_per_row, n_scale_cols_padded4, SWIZZLED)
-        if SCALE_KIND == 3:
-            tl.store(scale_ptr + soff, scale_out.to(tl.float32, bitcast=True), mask=g_ok)
-        else:
-            tl.store(scale_ptr + soff, scale_out.to(tl.uint8), mask=g_ok)
 
 
 @triton.jit
