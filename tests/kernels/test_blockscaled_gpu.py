@@ -232,3 +232,28 @@ def test_e2m1_value_rounding_equals_encode_then_decode_on_the_gpu():
     got, want = run_e2m1_paths(bits, nan_fixup=False)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, [(hex(int(bits[i]) & 0xFFFFFFFF), hex(int(got[i])), hex(int(want[i]))) for i in bad[:8]]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, layout", [((8190, 512), (640, 512), "linear"), ((3, 37, 256), (300, 256),
+                                                                                            "swizzled"),
+                                                     ((1, 16), (128, 64), "linear")])
+def test_finite_absmax_and_dequantize_equals_the_two_passes(x_shape, w_shape, layout):
+    """One launch of the absmax pass (an activation with +-Inf, NaN, a zero block) and an nvfp4 weight's
+    decoding (without its global scale, bf16): the bits of the two kernels launched apart."""
+    import dataclasses
+
+    from lowbit.kernels import blockscaled as kb
+
+    x = _nvfp4_activation_rows(x_shape, torch.bfloat16)
+    w = torch.randn(w_shape, device="cuda") * torch.logspace(-3, 3, w_shape[0], device="cuda")[:, None]
+    q = dataclasses.replace(kb.quantize_nvfp4(w, None, "vllm", layout), global_scale=None)
+    keep_x, keep_w = x.clone(), q.data.clone()
+    amax, wd = kb.finite_absmax_and_dequantize(x, q, torch.bfloat16)
+    assert torch.equal(amax, kb._finite_absmax_bits(x))
+    assert torch.equal(wd.view(torch.int16), kb.dequantize_nvfp4(q, torch.bfloat16).view(torch.int16))
+    got, gs = kb.quantize_nvfp4_decoded(x, None, "vllm", amax=amax)
+    want, want_gs = kb.quantize_nvfp4_decoded(x, None, "vllm")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)) and torch.equal(gs, want_gs)
+    assert torch.equal(x, keep_x) and torch.equal(q.data, keep_w)
+    with pytest.raises(ValueError, match="amax"):
+        kb.quantize_nvfp4_decoded(x, 2.0, "vllm", amax=amax)

@@ -186,6 +186,20 @@ SCRIPT = textwrap.dedent(
                   and a.shape == b.shape) if isinstance(a, torch.Tensor) else (type(a) is type(b) and a == b)
             if not ok or sorted(vars(again)) != sorted(names) or again.params is first.params:
                 bad.append(("unchecked QTensor", first.fmt, name))
+    # the absmax pass and an nvfp4 weight's decoding in one launch: the bits of the two kernels
+    from lowbit.kernels import _blockscaled as kk
+    xa = (torch.randn(7, 96) * 40).to(torch.bfloat16); xa[2, 5] = float("inf"); xa[4, 9] = float("nan")
+    qw = kb.quantize_nvfp4(torch.randn(48, 64) * 3, "none")
+    dq = kb.dequantize_call(qw, torch.bfloat16)
+    amax_f = torch.zeros(1, dtype=torch.int32)
+    wd = torch.empty(dq.shape, dtype=torch.bfloat16)
+    progs = -(-xa.numel() // 64)  # CHUNK * CHUNKS elements a program
+    kk.absmax_and_dequantize_kernel[(progs + dq.launch.grid[0],)](
+        xa.view(-1), amax_f, xa.numel(), progs, *dq.args[:3], wd.view(torch.int16), *dq.args[4:], CHUNK=64,
+        CHUNKS=1, **dq.launch.consts, **dq.launch.options)
+    if not (torch.equal(amax_f, kb._finite_absmax_bits(xa)) and torch.equal(wd.view(torch.int16),
+                                                                            dq().view(torch.int16))):
+        bad.append(("absmax_and_dequantize",))
     # the quantize kernel's E2M1 rounding to a value against encode-then-decode on every bf16 value, the E2M1
     # codes and midpoints with their neighbours, NaNs and random fp32 patterns
     import sys

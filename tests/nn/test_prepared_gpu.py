@@ -196,6 +196,8 @@ def test_nvfp4_dequant_runner_bits_equal_scaled_linear(x_dtype, bias, activation
         assert torch.equal(_bits(layer(x)), _bits(_want(layer, x)))
     runner = layer._prepared.scaled_runners.get((m, x_dtype, not bias))
     assert type(runner).__name__ == "Nvfp4DequantGemm"
+    # a derived global scale: the absmax pass and the weight's decoding in one launch (one chunk here)
+    assert (runner.absmax_and_decode is not None) == ("global_scale" not in act_options)
     x3 = xs[1].reshape(2, m // 2, 1024)
     assert torch.equal(_bits(layer(x3)), _bits(_want(layer, xs[1]).reshape(2, m // 2, 640)))
     static_x = xs[0].clone()

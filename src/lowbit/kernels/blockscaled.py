@@ -102,6 +102,16 @@ def compile_variants():
     for dtype in ("*bf16", "*fp16", "*fp32"):
         yield (k.finite_absmax_kernel, {"x_ptr": dtype, "out_ptr": "*i32", "N": "i64"},
                {"CHUNK": _ABSMAX_CHUNK, "CHUNKS": _ABSMAX_CHUNKS})
+    # the w4a4-nvfp4 dequant runner's shared launch: a bf16 / fp16 / fp32 activation, an nvfp4 weight decoded
+    # to bf16 without its global scale, linear or swizzled scales
+    for dtype in ("*bf16", "*fp16", "*fp32"):
+        for swizzled in (False, True):
+            yield (k.absmax_and_dequantize_kernel,
+                   {"x_ptr": dtype, "amax_ptr": "*i32", "N": "i64", "absmax_programs": "i32", "data_ptr": "*u8",
+                    "scale_ptr": "*u8", "gscale_ptr": "*u8", "out_ptr": "*i16", "n_groups": "i64",
+                    "groups_per_row": "i32", "n_scale_cols_padded4": "i32"},
+                   dict(CHUNK=_ABSMAX_CHUNK, CHUNKS=_ABSMAX_CHUNKS, BLOCK_G=_block_g(16), GROUP=16,
+                        SCALE_KIND=k.SCALE_E4M3, HAS_GSCALE=False, SWIZZLED=swizzled, OUT_KIND=1, **_elem_args(E2M1)))
     for block, convention in ((4096, "vllm"), (16384, "vllm"), (1024, "lightx2v")):
         yield (k.nvfp4_roundtrip_small_kernel, {"x_ptr": "*bf16", "gscale_ptr": "*fp32", "out_ptr": "*i16",
                                                 "N": "i32"},
@@ -210,6 +220,27 @@ _ABSMAX_CHUNK = 2048
 _ABSMAX_CHUNKS = 8
 
 
+def finite_absmax_and_dequantize(x: torch.Tensor, q: QTensor, dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """``(the int32 [1] absmax bits of x, q dequantized to dtype)``: what the absmax pass of a derived nvfp4
+    global scale (:func:`quantize_nvfp4_decoded`'s ``amax``) and :func:`dequantize_call` give, bit for bit, in
+    one launch (``absmax_and_dequantize_kernel``): the ``"dequant"`` route's two passes that do not depend on
+    each other, each too short at DiT sizes to reach the copy bandwidth alone."""
+    dq = dequantize_call(q, dtype)
+    flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+    n = flat.numel()
+    lc = dq.launch
+    if lc is None or not n or not x.is_cuda or _interpreting():
+        return _finite_absmax_bits(x), dq()
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    out = torch.empty(dq.shape, dtype=dq.dtype, device=x.device)
+    programs = cdiv(n, _ABSMAX_CHUNK * _ABSMAX_CHUNKS)
+    args = (flat, amax, n, programs, *dq.args[:3], out.view(dq.view), *dq.args[4:])
+    launch(k.absmax_and_dequantize_kernel, (programs + lc.grid[0],), args, CHUNK=_ABSMAX_CHUNK,
+           CHUNKS=_ABSMAX_CHUNKS, **lc.consts, **lc.options)
+    return amax, out.reshape(dq.result_shape)
+
+
 def _finite_absmax_bits(x: torch.Tensor, keep: list | None = None) -> torch.Tensor:
     """int32 [1] holding the fp32 bits of max |x| over finite elements (no host sync); ``keep``: a list that
     receives the launch it ran (None where it went through Triton alone)."""
@@ -266,9 +297,10 @@ def quantize_nvfp4(
     return plan.run(x, s, amax, keep, s)
 
 
-def _nvfp4_global(x: torch.Tensor, global_scale, keep: list | None) -> tuple[torch.Tensor | None,
-                                                                               torch.Tensor | None]:
-    """(the fp32 [1] global scale the kernel reads or, derived, writes; the absmax bits it derives it from)."""
+def _nvfp4_global(x: torch.Tensor, global_scale, keep: list | None, amax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the fp32 [1] global scale the kernel reads or, derived, writes; the absmax bits it derives it from:
+    ``amax`` where the caller ran the absmax pass, else this function runs it)."""
     if isinstance(global_scale, str):
         if global_scale != "none":
             raise ValueError(f"global_scale must be a tensor, a float, 'none' or None, got {global_scale!r}")
@@ -280,29 +312,34 @@ def _nvfp4_global(x: torch.Tensor, global_scale, keep: list | None) -> tuple[tor
         s = _device_global_scale(global_scale)
     else:
         s = positive_fp32_scalar(global_scale, "global_scale").to(x.device)
-    amax = None
     if global_scale is None:
         # default 2688/amax: one absmax pass, then the quantize kernel derives and stores the scale
-        amax = _finite_absmax_bits(x, keep)
+        if amax is None:
+            amax = _finite_absmax_bits(x, keep)
         s = torch.empty(1, dtype=torch.float32, device=x.device)
         if not x.numel():
             s.fill_(1.0)
-    elif s is not None and s.dim() != 1:
+        return s, amax
+    if s is not None and s.dim() != 1:
         s = s.reshape(1)
-    return s, amax
+    return s, None
 
 
 def quantize_nvfp4_decoded(x: torch.Tensor, global_scale: torch.Tensor | float | str | None = None,
-                           convention: NVFP4Convention | str = "vllm") -> tuple[torch.Tensor, torch.Tensor | None]:
+                           convention: NVFP4Convention | str = "vllm", *, amax: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(values, global_scale)``: ``x`` quantized as ``quantize_nvfp4(x, global_scale, convention)`` quantizes
     it and the codes decoded *without* the global scale, as the dequantize kernel decodes them (bf16, x's
     shape), bit for bit, in one pass (after the absmax pass where the global scale is derived): the activation
     operand of ``lowbit.kernels.scaled_mm``'s ``"dequant"`` route without the packed tensor in between. The
     global scale is the QTensor's (fp32 [1]; None for ``"none"``); the product's exact value is
-    ``values / global_scale``."""
+    ``values / global_scale``. ``amax``: with a derived global scale, x's absmax bits from
+    :func:`finite_absmax_and_dequantize` (its pass not run again)."""
     ref.check_input(x, 16, "nvfp4")
     convention, order, _ = _decided(_nvfp4_options, convention, "linear")
-    s, amax = _nvfp4_global(x, global_scale, None)
+    if amax is not None and (global_scale is not None or amax.dtype != torch.int32 or amax.numel() != 1):
+        raise ValueError("amax must be the int32 [1] absmax bits of x, with a derived global scale (None)")
+    s, amax = _nvfp4_global(x, global_scale, None, amax)
     plan = _quantize_launch(x.shape, "nvfp4", (("convention", convention),), E2M1, 16, k.SCALE_E4M3,
                             s is not None and amax is None, False, torch.uint8, amax is not None, order)
     x2 = x if x.is_contiguous() else x.contiguous()

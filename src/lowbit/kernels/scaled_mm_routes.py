@@ -211,18 +211,38 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
 
 
 def dequant_mm_decoded(x: torch.Tensor, global_scale: torch.Tensor | None, b: QTensor, alpha, bias,
-                       out_dtype) -> torch.Tensor:
+                       out_dtype, w_decoded: torch.Tensor | None = None) -> torch.Tensor:
     """The ``"dequant"`` route of an nvfp4 weight ``b`` for an activation already decoded: ``x`` the bf16 values
     of its codes without the global multiplier ``global_scale`` (fp32 [1] or None), as
     ``lowbit.kernels.blockscaled.quantize_nvfp4_decoded`` writes them. The bits of :func:`dequant_mm` on the
-    quantized activation."""
+    quantized activation. ``w_decoded``: the whole weight already decoded without its global scale (bf16, as
+    the route decodes it), where the route takes it in one chunk (:func:`dequant_chunk_rows`)."""
     return _dequant_gemm(x, None if global_scale is None else torch.div(1.0, global_scale), b, alpha, bias,
-                         out_dtype)
+                         out_dtype, w_decoded)
 
 
-def _dequant_gemm(x: torch.Tensor, inv_a: torch.Tensor | None, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
-    """:func:`dequant_mm` after the activation's decoding: ``x`` [M, K] bf16, ``inv_a`` its per-tensor factor."""
-    from ..formats.rows import ROW_ALIGN, slice_rows, slice_rows_reason
+def dequant_chunk_rows(m: int, k_dim: int, b_plain: QTensor, direct: bool) -> int:
+    """Weight rows per chunk of the ``"dequant"`` route's GEMMs at M = ``m`` (``b_plain``: the weight without its
+    per-tensor scale; ``direct``: cuBLAS writes the output, no fp32 partial product): the whole weight where
+    its decoding and the product fit :data:`DEQUANT_CHUNK_BYTES` or its rows cannot be sliced."""
+    from ..formats.rows import ROW_ALIGN, slice_rows_reason
+
+    n = b_plain.shape[0]
+    align = ROW_ALIGN.get(b_plain.fmt, 128)
+    rows = DEQUANT_CHUNK_BYTES // (2 * k_dim)
+    if not direct:
+        rows = min(rows, DEQUANT_CHUNK_BYTES // (4 * max(m, 1)))
+    rows = max(align, rows) // align * align
+    if rows >= n or slice_rows_reason(b_plain) is not None:
+        rows = n
+    return rows
+
+
+def _dequant_gemm(x: torch.Tensor, inv_a: torch.Tensor | None, b: QTensor, alpha, bias, out_dtype,
+                  w_decoded: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`dequant_mm` after the activation's decoding: ``x`` [M, K] bf16, ``inv_a`` its per-tensor factor;
+    ``w_decoded`` as :func:`dequant_mm_decoded` takes it."""
+    from ..formats.rows import slice_rows
 
     pb, gb, gb_div = _without_global(b)
     m, k_dim = x.shape
@@ -230,20 +250,18 @@ def _dequant_gemm(x: torch.Tensor, inv_a: torch.Tensor | None, b: QTensor, alpha
     inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)
     # no epilogue of ours: cuBLAS writes the bf16 output (and adds the bias) itself, no fp32 partial product
     direct = inv_a is None and inv_b is None and alpha is None and out_dtype == torch.bfloat16
-    align = ROW_ALIGN.get(b.fmt, 128)
-    rows = DEQUANT_CHUNK_BYTES // (2 * k_dim)
-    if not direct:
-        rows = min(rows, DEQUANT_CHUNK_BYTES // (4 * max(m, 1)))
-    rows = max(align, rows) // align * align
-    if rows >= n or slice_rows_reason(pb) is not None:
-        rows = n
+    rows = dequant_chunk_rows(m, k_dim, pb, direct)
+    if w_decoded is not None and rows != n:
+        raise ValueError(f"w_decoded is for a weight decoded in one chunk; this one takes chunks of {rows} rows")
     one_linear = direct and rows == n  # F.linear allocates the output
     out = None if one_linear else torch.empty((m, n), dtype=out_dtype, device=x.device)
     b16 = None if bias is None or not direct else bias.to(torch.bfloat16)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        wq = pb if (n0, n1) == (0, n) else slice_rows(pb, n0, n1)
-        w = _decode_bf16(wq)
+        if w_decoded is not None:
+            w = w_decoded
+        else:
+            w = _decode_bf16(pb if (n0, n1) == (0, n) else slice_rows(pb, n0, n1))
         if direct:
             if one_linear:
                 out = F.linear(x, w, b16)

@@ -186,17 +186,27 @@ class Nvfp4DequantGemm:
     sizes) at one M, x dtype and bias presence: the activation quantized and decoded in one pass
     (``lowbit.kernels.blockscaled.quantize_nvfp4_decoded``, after the absmax pass of a derived global scale),
     then the route's GEMM on the decoded values (``scaled_mm_routes.dequant_mm_decoded``): the bits of quantizing
-    then decoding, without writing and reading back the packed activation."""
+    then decoding, without writing and reading back the packed activation. Where the global scale is derived
+    and the route decodes the weight in one chunk at this M, the absmax pass and the weight's decoding share
+    one launch (``blockscaled.finite_absmax_and_dequantize``)."""
 
-    __slots__ = ("gemm", "kwargs", "out_dtype", "quantize", "w")
+    __slots__ = ("absmax_and_decode", "gemm", "kwargs", "out_dtype", "plain", "quantize", "w")
 
-    def __init__(self, w: Any, kwargs: dict, out_dtype: torch.dtype) -> None:
-        from ..kernels.blockscaled import quantize_nvfp4_decoded
-        from ..kernels.scaled_mm_routes import dequant_mm_decoded
+    def __init__(self, w: Any, kwargs: dict, out_dtype: torch.dtype, m: int) -> None:
+        from ..kernels.blockscaled import finite_absmax_and_dequantize, quantize_nvfp4_decoded
+        from ..kernels.scaled_mm_routes import _without_global, dequant_chunk_rows, dequant_mm_decoded
 
         self.w, self.kwargs, self.out_dtype = w, kwargs, out_dtype
         self.quantize, self.gemm = quantize_nvfp4_decoded, dequant_mm_decoded
+        self.absmax_and_decode = self.plain = None
+        plain = _without_global(w)[0]
+        if kwargs.get("global_scale") is None and dequant_chunk_rows(m, w.shape[1], plain, False) == w.shape[0]:
+            self.absmax_and_decode, self.plain = finite_absmax_and_dequantize, plain
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.absmax_and_decode is not None:
+            amax, w_decoded = self.absmax_and_decode(x, self.plain, torch.bfloat16)
+            values, global_scale = self.quantize(x, **self.kwargs, amax=amax)
+            return self.gemm(values, global_scale, self.w, None, bias, self.out_dtype, w_decoded)
         values, global_scale = self.quantize(x, **self.kwargs)
         return self.gemm(values, global_scale, self.w, None, bias, self.out_dtype)

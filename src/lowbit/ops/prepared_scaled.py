@@ -198,7 +198,8 @@ class ScaledCalls:
             self.scaled_runners.clear()
         if bias is not None:
             self._bias_ok = bias
-        self.scaled_runners[(x.shape[0], x.dtype, bias is None)] = Nvfp4DequantGemm(self.w, opts, x.dtype)
+        self.scaled_runners[(x.shape[0], x.dtype, bias is None)] = Nvfp4DequantGemm(self.w, opts, x.dtype,
+                                                                                     x.shape[0])
 
     def _add_gemv_route_runner(self, x: torch.Tensor, a: QTensor, fn, kwargs: dict,
                                bias: torch.Tensor | None) -> None:
