@@ -250,9 +250,8 @@ def _dequant_gemm(x: torch.Tensor, inv_a: torch.Tensor | None, b: QTensor, alpha
     inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)
     # no epilogue of ours: cuBLAS writes the bf16 output (and adds the bias) itself, no fp32 partial product
     direct = inv_a is None and inv_b is None and alpha is None and out_dtype == torch.bfloat16
-    rows = dequant_chunk_rows(m, k_dim, pb, direct)
-    if w_decoded is not None and rows != n:
-        raise ValueError(f"w_decoded is for a weight decoded in one chunk; this one takes chunks of {rows} rows")
+    # a weight decoded whole is taken whole (its memory is spent already)
+    rows = n if w_decoded is not None else dequant_chunk_rows(m, k_dim, pb, direct)
     one_linear = direct and rows == n  # F.linear allocates the output
     out = None if one_linear else torch.empty((m, n), dtype=out_dtype, device=x.device)
     b16 = None if bias is None or not direct else bias.to(torch.bfloat16)
