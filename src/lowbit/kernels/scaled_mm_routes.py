@@ -119,12 +119,14 @@ def _without_global(q: QTensor) -> tuple[QTensor, torch.Tensor | None, bool]:
     return plain, None, False
 
 
-DEQUANT_CHUNK_BYTES = 256 << 20
-"""Largest decoded weight chunk and fp32 partial product the ``"dequant"`` route holds at once. H200, one
-w4a4-nvfp4 ``QuantLinear`` (``benchmarks/experiments/profile_dequant_route.py``), against cuBLAS bf16: at M = 8190
-on 5120 x 5120, 64 MiB chunks (three GEMMs) ran at 0.49x eager and 0.70x as a CUDA graph, 256 MiB (one) at 0.74x
-and 0.77x; on 13824 x 5120, 0.80x / 0.80x against 0.89x / 0.83x; 1024 MiB was no faster than 256 at M = 8190
-and within noise at M = 32760."""
+DEQUANT_CHUNK_BYTES = 1 << 30
+"""Largest decoded weight chunk and fp32 partial product the ``"dequant"`` route holds at once: 1 GiB, so the
+Wan2.1-14B-shaped projections run as one GEMM up to M = 32760 where N = 5120 (13824 x 5120 in two), at the cost
+of that much transient memory. H200, one w4a4-nvfp4 ``QuantLinear`` against cuBLAS bf16
+(``benchmarks/experiments/profile_dequant_route.py``, graph / eager): at M = 32760, 256 MiB chunks ran
+5120 x 5120 at 0.82 / 0.83x, 5120 x 13824 at 0.90 / 0.83x, 13824 x 5120 at 0.88 / 0.90x; 1 GiB at 0.82 / 0.84x,
+0.91 / 0.94x, 0.93 / 0.92x; at M = 8190 on 13824 x 5120 0.82 / 0.91x against 0.85 / 0.90x. (Before: 64 MiB
+chunks at M = 8190 on 5120 x 5120, three GEMMs, ran at 0.49 / 0.70x, 256 MiB at 0.74 / 0.77x.)"""
 
 
 def _mm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
