@@ -1,11 +1,12 @@
-"""A test kernel shared by the interpreter and GPU tests: the quantize kernel's E2M1 rounding to a value
-(``_e2m1_rounded``) beside the code path it replaces (encode, then decode), element by element."""
+"""Test kernels shared by the interpreter and GPU tests: the quantize kernel's E2M1 rounding to a value
+(``_e2m1_rounded``) beside the code path it replaces (encode, then decode), and the dequantize kernel's E2M1
+decoding (``_e2m1_decoded``) beside ``decode_minifloat``, element by element."""
 
 import torch
 import triton
 import triton.language as tl
 
-from lowbit.kernels._blockscaled import _e2m1_rounded, _encode_minifloat
+from lowbit.kernels._blockscaled import _e2m1_decoded, _e2m1_rounded, _encode_minifloat
 from lowbit.kernels.device import decode_minifloat
 
 
@@ -39,4 +40,20 @@ def run_e2m1_paths(bits: torch.Tensor, nan_fixup: bool) -> tuple[torch.Tensor, t
     block = 1024
     e2m1_paths_kernel[(triton.cdiv(bits.numel(), block),)](bits, got, want, bits.numel(), NAN_FIXUP=nan_fixup,
                                                           BLOCK=block)
+    return got, want
+
+
+@triton.jit
+def e2m1_decode_paths_kernel(code_ptr, got_ptr, want_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    code = tl.load(code_ptr + offs)
+    tl.store(got_ptr + offs, _e2m1_decoded(code).to(tl.int32, bitcast=True))
+    tl.store(want_ptr + offs, decode_minifloat(code, 2, 1, 1).to(tl.int32, bitcast=True))
+
+
+def run_e2m1_decode_paths(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(lean, ``decode_minifloat``) fp32 bits of the 16 E2M1 codes."""
+    codes = torch.arange(16, dtype=torch.int32, device=device)
+    got, want = torch.empty_like(codes), torch.empty_like(codes)
+    e2m1_decode_paths_kernel[(1,)](codes, got, want, BLOCK=16)
     return got, want

@@ -219,15 +219,18 @@ def test_quantize_nvfp4_decoded_equals_quantize_then_decode(shape, global_scale,
 
 
 def test_e2m1_value_rounding_equals_encode_then_decode_on_the_gpu():
-    """The quantize kernel's E2M1 rounding to a value (the one-pass nvfp4 activation) against the code path
-    it replaces, with the GPU's own min/NaN semantics: every bf16 value, the E2M1 codes and midpoints with
+    """The dequantize kernel's E2M1 decoding against ``decode_minifloat`` on the 16 codes, and the quantize
+    kernel's E2M1 rounding to a value (the one-pass nvfp4 activation) against the code path it replaces, with
+    the GPU's own min/NaN semantics: every bf16 value, the E2M1 codes and midpoints with
     their neighbours, NaNs of both signs and 2^24 random fp32 patterns."""
     import os
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _e2m1_check import adversarial_fp32_bits, run_e2m1_paths
+    from _e2m1_check import adversarial_fp32_bits, run_e2m1_decode_paths, run_e2m1_paths
 
+    got, want = run_e2m1_decode_paths("cuda")
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
     bits = adversarial_fp32_bits(1 << 24, seed=1).cuda()
     got, want = run_e2m1_paths(bits, nan_fixup=False)
     bad = (got != want).nonzero().flatten()

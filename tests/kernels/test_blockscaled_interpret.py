@@ -204,10 +204,13 @@ SCRIPT = textwrap.dedent(
     # codes and midpoints with their neighbours, NaNs and random fp32 patterns
     import sys
     sys.path.insert(0, TESTS_DIR)
-    from _e2m1_check import adversarial_fp32_bits, run_e2m1_paths
+    from _e2m1_check import adversarial_fp32_bits, run_e2m1_decode_paths, run_e2m1_paths
     got, want = run_e2m1_paths(adversarial_fp32_bits(1 << 16), nan_fixup=True)
     if not torch.equal(got, want):
         bad.append(("e2m1 value path", int((got != want).sum())))
+    got, want = run_e2m1_decode_paths()
+    if not torch.equal(got, want):
+        bad.append(("e2m1 decode path", got.tolist(), want.tolist()))
     print("BAD", bad)
     """
 )
