@@ -120,7 +120,8 @@ def e2e() -> list[str]:
             "in the same run (higher is better; prefill and host: lower time is better, the ratio is bf16's "
             "time over ours for prefill and ours over `F.linear` for host). Each cell is the newest "
             "measurement of that config and mode; its letter names the run. The lent machines' host CPUs "
-            "differ from run to run, so compare ratios, and only within a run."), "",
+            "differ from run to run, so compare ratios, and only within a run. "
+            + _weight_gb_note(r["header"].get("date") for r in runs)), "",
            _hdr_method("h100_e2e.json", runs[-1]["header"], f"Newest of the {len(used)} runs the cells come from "
                        "(listed below the table)."), ""]
     out += _table(head, rows)
@@ -426,8 +427,21 @@ def dit() -> list[str]:
             f"{s['head_dim']}, FFN {s['ffn']}, {s['text_len']} text tokens; random weights, its 10 Linear layers "
             "quantized, attention in bf16) at M tokens; in parentheses bf16's time over the config's in the same run "
             "(above 1 is faster). Cosine and SQNR: the block's output against bf16's on the same input at "
-            f"M = {tokens[0]}."), ""]
+            f"M = {tokens[0]}. " + _weight_gb_note([d["header"].get("date")])), ""]
     return out + _table(head, rows)
+
+
+WEIGHT_GB_FIXED = "2026-11-30"
+"""Runs dated before this counted every parameter twice in their weight bytes (fixed in
+``lowbit.bench.common.weight_bytes`` on 2026-11-29; no run of that day is rendered here)."""
+
+
+def _weight_gb_note(dates) -> str:
+    if not any((d or "") < WEIGHT_GB_FIXED for d in dates):
+        return ""
+    return ("Weights GB of runs dated before " + WEIGHT_GB_FIXED + " counts every parameter twice (a "
+            "bench defect, fixed since): the bf16 rows are twice the model's bytes, and the other rows hold their "
+            "unquantized parameters (embeddings, norms, `lm_head`, biases) twice and their quantized buffers once.")
 
 
 # h100_offload.json records no date, git sha or versions; its date is that of the commit that added it

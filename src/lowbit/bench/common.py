@@ -66,6 +66,26 @@ def rotating(fns: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
     return call
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and persistent buffers, each tensor once (tied ones too): what a checkpoint of the
+    model holds (the KV cache and RoPE tables, non-persistent buffers, are not weights; a tensor subclass such
+    as torchao's counts its inner tensors). ``state_dict(keep_vars=True)`` hands out the module's own tensor
+    objects; a plain ``state_dict()`` detaches them into new ones, which no identity check can pair with the
+    parameters."""
+    seen: set[int] = set()
+    total = 0
+    for t in model.state_dict(keep_vars=True).values():
+        if not isinstance(t, torch.Tensor) or id(t) in seen:
+            continue
+        seen.add(id(t))
+        if hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            total += sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
+        else:
+            total += t.numel() * t.element_size()
+    return total
+
+
 def rel_errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(relative Frobenius error, max |error| / max |ref|) of ``out`` against ``ref``, in fp32."""
     o, r = out.float(), ref.float()

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import lowbit_config, modes_and_device, short_error
+from .common import lowbit_config, modes_and_device, short_error, weight_bytes
 from .timing import sync
 
 
@@ -181,17 +181,6 @@ def apply_config(model: nn.Module, config: str) -> nn.Module:
     if mode and not set_compute(model, "fp8_block", keep_weight=mode == "fp8-kept"):
         raise ValueError(f"config {config!r}: +fp8 is for w4a4-nvfp4 layers, none in this model")
     return model
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and persistent buffers (quantized weights and their scales included)."""
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.state_dict().values()]:
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
 
 
 # ---------------------------------------------------------------------------------------------- timing

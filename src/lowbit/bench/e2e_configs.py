@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .common import fuse_or_fail, lowbit_config
+from .common import fuse_or_fail, lowbit_config, weight_bytes
 
 LOWBIT_SCHEMES = ("w4a16-nvfp4", "w4a16-int4", "w4a16-nf4", "w8a8-fp8-block", "w4a8-mxfp4", "w4a4-nvfp4")
 
@@ -79,22 +79,6 @@ def apply_config(model: nn.Module, config: str) -> nn.Module:
         return model
     raise ValueError(f"unknown config {config!r}; known: {', '.join(DEFAULT_CONFIGS)}")
 
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and persistent buffers (the KV cache and RoPE tables are not weights)."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + [b for _, b in model.state_dict().items()]:
-        if not isinstance(t, torch.Tensor) or id(t) in seen:
-            continue
-        seen.add(id(t))
-        if hasattr(t, "__tensor_flatten__"):  # a tensor subclass (torchao): its inner tensors
-            names, _ = t.__tensor_flatten__()
-            total += sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in names)
-        else:
-            total += t.numel() * t.element_size()
-    return total
 
 
 __all__ = ["DEFAULT_CONFIGS", "FUSED_DEFAULTS", "LOWBIT_SCHEMES", "PEERS", "apply_config", "weight_bytes"]
