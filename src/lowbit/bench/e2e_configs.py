@@ -5,7 +5,6 @@ one GEMV with the activation and product in its epilogue), ``torchao:int4``,
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .common import fuse_or_fail, lowbit_config, weight_bytes
