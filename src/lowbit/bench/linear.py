@@ -240,6 +240,10 @@ def _qlinear_setup(scheme_name: str, compute: str | None = None) -> Callable[[Sh
         baselines: dict[str, Baseline] = {}
         if ctx.baselines:
             baselines["cublas.bf16"] = _cublas(p)
+            if scheme.act_format is None and compute is None:
+                # a weight-only layer against the peers' layers of its weight format (module against module,
+                # host work included on both sides)
+                baselines.update(_peer_baselines(scheme.weight_format, dict(scheme.weight_options), p))
         return _matmul_case(shape, ctx, fns, first.weight_qtensor.nbytes, baselines, check,
                             f"{scheme.description}" + (f"; FP8 compute mode ({compute})" if compute else "")
                             + (f"; {len(layers)} layer copies" if len(layers) > 1 else ""))
