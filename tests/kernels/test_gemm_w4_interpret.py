@@ -171,7 +171,7 @@ SCRIPT = LOOP_BOUNDS + textwrap.dedent(
         global n_checks
         n_checks += 1
         n, k = w.shape
-        args, consts = g._format_args(w, torch.zeros(1, k, dtype=torch.float16))
+        args, consts = g._format_args(w, torch.device("cpu"), torch.float16)
         if w.fmt == "nf4":
             consts["NF4_MODE"] = g._nf4_mode(k, consts["GROUP"], bk)
         consts.pop("GSCALE_MODE")
@@ -247,6 +247,24 @@ SCRIPT = LOOP_BOUNDS + textwrap.dedent(
                 ok = torch.equal(got[:255], want[:255]) and bool(got[255].isnan())
             if not ok:
                 failures.append(f"bit patterns {which} {tdt}")
+
+    # the prepared layer's runner (the plan decided once, kept launches) gives gemm_w4's bits: default tiles
+    # and an explicit config, split-K, bias and activation, every format
+    for fmt, opts in (("nvfp4", {"global_scale": 4.0}), ("mxfp4", {}), ("fp4_b32", {}), ("int4_awq", {}),
+                      ("nf4", {"double_quant": True})):
+        n_checks += 1
+        w = weight(40, 128, fmt, **opts)
+        x = ints(37, 128).half()
+        b = ints(40).half()
+        for cfg_, bias_, act_ in ((cfg(), None, None), (cfg(split=2), b, "silu"), (cfg(tma=False), b, "gelu")):
+            want = g.gemm_w4(x, w, bias_, act_, config=cfg_)
+            got = torch.empty_like(want)
+            g.GemmPlan(w, 37, x.device, x.dtype, act_, cfg_).launch(x, bias_, got)
+            run = g.GemmRunner(w, 37, torch.float16, act_)
+            got2, want2 = run(x, bias_), g.gemm_w4(x, w, bias_, act_)
+            if not (torch.equal(got.view(torch.int16), want.view(torch.int16))
+                    and torch.equal(got2.view(torch.int16), want2.view(torch.int16))):
+                failures.append(f"runner {fmt} {cfg_} {act_}")
 
     if failures:
         print("\\n".join(failures))

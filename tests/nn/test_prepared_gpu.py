@@ -64,7 +64,16 @@ def test_runner_bits_equal_linear(scheme, x_dtype, bias, activation):
         assert torch.equal(_bits(got), _bits(want)), (scheme, shape)
     if dequant_only:
         return
-    assert {k[0] for k in prep.runners} == {1, 3, 16, 10}, "the GEMV regime ran through runners"
+    # the GEMV regime and the tensor-core GEMM regime ran through runners (GemvRunner / GemmRunner)
+    w = layer.weight_qtensor
+    kinds = {"gemv_w4": "GemvRunner", "gemm_w4": "GemmRunner"}
+    want_kinds = {}
+    for m in (1, 3, 16, 10, 17, 300):
+        path = policy.linear_decide(m, w.data.device, w, "auto")[0]
+        if path in kinds:
+            want_kinds[m] = kinds[path]
+    assert {k[0]: type(r).__name__ for k, r in prep.runners.items()} == want_kinds
+    assert want_kinds[17] == "GemmRunner"
     assert len(prep._chunks[x_dtype]) == 2, "the dequantize-then-BLAS regime ran through prepared decode calls"
 
 
@@ -84,9 +93,10 @@ def test_misaligned_strided_x_and_bias_cast(scheme):
 
 
 @pytest.mark.parametrize("scheme", W4A16)
-def test_cuda_graph_capture_and_replay(scheme):
+@pytest.mark.parametrize("m", [2, 64])  # the GEMV and the GEMM regime's runners
+def test_cuda_graph_capture_and_replay(scheme, m):
     layer = _layer(scheme)
-    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
     layer(x)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

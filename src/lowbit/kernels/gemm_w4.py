@@ -39,7 +39,7 @@ from ..formats.spec import NF4
 from . import _gemm_w4 as k
 from . import cdiv
 from . import interpreting as _interpreting
-from ._launch import launch
+from ._launch import kept_launch
 from .gemm_w4_tiles import (  # noqa: F401 - re-exported: the tables are the launcher's
     CONFIGS,
     FORMAT_CONFIGS,
@@ -247,9 +247,9 @@ def _global_scale(w: QTensor, device: torch.device) -> tuple[torch.Tensor | None
     return None, 0
 
 
-def _format_args(w: QTensor, x: torch.Tensor) -> tuple[list, dict]:
+def _format_args(w: QTensor, device: torch.device, dtype: torch.dtype) -> tuple[list, dict]:
     """Pointer/int arguments (w_ptr, s_ptr, z_ptr, nested_ptr, offset_ptr, lut_ptr, dmap_ptr, gscale_ptr,
-    stride_wn, stride_sn, s_cols4) and constexprs of the weight format."""
+    stride_wn, stride_sn, s_cols4) and constexprs of the weight format, for x on ``device`` in ``dtype``."""
     k_dim = w.shape[1]
     fmt = w.fmt
     consts = dict(FMT=_FMT_ID[fmt], SCALE_SWIZZLED=False, SCALE_WORDS=False, GROUP=1, DOUBLE_QUANT=False,
@@ -265,19 +265,19 @@ def _format_args(w: QTensor, x: torch.Tensor) -> tuple[list, dict]:
         # one-byte scales are fetched as aligned int32 words where rows start on a 4-byte boundary
         consts["SCALE_WORDS"] = fmt != "fp4_b32" and (consts["SCALE_SWIZZLED"] or (k_dim // block) % 4 == 0) \
             and scale.data_ptr() % 4 == 0
-        gscale, consts["GSCALE_MODE"] = _global_scale(w, x.device)
+        gscale, consts["GSCALE_MODE"] = _global_scale(w, device)
         if gscale is None:
             gscale = scale
         cols = k_dim // block
         args = [data, scale, scale, scale, scale, scale, scale, gscale, k_dim // 2, cols, -(-cols // 4) * 4]
     elif fmt == "nf4":
         _, blocksize, dq = ref_nf4.check_nf4_qtensor(w)
-        lut, dmap = _nf4_tables(x.device, x.dtype)
+        lut, dmap = _nf4_tables(device, dtype)
         data = w.data.reshape(-1)
         scale = _nf4_codes(w) if dq else w.scale.reshape(-1).contiguous()
         if dq:
             nested = w.nested_scale.reshape(-1).contiguous()
-            offset = w.nested_offset.reshape(1).to(device=x.device, dtype=torch.float32)
+            offset = w.nested_offset.reshape(1).to(device=device, dtype=torch.float32)
         else:
             nested = offset = scale
         consts.update(GROUP=blocksize, DOUBLE_QUANT=dq)
@@ -324,39 +324,86 @@ def gemm_w4(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activ
         return out
     if k_dim == 0:
         return out.copy_(_torch_epilogue(torch.zeros(m, n, device=x.device), bias, activation))
-    args, consts = _format_args(w, x)
-    cfg = dict(config) if config is not None else choose_config(m, n, k_dim, w.fmt, consts["GROUP"], x.device,
-                                                                plan_rows(w))
-    cfg.setdefault("SPLIT_K", 1)
-    cfg = fit_tile(w.fmt, cfg, consts["GROUP"])
-    if w.fmt == "nf4":
-        consts["NF4_MODE"] = _nf4_mode(k_dim, consts["GROUP"], cfg["BLOCK_K"])
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    split = nonempty_split(cdiv(k_dim, bk), cfg["SPLIT_K"])
-    has_bias = bias is not None
-    b = bias.contiguous() if has_bias else out
-    act = ACTIVATIONS[activation]
-    on_gpu = not _interpreting()
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (cdiv(m, bm) * cdiv(n, bn), split)
-    x_tma = cfg.get("X_TMA", X_TMA) and _tma_ok(x)
-    x_desc = TensorDescriptor.from_tensor(x, block_shape=[bm, bk]) if x_tma else x
-    launch(k.gemm_w4_kernel, grid, (
-            x, x_desc, *args[:8], b, target, m, n, k_dim, x.stride(0), out.stride(0), *args[8:],
-        ),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], SPLIT_K=split, EVEN_K=k_dim % bk == 0,
-        X_TMA=x_tma, HAS_BIAS=has_bias, ACT=act, ON_GPU=on_gpu, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **consts,
-    )
-    if split > 1:
-        rm, rn = 32, 128
-        launch(k.split_k_reduce_kernel, (cdiv(m, rm), cdiv(n, rn)), (
-                target, args[7], b, out, m, n, out.stride(0),
-            ),
-            SPLIT_K=split, BLOCK_M=rm, BLOCK_N=rn, GSCALE_MODE=consts["GSCALE_MODE"], HAS_BIAS=has_bias,
-            ACT=act, ON_GPU=on_gpu, num_warps=4,
-        )
+    GemmPlan(w, m, x.device, x.dtype, activation, config).launch(x, None if bias is None else bias.contiguous(), out)
     return out
+
+
+class GemmPlan:
+    """Everything :func:`gemm_w4` decides for a weight, a row count M, x's device and dtype and an activation:
+    the weight's kernel arguments, the tile configuration, split-K and grid. ``launch`` then reads x (and
+    makes its TMA descriptor) and launches; a :class:`GemmRunner` keeps one plan to skip the decisions on
+    every call. M > 0, N > 0 and K > 0."""
+
+    __slots__ = ("act", "args", "bk", "bm", "bn", "consts", "grid", "group_m", "k", "m", "n", "split", "stages",
+                 "tma", "warps")
+
+    def __init__(self, w: QTensor, m: int, device: torch.device, dtype: torch.dtype, activation: str | None,
+                 config: dict | None = None) -> None:
+        k_dim = w.shape[1]
+        n = w.shape[0]
+        args, consts = _format_args(w, device, dtype)
+        cfg = dict(config) if config is not None else choose_config(m, n, k_dim, w.fmt, consts["GROUP"], device,
+                                                                    plan_rows(w))
+        cfg.setdefault("SPLIT_K", 1)
+        cfg = fit_tile(w.fmt, cfg, consts["GROUP"])
+        if w.fmt == "nf4":
+            consts["NF4_MODE"] = _nf4_mode(k_dim, consts["GROUP"], cfg["BLOCK_K"])
+        self.args, self.consts, self.m, self.n, self.k = args, consts, m, n, k_dim
+        self.bm, self.bn, self.bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        self.group_m, self.warps, self.stages = cfg["GROUP_M"], cfg["num_warps"], cfg["num_stages"]
+        self.split = nonempty_split(cdiv(k_dim, self.bk), cfg["SPLIT_K"])
+        self.grid = (cdiv(m, self.bm) * cdiv(n, self.bn), self.split)
+        self.tma = cfg.get("X_TMA", X_TMA)
+        self.act = ACTIVATIONS[activation]
+
+    def launch(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, store: dict | None = None,
+               key: tuple | None = None) -> None:
+        """``out[:] = act(x @ dequant(w).T + bias)``: ``x`` [M, K] with a contiguous last dim, ``bias`` None or
+        contiguous [N], ``out`` [M, N] of x's dtype. ``store`` / ``key``: keep the compiled launches there under
+        ``key`` (a caller whose x, bias and out keep their strides and alignment; see ``_launch.kept_launch``)."""
+        m, n, k_dim = self.m, self.n, self.k
+        has_bias = bias is not None
+        b = bias if has_bias else out
+        on_gpu = not _interpreting()
+        target = out if self.split == 1 else torch.empty(self.split, m, n, dtype=torch.float32, device=x.device)
+        x_tma = self.tma and _tma_ok(x)
+        x_desc = TensorDescriptor.from_tensor(x, block_shape=[self.bm, self.bk]) if x_tma else x
+        a = self.args
+        kept_launch(store, None if key is None else (*key, x_tma, has_bias), k.gemm_w4_kernel, self.grid, (
+                x, x_desc, *a[:8], b, target, m, n, k_dim, x.stride(0), out.stride(0), *a[8:],
+            ),
+            BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_K=self.bk, GROUP_M=self.group_m, SPLIT_K=self.split,
+            EVEN_K=k_dim % self.bk == 0, X_TMA=x_tma, HAS_BIAS=has_bias, ACT=self.act, ON_GPU=on_gpu,
+            num_warps=self.warps, num_stages=self.stages, **self.consts,
+        )
+        if self.split > 1:
+            rm, rn = 32, 128
+            kept_launch(store, None if key is None else (*key, "reduce", has_bias), k.split_k_reduce_kernel,
+                        (cdiv(m, rm), cdiv(n, rn)), (target, a[7], b, out, m, n, out.stride(0)),
+                        SPLIT_K=self.split, BLOCK_M=rm, BLOCK_N=rn, GSCALE_MODE=self.consts["GSCALE_MODE"],
+                        HAS_BIAS=has_bias, ACT=self.act, ON_GPU=on_gpu, num_warps=4)
+
+
+class GemmRunner:
+    """``run(x, bias) -> out``: :func:`gemm_w4` for one weight at one M, x dtype, bias presence and activation,
+    decided once (:class:`GemmPlan`) and launched through kept compiled kernels: the call a prepared layer
+    makes in the GEMM regime. ``x`` [M, K] contiguous and 16-byte aligned, ``bias`` None or a contiguous,
+    16-byte aligned [N] (the caller checks both once); the same bits as :func:`gemm_w4`."""
+
+    __slots__ = ("dtype", "launches", "plan")
+
+    def __init__(self, w: QTensor, m: int, dtype: torch.dtype, activation: str | None) -> None:
+        self.plan = GemmPlan(w, m, w.data.device, dtype, activation)
+        self.dtype = dtype
+        self.launches: dict = {}
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        p = self.plan
+        out = torch.empty(p.m, p.n, dtype=self.dtype, device=x.device)
+        # the kept launches are per device (x's, the current one in a call) and read nothing else per call
+        key = (torch._C._cuda_getDevice(),) if x.is_cuda else None
+        p.launch(x, bias, out, self.launches, key)
+        return out
 
 
 def _torch_epilogue(acc: torch.Tensor, bias, activation) -> torch.Tensor:

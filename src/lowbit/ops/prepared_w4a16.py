@@ -2,9 +2,9 @@
 
 At preparation the GEMV layouts are made (``lowbit.kernels.gemv_prepack.prepare_w4`` and the tensor-core
 layout) with the static inputs of the compiled path; a call then runs, for M up to ``GEMV_MAX_M``, a
-``lowbit.kernels.gemv_runners.GemvRunner`` made once per (M, x dtype, bias or not), and above the dequantize
-threshold the chunks of :func:`lowbit.ops.linear.linear_dequant_gemm` with their decode launches made once per
-x dtype. Either gives the bits of :func:`lowbit.linear`; where neither applies the call returns None and the
+``lowbit.kernels.gemv_runners.GemvRunner`` made once per (M, x dtype, bias or not), between that and the
+dequantize threshold a ``lowbit.kernels.gemm_w4.GemmRunner`` (the same keys), and above the threshold the chunks
+of :func:`lowbit.ops.linear.linear_dequant_gemm` with their decode launches made once per x dtype. Either gives the bits of :func:`lowbit.linear`; where neither applies the call returns None and the
 layer takes the general path.
 """
 
@@ -79,6 +79,8 @@ class W4A16Calls:
         if not 0 < m <= GEMV_MAX_M:
             if m >= self._dequant_min_m and (bias is None or bias.dtype == x.dtype):
                 return self._dequant_gemm_call(x, x2, bias)
+            if m > GEMV_MAX_M:
+                return self._gemm_call(x, x2, bias)
             return None
         if bias is not None:
             if (self.gated or bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
@@ -99,6 +101,37 @@ class W4A16Calls:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         out = run(x2, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n_out)
+
+    def _gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The tensor-core GEMM regime (M between the GEMV and the dequantize threshold) through a
+        ``lowbit.kernels.gemm_w4.GemmRunner`` made once per (M, x dtype, bias or not) where the dispatch rules
+        choose ``gemm_w4``: the kernel, tiles and arguments decided once, kept compiled launches per call (the
+        general path decides them on every call). The same launch, so the bits of :func:`lowbit.linear`."""
+        if self.gated:
+            return None  # the gated product runs as the GEMM then the gating (the general path)
+        if bias is not None:
+            if (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
+                    or bias.device != self.device or bias.shape != (self.n,)):
+                return None
+            self._bias_ok = bias
+        m = x2.shape[0]
+        key = (m, x.dtype, bias is None)
+        run = self.runners.get(key)
+        if run is None:
+            if torch.cuda.is_current_stream_capturing() or self._backend() == "torch":
+                return None
+            from ..kernels.gemm_w4 import GemmRunner
+            from .linear import resolve_backend
+
+            if policy.linear_decide(m, self.device, self.w, resolve_backend(self.backend))[0] != "gemm_w4":
+                return None
+            if len(self.runners) >= MAX_RUNNERS:
+                self.runners.clear()
+            run = self.runners[key] = GemmRunner(self.w, m, x.dtype, self.activation)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        out = run(x2, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
 
     def _dequant_gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """:func:`lowbit.ops.linear.linear_dequant_gemm` with the chunks' decode launches made once per x dtype
