@@ -62,7 +62,7 @@ def test_dequant_route_products_are_exact_in_bf16(km):
 
     a, b = _pair(8, 128, 128, "vllm", "linear")
     for q in (a, b):
-        plain, _, _ = scaled_mm_routes._without_global(q)
+        plain, _, _ = scaled_mm_routes.without_global(q)
         d32 = ref.dequantize_nvfp4(plain, torch.float32)
         assert torch.equal(d32.to(torch.bfloat16).float(), d32)
 

@@ -57,7 +57,7 @@ def scaled_gemv(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
         x = a.data.to(torch.bfloat16)
         factor = a.scale.reshape(-1)
     else:
-        plain, g, divides = _without_global(a)
+        plain, g, divides = without_global(a)
         if a.fmt == "nvfp4":
             x = blockscaled.dequantize_nvfp4(plain, torch.bfloat16)
             if divides:
@@ -106,7 +106,7 @@ def dequant_unsupported(a: QTensor, b: QTensor) -> str | None:
     return None
 
 
-def _without_global(q: QTensor) -> tuple[QTensor, torch.Tensor | None, bool]:
+def without_global(q: QTensor) -> tuple[QTensor, torch.Tensor | None, bool]:
     """(q without its per-tensor scale, that scale as fp32 [1] or None, whether it divides (a global
     multiplier) rather than multiplies (torchao's per_tensor_scale))."""
     pts = q.params.get("per_tensor_scale")
@@ -195,7 +195,7 @@ def dequant_mm(a: QTensor, b: QTensor, alpha, bias, out_dtype) -> torch.Tensor:
     alpha and with a bf16 output, cuBLAS writes the output itself (bias in its epilogue): one ``F.linear``
     when the decoded weight fits one chunk, else each chunk's columns in place. MX pairs end with the guarded
     decoding kernel (:func:`dequant_unsupported`)."""
-    pa, ga, ga_div = _without_global(a)
+    pa, ga, ga_div = without_global(a)
     m, k_dim = a.shape
     n = b.shape[0]
     guard = None
@@ -246,7 +246,7 @@ def _dequant_gemm(x: torch.Tensor, inv_a: torch.Tensor | None, b: QTensor, alpha
     ``w_decoded`` as :func:`dequant_mm_decoded` takes it."""
     from ..formats.rows import slice_rows
 
-    pb, gb, gb_div = _without_global(b)
+    pb, gb, gb_div = without_global(b)
     m, k_dim = x.shape
     n = b.shape[0]
     inv_b = None if gb is None else (torch.div(1.0, gb) if gb_div else gb)

@@ -194,12 +194,12 @@ class Nvfp4DequantGemm:
 
     def __init__(self, w: Any, kwargs: dict, out_dtype: torch.dtype, m: int) -> None:
         from ..kernels.blockscaled import finite_absmax_and_dequantize, quantize_nvfp4_decoded
-        from ..kernels.scaled_mm_routes import _without_global, dequant_chunk_rows, dequant_mm_decoded
+        from ..kernels.scaled_mm_routes import dequant_chunk_rows, dequant_mm_decoded, without_global
 
         self.w, self.kwargs, self.out_dtype = w, kwargs, out_dtype
         self.quantize, self.gemm = quantize_nvfp4_decoded, dequant_mm_decoded
         self.absmax_and_decode = self.plain = None
-        plain = _without_global(w)[0]
+        plain = without_global(w)[0]
         if kwargs.get("global_scale") is None and dequant_chunk_rows(m, w.shape[1], plain, False) == w.shape[0]:
             self.absmax_and_decode, self.plain = finite_absmax_and_dequantize, plain
 
