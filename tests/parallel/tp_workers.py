@@ -43,6 +43,9 @@ def _entry(rank: int, fn, world: int, device: str, out_dir: str, port: int, kwar
         result = fn(rank, world, device, **kwargs)
         if rank == 0:
             Path(out_dir, "result.json").write_text(json.dumps(result))
+        # every rank done with its collectives before any tears the group down (a rank leaving early could
+        # reset a peer's gloo connection mid-collective); on the failure path a barrier could wait forever
+        dist.barrier()
     except BaseException:
         Path(out_dir, f"error{rank}.txt").write_text(traceback.format_exc())
         raise
