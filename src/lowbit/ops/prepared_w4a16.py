@@ -4,8 +4,8 @@ At preparation the GEMV layouts are made (``lowbit.kernels.gemv_prepack.prepare_
 layout) with the static inputs of the compiled path; a call then runs, for M up to ``GEMV_MAX_M``, a
 ``lowbit.kernels.gemv_runners.GemvRunner`` made once per (M, x dtype, bias or not), between that and the
 dequantize threshold a ``lowbit.kernels.gemm_w4.GemmRunner`` (the same keys), and above the threshold the chunks
-of :func:`lowbit.ops.linear.linear_dequant_gemm` with their decode launches made once per x dtype. Either gives the bits of :func:`lowbit.linear`; where neither applies the call returns None and the
-layer takes the general path.
+of :func:`lowbit.ops.linear.linear_dequant_gemm` with their decode launches made once per x dtype. Each gives the
+bits of :func:`lowbit.linear`; where none applies the call returns None and the layer takes the general path.
 """
 
 from __future__ import annotations
