@@ -235,3 +235,18 @@ def test_nvfp4_roundtrip_launch_takes_only_what_one_program_holds():
     for convention in ("modelopt", "torchao"):  # not a convention / one without the kernel's multiplier order
         with pytest.raises(ValueError, match="convention"):
             kb.nvfp4_roundtrip_launch(64, convention)
+
+
+def test_quantize_nvfp4_decoded_checks_the_given_absmax():
+    """The absmax bits a caller hands over must be int32 [1] on x's device, and only with a derived global scale:
+    a clear ValueError before any launch otherwise."""
+    import torch
+
+    from lowbit.kernels import blockscaled as kb
+
+    x = torch.randn(4, 32)
+    good = torch.zeros(1, dtype=torch.int32)
+    for amax, gs in ((good, 2.0), (good, "none"), (torch.zeros(1, dtype=torch.float32), None),
+                     (torch.zeros(2, dtype=torch.int32), None), (torch.zeros(1, dtype=torch.int32, device="meta"), None)):
+        with pytest.raises(ValueError, match="amax"):
+            kb.quantize_nvfp4_decoded(x, gs, "vllm", amax=amax)

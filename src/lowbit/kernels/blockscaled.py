@@ -337,8 +337,10 @@ def quantize_nvfp4_decoded(x: torch.Tensor, global_scale: torch.Tensor | float |
     :func:`finite_absmax_and_dequantize` (its pass not run again)."""
     ref.check_input(x, 16, "nvfp4")
     convention, order, _ = _decided(_nvfp4_options, convention, "linear")
-    if amax is not None and (global_scale is not None or amax.dtype != torch.int32 or amax.numel() != 1):
-        raise ValueError("amax must be the int32 [1] absmax bits of x, with a derived global scale (None)")
+    if amax is not None and (global_scale is not None or amax.dtype != torch.int32 or amax.numel() != 1
+                             or amax.device != x.device):
+        raise ValueError("amax must be the int32 [1] absmax bits of x on x's device, with a derived global scale "
+                         "(global_scale None)")
     s, amax = _nvfp4_global(x, global_scale, None, amax)
     plan = _quantize_launch(x.shape, "nvfp4", (("convention", convention),), E2M1, 16, k.SCALE_E4M3,
                             s is not None and amax is None, False, torch.uint8, amax is not None, order)
