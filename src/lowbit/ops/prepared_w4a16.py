@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import policy
-from .linear import chunked_gemm, decode_chunks
+from .linear import apply_activation, chunked_gemm, decode_chunks
 from .policy import GEMV_MAX_M
 from .prepared_runners import MAX_RUNNERS
 from .traced_plans import GemvPlan, plan_key
@@ -21,6 +21,19 @@ from .triton_ops import register_gemv_op
 
 X_DTYPES = (torch.bfloat16, torch.float16)
 """x dtypes of the W4A16 kernels (fp32 x takes the fp32 reference)."""
+
+
+class GatedProduct:
+    """``run(x, bias) -> act(gate) * up`` of a runner's ``[gate; up]`` product (``apply_activation``): a gated
+    layer's call in the GEMM regime, whose kernel has no gating epilogue."""
+
+    __slots__ = ("activation", "run")
+
+    def __init__(self, run, activation: str) -> None:
+        self.run, self.activation = run, activation
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return apply_activation(self.run(x, bias), self.activation)
 
 
 class W4A16Calls:
@@ -106,9 +119,8 @@ class W4A16Calls:
         """The tensor-core GEMM regime (M between the GEMV and the dequantize threshold) through a
         ``lowbit.kernels.gemm_w4.GemmRunner`` made once per (M, x dtype, bias or not) where the dispatch rules
         choose ``gemm_w4``: the kernel, tiles and arguments decided once, kept compiled launches per call (the
-        general path decides them on every call). The same launch, so the bits of :func:`lowbit.linear`."""
-        if self.gated:
-            return None  # the gated product runs as the GEMM then the gating (the general path)
+        general path decides them on every call). The same launch, so the bits of :func:`lowbit.linear`; a gated
+        layer's runner gates the product after it (:class:`GatedProduct`), as that function does."""
         if bias is not None:
             if (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
                     or bias.device != self.device or bias.shape != (self.n,)):
@@ -127,11 +139,16 @@ class W4A16Calls:
                 return None
             if len(self.runners) >= MAX_RUNNERS:
                 self.runners.clear()
-            run = self.runners[key] = GemmRunner(self.w, m, x.dtype, self.activation)
+            if self.gated:
+                # the product, then the gating, as lowbit.linear runs a gated activation on the GEMM
+                run = GatedProduct(GemmRunner(self.w, m, x.dtype, None), self.activation)
+            else:
+                run = GemmRunner(self.w, m, x.dtype, self.activation)
+            self.runners[key] = run
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         out = run(x2, bias)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n_out)
 
     def _dequant_gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """:func:`lowbit.ops.linear.linear_dequant_gemm` with the chunks' decode launches made once per x dtype
@@ -154,4 +171,4 @@ class W4A16Calls:
         return decode_chunks(self.w, dtype)
 
 
-__all__ = ["W4A16Calls", "X_DTYPES"]
+__all__ = ["GatedProduct", "W4A16Calls", "X_DTYPES"]
