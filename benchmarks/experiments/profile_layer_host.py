@@ -9,11 +9,9 @@ replays), the top functions of a cProfile of M = 1 calls and, at larger M, the G
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +20,9 @@ import lowbit
 from lowbit.bench.e2e import host_us_per_call
 from lowbit.bench.timing import graph_ms
 from lowbit.nn import SCHEMES, QuantLinear
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
+from _common import cprofile_text  # noqa: E402
 
 
 def _graph_us(fn, reps: int = 50) -> float:
@@ -32,15 +33,7 @@ def _graph_us(fn, reps: int = 50) -> float:
 def _profile(fn, calls: int = 200, top: int = 18) -> str:
     for _ in range(5):
         fn()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(calls):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
-    return buf.getvalue()
+    return cprofile_text(fn, calls, top)
 
 
 def _gpu_kernels(fn, top: int = 8) -> list:
