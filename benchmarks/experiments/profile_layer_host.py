@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--ms", default="1,2048")
+    ap.add_argument("--profile-ms", default="1", help="the M values whose calls get a cProfile (the others: kernels)")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "benchmarks/results/tmp")
     os.makedirs(out_dir, exist_ok=True)
@@ -65,6 +66,7 @@ def main() -> None:
     lin = torch.nn.Linear(args.k, args.n, bias=False, device="cuda", dtype=torch.bfloat16)
     rows = []
     with torch.inference_mode():
+        profiled = {int(v) for v in args.profile_ms.split(",")}
         for m in [int(v) for v in args.ms.split(",")]:
             x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
             base = {"host_us": host_us_per_call(lambda: F.linear(x, lin.weight), "cuda", 300),
@@ -80,7 +82,7 @@ def main() -> None:
                     row["gpu_us"] = _graph_us(lambda: layer(x))
                     row["explain"] = (lowbit.explain(x, layer.weight_qtensor) if layer.scheme.weight_only else
                                       "scaled_linear")
-                    if m == 1:
+                    if m in profiled:
                         row["profile"] = _profile(lambda: layer(x))
                     else:
                         row["gpu_kernels"] = _gpu_kernels(lambda: layer(x))
