@@ -56,16 +56,19 @@ GEMV_SWEEP_MMA = [{"mma": False}] + [
 ]
 GEMV_SETS = {"all": GEMV_SWEEP, "mma": GEMV_SWEEP_MMA}
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by regime; GROUP_M is swept separately on the best one
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by regime; GROUP_M is swept separately on the best one.
+# m512 / m64: one warpgroup with fewer pipeline stages (more programs per SM by shared memory: each waits for its
+# own wgmmas before its next decode) and 256-wide x tiles (each weight tile decoded once at M = 256)
 GEMM_SWEEP = {
     "large": [(256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
               (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 128, 8, 3), (256, 128, 128, 8, 2),
               (128, 256, 128, 8, 2), (128, 128, 64, 4, 4)],
-    "m512": [(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 8, 4), (128, 64, 128, 4, 4),
-             (256, 128, 64, 8, 4), (64, 64, 128, 4, 5)],
+    "m512": [(128, 64, 128, 4, 4), (128, 64, 128, 4, 2), (128, 64, 128, 4, 3), (128, 64, 64, 4, 3),
+             (256, 64, 64, 4, 2), (256, 64, 64, 4, 3), (256, 64, 128, 4, 2)],
     "m128": [(64, 64, 128, 4, 5), (64, 128, 128, 8, 4), (128, 64, 128, 4, 4), (32, 64, 256, 4, 4),
              (64, 64, 256, 4, 3), (128, 128, 64, 8, 4)],
-    "m64": [(64, 64, 128, 4, 5), (64, 64, 256, 4, 3), (64, 128, 128, 8, 4), (32, 64, 128, 4, 6)],
+    "m64": [(64, 64, 128, 4, 5), (64, 64, 128, 4, 2), (64, 64, 128, 4, 3), (64, 64, 256, 4, 2),
+            (64, 64, 64, 4, 4)],
     "m32": [(32, 64, 128, 4, 5), (32, 64, 256, 4, 4), (16, 64, 256, 4, 4), (32, 128, 128, 8, 4)],
 }
 GROUP_M_SWEEP = [1, 4, 8, 16]

@@ -8,6 +8,12 @@
 - :meth:`Launch.traced` (inside a ``torch.library.triton_op`` body): ``wrap_triton(kernel)[grid](...)``, so
   that ``torch.compile`` sees the kernel and launches it from its generated code.
 
+Host TMA descriptors: a caller passes a :class:`LazyDescriptor` (the tensor and the block, nothing built) where
+the kernel takes a ``triton.tools.tensor_descriptor.TensorDescriptor``. Through Triton it becomes one; a compiled
+launch bound to the launcher's C entry encodes it itself, keeping the encoded ``CUtensorMap`` of the last few
+(address, shape, strides), which is all that a descriptor of a fixed block and dtype depends on: no descriptor
+object, no per-argument Python loop of Triton's wrapper per call.
+
 Triton's launch hooks (profilers) are honoured: while one is set, every call goes through Triton.
 """
 
@@ -28,10 +34,40 @@ def _constexpr_tail(fn, consts: dict) -> tuple:
     return tuple(consts.get(p.name, p.default) for p in params if p.is_constexpr)
 
 
+class LazyDescriptor:
+    """A host TMA descriptor of ``base`` (``shape`` and ``strides`` its own, or given) with block ``block_shape``,
+    built only where a launch goes through Triton (:meth:`materialize`); see the module's docstring."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape")
+    padding = "zero"
+
+    def __init__(self, base: torch.Tensor, block_shape: list, shape=None, strides=None) -> None:
+        self.base, self.block_shape = base, block_shape
+        self.shape = tuple(base.shape) if shape is None else tuple(shape)
+        self.strides = tuple(base.stride()) if strides is None else tuple(strides)
+
+    def materialize(self):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape))
+
+
+def _materialized(args: tuple) -> tuple:
+    if not any(type(a) is LazyDescriptor for a in args):
+        return args
+    return tuple(a.materialize() if type(a) is LazyDescriptor else a for a in args)
+
+
+_MAX_ENCODED = 8
+"""Encoded descriptors a launch keeps per descriptor argument (the addresses an eager loop's activations cycle
+through)."""
+
+
 class Launch:
     """``fn[grid](*args, **consts, num_warps=..., num_stages=...)`` with everything but ``args`` fixed."""
 
-    __slots__ = ("fn", "grid", "consts", "options", "compiled", "_tail", "_c_launch", "_c_head")
+    __slots__ = ("fn", "grid", "consts", "options", "compiled", "_tail", "_c_launch", "_c_head", "_desc",
+                 "_encoded")
 
     def __init__(self, fn, grid: tuple, consts: dict, num_warps: int, num_stages: int | None = None,
                  **options) -> None:
@@ -44,6 +80,9 @@ class Launch:
         self._tail = _constexpr_tail(fn, self.consts)
         self._c_launch = None  # the launcher's C entry point, where the kernel needs no scratch of Triton's
         self._c_head = ()
+        self._desc = ()  # (argument index, Triton's descriptor metadata, its encoder) where _c_launch takes encoded
+        # descriptors
+        self._encoded: dict = {}
 
     def run(self, device_index: int, *args) -> None:
         """Launch on the current stream of CUDA device ``device_index`` (the current device)."""
@@ -58,12 +97,14 @@ class Launch:
                 g = self.grid
                 c = self._c_launch
                 if c is not None:
+                    if self._desc:
+                        args = self._encode(args)
                     c(g[0], g[1], g[2], stream, *self._c_head, *args, *self._tail)
                 else:
                     ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *args,
                            *self._tail)
                 return
-        ck = self.fn[self.grid](*args, **self.consts, **self.options)
+        ck = self.fn[self.grid](*_materialized(args), **self.consts, **self.options)
         if hasattr(ck, "result"):
             ck = ck.result()
         if self.compiled is None and hasattr(ck, "packed_metadata") and hasattr(ck, "function"):
@@ -78,15 +119,39 @@ class Launch:
         if (c is None or getattr(r, "global_scratch_size", 1) or getattr(r, "profile_scratch_size", 1)
                 or not hasattr(r, "launch_cooperative_grid") or not hasattr(r, "launch_pdl")):
             return
+        if getattr(c, "__name__", "") == "inner" and getattr(c, "__closure__", None):
+            # Triton's wrapper that expands host descriptors argument by argument: bind the C launcher under it
+            # and encode the descriptors here (each with its own metadata), or keep the wrapper
+            cells = dict(zip(c.__code__.co_freevars, (x.cell_contents for x in c.__closure__)))
+            idx, meta, raw = cells.get("tensordesc_indices"), cells.get("tensordesc_meta"), cells.get("launcher")
+            if raw is not None and idx is not None and meta and len(meta) == len(idx) and None not in meta:
+                from triton.backends.nvidia.driver import make_tensordesc_arg
+
+                self._desc = tuple((i, m, make_tensordesc_arg) for i, m in zip(sorted(idx), meta))
+                c = raw
         self._c_launch = c
         self._c_head = (ck.function, r.launch_cooperative_grid, r.launch_pdl, None, None, ck.packed_metadata,
                         None, None, None)
+
+    def _encode(self, args: tuple) -> list:
+        """``args`` with each descriptor argument replaced by what Triton's wrapper would pass for it."""
+        out = list(args)
+        for i, meta, make_tensordesc_arg in reversed(self._desc):
+            d = args[i]
+            key = (i, d.base.data_ptr(), tuple(d.shape), tuple(d.strides), d.padding)
+            enc = self._encoded.get(key)
+            if enc is None:
+                if len(self._encoded) >= _MAX_ENCODED * len(self._desc):
+                    self._encoded.clear()
+                enc = self._encoded[key] = make_tensordesc_arg(d, meta)
+            out[i:i + 1] = enc
+        return out
 
     def traced(self, *args) -> None:
         """The launch as ``torch.compile`` traces it (call inside a ``triton_op`` body)."""
         from torch.library import wrap_triton
 
-        wrap_triton(self.fn)[self.grid](*args, **self.consts, **self.options)
+        wrap_triton(self.fn)[self.grid](*_materialized(args), **self.consts, **self.options)
 
 
 class KernelCall:
@@ -151,7 +216,7 @@ def _arg_key(args: tuple):
             key.append((a.dtype, a.data_ptr() & 15 == 0))
         elif a is None or type(a) in _SCALARS:
             key.append((type(a), a))
-        elif type(a).__name__ == "TensorDescriptor" and hasattr(a, "block_shape"):
+        elif type(a) is LazyDescriptor or (type(a).__name__ == "TensorDescriptor" and hasattr(a, "block_shape")):
             base = a.base
             key.append((base.dtype, base.data_ptr() & 15 == 0, tuple(a.shape), tuple(a.strides),
                         tuple(a.block_shape), getattr(a, "padding", None), type(a)))
@@ -166,7 +231,7 @@ def launch(fn, grid: tuple, args: tuple, **kwargs) -> Launch | None:
     keywords and argument key (:func:`_arg_key`): then no argument binding, a few microseconds of host time.
     Returns the :class:`Launch` it ran (None where it went through Triton alone)."""
     if not DIRECT_LAUNCH or type(fn).__name__ != "JITFunction":
-        fn[grid](*args, **kwargs)
+        fn[grid](*_materialized(args), **kwargs)
         return None
     dev = torch._C._cuda_getDevice()
     akey = _arg_key(args)
@@ -213,4 +278,4 @@ def _hooks():
     return _RUNTIME[0]
 
 
-__all__ = ["DIRECT_LAUNCH", "KernelCall", "Launch", "kept_launch", "launch", "same_memory"]
+__all__ = ["DIRECT_LAUNCH", "KernelCall", "Launch", "LazyDescriptor", "kept_launch", "launch", "same_memory"]

@@ -26,7 +26,6 @@ import math
 import weakref
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..formats import int4_awq as ref_awq
 from ..formats import nf4 as ref_nf4
@@ -39,7 +38,7 @@ from ..formats.spec import NF4
 from . import _gemm_w4 as k
 from . import cdiv
 from . import interpreting as _interpreting
-from ._launch import kept_launch
+from ._launch import LazyDescriptor, kept_launch
 from .gemm_w4_tiles import (  # noqa: F401 - re-exported: the tables are the launcher's
     CONFIGS,
     FORMAT_CONFIGS,
@@ -367,7 +366,8 @@ class GemmPlan:
         on_gpu = not _interpreting()
         target = out if self.split == 1 else torch.empty(self.split, m, n, dtype=torch.float32, device=x.device)
         x_tma = self.tma and _tma_ok(x)
-        x_desc = TensorDescriptor.from_tensor(x, block_shape=[self.bm, self.bk]) if x_tma else x
+        # built only where the launch goes through Triton (a kept launch encodes it itself, once per address)
+        x_desc = LazyDescriptor(x, [self.bm, self.bk]) if x_tma else x
         a = self.args
         kept_launch(store, None if key is None else (*key, x_tma, has_bias), k.gemm_w4_kernel, self.grid, (
                 x, x_desc, *a[:8], b, target, m, n, k_dim, x.stride(0), out.stride(0), *a[8:],

@@ -16,7 +16,7 @@ from ..formats.qtensor import QTensor
 from . import _scaled_mm as k
 from . import cdiv
 from . import interpreting as _interpreting
-from ._launch import launch
+from ._launch import LazyDescriptor, launch
 from .scratch import split_k_scratch
 
 
@@ -198,8 +198,6 @@ def _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> Non
 
 
 def launch_fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if cfg.get("ws"):
         if bc.get("ROWS_PER_SCALE", 1) % cfg["BN"] == 0:
             _fp8_block_ws(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
@@ -207,8 +205,8 @@ def launch_fp8_block_tma(a_args, b_args, bc, m, n, k_dim, alpha, bias, out, cfg)
         cfg = ONE_PARTITION_CONFIG
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     a_data, b_data = a_args[0], b_args[0]
-    a_desc = TensorDescriptor(a_data, [m, k_dim], [a_data.stride(0), 1], [bm, bk])
-    b_desc = TensorDescriptor(b_data, [n, k_dim], [b_data.stride(0), 1], [bn, bk])
+    a_desc = LazyDescriptor(a_data, [bm, bk], [m, k_dim], [a_data.stride(0), 1])
+    b_desc = LazyDescriptor(b_data, [bn, bk], [n, k_dim], [b_data.stride(0), 1])
     tiles = cdiv(m, bm) * cdiv(n, bn)
     persistent = bool(cfg.get("persistent"))
     programs = min(tiles, _num_sms(out.device.index) * cfg.get("per_sm", 1)) if persistent else tiles
