@@ -9,6 +9,7 @@ JSON to ``$OUT/ab_chunk_rows.json``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -16,7 +17,8 @@ import sys
 import torch
 
 from lowbit.nn import QuantLinear
-from lowbit.ops import linear as L
+
+L = importlib.import_module("lowbit.ops.linear")  # the module (lowbit.ops.linear is also the function's name)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
 from _common import _time_graph, eager_us  # noqa: E402
