@@ -613,6 +613,10 @@ def test_linear_dequant_gemm_matches_reference_over_several_chunks(fmt, opts, ac
         assert err <= 1e-2, err
     assert torch.equal(got, one)
     assert lin._chunk_rows(q, 2, 128 * k * 2) == 128
+    # a weight whose decoded matrix fits the budget is one chunk; else the most 128-row multiples that fit
+    assert lin._chunk_rows(q, 2, n * k * 2) == n and lin._chunk_rows(q, 2, None) == n
+    assert lin._chunk_rows(q, 2, (n - 1) * k * 2) == 384 and lin._chunk_rows(q, 2, 100 * k * 2) == 128
+    assert [c[:2] for c in lin.weight_chunks(q, 2, 300 * k * 2)] == [(0, 256), (256, 392)]
 
 
 def test_dequant_gemm_is_chosen_only_when_enabled(monkeypatch):
@@ -679,6 +683,7 @@ def test_kept_dequant_chunks_are_made_once_per_weight_and_dtype(monkeypatch):
         return lambda: None
 
     monkeypatch.setattr(lin._kernels, "dequantize_call", lambda w: builder)
+    monkeypatch.setattr(lin, "DEQUANT_CHUNK_BYTES", 256 * 128 * 2)  # two chunks of this weight in bf16 / fp16
     w = lowbit.quantize(torch.randn(512, 128), "nvfp4")
     first = lin.kept_chunks(w, torch.bfloat16)
     assert [c[:2] for c in first] == [(0, 256), (256, 512)] and len(made) == 2
@@ -702,11 +707,13 @@ def test_kept_dequant_chunks_are_made_once_per_weight_and_dtype(monkeypatch):
 
 
 @pytest.mark.parametrize(("fmt", "opts"), [("nvfp4", {}), ("int4_awq", {"group_size": 64}), ("nf4", {})])
-def test_kept_dequant_chunks_do_not_keep_the_weight_alive(fmt, opts):
+def test_kept_dequant_chunks_do_not_keep_the_weight_alive(fmt, opts, monkeypatch):
     # the real kernel calls (made, not launched): they hold storage aliases, so the weight's death drops them
     pytest.importorskip("triton")
     import gc
     import weakref
+
+    monkeypatch.setattr(lin, "DEQUANT_CHUNK_BYTES", 256 * 128 * 2)  # two chunks
 
     w = lowbit.quantize(torch.randn(512, 128).half() if fmt == "int4_awq" else torch.randn(512, 128), fmt, **opts)
     chunks = lin.kept_chunks(w, torch.bfloat16)
