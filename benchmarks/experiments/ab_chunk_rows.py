@@ -21,7 +21,7 @@ from lowbit.nn import QuantLinear
 L = importlib.import_module("lowbit.ops.linear")  # the module (lowbit.ops.linear is also the function's name)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
-from _common import _time_graph, eager_us  # noqa: E402
+from _common import _time_graph, eager_us
 
 SHIPPED = L._chunk_rows
 

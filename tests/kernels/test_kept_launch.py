@@ -1,6 +1,9 @@
 """``kernels._launch.kept_launch``: the caller's key finds the kept launch and runs it on ``key[0]``'s stream;
 no key or no kept launch goes through ``launch`` (CPU: a fake kernel records what runs)."""
 
+import pytest
+import torch
+
 from lowbit.kernels import _launch
 
 
@@ -39,12 +42,6 @@ def test_no_key_or_no_kept_launch_goes_through_launch():
 
 # --- host descriptors: a bound launch encodes them itself, as Triton's wrapper would -------------------------------
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-driver = pytest.importorskip("triton.backends.nvidia.driver")
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
-
 _SIGNATURE = {"a": "*fp32", "x_desc": "tensordesc<bf16[64, 32]>", "n": "i32", "BLOCK": "constexpr"}
 
 
@@ -56,6 +53,7 @@ class _Run:
     launch_cooperative_grid = launch_pdl = False
 
     def __init__(self, meta):
+        driver = pytest.importorskip("triton.backends.nvidia.driver")
         self.raw_calls = []
         self.launch = driver.wrap_handle_tensordesc(lambda *a: self.raw_calls.append(a), _SIGNATURE, meta)
 
@@ -69,6 +67,7 @@ class _Compiled:
 
 @pytest.fixture
 def encodings(monkeypatch):
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
     made = []
 
     def fake(arg, meta):  # what make_tensordesc_arg returns, without a GPU: tagged by address and metadata
@@ -86,6 +85,12 @@ def _bound(meta):
     return lc, ck
 
 
+def _descriptor(t, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
 def _through_wrapper(ck, stream, args, tail):
     """What Triton's wrapper hands its raw launcher for these arguments (a real descriptor)."""
     before = len(ck.run.raw_calls)
@@ -101,7 +106,7 @@ def test_a_bound_launch_passes_what_tritons_wrapper_would(encodings):
     a = torch.zeros(4)
     lc.run_on(7, a, _launch.LazyDescriptor(x, [64, 32]), 128)
     got = ck.run.raw_calls[-1]
-    want = _through_wrapper(ck, 7, (a, TensorDescriptor.from_tensor(x, [64, 32]), 128), (64,))
+    want = _through_wrapper(ck, 7, (a, _descriptor(x, [64, 32]), 128), (64,))
     assert got[13] is a and want[13] is a
     assert got[:13] == want[:13] and got[14:] == want[14:]
     assert got[14:] == (("tensormap", x.data_ptr(), "m0"), 128, 64, 64, 1, 128, 64)
@@ -122,11 +127,14 @@ def test_an_address_is_encoded_once_and_a_new_one_again(encodings):
 def test_without_metadata_the_wrapper_stays(encodings):
     lc, ck = _bound(None)
     assert lc._desc == () and lc._c_launch is ck.run.launch  # Triton's wrapper does the expansion
-    lc.run_on(0, None, TensorDescriptor.from_tensor(torch.zeros(64, 32, dtype=torch.bfloat16), [64, 32]), 1)
+    lc.run_on(0, None, _descriptor(torch.zeros(64, 32, dtype=torch.bfloat16), [64, 32]), 1)
     assert len(ck.run.raw_calls) == 1
 
 
 def test_a_lazy_descriptor_becomes_tritons_where_triton_launches():
+    pytest.importorskip("triton")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     fn = _Kernel()
     x = torch.zeros(128, 64, dtype=torch.bfloat16)
     _launch.launch(fn, (1,), (_launch.LazyDescriptor(x, [64, 32]), 3), BLOCK=8)

@@ -38,7 +38,7 @@ class LazyDescriptor:
     """A host TMA descriptor of ``base`` (``shape`` and ``strides`` its own, or given) with block ``block_shape``,
     built only where a launch goes through Triton (:meth:`materialize`); see the module's docstring."""
 
-    __slots__ = ("base", "shape", "strides", "block_shape")
+    __slots__ = ("base", "block_shape", "shape", "strides")
     padding = "zero"
 
     def __init__(self, base: torch.Tensor, block_shape: list, shape=None, strides=None) -> None:
@@ -80,8 +80,8 @@ class Launch:
         self._tail = _constexpr_tail(fn, self.consts)
         self._c_launch = None  # the launcher's C entry point, where the kernel needs no scratch of Triton's
         self._c_head = ()
-        self._desc = ()  # (argument index, Triton's descriptor metadata, its encoder) where _c_launch takes encoded
-        # descriptors
+        # (argument index, Triton's descriptor metadata, its encoder) where _c_launch takes encoded descriptors
+        self._desc = ()
         self._encoded: dict = {}
 
     def run(self, device_index: int, *args) -> None:

@@ -236,9 +236,10 @@ def linear_dequant_gemm(
 ) -> torch.Tensor:
     """``act(x2 @ dequant(w).T + bias)`` for ``x2`` ``[M, K]``: ``w`` is dequantized to x's dtype a chunk of
     rows at a time (at most ``chunk_bytes``, default :data:`DEQUANT_CHUNK_BYTES`, of the dequantized matrix exist
-    at once; a weight that fits is one chunk), each chunk multiplied by the BLAS of x's device (cuBLAS on CUDA) with the bias, then the
-    activation. Dequantization is exact in bf16 for the FP4 formats' element x scale products; nvfp4's global
-    scale, nf4 and int4 values round once to x's dtype (relative error <= 2^-9), inside the stated tolerance.
+    at once; a weight that fits is one chunk), each chunk multiplied by the BLAS of x's device (cuBLAS on CUDA)
+    with the bias, then the activation. Dequantization is exact in bf16 for the FP4 formats' element x scale
+    products; nvfp4's global scale, nf4 and int4 values round once to x's dtype (relative error <= 2^-9),
+    inside the stated tolerance.
 
     On CUDA with the default backend and chunk size, the chunks and their decode launches are made once per
     weight and x dtype and kept while the weight's tensors live unchanged (:func:`kept_chunks`): the same
