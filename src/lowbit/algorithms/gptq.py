@@ -55,7 +55,7 @@ from ..formats.qtensor import QTensor
 from ..nn.quantize import recording_inputs, warn_layers
 from . import gptq_graphs
 from .gptq_graphs import column_step, few_threads
-from .gptq_refine import refine
+from .gptq_refine import refine, refit_scales
 from .grids import GRID_FORMATS, Grid, check_scale_search, grid_for
 
 
@@ -90,6 +90,13 @@ class GPTQ:
             them.
         refine_damp: dampening of the refinement's ``H``, as a fraction of its mean diagonal (>= 0; 0: the
             calibration Hessian itself; None, the default: ``damp``, the loop's own).
+        scale_refits: after the refinement, this many rounds of a scale refit followed by one refinement
+            sweep, for the formats whose group scale is a free fp32 multiplier (fp4_b32, nf4 and bnb_fp4
+            without double quantization; the others ignore it): with the codes fixed, each row's group scales
+            are solved for the least objective (:func:`lowbit.algorithms.gptq_refine.refit_scales`, a row
+            keeping its old scales unless its objective goes down), then the codes are refined under them.
+            The objective never increases; the stored scales are no longer the blocks' absmax, which the
+            formats do not require. 0 (default): the fitted scales.
         asymmetric: fit each layer's output to the float model's output on the float model's inputs rather
             than to its own weights on the quantized model's inputs (see the module docstring). Needs
             ``sequential``; holds a float copy of the model and, per stage, that copy's inputs to the stage's
@@ -110,6 +117,7 @@ class GPTQ:
     scale_search: tuple[float, ...] = ()
     refine_sweeps: int = 0
     refine_damp: float | None = None
+    scale_refits: int = 0
     asymmetric: bool = False
     asymmetric_damp: float = 1.0
 
@@ -129,6 +137,10 @@ class GPTQ:
             raise TypeError(f"refine_sweeps must be an int, got {type(self.refine_sweeps).__name__}")
         if self.refine_sweeps < 0:
             raise ValueError(f"refine_sweeps must be >= 0, got {self.refine_sweeps}")
+        if isinstance(self.scale_refits, bool) or not isinstance(self.scale_refits, int):
+            raise TypeError(f"scale_refits must be an int, got {type(self.scale_refits).__name__}")
+        if self.scale_refits < 0:
+            raise ValueError(f"scale_refits must be >= 0, got {self.scale_refits}")
         if self.refine_damp is None:
             pass
         elif isinstance(self.refine_damp, bool) or not isinstance(self.refine_damp, (int, float)):
@@ -340,7 +352,8 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ,
     if C is not None:
         W = _asymmetric_target(W, H, C, config.asymmetric_damp)
     W[:, dead] = 0
-    if config.refine_sweeps:
+    refining = config.refine_sweeps or (config.scale_refits and grid.free_scale)
+    if refining:
         # W is updated in place by the loop; H is not (it is permuted into a copy, and dampened into a new
         # tensor), so the refinement's objective keeps this one without a copy
         W0, H0 = W.clone(), H
@@ -381,10 +394,17 @@ def _run(weight: torch.Tensor, H: torch.Tensor, grid: Grid, config: GPTQ,
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
-    if config.refine_sweeps:
+    if refining:
         rd = config.damp if config.refine_damp is None else config.refine_damp
         H0.diagonal().add_(rd * torch.mean(torch.diag(H0)))
-        Q, codes = refine(grid, W0, Q, codes, states, H0, config.refine_sweeps, bs)
+        if config.refine_sweeps:
+            Q, codes = refine(grid, W0, Q, codes, states, H0, config.refine_sweeps, bs)
+        for _ in range(config.scale_refits if grid.free_scale else 0):
+            refit = refit_scales(grid, W0, Q, codes, states, H0)
+            if refit is None:
+                break
+            states, Q = refit
+            Q, codes = refine(grid, W0, Q, codes, states, H0, 1, bs)
     return grid.assemble(codes, states), Q
 
 

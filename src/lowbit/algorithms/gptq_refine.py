@@ -213,3 +213,67 @@ def refine(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: 
 
 
 __all__ = ["objective", "refine"]
+
+
+REFIT_ELEMENTS = 1 << 25
+"""Bound on ``rows x cols x groups`` of one batch of :func:`refit_scales`'s normal equations (128 MB of fp32)."""
+
+
+def row_objectives(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """``(w_r - q_r)^T H (w_r - q_r)`` of every row, in float64 ``[rows]``."""
+    E = W.double() - Q.double()
+    return ((E @ H.double()) * E).sum(dim=1)
+
+
+def refit_scales(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: list, H: torch.Tensor
+                 ) -> tuple[list, torch.Tensor] | None:
+    """The group scales that minimize ``tr((W - Q) H (W - Q)^T)`` with every code fixed, for grids whose scale
+    is a free multiplier (:attr:`Grid.free_scale`; None for the others).
+
+    With the codes fixed a row's values are ``Q[r, k] = u[r, k] * s[r, g(k)]`` (``u`` the codes' values at
+    scale 1), so each row's objective is a quadratic in its ``K / group`` scales: the normal equations
+    ``(V^T H V) s = V^T H w`` with ``V[k, g] = u[k]`` for the columns ``k`` of group ``g``. A solved scale that
+    is not positive and finite keeps the group's old one, and a row keeps all of its old scales unless its
+    objective goes down, so the total never increases. The new values are the grid's own decode of the codes
+    under the new scales (fp32 scales stored as they are): the assembled QTensor decodes to them bit for bit.
+    Returns (states, Q), the inputs unmodified."""
+    if not getattr(grid, "free_scale", False):
+        return None
+    rows, cols = W.shape
+    G = grid.group
+    n = cols // G
+    if n * G != cols or n != len(states):
+        return None
+    Hd = H.double()
+    U = grid.unit_values(codes).double()
+    old = torch.stack([st[0] for st in states], dim=1).double()
+    b = (U * (W.double() @ Hd)).reshape(rows, n, G).sum(dim=-1)
+    Hg = Hd.reshape(n, G, n, G)
+    new = old.clone()
+    step = max(1, REFIT_ELEMENTS // (cols * n))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        Ur = U[r0:r1].reshape(r1 - r0, n, G)
+        A = torch.einsum("rgi,gihj,rhj->rgh", Ur, Hg, Ur)
+        dead = A.diagonal(dim1=1, dim2=2) <= 0  # a group whose codes are all zero, or whose inputs never moved
+        A = A + torch.diag_embed(dead.double())
+        rhs = torch.where(dead, torch.zeros_like(b[r0:r1]), b[r0:r1])
+        sol, info = torch.linalg.solve_ex(A, rhs.unsqueeze(-1))
+        sol = sol.squeeze(-1)
+        ok = ~dead & (info == 0).unsqueeze(-1) & torch.isfinite(sol) & (sol > 0)
+        new[r0:r1] = torch.where(ok, sol, old[r0:r1])
+    dtype = states[0][0].dtype
+    cand = new.to(dtype)
+    Qn = torch.empty_like(Q)
+    cand_states = []
+    for g, st in enumerate(states):
+        cs = grid.with_scale(st, cand[:, g])
+        cand_states.append(cs)
+        Qn[:, g * G:(g + 1) * G] = grid.decode(codes[:, g * G:(g + 1) * G], cs)
+    better = row_objectives(W, Qn, H) < row_objectives(W, Q, H)
+    Qn = torch.where(better.unsqueeze(1), Qn, Q)
+    out_states = []
+    for g, (st, cs) in enumerate(zip(states, cand_states)):
+        out_states.append(grid.with_scale(st, torch.where(better, cs[0], st[0])))
+    return out_states, Qn
+

@@ -56,6 +56,10 @@ class Grid:
     code_dtype: torch.dtype = torch.uint8
     round_reads: tuple[int, ...] = (0, 1)
     """The positions of a state that :meth:`round` reads (the others may be passed as None)."""
+    free_scale: bool = False
+    """Whether a group's scale is a free fp32 multiplier the format stores as it is (fp4_b32, nf4, bnb_fp4): a
+    value decodes as ``unit_values(code) * state[0]``, so any positive scale gives a valid QTensor
+    (:meth:`unit_values`, :meth:`with_scale`)."""
 
     def __init__(self, template: QTensor) -> None:
         # the reference's QTensor of the original weight: its layout, params and global scale are kept
@@ -106,6 +110,15 @@ class Grid:
 
     def assemble(self, codes: torch.Tensor, states: list[State]) -> QTensor:
         """The QTensor of codes ``[rows, K]`` and the states of groups ``0 .. K/group - 1``."""
+        raise NotImplementedError
+
+    def unit_values(self, codes: torch.Tensor) -> torch.Tensor:
+        """fp32 values of ``codes`` at scale 1 (grids with :attr:`free_scale`)."""
+        raise NotImplementedError
+
+    def with_scale(self, state: State, scale: torch.Tensor) -> State:
+        """``state`` with its per-row scale replaced by fp32 ``scale`` ``[rows]`` (> 0; grids with
+        :attr:`free_scale`): :meth:`round` and :meth:`decode` then use it as they use a fitted one."""
         raise NotImplementedError
 
 
@@ -179,6 +192,7 @@ class _MXFP4(_BlockscaledFP4):
 
 class _FP4B32(Grid):
     fmt, group = "fp4_b32", 32
+    free_scale = True
 
     def fit(self, w):
         _, sf = quantize_blockscaled(w, E2M1, 32, "fp32")
@@ -198,11 +212,19 @@ class _FP4B32(Grid):
         sf = torch.stack([st[0] for st in states], dim=1)
         return dataclasses.replace(self.template, data=pack_fp4(codes), scale=sf)
 
+    def unit_values(self, codes):
+        return decode_minifloat(codes, E2M1)
+
+    def with_scale(self, state, scale):
+        return scale, torch.where(scale == 0, torch.ones_like(scale), scale)
+
 
 class _BNB4(Grid):
     """nf4 and bnb_fp4: blocks run over the flattened weight, so a block is ``blocksize`` columns of one row
     only when ``K % blocksize == 0`` (checked by :func:`grid_for`); no double quantization (the 8-bit absmax
     depends on every block's absmax, unknown until the last column)."""
+
+    free_scale = True
 
     def __init__(self, template: QTensor) -> None:
         super().__init__(template)
@@ -226,6 +248,12 @@ class _BNB4(Grid):
         absmax = torch.stack([st[0] for st in states], dim=1).reshape(-1)
         data = pack_nibbles_high_first(codes.reshape(-1))
         return dataclasses.replace(self.template, data=data, scale=absmax)
+
+    def unit_values(self, codes):
+        return decode_codebook(codes, self.spec)
+
+    def with_scale(self, state, scale):
+        return scale, 1.0 / scale.clamp(min=ABSMAX_FLOOR)
 
 
 class _INT4AWQ(Grid):
@@ -286,6 +314,7 @@ class _ScaleSearch(Grid):
         self.template, self.rows, self.cols = inner.template, inner.rows, inner.cols
         self.fmt, self.group, self.round_reads = inner.fmt, inner.group, inner.round_reads
         self.code_dtype = inner.code_dtype
+        self.free_scale = inner.free_scale
         self.factors = factors
         self._scales: dict[tuple, torch.Tensor] = {}
 
@@ -321,6 +350,12 @@ class _ScaleSearch(Grid):
 
     def assemble(self, codes, states):
         return self.inner.assemble(codes, states)
+
+    def unit_values(self, codes):
+        return self.inner.unit_values(codes)
+
+    def with_scale(self, state, scale):
+        return self.inner.with_scale(state, scale)
 
 
 def _take(st: torch.Tensor, best: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -178,8 +178,8 @@ def describe(algorithm: Any) -> str:
 
 def label(algorithm: Any) -> str:
     """A compact label for tables: ``"sq-online+gptq"``, ``"rot16"``, ``"sq@0.4+gptq-act"``, ``"gptq-act-clip"``
-    (act-order, scale search), ``"gptq-act-clip-cd4"`` (and 4 refinement sweeps), ``"gptq-act-clip-cd4-asym"`` (and the asymmetric
-    objective), ``"rtn"``."""
+    (act-order, scale search), ``"gptq-act-clip-cd4"`` (and 4 refinement sweeps), ``"gptq-act-clip-cd4-refit2"``
+    (and 2 scale refits), ``"gptq-act-clip-cd4-asym"`` (and the asymmetric objective), ``"rtn"``."""
     parts = []
     for item in _items(algorithm):
         if isinstance(item, str):
@@ -192,6 +192,7 @@ def label(algorithm: Any) -> str:
         else:
             parts.append("gptq" + ("-act" if item.act_order else "") + ("-clip" if item.scale_search else "")
                          + (f"-cd{item.refine_sweeps}" if item.refine_sweeps else "")
+                         + (f"-refit{item.scale_refits}" if item.scale_refits else "")
                          + ("-asym" if item.asymmetric else ""))
     return "+".join(parts)
 

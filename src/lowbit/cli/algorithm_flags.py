@@ -83,6 +83,7 @@ def gptq_flags(args: argparse.Namespace) -> list[str]:
     return [flag for flag, value in (("--gptq-act-order", args.gptq_act_order), ("--gptq-damp", args.gptq_damp),
                                      ("--gptq-scale-search", args.gptq_scale_search),
                                      ("--gptq-refine-sweeps", args.gptq_refine_sweeps),
+                                     ("--gptq-scale-refits", getattr(args, "gptq_scale_refits", None)),
                                      ("--gptq-asymmetric", getattr(args, "gptq_asymmetric", None)))
             if value is not None]
 
@@ -105,6 +106,11 @@ def gptq_options(args: argparse.Namespace) -> dict:
         if args.gptq_refine_sweeps < 0:
             raise ValueError(f"--gptq-refine-sweeps must be >= 0, got {args.gptq_refine_sweeps}")
         opts["refine_sweeps"] = args.gptq_refine_sweeps
+    refits = getattr(args, "gptq_scale_refits", None)
+    if refits is not None:
+        if refits < 0:
+            raise ValueError(f"--gptq-scale-refits must be >= 0, got {refits}")
+        opts["scale_refits"] = refits
     if args.gptq_scale_search is not None:
         text = args.gptq_scale_search.strip()
         if text.lower() == "none":

@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"--gptq-damp) given the others (default {GPTQ_DEFAULTS.get('refine_sweeps', 0)}; 0: GPTQ's values)",
     )
     q.add_argument(
+        "--gptq-scale-refits", type=int, default=None, metavar="N",
+        help="gptq: after the refinement, N rounds of a least-squares refit of each row's group scales with the "
+        "codes fixed, then one refinement sweep; formats whose scale is a free fp32 multiplier (fp4_b32, nf4, "
+        f"bnb_fp4) only (default {GPTQ_DEFAULTS.get('scale_refits', 0)}; 0: the fitted scales)",
+    )
+    q.add_argument(
         "--gptq-asymmetric", action=argparse.BooleanOptionalAction, default=None,
         help="gptq: fit each layer's output on the quantized model's inputs to the float model's output on its own "
         "inputs (GPTAQ's asymmetric objective), so that a layer also absorbs the earlier layers' rounding; holds a "
