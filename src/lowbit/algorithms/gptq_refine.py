@@ -212,8 +212,6 @@ def refine(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, states: 
     return Qt.t().contiguous(), Ct.t().contiguous()
 
 
-__all__ = ["objective", "refine"]
-
 
 REFIT_ELEMENTS = 1 << 25
 """Bound on ``rows x cols x groups`` of one batch of :func:`refit_scales`'s normal equations (128 MB of fp32)."""
@@ -272,8 +270,7 @@ def refit_scales(grid, W: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor, st
         Qn[:, g * G:(g + 1) * G] = grid.decode(codes[:, g * G:(g + 1) * G], cs)
     better = row_objectives(W, Qn, H) < row_objectives(W, Q, H)
     Qn = torch.where(better.unsqueeze(1), Qn, Q)
-    out_states = []
-    for g, (st, cs) in enumerate(zip(states, cand_states)):
-        out_states.append(grid.with_scale(st, torch.where(better, cs[0], st[0])))
-    return out_states, Qn
+    return [grid.with_scale(st, torch.where(better, cs[0], st[0])) for st, cs in zip(states, cand_states)], Qn
 
+
+__all__ = ["objective", "refine", "refit_scales", "row_objectives"]
