@@ -1,8 +1,9 @@
-"""The warp-specialized W4A16 GEMM (``gemm_w4.gemm_w4_ws``) against cuBLAS bf16, the Triton GEMM (``gemm_w4``)
-and what ``lowbit.linear`` runs today, at M = 32 ... 4096 on the W4A16 benchmark's shapes.
+"""The Gluon W4A16 GEMMs, warp-specialized (``gemm_w4.gemm_w4_ws``) and register-operand (``gemm_w4.gemm_w4_ra``,
+with ``--ra``), against cuBLAS bf16, the Triton GEMM (``gemm_w4``) and what ``lowbit.linear`` runs today, at
+M = 32 ... 4096 on the W4A16 benchmark's shapes.
 
     PYTHONPATH=src python benchmarks/experiments/sweep_w4a16_ws.py [--formats nvfp4,int4_awq] [--ms 64,256]
-        [--configs 'RLAG=2;RLAG=4,RSTAGES=8']
+        [--configs 'RLAG=2;RLAG=4,RSTAGES=8'] [--ra '-;BM=64;BM=128,STAGES=3'] [--skip-ws]
 
 Every route's output is checked against the fp32 reference first. Times are CUDA-graph replays with the
 weights rotated out of L2 (the GPU time inside a model's graph). JSON to ``$OUT/sweep_w4a16_ws.json``.
@@ -28,11 +29,16 @@ from lowbit.bench.common import rel_errors
 from lowbit.bench.timing import graph_ms
 
 
-def _configs(text: str) -> list[tuple[str, dict]]:
-    out = [("ws", {})]
+def _configs(text: str, kind: str = "ws", default: bool = True) -> list[tuple[str, dict]]:
+    """``'KEY=V,KEY=V;...'`` -> [(label, config)]; ``-`` is the default config (always first with ``default``)."""
+    out = [(kind, {})] if default else []
     for item in filter(None, text.split(";")):
+        if item == "-":
+            if not default:
+                out.append((kind, {}))
+            continue
         cfg = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in item.split(",")}
-        out.append((f"ws[{item}]", cfg))
+        out.append((f"{kind}[{item}]", cfg))
     return out
 
 
@@ -43,10 +49,13 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="NxK,... (default: the W4A16 benchmark's six)")
     ap.add_argument("--configs", default="", help="extra ws configs: 'KEY=V,KEY=V;...'")
     ap.add_argument("--triton-gemm", action="store_true", help="also time the Triton GEMM")
+    ap.add_argument("--ra", default="", help="register-operand kernel configs: 'KEY=V,...;...' ('-': the default)")
+    ap.add_argument("--skip-ws", action="store_true", help="do not time the warp-specialized kernel")
     args = ap.parse_args()
     dev = torch.device("cuda")
     shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    configs = _configs(args.configs)
+    configs = [] if args.skip_ws else _configs(args.configs)
+    ra_configs = _configs(args.ra, "ra", default=False)
     rows = []
     out_path = os.path.join(os.environ.get("OUT", "."), "sweep_w4a16_ws.json")
     for n, k in shapes:
@@ -65,6 +74,7 @@ def main() -> None:
                 if args.triton_gemm:
                     cases.append(("gemm", lambda q_, x=x: g.gemm_w4(x, q_)))
                 cases += [(label, lambda q_, x=x, c=cfg: g.gemm_w4_ws(x, q_, config=c)) for label, cfg in configs]
+                cases += [(label, lambda q_, x=x, c=cfg: g.gemm_w4_ra(x, q_, config=c)) for label, cfg in ra_configs]
                 for label, call in cases:
                     try:
                         fro, _ = rel_errors(call(q).float(), ref)

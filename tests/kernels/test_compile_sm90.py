@@ -46,6 +46,8 @@ def compile_for_hopper(fn, signature, constexprs):
 
         if fn.__name__ == "gemm_w4_ws_kernel":
             options = _gemm_w4_ws.launch_options()
+        elif fn.__name__ == "gemm_w4_ra_kernel":
+            options = {"num_warps": 4}
         else:
             options = _fp8_block_ws.launch_options(constexprs["CONSUMERS"])
         return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=HOPPER, options=options)
@@ -237,3 +239,96 @@ def test_dequant_epilogue_rounds_each_step_and_streams_16_bytes():
         elif constexprs["HAS_BIAS"]:
             assert "add.rn.f32" in ptx
         assert "ld.global.v4.b32" in ptx
+
+
+def _sass(cubin: bytes) -> list[tuple[int, str]]:
+    """(address, instruction) of a cubin's SASS, through the cuobjdump that ships with Triton."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("no cuobjdump in this Triton")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+_NO_DEST = ("HGMMA", "ST", "BRA", "BAR", "SYNCS", "WARPGROUP", "RED", "ATOM", "EXIT", "UTMA", "MEMBAR", "FENCE",
+            "ISETP", "FSETP", "UISETP", "RET", "CALL", "NOP", "DEPBAR", "ELECT", "UBLKCP", "ULDC", "UMOV", "UIADD3",
+            "USHF", "ULOP3", "UIMAD", "USEL", "ULEA", "UPRMT", "R2UR", "PLOP3", "VOTEU", "PRMT.U")
+
+
+def _written(instr: str) -> set[int]:
+    """The general registers an instruction writes (its first operand; vector and wide forms write several)."""
+    t = re.sub(r"^@!?U?P\w+\s+", "", instr)
+    op, _, rest = t.partition(" ")
+    if op.startswith(_NO_DEST) or not rest:
+        return set()
+    m = re.match(r"R(\d+)\b", rest.split(",")[0].strip())
+    if not m:
+        return set()
+    n = 4 if (".128" in op or "M88.4" in op) else 2 if (".64" in op or ".WIDE" in op or "M88.2" in op) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + n))
+
+
+def register_operand_hazards(sass: list[tuple[int, str]]) -> tuple[int, list[str]]:
+    """(number of register-operand wgmma groups in the main loop, instructions that write a group's A registers
+    while it may still run). A group (HGMMAs ending at the one that commits, gsb0) runs until the second
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` after it in execution order, the loop's back edge taken."""
+    hg = [i for i, (_, t) in enumerate(sass) if t.startswith("HGMMA")]
+    groups, cur = [], []
+    for i in hg:
+        m = re.match(r"HGMMA\.\S+ R\d+, R(\d+), gdesc", sass[i][1])
+        cur.append((i, int(m.group(1)) if m else None))
+        if "gsb0" in sass[i][1]:
+            groups.append(cur)
+            cur = []
+    deps = [i for i, (_, t) in enumerate(sass) if t.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1")]
+    back = [i for i, (a, t) in enumerate(sass) if re.match(r"(@!?P\d+ )?BRA 0x([0-9a-f]+)", t)
+            and int(re.search(r"0x([0-9a-f]+)", t).group(1), 16) < a]
+    loop = [g for g in groups if all(r is not None for _, r in g) and any(g[-1][0] < d for d in deps)]
+    bad = []
+    for g in loop:
+        regs = set().union(*(set(range(r, r + 4)) for _, r in g))
+        end = g[-1][0]
+        after = [d for d in deps if d > end]
+        if len(after) >= 2:
+            window = range(end + 1, after[1] + 1)
+        else:  # retired in the next iteration: to the back edge, then from its target to the next wait
+            edge = min(b for b in back if b > end)
+            target = int(re.search(r"0x([0-9a-f]+)", sass[edge][1]).group(1), 16)
+            head = next(i for i, (a, _) in enumerate(sass) if a == target)
+            first = min(d for d in deps if d >= head)
+            window = [*range(end + 1, edge + 1), *range(head, first + 1)]
+        bad += [f"{sass[i][0]:#x} {sass[i][1]}" for i in window if _written(sass[i][1]) & regs]
+    return len(loop), bad
+
+
+def test_w4a16_register_operand_kernel_keeps_its_a_registers_until_retired():
+    """The Gluon W4A16 kernel with the decoded weight in registers: register-A wgmmas with one K step in flight,
+    two A register sets, and no instruction writes a set's registers before the wait that retires its wgmma
+    (the hazard of Triton 3.6's pipelined register-A wgmma)."""
+    from lowbit.kernels import gemm_w4
+
+    variants = list(gemm_w4.ra_compile_variants())
+    assert len(variants) == 6
+    for fn, sig, consts in variants:
+        ck = compile_for_hopper(fn, sig, consts)
+        ptx = ck.asm["ptx"]
+        dt = "bf16" if "bf16" in sig["out_ptr"] else "f16"
+        assert f"wgmma.mma_async.sync.aligned.m64n{consts['BM']}k16.f32.{dt}.{dt}" in ptx, consts
+        assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2, consts
+        assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1, consts
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, consts
+        groups, bad = register_operand_hazards(_sass(ck.asm["cubin"]))
+        assert groups == 2, consts
+        assert not bad, (consts, bad[:5])

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_device import ROWS_PER_CONSUMER, grouped_tile
+from .gluon_device import ROWS_PER_CONSUMER, decode_w4_words, grouped_tile, load_w4_scales, tanh_approx
 
 CONSUMERS = gl.constexpr(2)
 DECODE_WARPS = gl.constexpr(4)
@@ -114,62 +114,6 @@ def _loader(x_desc, w_desc, x_bufs, raw_bufs, x_ready, raw_ready, raw_empty, emp
 
 
 @gluon.jit
-def _load_scales(s_ptr, rows, row_ok, words, kt, K, stride_sn, FMT: gl.constexpr, GROUP: gl.constexpr,
-                 BK: gl.constexpr, SCALE_SWIZZLED: gl.constexpr):
-    """The block scale of every packed word [BN, BK / 8] of K step kt (int32: the scale byte, or for int4 the
-    ``fp16 scale bits | zero << 16`` word); rows past N and steps past the end read 0. SCALE_SWIZZLED: the
-    128x4-swizzled layout (torchao ``to_blocked``), ``stride_sn`` then the scale columns padded to 4."""
-    col = (kt * BK + words * 8) // GROUP
-    if SCALE_SWIZZLED:
-        r = rows[:, None]
-        c = col[None, :]
-        off = (((r >> 7) * (stride_sn >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4
-               + (c & 3)).to(gl.int64)
-    else:
-        off = rows.to(gl.int64)[:, None] * stride_sn + col[None, :]
-    ok = row_ok[:, None] & (col < K // GROUP)[None, :]
-    if FMT == 4:
-        return gl.load(s_ptr + off, mask=ok, other=0)
-    return gl.load(s_ptr + off, mask=ok, other=0).to(gl.int32)
-
-
-@gluon.jit
-def _decode(words, scale, DT: gl.constexpr, FMT: gl.constexpr, shift_layout: gl.constexpr):
-    """int32 words [BN, W] (eight codes each, element 8c + j in nibble j) and their scales [BN, W] -> the
-    decoded tile [BN, 8 W] in DT."""
-    shifts = gl.arange(0, 8, layout=shift_layout) * 4
-    code = (gl.expand_dims(words, 2) >> gl.expand_dims(gl.expand_dims(shifts, 0), 0)) & 15
-    if FMT == 4:
-        if DT == gl.float16:
-            magic: gl.constexpr = 0x6400
-        else:
-            magic: gl.constexpr = 0x4300
-        q = (code | magic).to(gl.int16).to(DT, bitcast=True)
-        z = ((scale >> 16) | magic).to(gl.int16).to(DT, bitcast=True)
-        s = (scale & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(DT)
-        v = (q - gl.expand_dims(z, 2)) * gl.expand_dims(s, 2)
-    else:
-        if DT == gl.float16:
-            bits = ((code & 7) << 9) | ((code & 8) << 12)
-            v = bits.to(gl.int16).to(DT, bitcast=True) * 16384.0
-        else:
-            bits = ((code & 7) << 6) | ((code & 8) << 12)
-            v = bits.to(gl.int16).to(DT, bitcast=True) * 8.507059173023462e37
-        if FMT == 0:
-            s = scale.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT)
-        else:
-            if DT == gl.bfloat16:
-                # 2^-127 is the bf16 subnormal 0x0040; code 255 is NaN
-                sb = gl.where(scale == 0, 0x0040, gl.where(scale == 255, 0x7FC0, scale << 7))
-                s = sb.to(gl.int16).to(gl.bfloat16, bitcast=True)
-            else:
-                f = gl.where(scale == 0, 0x00400000, gl.where(scale == 255, 0x7FC00000, scale << 23))
-                s = f.to(gl.float32, bitcast=True).to(DT)
-        v = v * gl.expand_dims(s, 2)
-    return gl.reshape(v, [v.shape[0], v.shape[1] * 8])
-
-
-@gluon.jit
 def _decoder(x_desc, raw_bufs, w_bufs, raw_ready, raw_empty, w_ready, empty, s_ptr, M, N, K, stride_sn,
              FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, BN: gl.constexpr,
              BK: gl.constexpr, STAGES: gl.constexpr, RSTAGES: gl.constexpr, GROUP_M: gl.constexpr,
@@ -188,13 +132,13 @@ def _decoder(x_desc, raw_bufs, w_bufs, raw_ready, raw_empty, w_ready, empty, s_p
     # the scales of step s + 1 are loaded while step s decodes (an L2 round trip is longer than a step)
     _, pid_n, kt = _step_coords(0, k_tiles, num_m, num_n, GROUP_M)
     rows = pid_n * BN + lanes
-    nxt = _load_scales(s_ptr, rows, (rows < N) & (total > 0), words, kt, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
+    nxt = load_w4_scales(s_ptr, rows, (rows < N) & (total > 0), words, kt, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
     for s in range(total):
         scale = nxt
         _, pid_n, kt = _step_coords(s + 1, k_tiles, num_m, num_n, GROUP_M)
         rows = pid_n * BN + lanes
         if DEBUG != 2:
-            nxt = _load_scales(s_ptr, rows, (rows < N) & (s + 1 < total), words, kt, K, stride_sn, FMT, GROUP, BK,
+            nxt = load_w4_scales(s_ptr, rows, (rows < N) & (s + 1 < total), words, kt, K, stride_sn, FMT, GROUP, BK,
                                SCALE_SWIZZLED)
         r = s % RSTAGES
         if DEBUG == 4:
@@ -208,19 +152,13 @@ def _decoder(x_desc, raw_bufs, w_bufs, raw_ready, raw_empty, w_ready, empty, s_p
             w = gl.reshape(gl.expand_dims(packed, 2) + gl.zeros([BN, W, 8], gl.int32, code_layout),
                            [BN, BK]).to(gl.int16).to(DT, bitcast=True)
         else:
-            w = _decode(packed, scale, DT, FMT, shift_layout)
+            w = decode_w4_words(packed, scale, DT, FMT, shift_layout)
         slot = s % STAGES
         mbarrier.wait(empty.index(slot), ((s // STAGES) & 1) ^ 1)
         w_bufs.index(slot).store(w)
         fence_async_shared()  # the generic-proxy stores before the tensor cores' async-proxy reads
         gl.thread_barrier()
         mbarrier.arrive(w_ready.index(slot))
-
-
-@gluon.jit
-def _tanh(x):
-    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
-                                     pack=1)
 
 
 @gluon.jit
@@ -275,9 +213,9 @@ def _consumer(x_bufs, w_bufs, x_ready, w_ready, empty, gscale_ptr, bias_ptr, out
         if ACT == 1:
             acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
         elif ACT == 2:
-            acc = 0.5 * acc * (1.0 + _tanh(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
+            acc = 0.5 * acc * (1.0 + tanh_approx(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
         elif ACT == 3:
-            acc = acc * (0.5 + 0.5 * _tanh(0.5 * acc))
+            acc = acc * (0.5 + 0.5 * tanh_approx(0.5 * acc))
         ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
         gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
 

@@ -486,6 +486,7 @@ def compile_variants():
         fn, sig, consts, _ = _variant(fmt, dtype, name, **kw)
         yield fn, sig, consts
     yield from _ws_compile_variants()
+    yield from ra_compile_variants()
     for dtype in ("*bf16", "*fp16"):
         for gscale, bias, act in ((0, False, 0), (1, True, 1), (2, True, 3)):
             yield k.split_k_reduce_kernel, {
@@ -634,3 +635,83 @@ def _ws_compile_variants():
                                              "LOADER_REGS", "DECODER_REGS")}, DEBUG=0)
         consts.update(extra)
         yield kw.gemm_w4_ws_kernel, sig, consts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the register-operand GEMM (``_gemm_w4_ra``)
+
+RA_CONFIG = dict(BK=64, STAGES=4, GROUP_M=8)
+"""BK-wide K steps through a ring of STAGES slots (>= 3), GROUP_M weight-row tiles per group of programs; the
+x tile is BM = 64 rows up to M = 64, else 128 (``config`` may set BM to 64, 128 or 256)."""
+
+
+def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activation: str | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """``act(x @ dequant(w).T + bias)`` through the Gluon kernel with the decoded weight as the wgmma's register
+    operand (``_gemm_w4_ra``). Same contract as ``gemm_w4``; takes the calls ``ws_supports(x, w)`` takes. Not
+    routed by the dispatch policy (see the kernel module's status)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from . import _gemm_w4_ra as kr
+
+    _check_inputs(x, w, bias, activation)
+    why = ws_supports(x, w)
+    if why is not None:
+        raise ValueError(f"gemm_w4_ra: {why}")
+    cfg = dict(RA_CONFIG)
+    cfg.update(config or {})
+    m, k_dim = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    bm = cfg.get("BM") or (64 if m <= 64 else 128)
+    bk = cfg["BK"]
+    if bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in (32, 64, 128):
+        raise ValueError(f"gemm_w4_ra: config needs BM in (64, 128, 256), BK in (32, 64, 128) and STAGES >= 3, "
+                         f"got {cfg}")
+    _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64, bk)
+    gl_dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    x_desc = GluonDescriptor(x, [m, k_dim], [x.stride(0), 1], [bm, bk],
+                             gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dt))
+    has_bias = bias is not None
+    kr.gemm_w4_ra_kernel[(cdiv(m, bm) * cdiv(n, 64),)](
+        x_desc, w_desc, scales, gscale, bias.contiguous() if has_bias else out, out, m, n, k_dim, stride_sn,
+        out.stride(0), HAS_BIAS=has_bias, ACT=ACTIVATIONS[activation], BM=bm, BK=bk, STAGES=cfg["STAGES"],
+        GROUP_M=cfg["GROUP_M"], **consts, num_warps=4,
+    )
+    return out
+
+
+def ra_compile_variants():
+    """The register-operand kernel: each format, both activation dtypes, swizzled scales, both nvfp4 global
+    scale modes, the epilogues, BM 64 / 128. Descriptor signatures from host descriptors over small CPU
+    tensors, as the JIT writes them."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    from . import _gemm_w4_ra as kr
+
+    def desc_sig(dtype, gl_dtype, block):
+        t = torch.empty(256, 256, dtype=dtype)
+        d = GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
+
+    bk = RA_CONFIG["BK"]
+    cases = [("nvfp4", "bf16", 128, dict(GSCALE_MODE=1, HAS_BIAS=True, ACT=1)),
+             ("nvfp4", "fp16", 64, dict(SCALE_SWIZZLED=True, GSCALE_MODE=2, ACT=2)),
+             ("mxfp4", "bf16", 64, dict(SCALE_SWIZZLED=True, ACT=3)), ("mxfp4", "fp16", 128, {}),
+             ("int4_awq", "bf16", 128, dict(HAS_BIAS=True)), ("int4_awq", "fp16", 64, dict(GROUP=64))]
+    for fmt, dtype, bm, extra in cases:
+        tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
+        sig = {"x_desc": desc_sig(tdt, gdt, [bm, bk]), "w_desc": desc_sig(torch.int32, gl.int32, [64, bk // 8]),
+               "s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
+               "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_sn": "i32", "stride_om": "i32"}
+        consts = dict(FMT=_FMT_ID[fmt], GROUP={"nvfp4": 16, "mxfp4": 32, "int4_awq": 128}[fmt],
+                      SCALE_SWIZZLED=False, GSCALE_MODE=0, HAS_BIAS=False, ACT=0, BM=bm, BK=bk,
+                      STAGES=RA_CONFIG["STAGES"], GROUP_M=RA_CONFIG["GROUP_M"])
+        consts.update(extra)
+        yield kr.gemm_w4_ra_kernel, sig, consts

@@ -1,0 +1,134 @@
+"""W4A16 GEMM for Hopper in Gluon with the decoded weight as the wgmma's register operand:
+``out = act(x @ dequant(w).T * g + bias)``.
+
+One warpgroup per program computes the transposed tile ``acc[64 weight rows, BM x rows] = w_tile @ x_tile.T``:
+TMA streams x tiles [BM, BK] and packed weight tiles (the weight's uint8 rows viewed as int32 words, boxes
+[64, BK / 8]) into a ring of ``STAGES`` slots; the program decodes a weight tile exactly into the activation
+dtype (``gluon_device.decode_w4_words``, the warp-specialized kernel's decode), converts it to the wgmma A
+operand layout and issues ``m64nBMk16`` wgmmas with A from registers and x from shared memory, keeping one
+K step in flight, so the decode of the next tile overlaps the tensor cores of this one.
+
+Why it is written this way: the tensor cores read a register operand asynchronously, until the
+``wgmma.wait_group`` that retires the wgmma, and neither Triton 3.6's pipeliner nor a plain Gluon loop keeps
+those registers from being reused before then (Triton's wait covers only the first wgmma of a tile,
+triton-lang/triton#9433; a loop-carried A value in Gluon is copied at the back edge and its registers
+rewritten by the next decode, seen in the sm_90 SASS). Here the loop is unrolled by two K tiles with one A
+register set each, and each set is a dependency of the ``warpgroup_mma_wait`` that retires its wgmma (the
+even set of the second wait of a pass, the odd set of the first wait of the next), so every set stays live,
+untouched, while its wgmma runs and no live set crosses the loop's back edge: the sm_90 build keeps the two
+sets in disjoint registers and writes neither before its retiring wait (``tests/kernels/test_compile_sm90.py``
+checks the SASS).
+
+K steps past the end (an odd count, a ragged K) are TMA reads out of bounds, zeros, with masked scale loads:
+they add zero. Rows past M and N are read as zeros and not stored.
+
+Status: compiled and inspected for sm_90 only; not run on a GPU yet and not routed by ``lowbit.ops.policy``
+(``gemm_w4.gemm_w4_ra`` runs it; ``tests/kernels/test_gemm_w4_ra_gpu.py`` checks it on a GPU).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .gluon_device import decode_w4_words, grouped_tile, load_w4_scales, tanh_approx
+
+ROWS = gl.constexpr(64)
+"""Weight rows per program: the wgmma M of one warpgroup."""
+
+
+@gluon.jit
+def _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt, m0, n0, BM: gl.constexpr, BK: gl.constexpr,
+           STAGES: gl.constexpr):
+    """TMA of K step ``kt``'s x and packed weight tiles into ring slot ``kt % STAGES`` (the caller knows the
+    slot's previous wgmma has retired)."""
+    s = kt % STAGES
+    mbarrier.expect(ready.index(s), BM * BK * 2 + ROWS * BK // 2)
+    tma.async_copy_global_to_shared(x_desc, [m0, kt * BK], ready.index(s), x_bufs.index(s))
+    tma.async_copy_global_to_shared(w_desc, [n0, kt * (BK // 8)], ready.index(s), raw_bufs.index(s))
+
+
+@gluon.jit
+def _operand(raw_bufs, ready, kt, scale, DT: gl.constexpr, FMT: gl.constexpr, STAGES: gl.constexpr,
+             word_layout: gl.constexpr, shift_layout: gl.constexpr, a_layout: gl.constexpr):
+    """K step ``kt``'s decoded weight tile as the wgmma A operand, once its TMA has landed."""
+    s = kt % STAGES
+    mbarrier.wait(ready.index(s), (kt // STAGES) & 1)
+    packed = raw_bufs.index(s).load(word_layout)
+    return gl.convert_layout(decode_w4_words(packed, scale, DT, FMT, shift_layout), a_layout)
+
+
+@gluon.jit
+def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
+                      FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr,
+                      GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, BM: gl.constexpr,
+                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """One program per output tile (64 weight rows x BM rows of x), 4 warps. ``x_desc``: x [M, K] (bf16/fp16)
+    with [BM, BK] boxes; ``w_desc``: the packed weight as int32 [N, K / 8] with [64, BK / 8] boxes; ``s_ptr``:
+    the block scales (uint8 codes, linear or 128x4-swizzled; int4: the int32 ``scale | zero << 16`` words),
+    row stride ``stride_sn``. STAGES >= 3 (two K steps in flight per pass)."""
+    W: gl.constexpr = BK // 8
+    DT: gl.constexpr = x_desc.dtype
+    x_bufs = gl.allocate_shared_memory(DT, [STAGES, BM, BK], x_desc.layout)
+    raw_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, W], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # one thread holds the eight codes of a word; a warp covers 32 / W rows of W words
+    code_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // W, W, 1], [4, 1, 1], [2, 1, 0])
+    word_layout: gl.constexpr = gl.SliceLayout(2, code_layout)
+    shift_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, code_layout))
+
+    pid_n, pid_m = grouped_tile(gl.program_id(0), gl.cdiv(N, ROWS), gl.cdiv(M, BM), GROUP_M)
+    n0 = pid_n * ROWS
+    m0 = pid_m * BM
+    # K steps in pairs; the second of a last odd pair reads out of bounds (zeros)
+    steps = gl.cdiv(gl.cdiv(K, BK), 2) * 2
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, i, m0, n0, BM, BK, STAGES)
+    words = gl.arange(0, W, layout=gl.SliceLayout(0, word_layout))
+    rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, word_layout))
+    row_ok = rows < N
+    # block scales prefetched one K step ahead in registers (an L2 round trip is longer than a step)
+    nxt = load_w4_scales(s_ptr, rows, row_ok, words, 0, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
+    acc = gl.zeros([ROWS, BM], gl.float32, acc_layout)
+    a_odd = gl.zeros([ROWS, BK], DT, a_layout)
+    for kt in range(0, steps, 2):
+        scale = nxt
+        nxt = load_w4_scales(s_ptr, rows, row_ok, words, kt + 1, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
+        a_even = _operand(raw_bufs, ready, kt, scale, DT, FMT, STAGES, word_layout, shift_layout, a_layout)
+        acc = warpgroup_mma(a_even, x_bufs.index(kt % STAGES).permute((1, 0)), acc, is_async=True)
+        # retires the previous pass's odd wgmma: its registers (a dependency here) and its slot are free
+        acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))
+        if kt + STAGES - 1 < steps:
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES - 1, m0, n0, BM, BK, STAGES)
+        scale = nxt
+        nxt = load_w4_scales(s_ptr, rows, row_ok, words, kt + 2, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
+        a_odd = _operand(raw_bufs, ready, kt + 1, scale, DT, FMT, STAGES, word_layout, shift_layout, a_layout)
+        acc = warpgroup_mma(a_odd, x_bufs.index((kt + 1) % STAGES).permute((1, 0)), acc, is_async=True)
+        # retires this pass's even wgmma
+        acc, a_even = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_even))
+        if kt + STAGES < steps:
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES, m0, n0, BM, BK, STAGES)
+    acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
+
+    wr = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    xr = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+    w_ok = wr < N
+    if GSCALE_MODE == 1:
+        acc = acc * gl.div_rn(1.0, gl.load(gscale_ptr))
+    elif GSCALE_MODE == 2:
+        acc = acc * gl.load(gscale_ptr)
+    if HAS_BIAS:
+        acc = acc + gl.load(bias_ptr + wr, mask=w_ok, other=0.0).to(gl.float32)[:, None]
+    if ACT == 1:
+        acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
+    elif ACT == 2:
+        acc = 0.5 * acc * (1.0 + tanh_approx(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
+    elif ACT == 3:
+        acc = acc * (0.5 + 0.5 * tanh_approx(0.5 * acc))
+    ptrs = out_ptr + xr.to(gl.int64)[None, :] * stride_om + wr[:, None]
+    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=w_ok[:, None] & (xr < M)[None, :])
