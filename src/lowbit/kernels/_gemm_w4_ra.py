@@ -30,7 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_device import decode_w4_words, grouped_tile, load_w4_scales, tanh_approx
+from .gluon_device import decode_w4_words, grouped_tile, load_w4_scales, w4_activation
 
 ROWS = gl.constexpr(64)
 """Weight rows per program: the wgmma M of one warpgroup."""
@@ -124,11 +124,6 @@ def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
         acc = acc * gl.load(gscale_ptr)
     if HAS_BIAS:
         acc = acc + gl.load(bias_ptr + wr, mask=w_ok, other=0.0).to(gl.float32)[:, None]
-    if ACT == 1:
-        acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
-    elif ACT == 2:
-        acc = 0.5 * acc * (1.0 + tanh_approx(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
-    elif ACT == 3:
-        acc = acc * (0.5 + 0.5 * tanh_approx(0.5 * acc))
+    acc = w4_activation(acc, ACT)
     ptrs = out_ptr + xr.to(gl.int64)[None, :] * stride_om + wr[:, None]
     gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=w_ok[:, None] & (xr < M)[None, :])

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_device import ROWS_PER_CONSUMER, decode_w4_words, grouped_tile, load_w4_scales, tanh_approx
+from .gluon_device import ROWS_PER_CONSUMER, decode_w4_words, grouped_tile, load_w4_scales, w4_activation
 
 CONSUMERS = gl.constexpr(2)
 DECODE_WARPS = gl.constexpr(4)
@@ -210,12 +210,7 @@ def _consumer(x_bufs, w_bufs, x_ready, w_ready, empty, gscale_ptr, bias_ptr, out
             acc = acc * g
         if HAS_BIAS:
             acc = acc + gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-        if ACT == 1:
-            acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
-        elif ACT == 2:
-            acc = 0.5 * acc * (1.0 + tanh_approx(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
-        elif ACT == 3:
-            acc = acc * (0.5 + 0.5 * tanh_approx(0.5 * acc))
+        acc = w4_activation(acc, ACT)
         ptrs = out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
         gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
 

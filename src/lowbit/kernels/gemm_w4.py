@@ -527,6 +527,19 @@ def ws_supports(x: torch.Tensor, w: QTensor) -> str | None:
     return None
 
 
+def _gluon_call(name: str, x: torch.Tensor, w: QTensor, bias: torch.Tensor | None, activation: str | None,
+                defaults: dict, config: dict | None) -> tuple[dict, torch.Tensor]:
+    """The checks of a Gluon W4A16 launcher (``name`` in its errors), its config over ``defaults`` and its
+    output [M, N]."""
+    _check_inputs(x, w, bias, activation)
+    why = ws_supports(x, w)
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    cfg = dict(defaults)
+    cfg.update(config or {})
+    return cfg, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+
+
 def _ws_weight(w: QTensor, bn: int, bk: int):
     """(packed weight as int32 [N, K / 8], its TMA descriptor, scales, scale row stride, constexprs), cached
     per weight: the descriptor is built once."""
@@ -571,15 +584,9 @@ def gemm_w4_ws(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
 
     from . import _gemm_w4_ws as kw
 
-    _check_inputs(x, w, bias, activation)
-    why = ws_supports(x, w)
-    if why is not None:
-        raise ValueError(f"gemm_w4_ws: {why}")
-    cfg = dict(WS_CONFIG)
-    cfg.update(config or {})
+    cfg, out = _gluon_call("gemm_w4_ws", x, w, bias, activation, WS_CONFIG, config)
     m, k_dim = x.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     bn, bk = cfg["BN"], cfg["BK"]
@@ -655,15 +662,9 @@ def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
 
     from . import _gemm_w4_ra as kr
 
-    _check_inputs(x, w, bias, activation)
-    why = ws_supports(x, w)
-    if why is not None:
-        raise ValueError(f"gemm_w4_ra: {why}")
-    cfg = dict(RA_CONFIG)
-    cfg.update(config or {})
+    cfg, out = _gluon_call("gemm_w4_ra", x, w, bias, activation, RA_CONFIG, config)
     m, k_dim = x.shape
     n = w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     bm = cfg.get("BM") or (64 if m <= 64 else 128)

@@ -1,6 +1,6 @@
 """Gluon device functions shared by the warp-specialized kernel modules (``_fp8_block_ws``, ``_gemm_w4_ws``), as
 ``device`` holds the Triton ones: a helper more than one Gluon kernel calls lives here under a public name
-(the W4A16 scale loads, word decode and tanh are shared by ``_gemm_w4_ws`` and ``_gemm_w4_ra``)."""
+(the W4A16 scale loads, word decode and epilogue activation are shared by ``_gemm_w4_ws`` and ``_gemm_w4_ra``)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -82,3 +82,16 @@ def tanh_approx(x):
     """tanh.approx.f32 of fp32 ``x`` (the kernels' tanh GELU and SiLU epilogues)."""
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
                                      pack=1)
+
+
+@gluon.jit
+def w4_activation(acc, ACT: gl.constexpr):
+    """The W4A16 GEMMs' epilogue activation of fp32 ``acc`` (``gemm_w4.ACTIVATIONS``: 1 erf GELU, 2 tanh GELU,
+    3 SiLU as ``x * (1 + tanh(x / 2)) / 2``; 0 none)."""
+    if ACT == 1:
+        acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476))
+    elif ACT == 2:
+        acc = 0.5 * acc * (1.0 + tanh_approx(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
+    elif ACT == 3:
+        acc = acc * (0.5 + 0.5 * tanh_approx(0.5 * acc))
+    return acc
