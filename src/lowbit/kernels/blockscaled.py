@@ -226,7 +226,12 @@ def finite_absmax_and_dequantize(x: torch.Tensor, q: QTensor, dtype: torch.dtype
     global scale (:func:`quantize_nvfp4_decoded`'s ``amax``) and :func:`dequantize_call` give, bit for bit, in
     one launch (``absmax_and_dequantize_kernel``): the ``"dequant"`` route's two passes that do not depend on
     each other, each too short at DiT sizes to reach the copy bandwidth alone."""
-    dq = dequantize_call(q, dtype)
+    return absmax_and_dequantize(x, dequantize_call(q, dtype))
+
+
+def absmax_and_dequantize(x: torch.Tensor, dq: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`finite_absmax_and_dequantize` with the weight's decode call ``dq`` (:func:`dequantize_call`) made
+    once by the caller, who launches it again per call without rebuilding its arguments."""
     flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
     n = flat.numel()
     lc = dq.launch

@@ -190,22 +190,23 @@ class Nvfp4DequantGemm:
     and the route decodes the weight in one chunk at this M, the absmax pass and the weight's decoding share
     one launch (``blockscaled.finite_absmax_and_dequantize``)."""
 
-    __slots__ = ("absmax_and_decode", "gemm", "kwargs", "out_dtype", "plain", "quantize", "w")
+    __slots__ = ("absmax_and_decode", "decode", "gemm", "kwargs", "out_dtype", "quantize", "w")
 
     def __init__(self, w: Any, kwargs: dict, out_dtype: torch.dtype, m: int) -> None:
-        from ..kernels.blockscaled import finite_absmax_and_dequantize, quantize_nvfp4_decoded
+        from ..kernels.blockscaled import absmax_and_dequantize, dequantize_call, quantize_nvfp4_decoded
         from ..kernels.scaled_mm_routes import dequant_chunk_rows, dequant_mm_decoded, without_global
 
         self.w, self.kwargs, self.out_dtype = w, kwargs, out_dtype
         self.quantize, self.gemm = quantize_nvfp4_decoded, dequant_mm_decoded
-        self.absmax_and_decode = self.plain = None
+        self.absmax_and_decode = self.decode = None
         plain = without_global(w)[0]
         if kwargs.get("global_scale") is None and dequant_chunk_rows(m, w.shape[1], plain, False) == w.shape[0]:
-            self.absmax_and_decode, self.plain = finite_absmax_and_dequantize, plain
+            # the weight's decode call made here, once (the runner is made outside CUDA-graph captures)
+            self.absmax_and_decode, self.decode = absmax_and_dequantize, dequantize_call(plain, torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.absmax_and_decode is not None:
-            amax, w_decoded = self.absmax_and_decode(x, self.plain, torch.bfloat16)
+            amax, w_decoded = self.absmax_and_decode(x, self.decode)
             values, global_scale = self.quantize(x, **self.kwargs, amax=amax)
             return self.gemm(values, global_scale, self.w, None, bias, self.out_dtype, w_decoded)
         values, global_scale = self.quantize(x, **self.kwargs)
