@@ -609,21 +609,26 @@ def gemm_w4_ws(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
     return out
 
 
-def _ws_compile_variants():
-    """The warp-specialized kernel: each format, both activation dtypes, swizzled scales, both nvfp4 global
-    scale modes, the epilogues. Descriptor signatures come from host descriptors over small CPU tensors, as the
-    JIT would write them."""
+def _gluon_desc_signature(dtype: torch.dtype, gl_dtype, block: list) -> str:
+    """The signature type the JIT writes for a Gluon host descriptor of a ``dtype`` tensor with ``block`` boxes
+    (for the compile variants)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    from . import _gemm_w4_ws as kw
+    t = torch.empty(256, 256, dtype=dtype)
+    d = GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+    return native_specialize_impl(BaseBackend, d, False, True, True)[0]
 
-    def desc_sig(dtype, gl_dtype, block):
-        t = torch.empty(256, 256, dtype=dtype)
-        d = GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
-        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
+
+def _ws_compile_variants():
+    """The warp-specialized kernel: each format, both activation dtypes, swizzled scales, both nvfp4 global
+    scale modes, the epilogues. Descriptor signatures come from host descriptors over small CPU tensors, as the
+    JIT would write them."""
+    from triton.experimental.gluon import language as gl
+
+    from . import _gemm_w4_ws as kw
 
     cfg = WS_CONFIG
     cases = [("nvfp4", "bf16", dict(GSCALE_MODE=1, HAS_BIAS=True, ACT=1)),
@@ -632,8 +637,8 @@ def _ws_compile_variants():
              ("int4_awq", "bf16", dict(HAS_BIAS=True)), ("int4_awq", "fp16", dict(GROUP=64))]
     for fmt, dtype, extra in cases:
         tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
-        sig = {"x_desc": desc_sig(tdt, gdt, [64, cfg["BK"]]),
-               "w_desc": desc_sig(torch.int32, gl.int32, [cfg["BN"], cfg["BK"] // 8]),
+        sig = {"x_desc": _gluon_desc_signature(tdt, gdt, [64, cfg["BK"]]),
+               "w_desc": _gluon_desc_signature(torch.int32, gl.int32, [cfg["BN"], cfg["BK"] // 8]),
                "s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
                "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_sn": "i32", "stride_om": "i32"}
         consts = dict(FMT=_FMT_ID[fmt], GROUP={"nvfp4": 16, "mxfp4": 32, "int4_awq": 128}[fmt],
@@ -689,17 +694,9 @@ def ra_compile_variants():
     """The register-operand kernel: each format, both activation dtypes, swizzled scales, both nvfp4 global
     scale modes, the epilogues, BM 64 / 128. Descriptor signatures from host descriptors over small CPU
     tensors, as the JIT writes them."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     from . import _gemm_w4_ra as kr
-
-    def desc_sig(dtype, gl_dtype, block):
-        t = torch.empty(256, 256, dtype=dtype)
-        d = GluonDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
-        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
 
     bk = RA_CONFIG["BK"]
     cases = [("nvfp4", "bf16", 128, dict(GSCALE_MODE=1, HAS_BIAS=True, ACT=1)),
@@ -708,7 +705,8 @@ def ra_compile_variants():
              ("int4_awq", "bf16", 128, dict(HAS_BIAS=True)), ("int4_awq", "fp16", 64, dict(GROUP=64))]
     for fmt, dtype, bm, extra in cases:
         tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
-        sig = {"x_desc": desc_sig(tdt, gdt, [bm, bk]), "w_desc": desc_sig(torch.int32, gl.int32, [64, bk // 8]),
+        sig = {"x_desc": _gluon_desc_signature(tdt, gdt, [bm, bk]),
+               "w_desc": _gluon_desc_signature(torch.int32, gl.int32, [64, bk // 8]),
                "s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
                "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_sn": "i32", "stride_om": "i32"}
         consts = dict(FMT=_FMT_ID[fmt], GROUP={"nvfp4": 16, "mxfp4": 32, "int4_awq": 128}[fmt],
