@@ -3,7 +3,7 @@ with ``--ra``), against cuBLAS bf16, the Triton GEMM (``gemm_w4``) and what ``lo
 M = 32 ... 4096 on the W4A16 benchmark's shapes.
 
     PYTHONPATH=src python benchmarks/experiments/sweep_w4a16_ws.py [--formats nvfp4,int4_awq] [--ms 64,256]
-        [--configs 'RLAG=2;RLAG=4,RSTAGES=8'] [--ra '-;BM=64;BM=128,STAGES=3'] [--skip-ws]
+        [--configs 'RLAG=2;RLAG=4,RSTAGES=8'] [--ra='-;BM=64;BM=128,STAGES=3'] [--skip-ws]
 
 Every route's output is checked against the fp32 reference first. Times are CUDA-graph replays with the
 weights rotated out of L2 (the GPU time inside a model's graph). JSON to ``$OUT/sweep_w4a16_ws.json``.

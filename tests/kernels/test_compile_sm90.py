@@ -47,7 +47,7 @@ def compile_for_hopper(fn, signature, constexprs):
         if fn.__name__ == "gemm_w4_ws_kernel":
             options = _gemm_w4_ws.launch_options()
         elif fn.__name__ == "gemm_w4_ra_kernel":
-            options = {"num_warps": 4}
+            options = {"num_warps": 4 * constexprs["WG"]}
         else:
             options = _fp8_block_ws.launch_options(constexprs["CONSUMERS"])
         return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=HOPPER, options=options)

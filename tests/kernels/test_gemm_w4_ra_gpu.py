@@ -3,7 +3,7 @@
 Against the fp32 reference (``x.float() @ lowbit.dequantize(w).float().T``, the Triton GEMM's bounds: relative
 Frobenius error <= 1e-2, max error / max |ref| <= 2e-2) for nvfp4 (linear and swizzled scales, both global
 scale conventions), mxfp4 and int4 (group 32/64/128); M from 17 to 4096, ragged N and K (odd and even counts
-of K steps, a K that is no multiple of the step), BM 64 / 128 / 256. In ``test_gemm_w4_ws_gpu.py``, for both
+of K steps, a K that is no multiple of the step), BM 64 / 128 / 256, one or two warpgroups. In ``test_gemm_w4_ws_gpu.py``, for both
 Gluon kernels: fp16, the epilogues, agreement with the Triton GEMM and bit-equal repeated calls (a register
 operand rewritten while its wgmma runs would show as varying outputs), a NaN block scale, zero blocks and
 CUDA-graph replay.
@@ -43,10 +43,18 @@ def test_ragged_shapes(name, m, n, k):
     run_ra(name, m, n, k)
 
 
+@pytest.mark.parametrize("wg", [1, 2])
 @pytest.mark.parametrize("bm", [64, 128, 256])
 @pytest.mark.parametrize("name", ["nvfp4", "int4_g128"])
-def test_tile_widths(name, bm):
-    run_ra(name, 300, 2048, 2048, config={"BM": bm})
+def test_tile_widths(name, bm, wg):
+    run_ra(name, 300, 2048, 2048, config={"BM": bm, "WG": wg})
+
+
+@pytest.mark.parametrize("name", ["nvfp4_swizzled", "mxfp4", "int4_g32"])
+@pytest.mark.parametrize("m, n, k", [(33, 200, 160), (1000, 4160, 4128), (256, 6144, 4096)])
+def test_two_warpgroups(name, m, n, k):
+    # 128 weight rows per program: N not a multiple of 128, an odd count of K steps
+    run_ra(name, m, n, k, config={"WG": 2, "BM": 256 if m > 64 else 64})
 
 
 def test_refuses_what_it_cannot_run():
@@ -59,3 +67,5 @@ def test_refuses_what_it_cannot_run():
         g.gemm_w4_ra(x[:, :256], w)
     with pytest.raises(ValueError, match="STAGES"):
         g.gemm_w4_ra(x, w, config={"STAGES": 2})
+    with pytest.raises(ValueError, match="WG"):
+        g.gemm_w4_ra(x, w, config={"WG": 4})

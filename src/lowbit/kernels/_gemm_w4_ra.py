@@ -32,13 +32,11 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .gluon_device import decode_w4_words, grouped_tile, load_w4_scales, w4_activation
 
-ROWS = gl.constexpr(64)
-"""Weight rows per program: the wgmma M of one warpgroup."""
 
 
 @gluon.jit
-def _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt, m0, n0, BM: gl.constexpr, BK: gl.constexpr,
-           STAGES: gl.constexpr):
+def _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt, m0, n0, ROWS: gl.constexpr, BM: gl.constexpr,
+           BK: gl.constexpr, STAGES: gl.constexpr):
     """TMA of K step ``kt``'s x and packed weight tiles into ring slot ``kt % STAGES`` (the caller knows the
     slot's previous wgmma has retired)."""
     s = kt % STAGES
@@ -61,23 +59,25 @@ def _operand(raw_bufs, ready, kt, scale, DT: gl.constexpr, FMT: gl.constexpr, ST
 def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
                       FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr,
                       GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, BM: gl.constexpr,
-                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """One program per output tile (64 weight rows x BM rows of x), 4 warps. ``x_desc``: x [M, K] (bf16/fp16)
+                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
+    """One program per output tile (64 WG weight rows x BM rows of x), WG warpgroups of 4 warps, each
+    with its own 64 weight rows. ``x_desc``: x [M, K] (bf16/fp16)
     with [BM, BK] boxes; ``w_desc``: the packed weight as int32 [N, K / 8] with [64, BK / 8] boxes; ``s_ptr``:
     the block scales (uint8 codes, linear or 128x4-swizzled; int4: the int32 ``scale | zero << 16`` words),
     row stride ``stride_sn``. STAGES >= 3 (two K steps in flight per pass)."""
     W: gl.constexpr = BK // 8
+    ROWS: gl.constexpr = 64 * WG
     DT: gl.constexpr = x_desc.dtype
     x_bufs = gl.allocate_shared_memory(DT, [STAGES, BM, BK], x_desc.layout)
     raw_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, W], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
                                                          instr_shape=[16, BM, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # one thread holds the eight codes of a word; a warp covers 32 / W rows of W words
-    code_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // W, W, 1], [4, 1, 1], [2, 1, 0])
+    code_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // W, W, 1], [4 * WG, 1, 1], [2, 1, 0])
     word_layout: gl.constexpr = gl.SliceLayout(2, code_layout)
     shift_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, code_layout))
 
@@ -88,7 +88,7 @@ def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
     steps = gl.cdiv(gl.cdiv(K, BK), 2) * 2
     for i in gl.static_range(STAGES - 1):
         if i < steps:
-            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, i, m0, n0, BM, BK, STAGES)
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, i, m0, n0, ROWS, BM, BK, STAGES)
     words = gl.arange(0, W, layout=gl.SliceLayout(0, word_layout))
     rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, word_layout))
     row_ok = rows < N
@@ -104,7 +104,7 @@ def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
         # retires the previous pass's odd wgmma: its registers (a dependency here) and its slot are free
         acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))
         if kt + STAGES - 1 < steps:
-            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES - 1, m0, n0, BM, BK, STAGES)
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES - 1, m0, n0, ROWS, BM, BK, STAGES)
         scale = nxt
         nxt = load_w4_scales(s_ptr, rows, row_ok, words, kt + 2, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
         a_odd = _operand(raw_bufs, ready, kt + 1, scale, DT, FMT, STAGES, word_layout, shift_layout, a_layout)
@@ -112,7 +112,7 @@ def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
         # retires this pass's even wgmma
         acc, a_even = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_even))
         if kt + STAGES < steps:
-            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES, m0, n0, BM, BK, STAGES)
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES, m0, n0, ROWS, BM, BK, STAGES)
     acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
 
     wr = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))

@@ -652,9 +652,10 @@ def _ws_compile_variants():
 # ---------------------------------------------------------------------------------------------------------
 # the register-operand GEMM (``_gemm_w4_ra``)
 
-RA_CONFIG = dict(BK=64, STAGES=4, GROUP_M=8)
-"""BK-wide K steps through a ring of STAGES slots (>= 3), GROUP_M weight-row tiles per group of programs; the
-x tile is BM = 64 rows up to M = 64, else 128 (``config`` may set BM to 64, 128 or 256)."""
+RA_CONFIG = dict(BK=64, STAGES=4, GROUP_M=8, WG=1)
+"""BK-wide K steps through a ring of STAGES slots (>= 3), GROUP_M weight-row tiles per group of programs, WG
+warpgroups per program (64 weight rows each); the x tile is BM = 64 rows up to M = 64, else 128 (``config`` may
+set BM to 64, 128 or 256)."""
 
 
 def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activation: str | None = None,
@@ -674,18 +675,19 @@ def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
         return out
     bm = cfg.get("BM") or (64 if m <= 64 else 128)
     bk = cfg["BK"]
-    if bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in (32, 64, 128):
-        raise ValueError(f"gemm_w4_ra: config needs BM in (64, 128, 256), BK in (32, 64, 128) and STAGES >= 3, "
-                         f"got {cfg}")
-    _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64, bk)
+    wg = cfg["WG"]
+    if bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in (32, 64, 128) or wg not in (1, 2):
+        raise ValueError(f"gemm_w4_ra: config needs BM in (64, 128, 256), BK in (32, 64, 128), STAGES >= 3 and "
+                         f"WG in (1, 2), got {cfg}")
+    _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64 * wg, bk)
     gl_dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     x_desc = GluonDescriptor(x, [m, k_dim], [x.stride(0), 1], [bm, bk],
                              gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dt))
     has_bias = bias is not None
-    kr.gemm_w4_ra_kernel[(cdiv(m, bm) * cdiv(n, 64),)](
+    kr.gemm_w4_ra_kernel[(cdiv(m, bm) * cdiv(n, 64 * wg),)](
         x_desc, w_desc, scales, gscale, bias.contiguous() if has_bias else out, out, m, n, k_dim, stride_sn,
         out.stride(0), HAS_BIAS=has_bias, ACT=ACTIVATIONS[activation], BM=bm, BK=bk, STAGES=cfg["STAGES"],
-        GROUP_M=cfg["GROUP_M"], **consts, num_warps=4,
+        GROUP_M=cfg["GROUP_M"], WG=wg, **consts, num_warps=4 * wg,
     )
     return out
 
@@ -701,16 +703,16 @@ def ra_compile_variants():
     bk = RA_CONFIG["BK"]
     cases = [("nvfp4", "bf16", 128, dict(GSCALE_MODE=1, HAS_BIAS=True, ACT=1)),
              ("nvfp4", "fp16", 64, dict(SCALE_SWIZZLED=True, GSCALE_MODE=2, ACT=2)),
-             ("mxfp4", "bf16", 64, dict(SCALE_SWIZZLED=True, ACT=3)), ("mxfp4", "fp16", 128, {}),
-             ("int4_awq", "bf16", 128, dict(HAS_BIAS=True)), ("int4_awq", "fp16", 64, dict(GROUP=64))]
+             ("mxfp4", "bf16", 64, dict(SCALE_SWIZZLED=True, ACT=3)), ("mxfp4", "fp16", 128, dict(WG=2)),
+             ("int4_awq", "bf16", 128, dict(HAS_BIAS=True)), ("int4_awq", "fp16", 64, dict(GROUP=64, WG=2))]
     for fmt, dtype, bm, extra in cases:
         tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
         sig = {"x_desc": _gluon_desc_signature(tdt, gdt, [bm, bk]),
-               "w_desc": _gluon_desc_signature(torch.int32, gl.int32, [64, bk // 8]),
+               "w_desc": _gluon_desc_signature(torch.int32, gl.int32, [64 * extra.get("WG", 1), bk // 8]),
                "s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
                "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_sn": "i32", "stride_om": "i32"}
         consts = dict(FMT=_FMT_ID[fmt], GROUP={"nvfp4": 16, "mxfp4": 32, "int4_awq": 128}[fmt],
                       SCALE_SWIZZLED=False, GSCALE_MODE=0, HAS_BIAS=False, ACT=0, BM=bm, BK=bk,
-                      STAGES=RA_CONFIG["STAGES"], GROUP_M=RA_CONFIG["GROUP_M"])
+                      STAGES=RA_CONFIG["STAGES"], GROUP_M=RA_CONFIG["GROUP_M"], WG=1)
         consts.update(extra)
         yield kr.gemm_w4_ra_kernel, sig, consts
