@@ -3,7 +3,8 @@
 Against the fp32 reference (``x.float() @ lowbit.dequantize(w).float().T``, the Triton GEMM's bounds: relative
 Frobenius error <= 1e-2, max error / max |ref| <= 2e-2) for nvfp4 (linear and swizzled scales, both global
 scale conventions), mxfp4 and int4 (group 32/64/128); M from 17 to 4096, ragged N and K (odd and even counts
-of K steps, a K that is no multiple of the step), BM 64 / 128 / 256, one or two warpgroups. In ``test_gemm_w4_ws_gpu.py``, for both
+of K steps, a K that is no multiple of the step), BM 64 / 128 / 256, one or two warpgroups, split K
+(deterministic, CUDA-graph replay). In ``test_gemm_w4_ws_gpu.py``, for both
 Gluon kernels: fp16, the epilogues, agreement with the Triton GEMM and bit-equal repeated calls (a register
 operand rewritten while its wgmma runs would show as varying outputs), a NaN block scale, zero blocks and
 CUDA-graph replay.
@@ -57,6 +58,37 @@ def test_two_warpgroups(name, m, n, k):
     run_ra(name, m, n, k, config={"WG": 2, "BM": 256 if m > 64 else 64})
 
 
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4_swizzled", "int4_g32"])
+@pytest.mark.parametrize("m, n, k, wg", [(33, 200, 160, 1), (256, 6144, 4096, 2), (700, 1032, 4160, 2),
+                                         (64, 256, 4128, 1)])
+def test_split_k(name, m, n, k, wg, split):
+    # K runs split over several programs per tile, summed by the last to arrive: some splits get only steps
+    # past the end (K = 160 in 5 splits), runs end mid-pair; the sum's order is fixed, so repeated calls (and
+    # the counters each launch leaves at zero) give the same bits
+    config = {"WG": wg, "BM": 64 if m <= 64 else 256, "SPLIT": split}
+    x, w, b, out = run_ra(name, m, n, k, config=config)
+    one = g.gemm_w4_ra(x, w, b, config={**config, "SPLIT": 1})
+    assert ((out.float() - one.float()).norm() / one.float().norm()).item() <= 5e-3
+    for _ in range(3):
+        assert torch.equal(g.gemm_w4_ra(x, w, b, config=config), out)
+
+
+def test_split_k_cuda_graph_replay():
+    w = weight("int4_g128", 2048, 4096)
+    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    config = {"WG": 2, "BM": 256, "SPLIT": 4}
+    eager = g.gemm_w4_ra(x, w, config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = g.gemm_w4_ra(x, w, config=config)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
 def test_refuses_what_it_cannot_run():
     w = weight("nvfp4", 256, 512)
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
@@ -69,3 +101,5 @@ def test_refuses_what_it_cannot_run():
         g.gemm_w4_ra(x, w, config={"STAGES": 2})
     with pytest.raises(ValueError, match="WG"):
         g.gemm_w4_ra(x, w, config={"WG": 4})
+    with pytest.raises(ValueError, match="SPLIT"):
+        g.gemm_w4_ra(x, w, config={"SPLIT": 0})

@@ -1,9 +1,9 @@
 """W4A16 GEMM for Hopper in Gluon with the decoded weight as the wgmma's register operand:
 ``out = act(x @ dequant(w).T * g + bias)``.
 
-One warpgroup per program computes the transposed tile ``acc[64 weight rows, BM x rows] = w_tile @ x_tile.T``:
-TMA streams x tiles [BM, BK] and packed weight tiles (the weight's uint8 rows viewed as int32 words, boxes
-[64, BK / 8]) into a ring of ``STAGES`` slots; the program decodes a weight tile exactly into the activation
+Each warpgroup of a program computes the transposed tile ``acc[64 weight rows, BM x rows] = w_tile @ x_tile.T``
+(WG warpgroups: 64 WG weight rows sharing the x tiles): TMA streams x tiles [BM, BK] and packed weight tiles (the
+weight's uint8 rows viewed as int32 words, boxes [64 WG, BK / 8]) into a ring of ``STAGES`` slots; the program decodes a weight tile exactly into the activation
 dtype (``gluon_device.decode_w4_words``, the warp-specialized kernel's decode), converts it to the wgmma A
 operand layout and issues ``m64nBMk16`` wgmmas with A from registers and x from shared memory, keeping one
 K step in flight, so the decode of the next tile overlaps the tensor cores of this one.
@@ -19,11 +19,13 @@ untouched, while its wgmma runs and no live set crosses the loop's back edge: th
 sets in disjoint registers and writes neither before its retiring wait (``tests/kernels/test_compile_sm90.py``
 checks the SASS).
 
-K steps past the end (an odd count, a ragged K) are TMA reads out of bounds, zeros, with masked scale loads:
-they add zero. Rows past M and N are read as zeros and not stored.
+Where the output tiles are too few to fill the GPU, SPLIT programs share a tile, each over an equal run of K
+steps; the last to finish sums the fp32 partials in a fixed order (deterministic) and runs the epilogue.
 
-Status: compiled and inspected for sm_90 only; not run on a GPU yet and not routed by ``lowbit.ops.policy``
-(``gemm_w4.gemm_w4_ra`` runs it; ``tests/kernels/test_gemm_w4_ra_gpu.py`` checks it on a GPU).
+K steps past the end (an odd count, a ragged K, a last split's run) are TMA reads out of bounds, zeros, with
+masked scale loads: they add zero. Rows past M and N are read as zeros and not stored.
+
+``gemm_w4.gemm_w4_ra`` launches it; ``tests/kernels/test_gemm_w4_ra_gpu.py`` checks it on a GPU.
 """
 
 from triton.experimental import gluon
@@ -35,14 +37,14 @@ from .gluon_device import decode_w4_words, grouped_tile, load_w4_scales, w4_acti
 
 
 @gluon.jit
-def _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt, m0, n0, ROWS: gl.constexpr, BM: gl.constexpr,
+def _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt, k0, m0, n0, ROWS: gl.constexpr, BM: gl.constexpr,
            BK: gl.constexpr, STAGES: gl.constexpr):
-    """TMA of K step ``kt``'s x and packed weight tiles into ring slot ``kt % STAGES`` (the caller knows the
-    slot's previous wgmma has retired)."""
+    """TMA of the program's K step ``kt`` (the weight's K step ``k0 + kt``): x and packed weight tiles into
+    ring slot ``kt % STAGES`` (the caller knows the slot's previous wgmma has retired)."""
     s = kt % STAGES
     mbarrier.expect(ready.index(s), BM * BK * 2 + ROWS * BK // 2)
-    tma.async_copy_global_to_shared(x_desc, [m0, kt * BK], ready.index(s), x_bufs.index(s))
-    tma.async_copy_global_to_shared(w_desc, [n0, kt * (BK // 8)], ready.index(s), raw_bufs.index(s))
+    tma.async_copy_global_to_shared(x_desc, [m0, (k0 + kt) * BK], ready.index(s), x_bufs.index(s))
+    tma.async_copy_global_to_shared(w_desc, [n0, (k0 + kt) * (BK // 8)], ready.index(s), raw_bufs.index(s))
 
 
 @gluon.jit
@@ -56,15 +58,18 @@ def _operand(raw_bufs, ready, kt, scale, DT: gl.constexpr, FMT: gl.constexpr, ST
 
 
 @gluon.jit
-def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N, K, stride_sn, stride_om,
+def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sn,
+                      stride_om,
                       FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr,
                       GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, BM: gl.constexpr,
-                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr):
-    """One program per output tile (64 WG weight rows x BM rows of x), WG warpgroups of 4 warps, each
-    with its own 64 weight rows. ``x_desc``: x [M, K] (bf16/fp16)
-    with [BM, BK] boxes; ``w_desc``: the packed weight as int32 [N, K / 8] with [64, BK / 8] boxes; ``s_ptr``:
-    the block scales (uint8 codes, linear or 128x4-swizzled; int4: the int32 ``scale | zero << 16`` words),
-    row stride ``stride_sn``. STAGES >= 3 (two K steps in flight per pass)."""
+                      BK: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr,
+                      SPLIT: gl.constexpr):
+    """SPLIT programs per output tile (64 WG weight rows x BM rows of x), each over its own run of K steps, WG
+    warpgroups of 4 warps per program, each with its own 64 weight rows. ``x_desc``: x [M, K] (bf16/fp16) with
+    [BM, BK] boxes; ``w_desc``: the packed weight as int32 [N, K / 8] with [64 WG, BK / 8] boxes; ``s_ptr``: the
+    block scales (uint8 codes, linear or 128x4-swizzled; int4: the int32 ``scale | zero << 16`` words), row
+    stride ``stride_sn``. SPLIT > 1: ``ws_ptr`` an fp32 workspace of SPLIT x 64 WG x BM per tile, ``cnt_ptr``
+    one int32 zero per tile (left zero). STAGES >= 3 (two K steps in flight per pass)."""
     W: gl.constexpr = BK // 8
     ROWS: gl.constexpr = 64 * WG
     DT: gl.constexpr = x_desc.dtype
@@ -81,40 +86,72 @@ def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, M, N
     word_layout: gl.constexpr = gl.SliceLayout(2, code_layout)
     shift_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, code_layout))
 
-    pid_n, pid_m = grouped_tile(gl.program_id(0), gl.cdiv(N, ROWS), gl.cdiv(M, BM), GROUP_M)
+    tile = gl.program_id(0) // SPLIT
+    pid_n, pid_m = grouped_tile(tile, gl.cdiv(N, ROWS), gl.cdiv(M, BM), GROUP_M)
     n0 = pid_n * ROWS
     m0 = pid_m * BM
-    # K steps in pairs; the second of a last odd pair reads out of bounds (zeros)
-    steps = gl.cdiv(gl.cdiv(K, BK), 2) * 2
+    # this program's K steps, in pairs: the SPLIT programs of a tile take equal even runs; steps past the end
+    # read out of bounds (zeros) and add nothing
+    steps = gl.cdiv(gl.cdiv(gl.cdiv(K, BK), SPLIT), 2) * 2
+    split = gl.program_id(0) % SPLIT
+    k0 = split * steps
     for i in gl.static_range(STAGES - 1):
         if i < steps:
-            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, i, m0, n0, ROWS, BM, BK, STAGES)
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, i, k0, m0, n0, ROWS, BM, BK, STAGES)
     words = gl.arange(0, W, layout=gl.SliceLayout(0, word_layout))
     rows = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, word_layout))
     row_ok = rows < N
     # block scales prefetched one K step ahead in registers (an L2 round trip is longer than a step)
-    nxt = load_w4_scales(s_ptr, rows, row_ok, words, 0, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
+    nxt = load_w4_scales(s_ptr, rows, row_ok, words, k0, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
     acc = gl.zeros([ROWS, BM], gl.float32, acc_layout)
     a_odd = gl.zeros([ROWS, BK], DT, a_layout)
     for kt in range(0, steps, 2):
         scale = nxt
-        nxt = load_w4_scales(s_ptr, rows, row_ok, words, kt + 1, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
+        nxt = load_w4_scales(s_ptr, rows, row_ok, words, k0 + kt + 1, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
         a_even = _operand(raw_bufs, ready, kt, scale, DT, FMT, STAGES, word_layout, shift_layout, a_layout)
         acc = warpgroup_mma(a_even, x_bufs.index(kt % STAGES).permute((1, 0)), acc, is_async=True)
         # retires the previous pass's odd wgmma: its registers (a dependency here) and its slot are free
         acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))
         if kt + STAGES - 1 < steps:
-            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES - 1, m0, n0, ROWS, BM, BK, STAGES)
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES - 1, k0, m0, n0, ROWS, BM, BK,
+                       STAGES)
         scale = nxt
-        nxt = load_w4_scales(s_ptr, rows, row_ok, words, kt + 2, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
+        nxt = load_w4_scales(s_ptr, rows, row_ok, words, k0 + kt + 2, K, stride_sn, FMT, GROUP, BK, SCALE_SWIZZLED)
         a_odd = _operand(raw_bufs, ready, kt + 1, scale, DT, FMT, STAGES, word_layout, shift_layout, a_layout)
         acc = warpgroup_mma(a_odd, x_bufs.index((kt + 1) % STAGES).permute((1, 0)), acc, is_async=True)
         # retires this pass's even wgmma
         acc, a_even = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_even))
         if kt + STAGES < steps:
-            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES, m0, n0, ROWS, BM, BK, STAGES)
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES, k0, m0, n0, ROWS, BM, BK, STAGES)
     acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
 
+    if SPLIT == 1:
+        _epilogue(acc, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout, ROWS, BM, GSCALE_MODE,
+                  HAS_BIAS, ACT)
+    else:
+        # split K: every program leaves its fp32 partial in the workspace; the last of a tile to arrive (a
+        # counter per tile, reset by that program for the next launch) sums the partials in split order, so
+        # the result does not depend on the arrival order, and runs the epilogue
+        loc = (gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))[:, None] * BM
+               + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))[None, :])
+        part = ws_ptr + tile.to(gl.int64) * (SPLIT * ROWS * BM)
+        gl.store(part + split * (ROWS * BM) + loc, acc)
+        gl.thread_barrier()
+        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = gl.zeros([ROWS, BM], gl.float32, acc_layout)
+            for s in gl.static_range(SPLIT):
+                total += gl.load(part + s * (ROWS * BM) + loc, cache_modifier=".cg")
+            gl.store(cnt_ptr + tile, 0)
+            _epilogue(total, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout, ROWS, BM,
+                      GSCALE_MODE, HAS_BIAS, ACT)
+
+
+@gluon.jit
+def _epilogue(acc, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout: gl.constexpr,
+              ROWS: gl.constexpr, BM: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+              ACT: gl.constexpr):
+    """Global scale, bias and activation on the fp32 tile ``acc`` [ROWS weight rows, BM x rows]; stores the
+    transposed tile into ``out`` [M, N]."""
     wr = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     xr = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
     w_ok = wr < N

@@ -652,17 +652,28 @@ def _ws_compile_variants():
 # ---------------------------------------------------------------------------------------------------------
 # the register-operand GEMM (``_gemm_w4_ra``)
 
-RA_CONFIG = dict(BK=64, STAGES=4, GROUP_M=8, WG=1)
+RA_CONFIG = dict(BK=64, STAGES=4, GROUP_M=8, WG=1, SPLIT=1)
 """BK-wide K steps through a ring of STAGES slots (>= 3), GROUP_M weight-row tiles per group of programs, WG
-warpgroups per program (64 weight rows each); the x tile is BM = 64 rows up to M = 64, else 128 (``config`` may
-set BM to 64, 128 or 256)."""
+warpgroups per program (64 weight rows each), SPLIT programs per output tile (split K); the x tile is BM = 64
+rows up to M = 64, else 128 (``config`` may set BM to 64, 128 or 256)."""
+
+_split_counters: dict = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """One int32 arrival counter per output tile for the split-K kernel, zero between launches (the kernel
+    resets what it uses); kept per device and grown, never shrunk."""
+    cnt = _split_counters.get(device)
+    if cnt is None or cnt.numel() < tiles:
+        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _split_counters[device] = cnt
+    return cnt
 
 
 def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activation: str | None = None,
                config: dict | None = None) -> torch.Tensor:
     """``act(x @ dequant(w).T + bias)`` through the Gluon kernel with the decoded weight as the wgmma's register
-    operand (``_gemm_w4_ra``). Same contract as ``gemm_w4``; takes the calls ``ws_supports(x, w)`` takes. Not
-    routed by the dispatch policy (see the kernel module's status)."""
+    operand (``_gemm_w4_ra``). Same contract as ``gemm_w4``; takes the calls ``ws_supports(x, w)`` takes."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
@@ -675,19 +686,26 @@ def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
         return out
     bm = cfg.get("BM") or (64 if m <= 64 else 128)
     bk = cfg["BK"]
-    wg = cfg["WG"]
-    if bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in (32, 64, 128) or wg not in (1, 2):
-        raise ValueError(f"gemm_w4_ra: config needs BM in (64, 128, 256), BK in (32, 64, 128), STAGES >= 3 and "
-                         f"WG in (1, 2), got {cfg}")
+    wg, split = cfg["WG"], cfg["SPLIT"]
+    if (bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in (32, 64, 128) or wg not in (1, 2)
+            or split not in range(1, 9)):
+        raise ValueError(f"gemm_w4_ra: config needs BM in (64, 128, 256), BK in (32, 64, 128), STAGES >= 3, "
+                         f"WG in (1, 2) and SPLIT in 1..8, got {cfg}")
     _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64 * wg, bk)
     gl_dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     x_desc = GluonDescriptor(x, [m, k_dim], [x.stride(0), 1], [bm, bk],
                              gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dt))
     has_bias = bias is not None
-    kr.gemm_w4_ra_kernel[(cdiv(m, bm) * cdiv(n, 64 * wg),)](
-        x_desc, w_desc, scales, gscale, bias.contiguous() if has_bias else out, out, m, n, k_dim, stride_sn,
-        out.stride(0), HAS_BIAS=has_bias, ACT=ACTIVATIONS[activation], BM=bm, BK=bk, STAGES=cfg["STAGES"],
-        GROUP_M=cfg["GROUP_M"], WG=wg, **consts, num_warps=4 * wg,
+    tiles = cdiv(m, bm) * cdiv(n, 64 * wg)
+    if split > 1:
+        ws = torch.empty(tiles * split * 64 * wg * bm, dtype=torch.float32, device=x.device)
+        cnt = _tile_counters(x.device, tiles)
+    else:
+        ws = cnt = out
+    kr.gemm_w4_ra_kernel[(tiles * split,)](
+        x_desc, w_desc, scales, gscale, bias.contiguous() if has_bias else out, out, ws, cnt, m, n, k_dim,
+        stride_sn, out.stride(0), HAS_BIAS=has_bias, ACT=ACTIVATIONS[activation], BM=bm, BK=bk,
+        STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], WG=wg, SPLIT=split, **consts, num_warps=4 * wg,
     )
     return out
 
@@ -704,15 +722,17 @@ def ra_compile_variants():
     cases = [("nvfp4", "bf16", 128, dict(GSCALE_MODE=1, HAS_BIAS=True, ACT=1)),
              ("nvfp4", "fp16", 64, dict(SCALE_SWIZZLED=True, GSCALE_MODE=2, ACT=2)),
              ("mxfp4", "bf16", 64, dict(SCALE_SWIZZLED=True, ACT=3)), ("mxfp4", "fp16", 128, dict(WG=2)),
-             ("int4_awq", "bf16", 128, dict(HAS_BIAS=True)), ("int4_awq", "fp16", 64, dict(GROUP=64, WG=2))]
+             ("int4_awq", "bf16", 128, dict(HAS_BIAS=True, SPLIT=3)),
+             ("int4_awq", "fp16", 64, dict(GROUP=64, WG=2, SPLIT=2))]
     for fmt, dtype, bm, extra in cases:
         tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
         sig = {"x_desc": _gluon_desc_signature(tdt, gdt, [bm, bk]),
                "w_desc": _gluon_desc_signature(torch.int32, gl.int32, [64 * extra.get("WG", 1), bk // 8]),
                "s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
-               "out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_sn": "i32", "stride_om": "i32"}
+               "out_ptr": f"*{dtype}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+               "stride_sn": "i32", "stride_om": "i32"}
         consts = dict(FMT=_FMT_ID[fmt], GROUP={"nvfp4": 16, "mxfp4": 32, "int4_awq": 128}[fmt],
                       SCALE_SWIZZLED=False, GSCALE_MODE=0, HAS_BIAS=False, ACT=0, BM=bm, BK=bk,
-                      STAGES=RA_CONFIG["STAGES"], GROUP_M=RA_CONFIG["GROUP_M"], WG=1)
+                      STAGES=RA_CONFIG["STAGES"], GROUP_M=RA_CONFIG["GROUP_M"], WG=1, SPLIT=1)
         consts.update(extra)
         yield kr.gemm_w4_ra_kernel, sig, consts
