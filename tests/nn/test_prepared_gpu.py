@@ -4,6 +4,9 @@ load_state_dict re-prepare; torch.inference_mode and no_grad for every scheme at
 torch.compile (Inductor, fullgraph) launches the GEMV kernels from its generated code, equals eager, and does not
 recompile per M within the GEMV regime.
 
+The register-operand route (big tiles at M = 192..512, nvfp4 at M = 33..64) through prepared layers
+and lowbit.linear.
+
 Run on the device machine: ``python -m pytest -q -p no:cacheprovider tests/nn/test_prepared_gpu.py``.
 """
 
@@ -383,3 +386,46 @@ def test_compile_reduce_overhead(scheme):
             x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
             torch.compiler.cudagraph_mark_step_begin()
             assert torch.equal(cf(x).clone(), model(x))
+
+
+@pytest.mark.parametrize("scheme, n, m, activation", [
+    ("w4a16-nvfp4", 4096, 64, None), ("w4a16-nvfp4", 28672, 256, "silu"), ("w4a16-int4", 28672, 200, None),
+    ("w4a16-mxfp4", 4096, 512, "gelu")])
+def test_register_operand_route(scheme, n, m, activation):
+    # where policy.register_operand_config takes the call (132-SM Hopper): the prepared layer and lowbit.linear
+    # run gemm_w4_ra with the same config, the same bits; close to the fp32 reference; CUDA-graph replay
+    from lowbit.ops import policy
+
+    layer = _layer(scheme, n=n, k=1024, activation=activation)
+    w = layer.weight_qtensor
+    path, _, facts = policy.linear_decide(m, w.data.device, w, "auto")
+    assert path == "gemm_w4_ra", (path, policy.sm_count(w.data.device))
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    got = layer(x)
+    assert layer._prepared._ra_configs[m] == facts[0]
+    want = _want(layer, x)
+    assert torch.equal(_bits(got), _bits(want))
+    ref = lowbit.linear(x, w, layer.bias.to(x.dtype), activation, backend="torch").float()
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(y), _bits(_want(layer, x)))
+
+
+def test_register_operand_route_gated_and_misaligned():
+    # a gated activation: the product, then the gating (as the other GEMM routes); a misaligned x is copied
+    from lowbit.ops import policy
+    from lowbit.ops.linear import apply_activation
+
+    torch.manual_seed(0)
+    w = lowbit.quantize(torch.randn(28672, 1024, device="cuda") * 0.05, "nvfp4")
+    buf = torch.randn(256 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
+    x = buf[1:].view(256, 1024)
+    assert policy.linear_decide(256, x.device, w, "auto")[0] == "gemm_w4_ra"
+    got = lowbit.linear(x, w, activation="silu_and_mul")
+    want = apply_activation(lowbit.linear(x.clone(), w), "silu_and_mul")
+    assert got.shape == (256, 14336) and torch.equal(got, want)

@@ -722,3 +722,44 @@ def test_kept_dequant_chunks_do_not_keep_the_weight_alive(fmt, opts, monkeypatch
     del w, chunks
     gc.collect()
     assert ref() is None and key not in lin._KEPT_CHUNKS
+
+
+def test_register_operand_rule(monkeypatch):
+    # policy.register_operand_config on the shapes of its sweep, for a 132-SM GPU: two warpgroups and 256-row x
+    # tiles where the output tiles (times the split) fill 0.9 to 2 waves, 64-row tiles for nvfp4 at M = 33..64
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(policy, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+
+    def cfg(fmt, n, m):
+        return policy.register_operand_config(m, SimpleNamespace(fmt=fmt, shape=(n, 4096)), cuda)
+
+    big = {"BM": 256, "WG": 2, "SPLIT": 1}
+    assert cfg("nvfp4", 28672, 256) == cfg("int4_awq", 28672, 192) == cfg("mxfp4", 28672, 256) == big
+    assert cfg("nvfp4", 28672, 512) is None          # 448 tiles: more than two waves
+    assert cfg("int4_awq", 4096, 512) == {**big, "SPLIT": 2}   # 64 tiles, split in 2: 128 programs
+    assert cfg("nvfp4", 6144, 256) is None           # 48 tiles: split 2 fills 96 of 132
+    assert cfg("nvfp4", 28672, 300) is None and cfg("nvfp4", 28672, 128) is None  # M outside the ranges
+    assert cfg("nf4", 28672, 256) is None
+    assert cfg("nvfp4", 6144, 64) == {"BM": 64, "WG": 1, "SPLIT": 4}
+    assert cfg("nvfp4", 28672, 33) == {"BM": 64, "WG": 1, "SPLIT": 2}
+    assert cfg("nvfp4", 1024, 64) is None and cfg("mxfp4", 6144, 64) is None and cfg("nvfp4", 6144, 32) is None
+
+
+def test_register_operand_route_is_decided_and_explained(monkeypatch):
+    pytest.importorskip("triton")
+    from lowbit.kernels import gemm_w4
+
+    monkeypatch.setattr(policy, "sm_count", lambda device: 132)
+    q = lowbit.quantize(torch.randn(28672, 64), "nvfp4")
+    cuda = torch.device("cuda")
+    path, target, facts = policy.linear_decide(256, cuda, q, "auto")
+    assert (path, target, facts) == ("gemm_w4_ra", gemm_w4.gemm_w4_ra, ({"BM": 256, "WG": 2, "SPLIT": 1},))
+    assert "register-operand" in lin._reason(path, facts, 256, cuda, q)
+    # not where the kernel cannot read the weight: K not a multiple of 32
+    odd = lowbit.quantize(torch.randn(28672, 48), "nvfp4")
+    assert "multiple of 32" in gemm_w4.ra_weight_supports(odd)
+    assert policy.linear_decide(256, cuda, odd, "auto")[0] == "dequant_gemm"
+    assert policy.linear_decide(512, cuda, q, "auto")[0] == "dequant_gemm"
+    assert policy.linear_decide(256, torch.device("cpu"), q, "auto")[0] == "reference"

@@ -506,24 +506,32 @@ STAGES slots, the packed weight's ring of RSTAGES slots loaded RLAG steps ahead.
 ``_gemm_w4_ws.launch_options``."""
 
 
-def ws_supports(x: torch.Tensor, w: QTensor) -> str | None:
-    """None if the warp-specialized GEMM runs ``x @ dequant(w).T``, else the reason it does not."""
+def ra_weight_supports(w: QTensor) -> str | None:
+    """None if the Gluon GEMMs (warp-specialized, register-operand) read weight ``w``, else the reason they do
+    not; they also need x bfloat16/float16 with a 16-byte aligned base and row stride (``ws_supports``)."""
     why = supports(w)
     if why is not None:
         return why
     if w.fmt not in WS_FORMATS:
         return f"no warp-specialized kernel for {w.fmt!r} (have {', '.join(WS_FORMATS)})"
-    k_dim = w.shape[1]
-    if k_dim % 32:
-        return f"K = {k_dim} is not a multiple of 32 (the packed weight's rows must be 16-byte multiples)"
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        return f"x must be bfloat16 or float16, got {x.dtype}"
-    if not _tma_ok(x):
-        return "x must have a 16-byte aligned base and row stride and a contiguous last dim"
+    if w.shape[1] % 32:
+        return f"K = {w.shape[1]} is not a multiple of 32 (the packed weight's rows must be 16-byte multiples)"
     if w.fmt != "int4_awq":
         data = w.data.view(torch.uint8)
         if not data.is_contiguous() or data.data_ptr() % 16:
             return "the packed weight must be contiguous with a 16-byte aligned base"
+    return None
+
+
+def ws_supports(x: torch.Tensor, w: QTensor) -> str | None:
+    """None if the warp-specialized GEMM runs ``x @ dequant(w).T``, else the reason it does not."""
+    why = ra_weight_supports(w)
+    if why is not None:
+        return why
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"x must be bfloat16 or float16, got {x.dtype}"
+    if not _tma_ok(x):
+        return "x must have a 16-byte aligned base and row stride and a contiguous last dim"
     return None
 
 
@@ -666,6 +674,9 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     cnt = _split_counters.get(device)
     if cnt is None or cnt.numel() < tiles:
         cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            # made in a capture, the zeros live in the graph's pool and are set on each replay: this call's only
+            return cnt
         _split_counters[device] = cnt
     return cnt
 

@@ -11,13 +11,14 @@ Dispatch, with ``M = x.numel() // K`` rows:
 
 1. ``backend="torch"`` (or ``$LOWBIT_BACKEND=torch``): the reference, on any device.
 2. x not on CUDA: the reference with ``backend="auto"``; ``backend="triton"`` is a ValueError.
-3. CUDA (``"auto"`` and ``"triton"`` alike; there is no silent fallback on CUDA):
-   ``M >= DEQUANT_GEMM_MIN_M`` (2048; None turns it off): :func:`linear_dequant_gemm` (chunks of at most
-   64 MB and half the weight's rows dequantized by the Triton kernels, then cuBLAS); ``M <= GEMV_MAX_M``:
-   ``lowbit.kernels.gemv_w4`` (split-K GEMV) if the module exists and its
-   ``supports(w)`` returns None, else ``lowbit.kernels.gemm_w4`` likewise; ``M > GEMV_MAX_M``:
-   ``gemm_w4``. Where no kernel can run, :func:`linear` raises RuntimeError naming each reason (pass
-   ``backend="torch"`` for the reference). ``M == 0`` launches nothing and returns an empty result.
+3. CUDA (``"auto"`` and ``"triton"`` alike; there is no silent fallback on CUDA), by ``policy.linear_decide``:
+   the register-operand Gluon GEMM (``gemm_w4.gemm_w4_ra``) where ``policy.register_operand_config`` takes the
+   call; ``M >= policy.dequant_gemm_min_m(fmt)``: :func:`linear_dequant_gemm` (the weight dequantized by the
+   Triton kernels in chunks of at most 64 MB, then cuBLAS); ``M <= GEMV_MAX_M``: ``lowbit.kernels.gemv_w4``
+   (split-K GEMV) if the module exists and its ``supports(w)`` returns None, else ``lowbit.kernels.gemm_w4``
+   likewise; ``M > GEMV_MAX_M``: ``gemm_w4``. Where no kernel can run, :func:`linear` raises RuntimeError
+   naming each reason (pass ``backend="torch"`` for the reference). ``M == 0`` launches nothing and returns an
+   empty result.
 
 torch.compile and CUDA graphs: the custom op ``torch.ops.lowbit.linear_w4a16`` (``torch.library.custom_op``
 with a fake implementation) takes the QTensor flattened into its tensors plus plain metadata, because a
@@ -187,8 +188,8 @@ class LinearPlan(op_common.Plan):
     """What :func:`linear` does for one call: the fields every plan has (path, reason, backend, device, m, n, k;
     ``lowbit.ops.op_common.Plan``), then the weight format and the exception class.
 
-    ``path`` is ``"reference"``, ``"gemv_w4"``, ``"gemm_w4"``, ``"dequant_gemm"``, ``"empty"`` (M == 0: nothing
-    launched) or ``"unavailable"`` (:func:`linear` raises ``error`` with ``reason`` as its message); ``device``
+    ``path`` is ``"reference"``, ``"gemv_w4"``, ``"gemm_w4"``, ``"gemm_w4_ra"``, ``"dequant_gemm"``, ``"empty"``
+    (M == 0: nothing launched) or ``"unavailable"`` (:func:`linear` raises ``error`` with ``reason`` as its message); ``device``
     is x's; m, n, k are the rows of x, the output features and the input features.
 
     Attributes:
@@ -392,6 +393,12 @@ def _run(
     """The implementation behind :func:`linear` and the custom op: ``x2`` is ``[M, K]`` contiguous."""
     m = x2.shape[0]
     path, target, facts = policy.linear_decide(m, x2.device, w, backend)
+    if path == "gemm_w4_ra":
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()  # the kernel reads x by TMA: a fresh allocation is aligned
+        if activation in GATED_ACTIVATIONS:
+            return apply_activation(target(x2, w, bias, None, config=facts[0]), activation)
+        return target(x2, w, bias, activation, config=facts[0])
     if target is not None and path != "unavailable":
         if activation in GATED_ACTIVATIONS and not (path == "gemv_w4" and _gated_gemv(w)):
             return apply_activation(target(x2, w, bias, None), activation)

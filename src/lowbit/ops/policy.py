@@ -10,7 +10,9 @@ W4A16 (``lowbit.linear``), on CUDA:
 
 - ``M <= GEMV_MAX_M``: the split-K GEMV (``lowbit.kernels.gemv_w4``) when it covers the weight, else the GEMM;
 - ``GEMV_MAX_M < M < DEQUANT_GEMM_MIN_M``: the tensor-core GEMM (``lowbit.kernels.gemm_w4``);
-- ``M >= DEQUANT_GEMM_MIN_M``: dequantize a bounded chunk of rows at a time, then cuBLAS.
+- ``M >= DEQUANT_GEMM_MIN_M``: dequantize a bounded chunk of rows at a time, then cuBLAS;
+- before both, where :func:`register_operand_config` says so (nvfp4, mxfp4, int4_awq weights whose tiles fill
+  the GPU): the Gluon GEMM with the decoded weight as the wgmma register operand (``gemm_w4.gemm_w4_ra``).
 
 Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.scaled_mm`` (:func:`scaled_route`):
 
@@ -115,6 +117,55 @@ GEMV launched from a ``torch.compile``d decode step (cProfile of ``benchmarks/ex
 against about 15 us for Inductor's kernels through the static launcher."""
 
 
+REGISTER_OPERAND_M = ((192, 256), (384, 512))
+"""M ranges in which :func:`register_operand_config` may choose the register-operand GEMM with two warpgroups and
+256-row x tiles (``{"WG": 2, "BM": 256}``): M at least 3/4 of its 256-row tiles. H200, CUDA-graph replays with
+the weights rotated out of L2, ratio to cuBLAS bf16 (``benchmarks/experiments/sweep_w4a16_ws.py``, nvfp4 and
+int4_awq): where the output tiles (times the split) filled 0.97-1.7 waves, 0.61-0.72x against the current
+route's 0.42-0.56x (28672x8192 at M = 256: 0.65 / 0.68 against 0.42 / 0.51; 4096x14336 at M = 512, split 2:
+0.61 / 0.63 against 0.55 / 0.56); where they filled 0.73 of a wave (6144x4096, 4096x14336 at M = 256) or more
+than 3 waves (28672x8192 at M = 512: 0.58 against 0.61), it lost, hence :data:`REGISTER_OPERAND_WAVES`."""
+REGISTER_OPERAND_WAVES = (0.9, 2.0)
+"""The fill (output tiles x split, over the SM count) within which the rule above runs the kernel."""
+REGISTER_OPERAND_SMALL_M = (33, 64)
+"""M range in which nvfp4 weights with N >= 4096 run the register-operand GEMM with 64-row x tiles, split K in
+4 (2 from N = 16384). Same sweep, M = 64: 0.61 / 0.72 / 0.78x cuBLAS (6144x4096, 4096x14336, 28672x8192) against
+the Triton GEMM's 0.53 / 0.64 / 0.62x; on 1024x4096 0.62 against 0.76 (hence N >= 4096). Not taken for mxfp4
+and int4_awq, whose Triton GEMM was as fast or faster there (int4: 0.72 / 0.92x against 0.66 / 0.83x)."""
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors, asked once per device."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+def register_operand_config(m: int, w: QTensor, device: torch.device) -> dict | None:
+    """The ``gemm_w4_ra`` config for ``m`` rows of x on weight ``w`` where that kernel is the W4A16 route
+    (:data:`REGISTER_OPERAND_M`, :data:`REGISTER_OPERAND_SMALL_M`), else None. The caller has checked that the
+    kernel reads ``w`` (``gemm_w4.ra_weight_supports``)."""
+    n = w.shape[0]
+    lo, hi = REGISTER_OPERAND_SMALL_M
+    if lo <= m <= hi:
+        if w.fmt == "nvfp4" and n >= 4096:
+            return {"BM": 64, "WG": 1, "SPLIT": 2 if n >= 16384 else 4}
+        return None
+    if w.fmt not in ("nvfp4", "mxfp4", "int4_awq") or not any(a <= m <= b for a, b in REGISTER_OPERAND_M):
+        return None
+    sms = sm_count(device)
+    tiles = -(-n // 128) * -(-m // 256)
+    split = max((s for s in (1, 2, 3) if tiles * s <= sms), default=1)
+    low, high = REGISTER_OPERAND_WAVES
+    if not low * sms <= tiles * split <= high * sms:
+        return None
+    return {"BM": 256, "WG": 2, "SPLIT": split}
+
+
 def dequant_only(w: QTensor) -> bool:
     """Whether no W4A16 kernel reads ``w`` directly, by design of its format or convention, so that ``lowbit.linear``
     decodes it exactly (in chunks: ``linear_dequant_gemm``) and multiplies with cuBLAS at every M:
@@ -148,6 +199,13 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     common = op_common.decide_common(backend, device, m == 0)
     if common is not None:
         return common
+    if m > GEMV_MAX_M and not dequant_only(w):
+        module = kernel_module("gemm_w4")
+        ra = getattr(module, "gemm_w4_ra", None)
+        if ra is not None and module.ra_weight_supports(w) is None:
+            config = register_operand_config(m, w, device)
+            if config is not None:
+                return "gemm_w4_ra", ra, (config,)
     if dequant_only(w):
         if slice_rows_reason(w) is None:
             return "dequant_gemm", None, ("dequant_only",)
@@ -183,6 +241,10 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
                 else "DEQUANT_GEMM_MIN_M")
         return (f"M={m} >= {name}={dequant_gemm_min_m(w.fmt)}: dequantize chunks of {chunk_rows} rows "
                 "(Triton), then cuBLAS")
+    if path == "gemm_w4_ra":
+        cfg = facts[0]
+        return (f"M={m}, {w.fmt}, N={w.shape[0]}: register-operand tensor-core GEMM (policy.register_operand_config: "
+                f"{cfg['WG']} warpgroup(s), {cfg['BM']}-row x tiles, K split in {cfg['SPLIT']})")
     if path == "gemm_w4":
         if m <= GEMV_MAX_M:
             return f"{regime} but no GEMV (gemv_w4: {facts[0]}): tensor-core GEMM"
@@ -318,6 +380,8 @@ __all__ = [
     "SCALED_GEMV_MAX_M",
     "deepgemm_preferred",
     "dequant_gemm_min_m",
+    "register_operand_config",
+    "sm_count",
     "linear_decide",
     "linear_reason",
     "scaled_decide",

@@ -95,6 +95,7 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
         self.runners: dict = {}
         self._chunks: dict = {}      # x dtype -> the decode calls of the dequantize-then-BLAS regime
         self._dequant_min_m = 1 << 62
+        self._ra_configs: dict = {}  # M -> the register-operand GEMM's config where the rules choose it, else None
         self._scaled_ready = False   # activation-quantized schemes: the quick call below applies
         self._quantizers: dict = {}  # x dtype -> (activation quantize function, its kwargs)
         self._pairs_checked: set = set()

@@ -23,6 +23,10 @@ X_DTYPES = (torch.bfloat16, torch.float16)
 """x dtypes of the W4A16 kernels (fp32 x takes the fp32 reference)."""
 
 
+MAX_RA_ROWS = 256
+"""Row counts whose register-operand decision a prepared layer keeps (prefill lengths vary)."""
+
+
 class GatedProduct:
     """``run(x, bias) -> act(gate) * up`` of a runner's ``[gate; up]`` product (``apply_activation``): a gated
     layer's call in the GEMM regime, whose kernel has no gating epilogue."""
@@ -90,6 +94,12 @@ class W4A16Calls:
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         m = x2.shape[0]
         if not 0 < m <= GEMV_MAX_M:
+            if m > GEMV_MAX_M:
+                ra = self._ra_configs.get(m, False)
+                if ra is False:
+                    ra = self._register_operand_config(m)
+                if ra is not None:
+                    return self._ra_call(x, x2, bias, ra)
             if m >= self._dequant_min_m and (bias is None or bias.dtype == x.dtype):
                 return self._dequant_gemm_call(x, x2, bias)
             if m > GEMV_MAX_M:
@@ -113,6 +123,30 @@ class W4A16Calls:
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
         out = run(x2, bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n_out)
+
+    def _register_operand_config(self, m: int) -> dict | None:
+        """The dispatch rules' ``gemm_w4_ra`` config for ``m`` rows, or None, asked once per M (kept for the
+        last :data:`MAX_RA_ROWS` row counts)."""
+        from .linear import resolve_backend
+
+        path, _, facts = policy.linear_decide(m, self.device, self.w, resolve_backend(self.backend))
+        if len(self._ra_configs) >= MAX_RA_ROWS:
+            self._ra_configs.clear()
+        ra = self._ra_configs[m] = facts[0] if path == "gemm_w4_ra" else None
+        return ra
+
+    def _ra_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None, config: dict) -> torch.Tensor:
+        """The register-operand GEMM with the config the rules gave for this M (the call
+        :func:`lowbit.linear` makes; a gated layer's product, then the gating)."""
+        from ..kernels.gemm_w4 import gemm_w4_ra
+
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        if self.gated:
+            out = apply_activation(gemm_w4_ra(x2, self.w, bias, None, config=config), self.activation)
+        else:
+            out = gemm_w4_ra(x2, self.w, bias, self.activation, config=config)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n_out)
 
     def _gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
