@@ -4,8 +4,8 @@ load_state_dict re-prepare; torch.inference_mode and no_grad for every scheme at
 torch.compile (Inductor, fullgraph) launches the GEMV kernels from its generated code, equals eager, and does not
 recompile per M within the GEMV regime.
 
-The register-operand route (big tiles at M = 192..512, nvfp4 at M = 33..64) through prepared layers
-and lowbit.linear.
+The register-operand route (big tiles at M = 192..512, nvfp4 at M = 33..64, large layers) through prepared
+layers and lowbit.linear.
 
 Run on the device machine: ``python -m pytest -q -p no:cacheprovider tests/nn/test_prepared_gpu.py``.
 """
@@ -388,19 +388,19 @@ def test_compile_reduce_overhead(scheme):
             assert torch.equal(cf(x).clone(), model(x))
 
 
-@pytest.mark.parametrize("scheme, n, m, activation", [
-    ("w4a16-nvfp4", 4096, 64, None), ("w4a16-nvfp4", 28672, 256, "silu"), ("w4a16-int4", 28672, 200, None),
-    ("w4a16-mxfp4", 4096, 512, "gelu")])
-def test_register_operand_route(scheme, n, m, activation):
+@pytest.mark.parametrize("scheme, n, k, m, activation", [
+    ("w4a16-nvfp4", 28672, 8192, 64, None), ("w4a16-nvfp4", 28672, 4096, 256, "silu"),
+    ("w4a16-int4", 28672, 4096, 200, None), ("w4a16-mxfp4", 4096, 8192, 512, "gelu")])
+def test_register_operand_route(scheme, n, k, m, activation):
     # where policy.register_operand_config takes the call (132-SM Hopper): the prepared layer and lowbit.linear
     # run gemm_w4_ra with the same config, the same bits; close to the fp32 reference; CUDA-graph replay
     from lowbit.ops import policy
 
-    layer = _layer(scheme, n=n, k=1024, activation=activation)
+    layer = _layer(scheme, n=n, k=k, activation=activation)
     w = layer.weight_qtensor
     path, _, facts = policy.linear_decide(m, w.data.device, w, "auto")
     assert path == "gemm_w4_ra", (path, policy.sm_count(w.data.device))
-    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     got = layer(x)
     assert layer._prepared._ra_configs[m] == facts[0]
     want = _want(layer, x)
@@ -422,9 +422,9 @@ def test_register_operand_route_gated_and_misaligned():
     from lowbit.ops.linear import apply_activation
 
     torch.manual_seed(0)
-    w = lowbit.quantize(torch.randn(28672, 1024, device="cuda") * 0.05, "nvfp4")
-    buf = torch.randn(256 * 1024 + 1, device="cuda", dtype=torch.bfloat16)
-    x = buf[1:].view(256, 1024)
+    w = lowbit.quantize(torch.randn(28672, 2048, device="cuda") * 0.05, "nvfp4")
+    buf = torch.randn(256 * 2048 + 1, device="cuda", dtype=torch.bfloat16)
+    x = buf[1:].view(256, 2048)
     assert policy.linear_decide(256, x.device, w, "auto")[0] == "gemm_w4_ra"
     got = lowbit.linear(x, w, activation="silu_and_mul")
     want = apply_activation(lowbit.linear(x.clone(), w), "silu_and_mul")

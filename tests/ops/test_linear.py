@@ -726,25 +726,29 @@ def test_kept_dequant_chunks_do_not_keep_the_weight_alive(fmt, opts, monkeypatch
 
 def test_register_operand_rule(monkeypatch):
     # policy.register_operand_config on the shapes of its sweep, for a 132-SM GPU: two warpgroups and 256-row x
-    # tiles where the output tiles (times the split) fill 0.9 to 2 waves, 64-row tiles for nvfp4 at M = 33..64
+    # tiles where the output tiles (times the split) fill 0.9 to 2 waves, 64-row tiles for nvfp4 at M = 33..64;
+    # never below REGISTER_OPERAND_MIN_WORK (M x N x K)
     from types import SimpleNamespace
 
     monkeypatch.setattr(policy, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
 
-    def cfg(fmt, n, m):
-        return policy.register_operand_config(m, SimpleNamespace(fmt=fmt, shape=(n, 4096)), cuda)
+    def cfg(fmt, n, m, k=8192):
+        return policy.register_operand_config(m, SimpleNamespace(fmt=fmt, shape=(n, k)), cuda)
 
     big = {"BM": 256, "WG": 2, "SPLIT": 1}
     assert cfg("nvfp4", 28672, 256) == cfg("int4_awq", 28672, 192) == cfg("mxfp4", 28672, 256) == big
     assert cfg("nvfp4", 28672, 512) is None          # 448 tiles: more than two waves
-    assert cfg("int4_awq", 4096, 512) == {**big, "SPLIT": 2}   # 64 tiles, split in 2: 128 programs
+    assert cfg("int4_awq", 4096, 512, 14336) == {**big, "SPLIT": 2}   # 64 tiles, split in 2: 128 programs
     assert cfg("nvfp4", 6144, 256) is None           # 48 tiles: split 2 fills 96 of 132
     assert cfg("nvfp4", 28672, 300) is None and cfg("nvfp4", 28672, 128) is None  # M outside the ranges
     assert cfg("nf4", 28672, 256) is None
-    assert cfg("nvfp4", 6144, 64) == {"BM": 64, "WG": 1, "SPLIT": 4}
-    assert cfg("nvfp4", 28672, 33) == {"BM": 64, "WG": 1, "SPLIT": 2}
-    assert cfg("nvfp4", 1024, 64) is None and cfg("mxfp4", 6144, 64) is None and cfg("nvfp4", 6144, 32) is None
+    assert cfg("nvfp4", 28672, 64) == {"BM": 64, "WG": 1, "SPLIT": 2}
+    assert cfg("nvfp4", 8192, 64, 28672) == {"BM": 64, "WG": 1, "SPLIT": 4}
+    assert cfg("mxfp4", 28672, 64) is None and cfg("nvfp4", 28672, 32) is None
+    # too little work to cover the launch's host time
+    assert cfg("nvfp4", 6144, 64, 4096) is None and cfg("nvfp4", 28672, 256, 1024) is None
+    assert cfg("nvfp4", 28672, 256, 2048) == big
 
 
 def test_register_operand_route_is_decided_and_explained(monkeypatch):
@@ -752,6 +756,7 @@ def test_register_operand_route_is_decided_and_explained(monkeypatch):
     from lowbit.kernels import gemm_w4
 
     monkeypatch.setattr(policy, "sm_count", lambda device: 132)
+    monkeypatch.setattr(policy, "REGISTER_OPERAND_MIN_WORK", 0)
     q = lowbit.quantize(torch.randn(28672, 64), "nvfp4")
     cuda = torch.device("cuda")
     path, target, facts = policy.linear_decide(256, cuda, q, "auto")

@@ -12,7 +12,7 @@ W4A16 (``lowbit.linear``), on CUDA:
 - ``GEMV_MAX_M < M < DEQUANT_GEMM_MIN_M``: the tensor-core GEMM (``lowbit.kernels.gemm_w4``);
 - ``M >= DEQUANT_GEMM_MIN_M``: dequantize a bounded chunk of rows at a time, then cuBLAS;
 - before both, where :func:`register_operand_config` says so (nvfp4, mxfp4, int4_awq weights whose tiles fill
-  the GPU): the Gluon GEMM with the decoded weight as the wgmma register operand (``gemm_w4.gemm_w4_ra``).
+  the GPU, large enough to cover the launch's host time): the Gluon GEMM with the decoded weight as the wgmma register operand (``gemm_w4.gemm_w4_ra``).
 
 Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.scaled_mm`` (:func:`scaled_route`):
 
@@ -128,10 +128,15 @@ than 3 waves (28672x8192 at M = 512: 0.58 against 0.61), it lost, hence :data:`R
 REGISTER_OPERAND_WAVES = (0.9, 2.0)
 """The fill (output tiles x split, over the SM count) within which the rule above runs the kernel."""
 REGISTER_OPERAND_SMALL_M = (33, 64)
-"""M range in which nvfp4 weights with N >= 4096 run the register-operand GEMM with 64-row x tiles, split K in
-4 (2 from N = 16384). Same sweep, M = 64: 0.61 / 0.72 / 0.78x cuBLAS (6144x4096, 4096x14336, 28672x8192) against
-the Triton GEMM's 0.53 / 0.64 / 0.62x; on 1024x4096 0.62 against 0.76 (hence N >= 4096). Not taken for mxfp4
-and int4_awq, whose Triton GEMM was as fast or faster there (int4: 0.72 / 0.92x against 0.66 / 0.83x)."""
+"""M range in which nvfp4 weights run the register-operand GEMM with 64-row x tiles, split K in 4 (2 from
+N = 16384). Same sweep, M = 64: 0.61 / 0.72 / 0.78x cuBLAS (6144x4096, 4096x14336, 28672x8192) against the
+Triton GEMM's 0.53 / 0.64 / 0.62x; on 1024x4096 0.62 against 0.76. Not taken for mxfp4 and int4_awq, whose
+Triton GEMM was as fast or faster there (int4: 0.72 / 0.92x against 0.66 / 0.83x)."""
+REGISTER_OPERAND_MIN_WORK = 10**10
+"""Smallest M x N x K for either rule above: the Gluon kernel is launched through Triton's JIT, about 60 us of
+host time per call, so it is taken only where the GEMM's GPU time covers that. H200, ``lowbit bench --ops
+qlinear.w4a16-nvfp4`` at M = 64: 6144x4096 (1.6e9) ran 64.5 us eager against 26.3 as a CUDA-graph replay (the
+Triton GEMM's kept launch: 33.7 / 30.0); 28672x8192 (1.5e10) 151.6 / 146.8 against 190.9 / 183.2."""
 
 _SM_COUNT: dict = {}
 
@@ -147,12 +152,14 @@ def sm_count(device: torch.device) -> int:
 
 def register_operand_config(m: int, w: QTensor, device: torch.device) -> dict | None:
     """The ``gemm_w4_ra`` config for ``m`` rows of x on weight ``w`` where that kernel is the W4A16 route
-    (:data:`REGISTER_OPERAND_M`, :data:`REGISTER_OPERAND_SMALL_M`), else None. The caller has checked that the
+    (:data:`REGISTER_OPERAND_M`, :data:`REGISTER_OPERAND_SMALL_M`, :data:`REGISTER_OPERAND_MIN_WORK`), else None. The caller has checked that the
     kernel reads ``w`` (``gemm_w4.ra_weight_supports``)."""
     n = w.shape[0]
+    if m * n * w.shape[1] < REGISTER_OPERAND_MIN_WORK:
+        return None
     lo, hi = REGISTER_OPERAND_SMALL_M
     if lo <= m <= hi:
-        if w.fmt == "nvfp4" and n >= 4096:
+        if w.fmt == "nvfp4":
             return {"BM": 64, "WG": 1, "SPLIT": 2 if n >= 16384 else 4}
         return None
     if w.fmt not in ("nvfp4", "mxfp4", "int4_awq") or not any(a <= m <= b for a, b in REGISTER_OPERAND_M):
