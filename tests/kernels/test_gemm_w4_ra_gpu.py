@@ -103,3 +103,21 @@ def test_refuses_what_it_cannot_run():
         g.gemm_w4_ra(x, w, config={"WG": 4})
     with pytest.raises(ValueError, match="SPLIT"):
         g.gemm_w4_ra(x, w, config={"SPLIT": 0})
+
+
+@pytest.mark.parametrize("config", [{"BM": 64, "WG": 1, "SPLIT": 4}, {"BM": 256, "WG": 2, "SPLIT": 1},
+                                    {"BM": 256, "WG": 2, "SPLIT": 2}])
+@pytest.mark.parametrize("name", ["nvfp4", "int4_g128"])
+def test_runner_keeps_a_direct_launch_with_the_same_bits(name, config):
+    # RaRunner (a prepared layer's call): compiled once, then launched through the C launcher with the host
+    # descriptors encoded per x address; the same bits as gemm_w4_ra, with and without bias, new x each call
+    w = weight(name, 4096, 2048)
+    run = g.RaRunner(w, 256, torch.bfloat16, "silu", config)
+    b = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    for i in range(6):
+        x = torch.randn(256, 2048, device="cuda", dtype=torch.bfloat16)
+        bias = b if i % 2 else None
+        assert torch.equal(run(x, bias), g.gemm_w4_ra(x, w, bias, "silu", config=config)), i
+    assert len(run.launches) == 2
+    for lc in run.launches.values():
+        assert lc.compiled is not None and lc._c_launch is not None and len(lc._desc) == 2

@@ -141,3 +141,22 @@ def test_a_lazy_descriptor_becomes_tritons_where_triton_launches():
     (d, n), = [c[1] for c in fn.calls]
     assert type(d) is TensorDescriptor and n == 3
     assert (d.base is x, list(d.shape), list(d.strides), list(d.block_shape)) == (True, [128, 64], [64, 1], [64, 32])
+
+
+def test_a_lazy_descriptor_with_a_layout_becomes_gluons():
+    # a Gluon kernel's descriptor carries its shared-memory layout; the argument key tells layouts apart
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    fn = _Kernel()
+    x = torch.zeros(128, 64, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
+    _launch.launch(fn, (1,), (_launch.LazyDescriptor(x, [64, 32], layout=layout), 3), BLOCK=8)
+    (d, n), = [c[1] for c in fn.calls]
+    assert type(d) is GluonDescriptor and d.layout == layout and n == 3
+    assert (d.base is x, list(d.shape), list(d.strides), list(d.block_shape)) == (True, [128, 64], [64, 1], [64, 32])
+    other = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
+    assert other != layout
+    keys = {_launch._arg_key((_launch.LazyDescriptor(x, [64, 32], layout=lo),)) for lo in (layout, other, None)}
+    assert len(keys) == 3

@@ -36,17 +36,23 @@ def _constexpr_tail(fn, consts: dict) -> tuple:
 
 class LazyDescriptor:
     """A host TMA descriptor of ``base`` (``shape`` and ``strides`` its own, or given) with block ``block_shape``,
-    built only where a launch goes through Triton (:meth:`materialize`); see the module's docstring."""
+    built only where a launch goes through Triton (:meth:`materialize`); see the module's docstring. ``layout``:
+    the shared-memory layout of a Gluon kernel's descriptor (then a Gluon ``TensorDescriptor``)."""
 
-    __slots__ = ("base", "block_shape", "shape", "strides")
+    __slots__ = ("base", "block_shape", "layout", "shape", "strides")
     padding = "zero"
 
-    def __init__(self, base: torch.Tensor, block_shape: list, shape=None, strides=None) -> None:
-        self.base, self.block_shape = base, block_shape
+    def __init__(self, base: torch.Tensor, block_shape: list, shape=None, strides=None, layout=None) -> None:
+        self.base, self.block_shape, self.layout = base, block_shape, layout
         self.shape = tuple(base.shape) if shape is None else tuple(shape)
         self.strides = tuple(base.stride()) if strides is None else tuple(strides)
 
     def materialize(self):
+        if self.layout is not None:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+            return GluonDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                   self.layout)
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape))
@@ -219,7 +225,7 @@ def _arg_key(args: tuple):
         elif type(a) is LazyDescriptor or (type(a).__name__ == "TensorDescriptor" and hasattr(a, "block_shape")):
             base = a.base
             key.append((base.dtype, base.data_ptr() & 15 == 0, tuple(a.shape), tuple(a.strides),
-                        tuple(a.block_shape), getattr(a, "padding", None), type(a)))
+                        tuple(a.block_shape), getattr(a, "padding", None), getattr(a, "layout", None), type(a)))
         else:
             return None
     return tuple(key)
@@ -230,7 +236,7 @@ def launch(fn, grid: tuple, args: tuple, **kwargs) -> Launch | None:
     positional), through a cached compiled kernel when an earlier launch had the same kernel, device, grid,
     keywords and argument key (:func:`_arg_key`): then no argument binding, a few microseconds of host time.
     Returns the :class:`Launch` it ran (None where it went through Triton alone)."""
-    if not DIRECT_LAUNCH or type(fn).__name__ != "JITFunction":
+    if not DIRECT_LAUNCH or type(fn).__name__ not in ("JITFunction", "GluonJITFunction"):
         fn[grid](*_materialized(args), **kwargs)
         return None
     dev = torch._C._cuda_getDevice()

@@ -684,41 +684,83 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activation: str | None = None,
                config: dict | None = None) -> torch.Tensor:
     """``act(x @ dequant(w).T + bias)`` through the Gluon kernel with the decoded weight as the wgmma's register
-    operand (``_gemm_w4_ra``). Same contract as ``gemm_w4``; takes the calls ``ws_supports(x, w)`` takes."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    from . import _gemm_w4_ra as kr
-
+    operand (``_gemm_w4_ra``). Same contract as ``gemm_w4``; takes the calls ``ws_supports(x, w)`` takes;
+    ``config`` over :data:`RA_CONFIG`."""
     cfg, out = _gluon_call("gemm_w4_ra", x, w, bias, activation, RA_CONFIG, config)
-    m, k_dim = x.shape
-    n = w.shape[0]
-    if m == 0 or n == 0:
+    if x.shape[0] == 0 or w.shape[0] == 0:
         return out
-    bm = cfg.get("BM") or (64 if m <= 64 else 128)
-    bk = cfg["BK"]
-    wg, split = cfg["WG"], cfg["SPLIT"]
-    if (bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in (32, 64, 128) or wg not in (1, 2)
-            or split not in range(1, 9)):
-        raise ValueError(f"gemm_w4_ra: config needs BM in (64, 128, 256), BK in (32, 64, 128), STAGES >= 3, "
-                         f"WG in (1, 2) and SPLIT in 1..8, got {cfg}")
-    _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64 * wg, bk)
-    gl_dt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    x_desc = GluonDescriptor(x, [m, k_dim], [x.stride(0), 1], [bm, bk],
-                             gl.NVMMASharedLayout.get_default_for([bm, bk], gl_dt))
-    has_bias = bias is not None
-    tiles = cdiv(m, bm) * cdiv(n, 64 * wg)
-    if split > 1:
-        ws = torch.empty(tiles * split * 64 * wg * bm, dtype=torch.float32, device=x.device)
-        cnt = _tile_counters(x.device, tiles)
-    else:
-        ws = cnt = out
-    kr.gemm_w4_ra_kernel[(tiles * split,)](
-        x_desc, w_desc, scales, gscale, bias.contiguous() if has_bias else out, out, ws, cnt, m, n, k_dim,
-        stride_sn, out.stride(0), HAS_BIAS=has_bias, ACT=ACTIVATIONS[activation], BM=bm, BK=bk,
-        STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], WG=wg, SPLIT=split, **consts, num_warps=4 * wg,
-    )
+    RaPlan(w, x.shape[0], x.dtype, activation, cfg).launch(x, None if bias is None else bias.contiguous(), out)
     return out
+
+
+class RaPlan:
+    """Everything :func:`gemm_w4_ra` decides for a weight, a row count M, x's dtype, an activation and a config
+    (complete: :data:`RA_CONFIG` keys): tiles, grid, the weight's descriptor and arguments. ``launch`` then
+    reads x and launches; a :class:`RaRunner` keeps one plan and its compiled launch. M > 0, N > 0."""
+
+    __slots__ = ("act", "bk", "bm", "consts", "grid", "k", "m", "n", "split", "stride_sn", "tiles", "w_args", "wg",
+                 "x_layout")
+
+    def __init__(self, w: QTensor, m: int, dtype: torch.dtype, activation: str | None, cfg: dict) -> None:
+        from triton.experimental.gluon import language as gl
+
+        bm = cfg.get("BM") or (64 if m <= 64 else 128)
+        bk, wg, split = cfg["BK"], cfg["WG"], cfg["SPLIT"]
+        if (bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in (32, 64, 128) or wg not in (1, 2)
+                or split not in range(1, 9)):
+            raise ValueError(f"gemm_w4_ra: config needs BM in (64, 128, 256), BK in (32, 64, 128), STAGES >= 3, "
+                             f"WG in (1, 2) and SPLIT in 1..8, got {cfg}")
+        _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64 * wg, bk)
+        self.m, self.n, self.k = m, w.shape[0], w.shape[1]
+        self.bm, self.bk, self.wg, self.split = bm, bk, wg, split
+        self.w_args = (w_desc, scales, gscale)
+        self.stride_sn = stride_sn
+        self.x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16 if dtype == torch.bfloat16
+                                                             else gl.float16)
+        self.tiles = cdiv(m, bm) * cdiv(self.n, 64 * wg)
+        self.grid = (self.tiles * split,)
+        self.act = ACTIVATIONS[activation]
+        self.consts = dict(consts, ACT=self.act, BM=bm, BK=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], WG=wg,
+                           SPLIT=split)
+
+    def launch(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, store: dict | None = None,
+               key: tuple | None = None) -> None:
+        """``out[:] = act(x @ dequant(w).T + bias)``: ``x`` [M, K] contiguous and 16-byte aligned, ``bias`` None
+        or contiguous [N], ``out`` [M, N] of x's dtype. ``store`` / ``key``: keep the compiled launch there under
+        ``key`` (a caller whose x, bias and out keep their strides and alignment; see ``_launch.kept_launch``)."""
+        from . import _gemm_w4_ra as kr
+
+        has_bias = bias is not None
+        if self.split > 1:
+            ws = torch.empty(self.tiles * self.split * 64 * self.wg * self.bm, dtype=torch.float32, device=x.device)
+            cnt = _tile_counters(x.device, self.tiles)
+        else:
+            ws = cnt = out
+        x_desc = LazyDescriptor(x, [self.bm, self.bk], layout=self.x_layout)
+        w_desc, scales, gscale = self.w_args
+        kept_launch(store, None if key is None else (*key, has_bias), kr.gemm_w4_ra_kernel, self.grid, (
+            x_desc, w_desc, scales, gscale, bias if has_bias else out, out, ws, cnt, self.m, self.n, self.k,
+            self.stride_sn, out.stride(0)), HAS_BIAS=has_bias, **self.consts, num_warps=4 * self.wg)
+
+
+class RaRunner:
+    """``run(x, bias) -> out``: :func:`gemm_w4_ra` for one weight at one M, x dtype, activation and config,
+    decided once (:class:`RaPlan`) and launched through a kept compiled kernel: the call a prepared layer makes
+    where the dispatch rules choose this kernel. ``x`` [M, K] contiguous and 16-byte aligned, ``bias`` None or
+    a contiguous, 16-byte aligned [N] (the caller checks both once); the same bits as :func:`gemm_w4_ra`."""
+
+    __slots__ = ("dtype", "launches", "plan")
+
+    def __init__(self, w: QTensor, m: int, dtype: torch.dtype, activation: str | None, config: dict) -> None:
+        self.plan = RaPlan(w, m, dtype, activation, {**RA_CONFIG, **config})
+        self.dtype = dtype
+        self.launches: dict = {}
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        p = self.plan
+        out = torch.empty(p.m, p.n, dtype=self.dtype, device=x.device)
+        p.launch(x, bias, out, self.launches, (torch._C._cuda_getDevice(),))
+        return out
 
 
 def ra_compile_variants():

@@ -206,7 +206,7 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     common = op_common.decide_common(backend, device, m == 0)
     if common is not None:
         return common
-    if m > GEMV_MAX_M and not dequant_only(w):
+    if m > GEMV_MAX_M and m * w.shape[0] * w.shape[1] >= REGISTER_OPERAND_MIN_WORK and not dequant_only(w):
         module = kernel_module("gemm_w4")
         ra = getattr(module, "gemm_w4_ra", None)
         if ra is not None and module.ra_weight_supports(w) is None:

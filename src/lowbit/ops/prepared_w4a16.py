@@ -136,17 +136,34 @@ class W4A16Calls:
         ra = self._ra_configs[m] = facts[0] if path == "gemm_w4_ra" else None
         return ra
 
-    def _ra_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None, config: dict) -> torch.Tensor:
-        """The register-operand GEMM with the config the rules gave for this M (the call
-        :func:`lowbit.linear` makes; a gated layer's product, then the gating)."""
-        from ..kernels.gemm_w4 import gemm_w4_ra
+    def _ra_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None,
+                 config: dict) -> torch.Tensor | None:
+        """The register-operand GEMM with the config the rules gave for this M, through a
+        ``lowbit.kernels.gemm_w4.RaRunner`` made once per (M, x dtype, bias or not): the call
+        :func:`lowbit.linear` makes (a gated layer's product, then the gating), with a kept compiled launch."""
+        if bias is not None:
+            if (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
+                    or bias.device != self.device or bias.shape != (self.n,)):
+                return None
+            self._bias_ok = bias
+        m = x2.shape[0]
+        key = (m, x.dtype, bias is None)
+        run = self.runners.get(key)
+        if run is None:
+            if torch.cuda.is_current_stream_capturing() or self._backend() == "torch":
+                return None
+            from ..kernels.gemm_w4 import RaRunner
 
+            if len(self.runners) >= MAX_RUNNERS:
+                self.runners.clear()
+            if self.gated:
+                run = GatedProduct(RaRunner(self.w, m, x.dtype, None, config), self.activation)
+            else:
+                run = RaRunner(self.w, m, x.dtype, self.activation, config)
+            self.runners[key] = run
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
-        if self.gated:
-            out = apply_activation(gemm_w4_ra(x2, self.w, bias, None, config=config), self.activation)
-        else:
-            out = gemm_w4_ra(x2, self.w, bias, self.activation, config=config)
+        out = run(x2, bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n_out)
 
     def _gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
