@@ -727,7 +727,7 @@ def test_kept_dequant_chunks_do_not_keep_the_weight_alive(fmt, opts, monkeypatch
 def test_register_operand_rule(monkeypatch):
     # policy.register_operand_config on the shapes of its sweep, for a 132-SM GPU: two warpgroups and 256-row x
     # tiles where the output tiles (times the split) fill 0.9 to 2 waves, 64-row tiles for nvfp4 at M = 33..64;
-    # never below REGISTER_OPERAND_MIN_WORK (M x N x K)
+    # never below the rules' work bounds (M x N x K)
     from types import SimpleNamespace
 
     monkeypatch.setattr(policy, "sm_count", lambda device: 132)
@@ -746,9 +746,10 @@ def test_register_operand_rule(monkeypatch):
     assert cfg("nvfp4", 28672, 64) == {"BM": 64, "WG": 1, "SPLIT": 2}
     assert cfg("nvfp4", 8192, 64, 28672) == {"BM": 64, "WG": 1, "SPLIT": 4}
     assert cfg("mxfp4", 28672, 64) is None and cfg("nvfp4", 28672, 32) is None
-    # too little work to cover the launch's host time
-    assert cfg("nvfp4", 6144, 64, 4096) is None and cfg("nvfp4", 28672, 256, 1024) is None
-    assert cfg("nvfp4", 28672, 256, 2048) == big
+    # below the work bounds
+    assert cfg("nvfp4", 6144, 64, 4096) == {"BM": 64, "WG": 1, "SPLIT": 4}       # 1.6e9
+    assert cfg("nvfp4", 1024, 64, 4096) is None and cfg("nvfp4", 6144, 33, 4096) is None
+    assert cfg("nvfp4", 28672, 256, 1024) is None and cfg("nvfp4", 28672, 256, 2048) == big
 
 
 def test_register_operand_route_is_decided_and_explained(monkeypatch):
@@ -757,6 +758,7 @@ def test_register_operand_route_is_decided_and_explained(monkeypatch):
 
     monkeypatch.setattr(policy, "sm_count", lambda device: 132)
     monkeypatch.setattr(policy, "REGISTER_OPERAND_MIN_WORK", 0)
+    monkeypatch.setattr(policy, "REGISTER_OPERAND_SMALL_M_MIN_WORK", 0)
     q = lowbit.quantize(torch.randn(28672, 64), "nvfp4")
     cuda = torch.device("cuda")
     path, target, facts = policy.linear_decide(256, cuda, q, "auto")

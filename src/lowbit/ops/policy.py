@@ -133,10 +133,15 @@ N = 16384). Same sweep, M = 64: 0.61 / 0.72 / 0.78x cuBLAS (6144x4096, 4096x1433
 Triton GEMM's 0.53 / 0.64 / 0.62x; on 1024x4096 0.62 against 0.76. Not taken for mxfp4 and int4_awq, whose
 Triton GEMM was as fast or faster there (int4: 0.72 / 0.92x against 0.66 / 0.83x)."""
 REGISTER_OPERAND_MIN_WORK = 10**10
-"""Smallest M x N x K for either rule above: the Gluon kernel is launched through Triton's JIT, about 60 us of
-host time per call, so it is taken only where the GEMM's GPU time covers that. H200, ``lowbit bench --ops
-qlinear.w4a16-nvfp4`` at M = 64: 6144x4096 (1.6e9) ran 64.5 us eager against 26.3 as a CUDA-graph replay (the
-Triton GEMM's kept launch: 33.7 / 30.0); 28672x8192 (1.5e10) 151.6 / 146.8 against 190.9 / 183.2."""
+"""Smallest M x N x K for the two-warpgroup rule (:data:`REGISTER_OPERAND_M`): every case of its sweep was
+above it; below, at short K or few columns, the kernel's pipeline prologue and epilogue weigh more and nothing
+was measured."""
+REGISTER_OPERAND_SMALL_M_MIN_WORK = 10**9
+"""Smallest M x N x K for the nvfp4 rule (:data:`REGISTER_OPERAND_SMALL_M`). H200, QuantLinear at M = 64
+(``benchmarks/experiments/ab_register_operand.py``, eager median / CUDA-graph replay): 6144x4096 (1.6e9) 30.3 /
+30.7 us against the Triton GEMM's 34.7 / 34.4, 4096x14336 54.5 / 54.4 against 61.7 / 61.0; 1024x4096 (2.7e8)
+17.2 / 17.2 against 17.6 / 16.1. Host time per call through the prepared layer's kept launch 26-40 us, the
+Triton GEMM's 27-42 (``F.linear`` 16-21), so eager gains what the GPU gains."""
 
 _SM_COUNT: dict = {}
 
@@ -152,17 +157,17 @@ def sm_count(device: torch.device) -> int:
 
 def register_operand_config(m: int, w: QTensor, device: torch.device) -> dict | None:
     """The ``gemm_w4_ra`` config for ``m`` rows of x on weight ``w`` where that kernel is the W4A16 route
-    (:data:`REGISTER_OPERAND_M`, :data:`REGISTER_OPERAND_SMALL_M`, :data:`REGISTER_OPERAND_MIN_WORK`), else None. The caller has checked that the
+    (:data:`REGISTER_OPERAND_M`, :data:`REGISTER_OPERAND_SMALL_M` and their work bounds), else None. The caller has checked that the
     kernel reads ``w`` (``gemm_w4.ra_weight_supports``)."""
     n = w.shape[0]
-    if m * n * w.shape[1] < REGISTER_OPERAND_MIN_WORK:
-        return None
+    work = m * n * w.shape[1]
     lo, hi = REGISTER_OPERAND_SMALL_M
     if lo <= m <= hi:
-        if w.fmt == "nvfp4":
+        if w.fmt == "nvfp4" and work >= REGISTER_OPERAND_SMALL_M_MIN_WORK:
             return {"BM": 64, "WG": 1, "SPLIT": 2 if n >= 16384 else 4}
         return None
-    if w.fmt not in ("nvfp4", "mxfp4", "int4_awq") or not any(a <= m <= b for a, b in REGISTER_OPERAND_M):
+    if (w.fmt not in ("nvfp4", "mxfp4", "int4_awq") or not any(a <= m <= b for a, b in REGISTER_OPERAND_M)
+            or work < REGISTER_OPERAND_MIN_WORK):
         return None
     sms = sm_count(device)
     tiles = -(-n // 128) * -(-m // 256)
@@ -206,7 +211,8 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     common = op_common.decide_common(backend, device, m == 0)
     if common is not None:
         return common
-    if m > GEMV_MAX_M and m * w.shape[0] * w.shape[1] >= REGISTER_OPERAND_MIN_WORK and not dequant_only(w):
+    least = min(REGISTER_OPERAND_MIN_WORK, REGISTER_OPERAND_SMALL_M_MIN_WORK)
+    if m > GEMV_MAX_M and m * w.shape[0] * w.shape[1] >= least and not dequant_only(w):
         module = kernel_module("gemm_w4")
         ra = getattr(module, "gemm_w4_ra", None)
         if ra is not None and module.ra_weight_supports(w) is None:
