@@ -1,9 +1,9 @@
-"""The Gluon W4A16 GEMMs, warp-specialized (``gemm_w4.gemm_w4_ws``) and register-operand (``gemm_w4.gemm_w4_ra``,
-with ``--ra``), against cuBLAS bf16, the Triton GEMM (``gemm_w4``) and what ``lowbit.linear`` runs today, at
+"""The Gluon W4A16 GEMMs, warp-specialized (``gemm_w4.gemm_w4_ws``), register-operand (``gemm_w4.gemm_w4_ra``,
+with ``--ra``) and register-fragment (``gemm_w4.gemm_w4_rf``, with ``--rf``), against cuBLAS bf16, the Triton GEMM (``gemm_w4``) and what ``lowbit.linear`` runs today, at
 M = 32 ... 4096 on the W4A16 benchmark's shapes.
 
     PYTHONPATH=src python benchmarks/experiments/sweep_w4a16_ws.py [--formats nvfp4,int4_awq] [--ms 64,256]
-        [--configs 'RLAG=2;RLAG=4,RSTAGES=8'] [--ra='-;BM=64;BM=128,STAGES=3'] [--skip-ws]
+        [--configs 'RLAG=2;RLAG=4,RSTAGES=8'] [--ra='-;BM=64;BM=128,STAGES=3'] [--rf='WG=2,BM=256'] [--skip-ws]
 
 Every route's output is checked against the fp32 reference first. Times are CUDA-graph replays with the
 weights rotated out of L2 (the GPU time inside a model's graph). JSON to ``$OUT/sweep_w4a16_ws.json``.
@@ -50,12 +50,14 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="extra ws configs: 'KEY=V,KEY=V;...'")
     ap.add_argument("--triton-gemm", action="store_true", help="also time the Triton GEMM")
     ap.add_argument("--ra", default="", help="register-operand kernel configs: 'KEY=V,...;...' ('-': the default)")
+    ap.add_argument("--rf", default="", help="register-fragment kernel configs, as --ra")
     ap.add_argument("--skip-ws", action="store_true", help="do not time the warp-specialized kernel")
     args = ap.parse_args()
     dev = torch.device("cuda")
     shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     configs = [] if args.skip_ws else _configs(args.configs)
     ra_configs = _configs(args.ra, "ra", default=False)
+    rf_configs = _configs(args.rf, "rf", default=False)
     rows = []
     out_path = os.path.join(os.environ.get("OUT", "."), "sweep_w4a16_ws.json")
     for n, k in shapes:
@@ -75,6 +77,7 @@ def main() -> None:
                     cases.append(("gemm", lambda q_, x=x: g.gemm_w4(x, q_)))
                 cases += [(label, lambda q_, x=x, c=cfg: g.gemm_w4_ws(x, q_, config=c)) for label, cfg in configs]
                 cases += [(label, lambda q_, x=x, c=cfg: g.gemm_w4_ra(x, q_, config=c)) for label, cfg in ra_configs]
+                cases += [(label, lambda q_, x=x, c=cfg: g.gemm_w4_rf(x, q_, config=c)) for label, cfg in rf_configs]
                 for label, call in cases:
                     try:
                         fro, _ = rel_errors(call(q).float(), ref)

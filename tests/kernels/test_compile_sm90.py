@@ -46,7 +46,7 @@ def compile_for_hopper(fn, signature, constexprs):
 
         if fn.__name__ == "gemm_w4_ws_kernel":
             options = _gemm_w4_ws.launch_options()
-        elif fn.__name__ == "gemm_w4_ra_kernel":
+        elif fn.__name__ in ("gemm_w4_ra_kernel", "gemm_w4_rf_kernel"):
             options = {"num_warps": 4 * constexprs["WG"]}
         else:
             options = _fp8_block_ws.launch_options(constexprs["CONSUMERS"])
@@ -313,13 +313,16 @@ def register_operand_hazards(sass: list[tuple[int, str]]) -> tuple[int, list[str
     return len(loop), bad
 
 
-def test_w4a16_register_operand_kernel_keeps_its_a_registers_until_retired():
-    """The Gluon W4A16 kernel with the decoded weight in registers: register-A wgmmas with one K step in flight,
-    two A register sets, and no instruction writes a set's registers before the wait that retires its wgmma
-    (the hazard of Triton 3.6's pipelined register-A wgmma)."""
+@pytest.mark.parametrize("fragments", [False, True])
+def test_w4a16_register_operand_kernel_keeps_its_a_registers_until_retired(fragments):
+    """The Gluon W4A16 kernels with the decoded weight in registers (``fragments``: read as register fragments):
+    register-A wgmmas with one K step in flight, two A register sets, and no instruction writes a set's registers
+    before the wait that retires its wgmma (the hazard of Triton 3.6's pipelined register-A wgmma). The fragment
+    kernel moves nothing through shared memory but x: no shared-memory loads or stores (without split K) and
+    one 16-byte weight load per K step and thread."""
     from lowbit.kernels import gemm_w4
 
-    variants = list(gemm_w4.ra_compile_variants())
+    variants = list(gemm_w4.ra_compile_variants(fragments))
     assert len(variants) == 6
     for fn, sig, consts in variants:
         ck = compile_for_hopper(fn, sig, consts)
@@ -329,6 +332,13 @@ def test_w4a16_register_operand_kernel_keeps_its_a_registers_until_retired():
         assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2, consts
         assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1, consts
         assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, consts
-        groups, bad = register_operand_hazards(_sass(ck.asm["cubin"]))
+        sass = _sass(ck.asm["cubin"])
+        groups, bad = register_operand_hazards(sass)
         assert groups == 2, consts
         assert not bad, (consts, bad[:5])
+        if fragments:
+            ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for _, x in sass]
+            if consts["SPLIT"] == 1:
+                assert not [o for o in ops if o.startswith(("STS", "LDS"))], consts
+            # two words' loads in the prologue, two per pass: four 16-byte loads in all
+            assert ops.count("LDG.E.128") == 4, consts

@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_device import decode_w4_words, grouped_tile, load_w4_scales, w4_activation
+from .gluon_device import decode_w4_words, finish_w4_tile, grouped_tile, load_w4_scales
 
 
 
@@ -125,42 +125,5 @@ def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_p
             _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt + STAGES, k0, m0, n0, ROWS, BM, BK, STAGES)
     acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
 
-    if SPLIT == 1:
-        _epilogue(acc, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout, ROWS, BM, GSCALE_MODE,
-                  HAS_BIAS, ACT)
-    else:
-        # split K: every program leaves its fp32 partial in the workspace; the last of a tile to arrive (a
-        # counter per tile, reset by that program for the next launch) sums the partials in split order, so
-        # the result does not depend on the arrival order, and runs the epilogue
-        loc = (gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))[:, None] * BM
-               + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))[None, :])
-        part = ws_ptr + tile.to(gl.int64) * (SPLIT * ROWS * BM)
-        gl.store(part + split * (ROWS * BM) + loc, acc)
-        gl.thread_barrier()
-        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = gl.zeros([ROWS, BM], gl.float32, acc_layout)
-            for s in gl.static_range(SPLIT):
-                total += gl.load(part + s * (ROWS * BM) + loc, cache_modifier=".cg")
-            gl.store(cnt_ptr + tile, 0)
-            _epilogue(total, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout, ROWS, BM,
-                      GSCALE_MODE, HAS_BIAS, ACT)
-
-
-@gluon.jit
-def _epilogue(acc, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout: gl.constexpr,
-              ROWS: gl.constexpr, BM: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
-              ACT: gl.constexpr):
-    """Global scale, bias and activation on the fp32 tile ``acc`` [ROWS weight rows, BM x rows]; stores the
-    transposed tile into ``out`` [M, N]."""
-    wr = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-    xr = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
-    w_ok = wr < N
-    if GSCALE_MODE == 1:
-        acc = acc * gl.div_rn(1.0, gl.load(gscale_ptr))
-    elif GSCALE_MODE == 2:
-        acc = acc * gl.load(gscale_ptr)
-    if HAS_BIAS:
-        acc = acc + gl.load(bias_ptr + wr, mask=w_ok, other=0.0).to(gl.float32)[:, None]
-    acc = w4_activation(acc, ACT)
-    ptrs = out_ptr + xr.to(gl.int64)[None, :] * stride_om + wr[:, None]
-    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=w_ok[:, None] & (xr < M)[None, :])
+    finish_w4_tile(acc, ws_ptr, cnt_ptr, tile, split, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0,
+                   acc_layout, ROWS, BM, SPLIT, GSCALE_MODE, HAS_BIAS, ACT)

@@ -487,6 +487,7 @@ def compile_variants():
         yield fn, sig, consts
     yield from _ws_compile_variants()
     yield from ra_compile_variants()
+    yield from ra_compile_variants(fragments=True)
     for dtype in ("*bf16", "*fp16"):
         for gscale, bias, act in ((0, False, 0), (1, True, 1), (2, True, 3)):
             yield k.split_k_reduce_kernel, {
@@ -694,26 +695,31 @@ def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
 
 
 class RaPlan:
-    """Everything :func:`gemm_w4_ra` decides for a weight, a row count M, x's dtype, an activation and a config
-    (complete: :data:`RA_CONFIG` keys): tiles, grid, the weight's descriptor and arguments. ``launch`` then
-    reads x and launches; a :class:`RaRunner` keeps one plan and its compiled launch. M > 0, N > 0."""
+    """Everything :func:`gemm_w4_ra` (or, ``fragments``, :func:`gemm_w4_rf`) decides for a weight, a row count M,
+    x's dtype, an activation and a config (complete: :data:`RA_CONFIG` keys): tiles, grid, the weight's
+    descriptor or fragment words and arguments. ``launch`` then reads x and launches; a :class:`RaRunner` keeps
+    one plan and its compiled launch. M > 0, N > 0."""
 
-    __slots__ = ("act", "bk", "bm", "consts", "grid", "k", "m", "n", "split", "stride_sn", "tiles", "w_args", "wg",
-                 "x_layout")
+    __slots__ = ("act", "bk", "bm", "consts", "fragments", "grid", "k", "m", "n", "split", "stride_sn", "tiles",
+                 "w_args", "wg", "x_layout")
 
-    def __init__(self, w: QTensor, m: int, dtype: torch.dtype, activation: str | None, cfg: dict) -> None:
+    def __init__(self, w: QTensor, m: int, dtype: torch.dtype, activation: str | None, cfg: dict,
+                 fragments: bool = False) -> None:
         from triton.experimental.gluon import language as gl
 
+        name = "gemm_w4_rf" if fragments else "gemm_w4_ra"
         bm = cfg.get("BM") or (64 if m <= 64 else 128)
         bk, wg, split = cfg["BK"], cfg["WG"], cfg["SPLIT"]
-        if (bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in (32, 64, 128) or wg not in (1, 2)
-                or split not in range(1, 9)):
-            raise ValueError(f"gemm_w4_ra: config needs BM in (64, 128, 256), BK in (32, 64, 128), STAGES >= 3, "
-                             f"WG in (1, 2) and SPLIT in 1..8, got {cfg}")
+        if (bm not in (64, 128, 256) or cfg["STAGES"] < 3 or bk not in ((64,) if fragments else (32, 64, 128))
+                or wg not in (1, 2) or split not in range(1, 9)):
+            raise ValueError(f"{name}: config needs BM in (64, 128, 256), BK in "
+                             f"{'(64,)' if fragments else '(32, 64, 128)'}, STAGES >= 3, WG in (1, 2) and SPLIT "
+                             f"in 1..8, got {cfg}")
         _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64 * wg, bk)
+        self.fragments = fragments
         self.m, self.n, self.k = m, w.shape[0], w.shape[1]
         self.bm, self.bk, self.wg, self.split = bm, bk, wg, split
-        self.w_args = (w_desc, scales, gscale)
+        self.w_args = (_fragment_words(w) if fragments else w_desc, scales, gscale)
         self.stride_sn = stride_sn
         self.x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16 if dtype == torch.bfloat16
                                                              else gl.float16)
@@ -728,8 +734,6 @@ class RaPlan:
         """``out[:] = act(x @ dequant(w).T + bias)``: ``x`` [M, K] contiguous and 16-byte aligned, ``bias`` None
         or contiguous [N], ``out`` [M, N] of x's dtype. ``store`` / ``key``: keep the compiled launch there under
         ``key`` (a caller whose x, bias and out keep their strides and alignment; see ``_launch.kept_launch``)."""
-        from . import _gemm_w4_ra as kr
-
         has_bias = bias is not None
         if self.split > 1:
             ws = torch.empty(self.tiles * self.split * 64 * self.wg * self.bm, dtype=torch.float32, device=x.device)
@@ -737,10 +741,41 @@ class RaPlan:
         else:
             ws = cnt = out
         x_desc = LazyDescriptor(x, [self.bm, self.bk], layout=self.x_layout)
-        w_desc, scales, gscale = self.w_args
-        kept_launch(store, None if key is None else (*key, has_bias), kr.gemm_w4_ra_kernel, self.grid, (
-            x_desc, w_desc, scales, gscale, bias if has_bias else out, out, ws, cnt, self.m, self.n, self.k,
-            self.stride_sn, out.stride(0)), HAS_BIAS=has_bias, **self.consts, num_warps=4 * self.wg)
+        w_arg, scales, gscale = self.w_args
+        consts = self.consts
+        if self.fragments:
+            from ._gemm_w4_rf import gemm_w4_rf_kernel as kernel
+
+            consts = {c: v for c, v in consts.items() if c != "BK"}
+        else:
+            from ._gemm_w4_ra import gemm_w4_ra_kernel as kernel
+        kept_launch(store, None if key is None else (*key, has_bias), kernel, self.grid, (
+            x_desc, w_arg, scales, gscale, bias if has_bias else out, out, ws, cnt, self.m, self.n, self.k,
+            self.stride_sn, out.stride(0)), HAS_BIAS=has_bias, **consts, num_warps=4 * self.wg)
+
+
+def _fragment_words(w: QTensor) -> torch.Tensor:
+    """The weight's codes as wgmma register fragments (``w4_fragments.fragment_words``), made once per weight."""
+    from .w4_fragments import fragment_words
+
+    def build():
+        codes = prelayout_int4_awq(w)[0] if w.fmt == "int4_awq" else w.data.contiguous().view(torch.uint8)
+        return fragment_words(codes, w.shape[1])
+
+    return _cached(w.data, "fragments", (w.data, w.zeros, w.scale), build)
+
+
+def gemm_w4_rf(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, activation: str | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """``act(x @ dequant(w).T + bias)`` through the Gluon kernel that reads the weight as wgmma register fragments
+    (``_gemm_w4_rf``; the layout made once per weight). Same contract and config keys as :func:`gemm_w4_ra`
+    (BK 64 only); not routed by the dispatch policy."""
+    cfg, out = _gluon_call("gemm_w4_rf", x, w, bias, activation, RA_CONFIG, config)
+    if x.shape[0] == 0 or w.shape[0] == 0:
+        return out
+    RaPlan(w, x.shape[0], x.dtype, activation, cfg, fragments=True).launch(
+        x, None if bias is None else bias.contiguous(), out)
+    return out
 
 
 class RaRunner:
@@ -763,13 +798,16 @@ class RaRunner:
         return out
 
 
-def ra_compile_variants():
-    """The register-operand kernel: each format, both activation dtypes, swizzled scales, both nvfp4 global
-    scale modes, the epilogues, BM 64 / 128. Descriptor signatures from host descriptors over small CPU
-    tensors, as the JIT writes them."""
+def ra_compile_variants(fragments: bool = False):
+    """The register-operand kernel (``fragments``: the register-fragment one): each format, both activation
+    dtypes, swizzled scales, both nvfp4 global scale modes, the epilogues, BM 64 / 128, one or two warpgroups,
+    split K. Descriptor signatures from host descriptors over small CPU tensors, as the JIT writes them."""
     from triton.experimental.gluon import language as gl
 
-    from . import _gemm_w4_ra as kr
+    if fragments:
+        from ._gemm_w4_rf import gemm_w4_rf_kernel as kernel
+    else:
+        from ._gemm_w4_ra import gemm_w4_ra_kernel as kernel
 
     bk = RA_CONFIG["BK"]
     cases = [("nvfp4", "bf16", 128, dict(GSCALE_MODE=1, HAS_BIAS=True, ACT=1)),
@@ -779,13 +817,18 @@ def ra_compile_variants():
              ("int4_awq", "fp16", 64, dict(GROUP=64, WG=2, SPLIT=2))]
     for fmt, dtype, bm, extra in cases:
         tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
-        sig = {"x_desc": _gluon_desc_signature(tdt, gdt, [bm, bk]),
-               "w_desc": _gluon_desc_signature(torch.int32, gl.int32, [64 * extra.get("WG", 1), bk // 8]),
-               "s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
-               "out_ptr": f"*{dtype}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-               "stride_sn": "i32", "stride_om": "i32"}
+        sig = {"x_desc": _gluon_desc_signature(tdt, gdt, [bm, bk])}
+        if fragments:
+            sig["w_ptr"] = "*i32"
+        else:
+            sig["w_desc"] = _gluon_desc_signature(torch.int32, gl.int32, [64 * extra.get("WG", 1), bk // 8])
+        sig.update({"s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
+                    "out_ptr": f"*{dtype}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                    "stride_sn": "i32", "stride_om": "i32"})
         consts = dict(FMT=_FMT_ID[fmt], GROUP={"nvfp4": 16, "mxfp4": 32, "int4_awq": 128}[fmt],
                       SCALE_SWIZZLED=False, GSCALE_MODE=0, HAS_BIAS=False, ACT=0, BM=bm, BK=bk,
                       STAGES=RA_CONFIG["STAGES"], GROUP_M=RA_CONFIG["GROUP_M"], WG=1, SPLIT=1)
         consts.update(extra)
-        yield kr.gemm_w4_ra_kernel, sig, consts
+        if fragments:
+            del consts["BK"]
+        yield kernel, sig, consts

@@ -1,6 +1,7 @@
 """Gluon device functions shared by the warp-specialized kernel modules (``_fp8_block_ws``, ``_gemm_w4_ws``), as
 ``device`` holds the Triton ones: a helper more than one Gluon kernel calls lives here under a public name
-(the W4A16 scale loads, word decode and epilogue activation are shared by ``_gemm_w4_ws`` and ``_gemm_w4_ra``)."""
+(the W4A16 scale loads, scale values, word decode and epilogue are shared by ``_gemm_w4_ws``, ``_gemm_w4_ra`` and
+``_gemm_w4_rf``)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -28,17 +29,47 @@ def load_w4_scales(s_ptr, rows, row_ok, words, kt, K, stride_sn, FMT: gl.constex
     ``fp16 scale bits | zero << 16`` word); rows past N and steps past the end read 0. SCALE_SWIZZLED: the
     128x4-swizzled layout (torchao ``to_blocked``), ``stride_sn`` then the scale columns padded to 4."""
     col = (kt * BK + words * 8) // GROUP
-    if SCALE_SWIZZLED:
-        r = rows[:, None]
-        c = col[None, :]
-        off = (((r >> 7) * (stride_sn >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4
-               + (c & 3)).to(gl.int64)
-    else:
-        off = rows.to(gl.int64)[:, None] * stride_sn + col[None, :]
+    off = w4_scale_offset(rows[:, None], col[None, :], stride_sn, SCALE_SWIZZLED)
     ok = row_ok[:, None] & (col < K // GROUP)[None, :]
     if FMT == 4:
         return gl.load(s_ptr + off, mask=ok, other=0)
     return gl.load(s_ptr + off, mask=ok, other=0).to(gl.int32)
+
+
+@gluon.jit
+def w4_scale_offset(r, c, stride_sn, SCALE_SWIZZLED: gl.constexpr):
+    """Element offset of the block scale of weight row ``r``, scale column ``c`` (broadcastable int32 tensors):
+    row-major with row stride ``stride_sn``, or the 128x4-swizzled layout (torchao ``to_blocked``; ``stride_sn``
+    the scale columns padded to 4)."""
+    if SCALE_SWIZZLED:
+        return (((r >> 7) * (stride_sn >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4
+                + (c & 3)).to(gl.int64)
+    return r.to(gl.int64) * stride_sn + c
+
+
+@gluon.jit
+def w4_scale_values(scale, DT: gl.constexpr, FMT: gl.constexpr):
+    """The block scales' values in DT from their int32 codes (``load_w4_scales``): (scale, zero point) for int4
+    (FMT 4: the zero point as ``magic + zero``, the code's own offset), else (scale, scale): the second value
+    unused."""
+    if FMT == 4:
+        if DT == gl.float16:
+            magic: gl.constexpr = 0x6400
+        else:
+            magic: gl.constexpr = 0x4300
+        z = ((scale >> 16) | magic).to(gl.int16).to(DT, bitcast=True)
+        s = (scale & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(DT)
+        return s, z
+    if FMT == 0:
+        s = scale.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT)
+    elif DT == gl.bfloat16:
+        # 2^-127 is the bf16 subnormal 0x0040; code 255 is NaN
+        sb = gl.where(scale == 0, 0x0040, gl.where(scale == 255, 0x7FC0, scale << 7))
+        s = sb.to(gl.int16).to(gl.bfloat16, bitcast=True)
+    else:
+        f = gl.where(scale == 0, 0x00400000, gl.where(scale == 255, 0x7FC00000, scale << 23))
+        s = f.to(gl.float32, bitcast=True).to(DT)
+    return s, s
 
 
 @gluon.jit
@@ -47,14 +78,13 @@ def decode_w4_words(words, scale, DT: gl.constexpr, FMT: gl.constexpr, shift_lay
     decoded tile [BN, 8 W] in DT."""
     shifts = gl.arange(0, 8, layout=shift_layout) * 4
     code = (gl.expand_dims(words, 2) >> gl.expand_dims(gl.expand_dims(shifts, 0), 0)) & 15
+    s, z = w4_scale_values(scale, DT, FMT)
     if FMT == 4:
         if DT == gl.float16:
             magic: gl.constexpr = 0x6400
         else:
             magic: gl.constexpr = 0x4300
         q = (code | magic).to(gl.int16).to(DT, bitcast=True)
-        z = ((scale >> 16) | magic).to(gl.int16).to(DT, bitcast=True)
-        s = (scale & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(DT)
         v = (q - gl.expand_dims(z, 2)) * gl.expand_dims(s, 2)
     else:
         if DT == gl.float16:
@@ -63,16 +93,6 @@ def decode_w4_words(words, scale, DT: gl.constexpr, FMT: gl.constexpr, shift_lay
         else:
             bits = ((code & 7) << 6) | ((code & 8) << 12)
             v = bits.to(gl.int16).to(DT, bitcast=True) * 8.507059173023462e37
-        if FMT == 0:
-            s = scale.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32).to(DT)
-        else:
-            if DT == gl.bfloat16:
-                # 2^-127 is the bf16 subnormal 0x0040; code 255 is NaN
-                sb = gl.where(scale == 0, 0x0040, gl.where(scale == 255, 0x7FC0, scale << 7))
-                s = sb.to(gl.int16).to(gl.bfloat16, bitcast=True)
-            else:
-                f = gl.where(scale == 0, 0x00400000, gl.where(scale == 255, 0x7FC00000, scale << 23))
-                s = f.to(gl.float32, bitcast=True).to(DT)
         v = v * gl.expand_dims(s, 2)
     return gl.reshape(v, [v.shape[0], v.shape[1] * 8])
 
@@ -95,3 +115,49 @@ def w4_activation(acc, ACT: gl.constexpr):
     elif ACT == 3:
         acc = acc * (0.5 + 0.5 * tanh_approx(0.5 * acc))
     return acc
+
+
+@gluon.jit
+def store_w4_tile(acc, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout: gl.constexpr,
+                  ROWS: gl.constexpr, BM: gl.constexpr, GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  ACT: gl.constexpr):
+    """Global scale, bias and activation on the fp32 tile ``acc`` [ROWS weight rows, BM x rows]; stores the
+    transposed tile into ``out`` [M, N] (the register-operand W4A16 kernels' epilogue)."""
+    wr = n0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    xr = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+    w_ok = wr < N
+    if GSCALE_MODE == 1:
+        acc = acc * gl.div_rn(1.0, gl.load(gscale_ptr))
+    elif GSCALE_MODE == 2:
+        acc = acc * gl.load(gscale_ptr)
+    if HAS_BIAS:
+        acc = acc + gl.load(bias_ptr + wr, mask=w_ok, other=0.0).to(gl.float32)[:, None]
+    acc = w4_activation(acc, ACT)
+    ptrs = out_ptr + xr.to(gl.int64)[None, :] * stride_om + wr[:, None]
+    gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=w_ok[:, None] & (xr < M)[None, :])
+
+
+@gluon.jit
+def finish_w4_tile(acc, ws_ptr, cnt_ptr, tile, split, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0,
+                   acc_layout: gl.constexpr, ROWS: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr,
+                   GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr):
+    """The epilogue of output tile ``tile`` (``store_w4_tile``), or with split K (SPLIT > 1) this program's part:
+    every program leaves its fp32 partial in the workspace ``ws_ptr``; the last of a tile to arrive (a counter
+    per tile in ``cnt_ptr``, reset by that program for the next launch) sums the partials in split order, so the
+    result does not depend on the arrival order, and runs the epilogue."""
+    if SPLIT == 1:
+        store_w4_tile(acc, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout, ROWS, BM,
+                      GSCALE_MODE, HAS_BIAS, ACT)
+    else:
+        loc = (gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))[:, None] * BM
+               + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))[None, :])
+        part = ws_ptr + tile.to(gl.int64) * (SPLIT * ROWS * BM)
+        gl.store(part + split * (ROWS * BM) + loc, acc)
+        gl.thread_barrier()
+        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = gl.zeros([ROWS, BM], gl.float32, acc_layout)
+            for s in gl.static_range(SPLIT):
+                total += gl.load(part + s * (ROWS * BM) + loc, cache_modifier=".cg")
+            gl.store(cnt_ptr + tile, 0)
+            store_w4_tile(total, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0, acc_layout, ROWS, BM,
+                          GSCALE_MODE, HAS_BIAS, ACT)

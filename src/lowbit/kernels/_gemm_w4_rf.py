@@ -1,0 +1,209 @@
+"""W4A16 GEMM for Hopper in Gluon with the weight stored as wgmma register fragments:
+``out = act(x @ dequant(w).T * g + bias)``.
+
+The register-operand kernel (``_gemm_w4_ra``) reads the packed weight as it is stored, decodes one code per
+operation and moves the decoded tile into the wgmma A operand layout through shared memory, behind a CTA
+barrier. Here the weight is laid out once (``w4_fragments.fragment_words``) so that each thread's 16-byte load
+per K step holds exactly the 32 codes of its A fragments, in an order where two codes 16 bits apart become one
+bf16x2 / f16x2 register with a few bit operations (inline PTX, as Marlin-style dequantization does): no shared
+memory for the weight, no layout change, no barrier between warpgroups. The blocked layout ``_frag_layout`` of
+the [warps, 2, 8, 4, 2, 4, 2] decode tensor is, reshaped to [64 WG, 64], the wgmma A operand layout itself.
+
+Each warpgroup of a program computes ``acc[64 weight rows, BM x rows] = w_tile @ x_tile.T``; x tiles [BM, 64]
+come by TMA through a ring of ``STAGES`` slots, the weight words by plain loads two K steps ahead. As in
+``_gemm_w4_ra`` the loop is unrolled by two K steps with one A register set each, each set a dependency of the
+``warpgroup_mma_wait`` that retires its wgmma (``tests/kernels/test_compile_sm90.py`` checks the SASS), and
+split K ends in ``gluon_device.finish_w4_tile``. K steps past the end read zero words and zero scales (x
+zeros by TMA): they add zero. Rows past N read zero scales and are not stored.
+
+Status: compiled and inspected for sm_90 only (no GPU run yet); ``gemm_w4.gemm_w4_rf`` launches it, the
+dispatch policy does not route to it.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .gluon_device import finish_w4_tile, grouped_tile, w4_scale_offset, w4_scale_values
+
+BK = gl.constexpr(64)
+"""K columns per step: four 16-wide chunks, one fragment word each per thread."""
+WORDS = gl.constexpr(512)
+"""Fragment words of one 64-row tile and one K step."""
+
+# two codes 16 bits apart -> one 32-bit register of two 16-bit values, per pair p (nibbles p and p + 4): the sign
+# to bit 15 / 31, e1 e0 m to bits 6..8 / 22..24 (bf16) or 9..11 / 25..27 (fp16); magnitude x 2^126 / 2^14 after
+_FP4_BF16 = """{ .reg .b32 s, e;
+shl.b32 s, $8, 12; and.b32 s, s, 0x80008000; shl.b32 e, $8, 6; and.b32 e, e, 0x01C001C0; or.b32 $0, s, e;
+shl.b32 s, $8, 8; and.b32 s, s, 0x80008000; shl.b32 e, $8, 2; and.b32 e, e, 0x01C001C0; or.b32 $1, s, e;
+shl.b32 s, $8, 4; and.b32 s, s, 0x80008000; shr.b32 e, $8, 2; and.b32 e, e, 0x01C001C0; or.b32 $2, s, e;
+and.b32 s, $8, 0x80008000; shr.b32 e, $8, 6; and.b32 e, e, 0x01C001C0; or.b32 $3, s, e; }"""
+_FP4_F16 = """{ .reg .b32 s, e;
+shl.b32 s, $8, 12; and.b32 s, s, 0x80008000; shl.b32 e, $8, 9; and.b32 e, e, 0x0E000E00; or.b32 $0, s, e;
+shl.b32 s, $8, 8; and.b32 s, s, 0x80008000; shl.b32 e, $8, 5; and.b32 e, e, 0x0E000E00; or.b32 $1, s, e;
+shl.b32 s, $8, 4; and.b32 s, s, 0x80008000; shl.b32 e, $8, 1; and.b32 e, e, 0x0E000E00; or.b32 $2, s, e;
+and.b32 s, $8, 0x80008000; shr.b32 e, $8, 3; and.b32 e, e, 0x0E000E00; or.b32 $3, s, e; }"""
+# int4: the code as the low mantissa bits of magic + code (bf16 128 + q, fp16 1024 + q)
+_INT4 = """{ .reg .b32 t;
+and.b32 t, $8, 0x000F000F; or.b32 $0, t, MAGIC;
+shr.b32 t, $8, 4; and.b32 t, t, 0x000F000F; or.b32 $1, t, MAGIC;
+shr.b32 t, $8, 8; and.b32 t, t, 0x000F000F; or.b32 $2, t, MAGIC;
+shr.b32 t, $8, 12; and.b32 t, t, 0x000F000F; or.b32 $3, t, MAGIC; }"""
+_INT4_BF16 = gl.constexpr(_INT4.replace("MAGIC", "0x43004300"))
+_INT4_F16 = gl.constexpr(_INT4.replace("MAGIC", "0x64006400"))
+_FP4_BF16 = gl.constexpr(_FP4_BF16)
+_FP4_F16 = gl.constexpr(_FP4_F16)
+_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r,r,r,r,r,r,r,r,r")
+
+
+@gluon.constexpr_function
+def _frag_layout(WG):
+    """The decode tensor [4 WG warps, h 2, l 8, c 4, g 2, q 4, j 2] (row 16 w + 8 h + l, column 16 c + 8 g + 2 q
+    + j): registers j, h, g, c (the A fragment's order), lanes 4 l + q, warps w."""
+    return gl.BlockedLayout([1, 2, 1, 4, 2, 1, 2], [1, 1, 8, 1, 1, 4, 1], [4 * int(WG), 1, 1, 1, 1, 1, 1],
+                            [6, 1, 4, 3, 5, 2, 0])
+
+
+@gluon.jit
+def _arange4(n: gl.constexpr, dim: gl.constexpr, L: gl.constexpr):
+    """[n] arange laid out as dimension ``dim`` of the 4-D layout ``L`` (to index a 4-D tensor)."""
+    if dim == 0:
+        return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+    elif dim == 1:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+    elif dim == 2:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
+    else:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
+
+
+@gluon.jit
+def _issue_x(x_desc, x_bufs, ready, kt, k0, m0, BM: gl.constexpr, STAGES: gl.constexpr):
+    """TMA of the program's K step ``kt`` (the weight's step ``k0 + kt``) of x into ring slot ``kt % STAGES``."""
+    s = kt % STAGES
+    mbarrier.expect(ready.index(s), BM * BK * 2)
+    tma.async_copy_global_to_shared(x_desc, [m0, (k0 + kt) * BK], ready.index(s), x_bufs.index(s))
+
+
+@gluon.jit
+def _load_words(w_ptr, w_off, w_ok, step, KS):
+    """This thread's fragment words [4 WG, 8, 4, 4] of K step ``step`` (zeros past the last step)."""
+    return gl.load(w_ptr + w_off + step * WORDS, mask=w_ok & (step < KS), other=0)
+
+
+@gluon.jit
+def _load_scales(s_ptr, rows, row_ok, chunk, step, K, stride_sn, GROUP: gl.constexpr,
+                 SCALE_SWIZZLED: gl.constexpr):
+    """The block scale codes (int32) of this thread's rows [4 WG, 2, 8, 1] and chunks [1, 1, 1, 4] at K step
+    ``step``; rows past N and steps past the end read 0."""
+    col = (step * BK + chunk * 16) // GROUP
+    ok = row_ok & (col < K // GROUP)
+    return gl.load(s_ptr + w4_scale_offset(rows, col, stride_sn, SCALE_SWIZZLED), mask=ok, other=0).to(gl.int32)
+
+
+@gluon.jit
+def _operand(words, scale, DT: gl.constexpr, FMT: gl.constexpr, WG: gl.constexpr, a_layout: gl.constexpr):
+    """The A operand [64 WG, 64] of one K step from this thread's fragment words and block scale codes."""
+    L7: gl.constexpr = _frag_layout(WG)
+    shape: gl.constexpr = [4 * WG, 2, 8, 4, 2, 4, 2]
+    w7 = gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 1), 4), 6)
+    w7 = gl.broadcast(w7, gl.full(shape, 0, gl.int32, L7))[0]
+    s, z = w4_scale_values(scale, DT, FMT)
+    s7 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(s, 4), 5), 6), w7)[0]
+    if FMT == 4:
+        if DT == gl.float16:
+            q = gl.inline_asm_elementwise(_INT4_F16, _CONSTRAINTS, [w7], dtype=gl.float16, is_pure=True, pack=8)
+        else:
+            q = gl.inline_asm_elementwise(_INT4_BF16, _CONSTRAINTS, [w7], dtype=gl.bfloat16, is_pure=True, pack=8)
+        z7 = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(z, 4), 5), 6), s7)[0]
+        v = (q - z7) * s7
+    elif DT == gl.float16:
+        v = (gl.inline_asm_elementwise(_FP4_F16, _CONSTRAINTS, [w7], dtype=gl.float16, is_pure=True, pack=8)
+             * 16384.0 * s7)
+    else:
+        v = (gl.inline_asm_elementwise(_FP4_BF16, _CONSTRAINTS, [w7], dtype=gl.bfloat16, is_pure=True, pack=8)
+             * 8.507059173023462e37 * s7)
+    return gl.convert_layout(gl.reshape(v, [64 * WG, 64]), a_layout)
+
+
+@gluon.jit
+def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sn,
+                      stride_om, FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr,
+                      GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, BM: gl.constexpr,
+                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr):
+    """SPLIT programs per output tile (64 WG weight rows x BM rows of x), each over its own run of K steps, WG
+    warpgroups of 4 warps per program. ``x_desc``: x [M, K] (bf16/fp16) with [BM, 64] boxes; ``w_ptr``: the
+    fragment words int32 [ceil(N / 64), ceil(K / 64), 512] (``w4_fragments``); ``s_ptr``: the block scales
+    (uint8 codes, linear or 128x4-swizzled; int4: the int32 ``scale | zero << 16`` words), row stride
+    ``stride_sn``. SPLIT > 1: ``ws_ptr`` an fp32 workspace of SPLIT x 64 WG x BM per tile, ``cnt_ptr`` one int32
+    zero per tile (left zero). STAGES >= 3."""
+    ROWS: gl.constexpr = 64 * WG
+    DT: gl.constexpr = x_desc.dtype
+    x_bufs = gl.allocate_shared_memory(DT, [STAGES, BM, BK], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
+                                                         instr_shape=[16, BM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    L7: gl.constexpr = _frag_layout(WG)
+    word_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(4, gl.SliceLayout(6, L7)))    # [w, l, c, q]
+    scale_layout: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))   # [w, h, l, c]
+
+    tile = gl.program_id(0) // SPLIT
+    pid_n, pid_m = grouped_tile(tile, gl.cdiv(N, ROWS), gl.cdiv(M, BM), GROUP_M)
+    n0 = pid_n * ROWS
+    m0 = pid_m * BM
+    KS = gl.cdiv(K, BK)
+    # this program's K steps, in pairs: the SPLIT programs of a tile take equal even runs
+    steps = gl.cdiv(gl.cdiv(KS, SPLIT), 2) * 2
+    split = gl.program_id(0) % SPLIT
+    k0 = split * steps
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _issue_x(x_desc, x_bufs, ready, i, k0, m0, BM, STAGES)
+
+    # fragment words: 64-row tile n0 / 64 + w // 4, warp w % 4 of it; each thread's 4 words contiguous
+    ww = _arange4(4 * WG, 0, word_layout)[:, None, None, None]
+    lane = (_arange4(8, 1, word_layout)[None, :, None, None] * 4 + _arange4(4, 3, word_layout)[None, None, None, :])
+    chunk = _arange4(4, 2, word_layout)[None, None, :, None]
+    t64 = n0 // 64 + ww // 4
+    w_ok = t64 < gl.cdiv(N, 64)
+    w_off = ((t64.to(gl.int64) * KS) * 4 + ww % 4) * 128 + lane * 4 + chunk
+    # block scales: rows 16 w + 8 h + l of the program's tile, chunks c
+    rows = (n0 + _arange4(4 * WG, 0, scale_layout)[:, None, None, None] * 16
+            + _arange4(2, 1, scale_layout)[None, :, None, None] * 8 + _arange4(8, 2, scale_layout)[None, None, :, None])
+    row_ok = rows < N
+    chunks = _arange4(4, 3, scale_layout)[None, None, None, :]
+
+    nxt = _load_scales(s_ptr, rows, row_ok, chunks, k0, K, stride_sn, GROUP, SCALE_SWIZZLED)
+    cur0 = _load_words(w_ptr, w_off, w_ok, k0, KS)
+    cur1 = _load_words(w_ptr, w_off, w_ok, k0 + 1, KS)
+    acc = gl.zeros([ROWS, BM], gl.float32, acc_layout)
+    a_odd = gl.zeros([ROWS, BK], DT, a_layout)
+    for kt in range(0, steps, 2):
+        scale = nxt
+        nxt = _load_scales(s_ptr, rows, row_ok, chunks, k0 + kt + 1, K, stride_sn, GROUP, SCALE_SWIZZLED)
+        words = cur0
+        cur0 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 2, KS)
+        a_even = _operand(words, scale, DT, FMT, WG, a_layout)
+        mbarrier.wait(ready.index(kt % STAGES), (kt // STAGES) & 1)
+        acc = warpgroup_mma(a_even, x_bufs.index(kt % STAGES).permute((1, 0)), acc, is_async=True)
+        # retires the previous pass's odd wgmma: its registers (a dependency here) and its slot are free
+        acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))
+        if kt + STAGES - 1 < steps:
+            _issue_x(x_desc, x_bufs, ready, kt + STAGES - 1, k0, m0, BM, STAGES)
+        scale = nxt
+        nxt = _load_scales(s_ptr, rows, row_ok, chunks, k0 + kt + 2, K, stride_sn, GROUP, SCALE_SWIZZLED)
+        words = cur1
+        cur1 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 3, KS)
+        a_odd = _operand(words, scale, DT, FMT, WG, a_layout)
+        mbarrier.wait(ready.index((kt + 1) % STAGES), ((kt + 1) // STAGES) & 1)
+        acc = warpgroup_mma(a_odd, x_bufs.index((kt + 1) % STAGES).permute((1, 0)), acc, is_async=True)
+        # retires this pass's even wgmma
+        acc, a_even = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_even))
+        if kt + STAGES < steps:
+            _issue_x(x_desc, x_bufs, ready, kt + STAGES, k0, m0, BM, STAGES)
+    acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
+    finish_w4_tile(acc, ws_ptr, cnt_ptr, tile, split, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0,
+                   acc_layout, ROWS, BM, SPLIT, GSCALE_MODE, HAS_BIAS, ACT)
