@@ -48,3 +48,66 @@ def test_refuses_bad_codes():
         fragment_words(torch.zeros(4, 8, dtype=torch.int32), 16)
     with pytest.raises(ValueError, match="K = 32"):
         fragment_words(torch.zeros(4, 8, dtype=torch.uint8), 32)
+
+
+def _run_ptx(asm: str, word: int) -> list[int]:
+    """Execute the shift / and / or PTX of a register-fragment decode on one input word (``$4``, the first of
+    the pack's eight copies): the four 32-bit outputs ``$0`` .. ``$3``."""
+    import re
+
+    regs = {"$4": word & 0xFFFFFFFF}
+    body = asm.strip().strip("{}")
+    for stmt in body.split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        vals = [int(a, 16) if a.startswith("0x") else (int(a) if re.fullmatch(r"\d+", a) else regs[a]) for a in src]
+        if op == "shl.b32":
+            r = vals[0] << vals[1]
+        elif op == "shr.b32":
+            r = vals[0] >> vals[1]
+        elif op == "and.b32":
+            r = vals[0] & vals[1]
+        elif op == "or.b32":
+            r = vals[0] | vals[1]
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["fp4", "int4"])
+def test_the_kernels_pair_decode_gives_every_codes_value(fmt, dtype):
+    # the inline PTX of _gemm_w4_rf, run on CPU for random words: output register p holds nibble p in its low
+    # half and nibble p + 4 in its high half, as E2M1 bits (times 2^126 for bf16, 2^14 for fp16, done after the
+    # PTX) or as magic + code (128 + q in bf16, 1024 + q in fp16)
+    pytest.importorskip("triton.experimental.gluon")
+    from lowbit.kernels import _gemm_w4_rf as rf
+
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+    bf16 = dtype == torch.bfloat16
+    if fmt == "fp4":
+        asm = (rf._FP4_BF16 if bf16 else rf._FP4_F16).value
+    else:
+        asm = (rf._INT4_BF16 if bf16 else rf._INT4_F16).value
+    g = torch.Generator().manual_seed(3)
+    words = torch.randint(0, 2**32, (200,), generator=g, dtype=torch.int64).tolist() + [0, 0xFFFFFFFF, 0x76543210]
+    for word in words:
+        out = _run_ptx(asm, word)
+        halves = torch.tensor([[o & 0xFFFF, o >> 16] for o in out], dtype=torch.int32).to(torch.int16)
+        vals = halves.view(dtype).float()
+        for p in range(4):
+            for j in range(2):
+                code = (word >> (4 * (p + 4 * j))) & 15
+                if fmt == "fp4":
+                    want = e2m1[code] if code < 8 else -e2m1[code - 8]
+                    got = vals[p, j].item() * (2.0**126 if bf16 else 2.0**14)
+                    assert got == want or (want == 0 and got == 0), (hex(word), p, j, code, got)
+                    if code == 8:
+                        assert halves[p, j].item() & 0xFFFF == 0x8000  # -0 keeps its sign
+                else:
+                    assert vals[p, j].item() == (128.0 if bf16 else 1024.0) + code, (hex(word), p, j)

@@ -31,24 +31,26 @@ BK = gl.constexpr(64)
 WORDS = gl.constexpr(512)
 """Fragment words of one 64-row tile and one K step."""
 
-# two codes 16 bits apart -> one 32-bit register of two 16-bit values, per pair p (nibbles p and p + 4): the sign
+# $4: the word (the first of the eight copies a pack of eight elements gets; $0 .. $3 the four outputs, element
+# 2 p in the low half of $p). Two codes 16 bits apart -> one 32-bit register of two 16-bit values, per pair p
+# (nibbles p and p + 4): the sign
 # to bit 15 / 31, e1 e0 m to bits 6..8 / 22..24 (bf16) or 9..11 / 25..27 (fp16); magnitude x 2^126 / 2^14 after
 _FP4_BF16 = """{ .reg .b32 s, e;
-shl.b32 s, $8, 12; and.b32 s, s, 0x80008000; shl.b32 e, $8, 6; and.b32 e, e, 0x01C001C0; or.b32 $0, s, e;
-shl.b32 s, $8, 8; and.b32 s, s, 0x80008000; shl.b32 e, $8, 2; and.b32 e, e, 0x01C001C0; or.b32 $1, s, e;
-shl.b32 s, $8, 4; and.b32 s, s, 0x80008000; shr.b32 e, $8, 2; and.b32 e, e, 0x01C001C0; or.b32 $2, s, e;
-and.b32 s, $8, 0x80008000; shr.b32 e, $8, 6; and.b32 e, e, 0x01C001C0; or.b32 $3, s, e; }"""
+shl.b32 s, $4, 12; and.b32 s, s, 0x80008000; shl.b32 e, $4, 6; and.b32 e, e, 0x01C001C0; or.b32 $0, s, e;
+shl.b32 s, $4, 8; and.b32 s, s, 0x80008000; shl.b32 e, $4, 2; and.b32 e, e, 0x01C001C0; or.b32 $1, s, e;
+shl.b32 s, $4, 4; and.b32 s, s, 0x80008000; shr.b32 e, $4, 2; and.b32 e, e, 0x01C001C0; or.b32 $2, s, e;
+and.b32 s, $4, 0x80008000; shr.b32 e, $4, 6; and.b32 e, e, 0x01C001C0; or.b32 $3, s, e; }"""
 _FP4_F16 = """{ .reg .b32 s, e;
-shl.b32 s, $8, 12; and.b32 s, s, 0x80008000; shl.b32 e, $8, 9; and.b32 e, e, 0x0E000E00; or.b32 $0, s, e;
-shl.b32 s, $8, 8; and.b32 s, s, 0x80008000; shl.b32 e, $8, 5; and.b32 e, e, 0x0E000E00; or.b32 $1, s, e;
-shl.b32 s, $8, 4; and.b32 s, s, 0x80008000; shl.b32 e, $8, 1; and.b32 e, e, 0x0E000E00; or.b32 $2, s, e;
-and.b32 s, $8, 0x80008000; shr.b32 e, $8, 3; and.b32 e, e, 0x0E000E00; or.b32 $3, s, e; }"""
+shl.b32 s, $4, 12; and.b32 s, s, 0x80008000; shl.b32 e, $4, 9; and.b32 e, e, 0x0E000E00; or.b32 $0, s, e;
+shl.b32 s, $4, 8; and.b32 s, s, 0x80008000; shl.b32 e, $4, 5; and.b32 e, e, 0x0E000E00; or.b32 $1, s, e;
+shl.b32 s, $4, 4; and.b32 s, s, 0x80008000; shl.b32 e, $4, 1; and.b32 e, e, 0x0E000E00; or.b32 $2, s, e;
+and.b32 s, $4, 0x80008000; shr.b32 e, $4, 3; and.b32 e, e, 0x0E000E00; or.b32 $3, s, e; }"""
 # int4: the code as the low mantissa bits of magic + code (bf16 128 + q, fp16 1024 + q)
 _INT4 = """{ .reg .b32 t;
-and.b32 t, $8, 0x000F000F; or.b32 $0, t, MAGIC;
-shr.b32 t, $8, 4; and.b32 t, t, 0x000F000F; or.b32 $1, t, MAGIC;
-shr.b32 t, $8, 8; and.b32 t, t, 0x000F000F; or.b32 $2, t, MAGIC;
-shr.b32 t, $8, 12; and.b32 t, t, 0x000F000F; or.b32 $3, t, MAGIC; }"""
+and.b32 t, $4, 0x000F000F; or.b32 $0, t, MAGIC;
+shr.b32 t, $4, 4; and.b32 t, t, 0x000F000F; or.b32 $1, t, MAGIC;
+shr.b32 t, $4, 8; and.b32 t, t, 0x000F000F; or.b32 $2, t, MAGIC;
+shr.b32 t, $4, 12; and.b32 t, t, 0x000F000F; or.b32 $3, t, MAGIC; }"""
 _INT4_BF16 = gl.constexpr(_INT4.replace("MAGIC", "0x43004300"))
 _INT4_F16 = gl.constexpr(_INT4.replace("MAGIC", "0x64006400"))
 _FP4_BF16 = gl.constexpr(_FP4_BF16)
