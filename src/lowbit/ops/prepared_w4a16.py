@@ -141,37 +141,29 @@ class W4A16Calls:
         """The register-operand GEMM with the config the rules gave for this M, through a
         ``lowbit.kernels.gemm_w4.RaRunner`` made once per (M, x dtype, bias or not): the call
         :func:`lowbit.linear` makes (a gated layer's product, then the gating), with a kept compiled launch."""
-        if bias is not None:
-            if (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
-                    or bias.device != self.device or bias.shape != (self.n,)):
-                return None
-            self._bias_ok = bias
-        m = x2.shape[0]
-        key = (m, x.dtype, bias is None)
-        run = self.runners.get(key)
-        if run is None:
-            if torch.cuda.is_current_stream_capturing() or self._backend() == "torch":
-                return None
-            from ..kernels.gemm_w4 import RaRunner
+        from ..kernels.gemm_w4 import RaRunner
 
-            if len(self.runners) >= MAX_RUNNERS:
-                self.runners.clear()
-            if self.gated:
-                run = GatedProduct(RaRunner(self.w, m, x.dtype, None, config), self.activation)
-            else:
-                run = RaRunner(self.w, m, x.dtype, self.activation, config)
-            self.runners[key] = run
-        if not x2.is_contiguous() or x2.data_ptr() % 16:
-            x2 = x2.clone(memory_format=torch.contiguous_format)
-        out = run(x2, bias)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.n_out)
+        return self._kept_call(x, x2, bias, lambda m, dtype, act: RaRunner(self.w, m, dtype, act, config))
 
     def _gemm_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """The tensor-core GEMM regime (M between the GEMV and the dequantize threshold) through a
         ``lowbit.kernels.gemm_w4.GemmRunner`` made once per (M, x dtype, bias or not) where the dispatch rules
         choose ``gemm_w4``: the kernel, tiles and arguments decided once, kept compiled launches per call (the
-        general path decides them on every call). The same launch, so the bits of :func:`lowbit.linear`; a gated
-        layer's runner gates the product after it (:class:`GatedProduct`), as that function does."""
+        general path decides them on every call). The same launch, so the bits of :func:`lowbit.linear`."""
+        from ..kernels.gemm_w4 import GemmRunner
+        from .linear import resolve_backend
+
+        def make(m, dtype, act):
+            if policy.linear_decide(m, self.device, self.w, resolve_backend(self.backend))[0] != "gemm_w4":
+                return None
+            return GemmRunner(self.w, m, dtype, act)
+
+        return self._kept_call(x, x2, bias, make)
+
+    def _kept_call(self, x: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None, make) -> torch.Tensor | None:
+        """A GEMM-regime call through the runner kept for (M, x dtype, bias or not), made by ``make(m, dtype,
+        activation)`` (None: the general path runs) outside a capture; a gated layer's runner gates the product
+        after it (:class:`GatedProduct`), as :func:`lowbit.linear` does. None where the fast path does not apply."""
         if bias is not None:
             if (bias.dtype != x.dtype or bias.data_ptr() % 16 or not bias.is_contiguous()
                     or bias.device != self.device or bias.shape != (self.n,)):
@@ -182,19 +174,14 @@ class W4A16Calls:
         run = self.runners.get(key)
         if run is None:
             if torch.cuda.is_current_stream_capturing() or self._backend() == "torch":
+                return None  # made outside a capture only (its buffers must not live in the graph's pool)
+            run = make(m, x.dtype, None if self.gated else self.activation)
+            if run is None:
                 return None
-            from ..kernels.gemm_w4 import GemmRunner
-            from .linear import resolve_backend
-
-            if policy.linear_decide(m, self.device, self.w, resolve_backend(self.backend))[0] != "gemm_w4":
-                return None
+            if self.gated:
+                run = GatedProduct(run, self.activation)
             if len(self.runners) >= MAX_RUNNERS:
                 self.runners.clear()
-            if self.gated:
-                # the product, then the gating, as lowbit.linear runs a gated activation on the GEMM
-                run = GatedProduct(GemmRunner(self.w, m, x.dtype, None), self.activation)
-            else:
-                run = GemmRunner(self.w, m, x.dtype, self.activation)
             self.runners[key] = run
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             x2 = x2.clone(memory_format=torch.contiguous_format)
