@@ -1,5 +1,6 @@
 """The Gluon W4A16 GEMMs, warp-specialized (``gemm_w4.gemm_w4_ws``), register-operand (``gemm_w4.gemm_w4_ra``,
-with ``--ra``) and register-fragment (``gemm_w4.gemm_w4_rf``, with ``--rf``), against cuBLAS bf16, the Triton GEMM (``gemm_w4``) and what ``lowbit.linear`` runs today, at
+with ``--ra``) and register-fragment (``gemm_w4.gemm_w4_rf``, with ``--rf``), against cuBLAS bf16, the Triton
+GEMM (``gemm_w4``) and what ``lowbit.linear`` runs today, at
 M = 32 ... 4096 on the W4A16 benchmark's shapes.
 
     PYTHONPATH=src python benchmarks/experiments/sweep_w4a16_ws.py [--formats nvfp4,int4_awq] [--ms 64,256]

@@ -770,3 +770,20 @@ def test_register_operand_route_is_decided_and_explained(monkeypatch):
     assert policy.linear_decide(256, cuda, odd, "auto")[0] == "dequant_gemm"
     assert policy.linear_decide(512, cuda, q, "auto")[0] == "dequant_gemm"
     assert policy.linear_decide(256, torch.device("cpu"), q, "auto")[0] == "reference"
+
+
+def test_register_fragment_kernel_behind_its_switch(monkeypatch):
+    # policy.REGISTER_OPERAND_FRAGMENTS: the same rule runs gemm_w4_rf, and a prepared layer's runner the same
+    pytest.importorskip("triton")
+    from lowbit.kernels import gemm_w4
+
+    monkeypatch.setattr(policy, "sm_count", lambda device: 132)
+    q = lowbit.quantize(torch.randn(28672, 2048), "nvfp4")
+    cuda = torch.device("cuda")
+    assert policy.linear_decide(256, cuda, q, "auto")[1] is gemm_w4.gemm_w4_ra
+    monkeypatch.setattr(policy, "REGISTER_OPERAND_FRAGMENTS", True)
+    path, target, facts = policy.linear_decide(256, cuda, q, "auto")
+    assert (path, target) == ("gemm_w4_ra", gemm_w4.gemm_w4_rf) and facts[0]["FRAGMENTS"] == 1
+    assert "register-fragment" in lin._reason(path, facts, 256, cuda, q)
+    run = gemm_w4.RaRunner(q, 256, torch.bfloat16, None, facts[0])
+    assert run.plan.fragments and run.plan.w_args[0].shape == (448, 32, 512)

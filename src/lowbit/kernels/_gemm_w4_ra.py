@@ -2,9 +2,10 @@
 ``out = act(x @ dequant(w).T * g + bias)``.
 
 Each warpgroup of a program computes the transposed tile ``acc[64 weight rows, BM x rows] = w_tile @ x_tile.T``
-(WG warpgroups: 64 WG weight rows sharing the x tiles): TMA streams x tiles [BM, BK] and packed weight tiles (the
-weight's uint8 rows viewed as int32 words, boxes [64 WG, BK / 8]) into a ring of ``STAGES`` slots; the program decodes a weight tile exactly into the activation
-dtype (``gluon_device.decode_w4_words``, the warp-specialized kernel's decode), converts it to the wgmma A
+(WG warpgroups: 64 WG weight rows sharing the x tiles): TMA streams x tiles [BM, BK] and packed weight tiles
+(the weight's uint8 rows viewed as int32 words, boxes [64 WG, BK / 8]) into a ring of ``STAGES`` slots; the
+program decodes a weight tile exactly into the activation dtype (``gluon_device.decode_w4_words``, the
+warp-specialized kernel's decode), converts it to the wgmma A
 operand layout and issues ``m64nBMk16`` wgmmas with A from registers and x from shared memory, keeping one
 K step in flight, so the decode of the next tile overlaps the tensor cores of this one.
 

@@ -779,15 +779,16 @@ def gemm_w4_rf(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
 
 
 class RaRunner:
-    """``run(x, bias) -> out``: :func:`gemm_w4_ra` for one weight at one M, x dtype, activation and config,
-    decided once (:class:`RaPlan`) and launched through a kept compiled kernel: the call a prepared layer makes
-    where the dispatch rules choose this kernel. ``x`` [M, K] contiguous and 16-byte aligned, ``bias`` None or
-    a contiguous, 16-byte aligned [N] (the caller checks both once); the same bits as :func:`gemm_w4_ra`."""
+    """``run(x, bias) -> out``: :func:`gemm_w4_ra` (``config["FRAGMENTS"]``: :func:`gemm_w4_rf`) for one weight at
+    one M, x dtype, activation and config, decided once (:class:`RaPlan`) and launched through a kept compiled
+    kernel: the call a prepared layer makes where the dispatch rules choose this kernel. ``x`` [M, K] contiguous
+    and 16-byte aligned, ``bias`` None or a contiguous, 16-byte aligned [N] (the caller checks both once); the
+    same bits as the function."""
 
     __slots__ = ("dtype", "launches", "plan")
 
     def __init__(self, w: QTensor, m: int, dtype: torch.dtype, activation: str | None, config: dict) -> None:
-        self.plan = RaPlan(w, m, dtype, activation, {**RA_CONFIG, **config})
+        self.plan = RaPlan(w, m, dtype, activation, {**RA_CONFIG, **config}, fragments=bool(config.get("FRAGMENTS")))
         self.dtype = dtype
         self.launches: dict = {}
 

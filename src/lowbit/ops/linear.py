@@ -189,8 +189,8 @@ class LinearPlan(op_common.Plan):
     ``lowbit.ops.op_common.Plan``), then the weight format and the exception class.
 
     ``path`` is ``"reference"``, ``"gemv_w4"``, ``"gemm_w4"``, ``"gemm_w4_ra"``, ``"dequant_gemm"``, ``"empty"``
-    (M == 0: nothing launched) or ``"unavailable"`` (:func:`linear` raises ``error`` with ``reason`` as its message); ``device``
-    is x's; m, n, k are the rows of x, the output features and the input features.
+    (M == 0: nothing launched) or ``"unavailable"`` (:func:`linear` raises ``error`` with ``reason`` as its
+    message); ``device`` is x's; m, n, k are the rows of x, the output features and the input features.
 
     Attributes:
         fmt: the weight format.

@@ -12,7 +12,8 @@ W4A16 (``lowbit.linear``), on CUDA:
 - ``GEMV_MAX_M < M < DEQUANT_GEMM_MIN_M``: the tensor-core GEMM (``lowbit.kernels.gemm_w4``);
 - ``M >= DEQUANT_GEMM_MIN_M``: dequantize a bounded chunk of rows at a time, then cuBLAS;
 - before both, where :func:`register_operand_config` says so (nvfp4, mxfp4, int4_awq weights whose tiles fill
-  the GPU, large enough to cover the launch's host time): the Gluon GEMM with the decoded weight as the wgmma register operand (``gemm_w4.gemm_w4_ra``).
+  the GPU, large enough to cover the launch's host time): the Gluon GEMM with the decoded weight as the wgmma
+  register operand (``gemm_w4.gemm_w4_ra``; ``gemm_w4_rf`` with :data:`REGISTER_OPERAND_FRAGMENTS`).
 
 Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.scaled_mm`` (:func:`scaled_route`):
 
@@ -143,6 +144,12 @@ REGISTER_OPERAND_SMALL_M_MIN_WORK = 10**9
 17.2 / 17.2 against 17.6 / 16.1. Host time per call through the prepared layer's kept launch 26-40 us, the
 Triton GEMM's 27-42 (``F.linear`` 16-21), so eager gains what the GPU gains."""
 
+REGISTER_OPERAND_FRAGMENTS = False
+"""Where the rules above choose the register-operand route, run the register-fragment kernel
+(``gemm_w4.gemm_w4_rf``: the weight laid out once as wgmma register fragments, no shared memory for it) instead
+of ``gemm_w4_ra``, with the same config. False until that kernel has run on a GPU: it is compiled and checked
+for sm_90 only."""
+
 _SM_COUNT: dict = {}
 
 
@@ -157,8 +164,8 @@ def sm_count(device: torch.device) -> int:
 
 def register_operand_config(m: int, w: QTensor, device: torch.device) -> dict | None:
     """The ``gemm_w4_ra`` config for ``m`` rows of x on weight ``w`` where that kernel is the W4A16 route
-    (:data:`REGISTER_OPERAND_M`, :data:`REGISTER_OPERAND_SMALL_M` and their work bounds), else None. The caller has checked that the
-    kernel reads ``w`` (``gemm_w4.ra_weight_supports``)."""
+    (:data:`REGISTER_OPERAND_M`, :data:`REGISTER_OPERAND_SMALL_M` and their work bounds), else None. The
+    caller has checked that the kernel reads ``w`` (``gemm_w4.ra_weight_supports``)."""
     n = w.shape[0]
     work = m * n * w.shape[1]
     lo, hi = REGISTER_OPERAND_SMALL_M
@@ -214,11 +221,11 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     least = min(REGISTER_OPERAND_MIN_WORK, REGISTER_OPERAND_SMALL_M_MIN_WORK)
     if m > GEMV_MAX_M and m * w.shape[0] * w.shape[1] >= least and not dequant_only(w):
         module = kernel_module("gemm_w4")
-        ra = getattr(module, "gemm_w4_ra", None)
+        ra = getattr(module, "gemm_w4_rf" if REGISTER_OPERAND_FRAGMENTS else "gemm_w4_ra", None)
         if ra is not None and module.ra_weight_supports(w) is None:
             config = register_operand_config(m, w, device)
             if config is not None:
-                return "gemm_w4_ra", ra, (config,)
+                return "gemm_w4_ra", ra, ({**config, "FRAGMENTS": 1} if REGISTER_OPERAND_FRAGMENTS else config,)
     if dequant_only(w):
         if slice_rows_reason(w) is None:
             return "dequant_gemm", None, ("dequant_only",)
@@ -256,7 +263,8 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
                 "(Triton), then cuBLAS")
     if path == "gemm_w4_ra":
         cfg = facts[0]
-        return (f"M={m}, {w.fmt}, N={w.shape[0]}: register-operand tensor-core GEMM (policy.register_operand_config: "
+        kind = "register-fragment weight" if cfg.get("FRAGMENTS") else "register-operand"
+        return (f"M={m}, {w.fmt}, N={w.shape[0]}: {kind} tensor-core GEMM (policy.register_operand_config: "
                 f"{cfg['WG']} warpgroup(s), {cfg['BM']}-row x tiles, K split in {cfg['SPLIT']})")
     if path == "gemm_w4":
         if m <= GEMV_MAX_M:
