@@ -671,14 +671,18 @@ _split_counters: dict = {}
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """One int32 arrival counter per output tile for the split-K kernel, zero between launches (the kernel
-    resets what it uses); kept per device and grown, never shrunk."""
-    cnt = _split_counters.get(device)
+    resets what it uses); kept per device and stream (launches on one stream run one after the other; two
+    streams' kernels must not share counters), grown, never shrunk."""
+    if torch.cuda.is_current_stream_capturing():
+        # a graph gets counters of its own (in its pool, zeroed on each replay): replays may run on any stream
+        return torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, torch._C._cuda_getCurrentRawStream(idx))
+    cnt = _split_counters.get(key)
     if cnt is None or cnt.numel() < tiles:
-        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        if torch.cuda.is_current_stream_capturing():
-            # made in a capture, the zeros live in the graph's pool and are set on each replay: this call's only
-            return cnt
-        _split_counters[device] = cnt
+        if len(_split_counters) >= 64:
+            _split_counters.clear()
+        cnt = _split_counters[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
     return cnt
 
 
