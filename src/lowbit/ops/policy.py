@@ -132,7 +132,8 @@ REGISTER_OPERAND_SMALL_M = (33, 64)
 """M range in which nvfp4 weights run the register-operand GEMM with 64-row x tiles, split K in 4 (2 from
 N = 16384). Same sweep, M = 64: 0.61 / 0.72 / 0.78x cuBLAS (6144x4096, 4096x14336, 28672x8192) against the
 Triton GEMM's 0.53 / 0.64 / 0.62x; on 1024x4096 0.62 against 0.76. Not taken for mxfp4 and int4_awq, whose
-Triton GEMM was as fast or faster there (int4: 0.72 / 0.92x against 0.66 / 0.83x)."""
+Triton GEMM was as fast or faster there (int4: 0.72 / 0.92x against 0.66 / 0.83x). Measured at M = 64 only:
+below it the 64-row x tile is partly empty for both kernels."""
 REGISTER_OPERAND_MIN_WORK = 10**10
 """Smallest M x N x K for the two-warpgroup rule (:data:`REGISTER_OPERAND_M`): every case of its sweep was
 above it; below, at short K or few columns, the kernel's pipeline prologue and epilogue weigh more and nothing
