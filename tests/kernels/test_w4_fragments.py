@@ -111,3 +111,37 @@ def test_the_kernels_pair_decode_gives_every_codes_value(fmt, dtype):
                         assert halves[p, j].item() & 0xFFFF == 0x8000  # -0 keeps its sign
                 else:
                     assert vals[p, j].item() == (128.0 if bf16 else 1024.0) + code, (hex(word), p, j)
+
+
+@pytest.mark.parametrize("wg", [1, 2])
+@pytest.mark.parametrize("n, k", [(200, 160), (64, 64), (130, 4096)])
+def test_the_kernels_indexing_reads_the_weight(n, k, wg):
+    # the register-fragment kernel's offsets, mirrored in torch: program tile n0 (64 wg rows), K step s, warp ww
+    # (64-row tile n0 / 64 + ww // 4), lane (l, q), chunk c -> word ((t64 * KS) * 4 + ww % 4) * 128 + (4 l + q) * 4 +
+    # c + 512 s; element (h, g, j) of the word at row n0 + 16 ww + 8 h + l, column 64 s + 16 c + 8 g + 2 q + j, with
+    # the block scale of column (64 s + 16 c) // 16: together they must give dequantize(w) for nvfp4
+    import lowbit
+
+    torch.manual_seed(n + k)
+    w = lowbit.quantize(torch.randn(n, k), "nvfp4", global_scale=torch.tensor(1.0))  # the epilogue's factor: 1
+    codes = w.data.view(torch.uint8)
+    words = fragment_words(codes, k).reshape(-1)
+    ks = -(-k // 64)
+    e2m1 = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    scales = w.scale.view(torch.float8_e4m3fn).float()
+    got = torch.full((-(-n // (64 * wg)) * 64 * wg, ks * 64), float("nan"))
+    ww, h, l, c, g, q, j = torch.meshgrid(*[torch.arange(d) for d in (4 * wg, 2, 8, 4, 2, 4, 2)], indexing="ij")
+    for n0 in range(0, n, 64 * wg):
+        t64 = n0 // 64 + ww // 4
+        for s in range(ks):
+            off = ((t64 * ks) * 4 + ww % 4) * 128 + (4 * l + q) * 4 + c + 512 * s
+            ok = t64 < -(-n // 64)
+            word = torch.where(ok, words[off.clamp(max=words.numel() - 1)].long() & 0xFFFFFFFF, 0)
+            code = (word >> (4 * (h + 2 * g + 4 * j))) & 15
+            rows = n0 + 16 * ww + 8 * h + l
+            cols = 64 * s + 16 * c + 8 * g + 2 * q + j
+            scol = (64 * s + 16 * c) // 16
+            sc = torch.where((rows < n) & (scol < k // 16),
+                             scales[rows.clamp(max=n - 1), scol.clamp(max=k // 16 - 1)], 0.0)
+            got[rows, cols] = e2m1[code] * sc
+    assert torch.equal(got[:n, :k], lowbit.dequantize(w, torch.float32))
