@@ -116,6 +116,9 @@ def test_peer_baselines_named_per_format(cases):
     assert "deep_gemm.fp8_gemm_nt" not in cases["scaled_mm.nvfp4.prefill"].baselines
     # off CUDA the FP8 cuBLASLt and Triton-only baselines say why instead of failing
     assert "CUDA" in cases["scaled_mm.nvfp4.decode"].baselines["torch._scaled_mm[fp8]"]
+    # every W4A16 op and QuantLinear op also against per-tensor FP8 (cuBLASLt), as the scaled_mm ops
+    for name in ("linear.nvfp4.decode", "linear.int4_awq.prefill", "qlinear.w4a16-nvfp4", "qlinear.w8a8-fp8-block"):
+        assert "CUDA" in cases[name].baselines["torch._scaled_mm[fp8]"], name
     assert "CUDA" in cases["linear.nvfp4.prefill"].baselines["lowbit.gemm_w4"]
     assert "lowbit.linear+bias+gelu" not in cases["linear.nvfp4.decode"].baselines  # M = 1 only
     one = bench.REGISTRY["linear.nvfp4.decode"].setup((1, 128, 256), CPU)

@@ -93,6 +93,16 @@ def _cublas(p: _Problem) -> Callable[[], Any]:
     return rotating([lambda wb=wb: F.linear(x, wb) for wb in p.bf16])
 
 
+def _fp8_baseline(p: _Problem, ctx: Context) -> Baseline:
+    """``torch._scaled_mm`` per-tensor FP8 on the same (rotated) weights: cuBLASLt's FP8 GEMM, the fastest
+    product torch offers for a layer, at twice the weight bytes of a 4-bit format."""
+    if not on_cuda(ctx.device):
+        return "cuBLASLt's FP8 GEMM: CUDA only"
+    from . import peers
+
+    return optional(lambda: rotating(peers.scaled_mm_fp8(p.x, p.bf16)), "torch._scaled_mm")
+
+
 def _peer_baselines(fmt: str, options: dict[str, Any], p: _Problem) -> dict[str, Baseline]:
     from . import peers
 
@@ -158,6 +168,7 @@ def _linear_setup(label: str, regime: str) -> Callable[[Shape, Context], Case]:
         baselines: dict[str, Baseline] = {}
         if ctx.baselines:
             baselines["cublas.bf16"] = _cublas(p)
+            baselines["torch._scaled_mm[fp8]"] = _fp8_baseline(p, ctx)
             baselines.update(_peer_baselines(fmt, options, p))
             if regime == "decode" and m == 1:
                 bias = randn((n,), ctx.device, seed=3)
@@ -240,6 +251,7 @@ def _qlinear_setup(scheme_name: str, compute: str | None = None) -> Callable[[Sh
         baselines: dict[str, Baseline] = {}
         if ctx.baselines:
             baselines["cublas.bf16"] = _cublas(p)
+            baselines["torch._scaled_mm[fp8]"] = _fp8_baseline(p, ctx)
             if scheme.act_format is None and compute is None:
                 # a weight-only layer against the peers' layers of its weight format (module against module,
                 # host work included on both sides)
