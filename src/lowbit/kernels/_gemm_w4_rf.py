@@ -24,7 +24,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_device import finish_w4_tile, grouped_tile, w4_scale_offset, w4_scale_values
+from .gluon_device import finish_w4_tile, grouped_tile, load_block_scales, w4_scale_values
 
 BK = gl.constexpr(64)
 """K columns per step: four 16-wide chunks, one fragment word each per thread."""
@@ -91,16 +91,6 @@ def _issue_x(x_desc, x_bufs, ready, kt, k0, m0, BM: gl.constexpr, STAGES: gl.con
 def _load_words(w_ptr, w_off, w_ok, step, KS):
     """This thread's fragment words [4 WG, 8, 4, 4] of K step ``step`` (zeros past the last step)."""
     return gl.load(w_ptr + w_off + step * WORDS, mask=w_ok & (step < KS), other=0)
-
-
-@gluon.jit
-def _load_scales(s_ptr, rows, row_ok, chunk, step, K, stride_sn, GROUP: gl.constexpr,
-                 SCALE_SWIZZLED: gl.constexpr):
-    """The block scale codes (int32) of this thread's rows [4 WG, 2, 8, 1] and chunks [1, 1, 1, 4] at K step
-    ``step``; rows past N and steps past the end read 0."""
-    col = (step * BK + chunk * 16) // GROUP
-    ok = row_ok & (col < K // GROUP)
-    return gl.load(s_ptr + w4_scale_offset(rows, col, stride_sn, SCALE_SWIZZLED), mask=ok, other=0).to(gl.int32)
 
 
 @gluon.jit
@@ -178,14 +168,15 @@ def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_pt
     row_ok = rows < N
     chunks = _arange4(4, 3, scale_layout)[None, None, None, :]
 
-    nxt = _load_scales(s_ptr, rows, row_ok, chunks, k0, K, stride_sn, GROUP, SCALE_SWIZZLED)
+    nxt = load_block_scales(s_ptr, rows, row_ok, k0 * BK + chunks * 16, K, stride_sn, GROUP, SCALE_SWIZZLED)
     cur0 = _load_words(w_ptr, w_off, w_ok, k0, KS)
     cur1 = _load_words(w_ptr, w_off, w_ok, k0 + 1, KS)
     acc = gl.zeros([ROWS, BM], gl.float32, acc_layout)
     a_odd = gl.zeros([ROWS, BK], DT, a_layout)
     for kt in range(0, steps, 2):
         scale = nxt
-        nxt = _load_scales(s_ptr, rows, row_ok, chunks, k0 + kt + 1, K, stride_sn, GROUP, SCALE_SWIZZLED)
+        nxt = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 1) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
         words = cur0
         cur0 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 2, KS)
         a_even = _operand(words, scale, DT, FMT, WG, a_layout)
@@ -196,7 +187,8 @@ def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_pt
         if kt + STAGES - 1 < steps:
             _issue_x(x_desc, x_bufs, ready, kt + STAGES - 1, k0, m0, BM, STAGES)
         scale = nxt
-        nxt = _load_scales(s_ptr, rows, row_ok, chunks, k0 + kt + 2, K, stride_sn, GROUP, SCALE_SWIZZLED)
+        nxt = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 2) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
         words = cur1
         cur1 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 3, KS)
         a_odd = _operand(words, scale, DT, FMT, WG, a_layout)

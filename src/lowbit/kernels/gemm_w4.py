@@ -691,10 +691,17 @@ def gemm_w4_ra(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
     """``act(x @ dequant(w).T + bias)`` through the Gluon kernel with the decoded weight as the wgmma's register
     operand (``_gemm_w4_ra``). Same contract as ``gemm_w4``; takes the calls ``ws_supports(x, w)`` takes;
     ``config`` over :data:`RA_CONFIG`."""
-    cfg, out = _gluon_call("gemm_w4_ra", x, w, bias, activation, RA_CONFIG, config)
+    return _register_operand_gemm("gemm_w4_ra", False, x, w, bias, activation, config)
+
+
+def _register_operand_gemm(name: str, fragments: bool, x: torch.Tensor, w: QTensor, bias: torch.Tensor | None,
+                           activation: str | None, config: dict | None) -> torch.Tensor:
+    """:func:`gemm_w4_ra` or, ``fragments``, :func:`gemm_w4_rf` (``name`` in the errors)."""
+    cfg, out = _gluon_call(name, x, w, bias, activation, RA_CONFIG, config)
     if x.shape[0] == 0 or w.shape[0] == 0:
         return out
-    RaPlan(w, x.shape[0], x.dtype, activation, cfg).launch(x, None if bias is None else bias.contiguous(), out)
+    RaPlan(w, x.shape[0], x.dtype, activation, cfg, fragments).launch(
+        x, None if bias is None else bias.contiguous(), out)
     return out
 
 
@@ -774,12 +781,7 @@ def gemm_w4_rf(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
     """``act(x @ dequant(w).T + bias)`` through the Gluon kernel that reads the weight as wgmma register fragments
     (``_gemm_w4_rf``; the layout made once per weight). Same contract and config keys as :func:`gemm_w4_ra`
     (BK 64 only); not routed by the dispatch policy."""
-    cfg, out = _gluon_call("gemm_w4_rf", x, w, bias, activation, RA_CONFIG, config)
-    if x.shape[0] == 0 or w.shape[0] == 0:
-        return out
-    RaPlan(w, x.shape[0], x.dtype, activation, cfg, fragments=True).launch(
-        x, None if bias is None else bias.contiguous(), out)
-    return out
+    return _register_operand_gemm("gemm_w4_rf", True, x, w, bias, activation, config)
 
 
 class RaRunner:

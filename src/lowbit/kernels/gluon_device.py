@@ -25,15 +25,20 @@ def grouped_tile(tile, num_m, num_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def load_w4_scales(s_ptr, rows, row_ok, words, kt, K, stride_sn, FMT: gl.constexpr, GROUP: gl.constexpr,
                  BK: gl.constexpr, SCALE_SWIZZLED: gl.constexpr):
-    """The block scale of every packed word [BN, BK / 8] of K step kt (int32: the scale byte, or for int4 the
-    ``fp16 scale bits | zero << 16`` word); rows past N and steps past the end read 0. SCALE_SWIZZLED: the
-    128x4-swizzled layout (torchao ``to_blocked``), ``stride_sn`` then the scale columns padded to 4."""
-    col = (kt * BK + words * 8) // GROUP
-    off = w4_scale_offset(rows[:, None], col[None, :], stride_sn, SCALE_SWIZZLED)
-    ok = row_ok[:, None] & (col < K // GROUP)[None, :]
-    if FMT == 4:
-        return gl.load(s_ptr + off, mask=ok, other=0)
-    return gl.load(s_ptr + off, mask=ok, other=0).to(gl.int32)
+    """The block scale of every packed word [BN, BK / 8] of K step kt (``load_block_scales``)."""
+    return load_block_scales(s_ptr, rows[:, None], row_ok[:, None], (kt * BK + words * 8)[None, :], K, stride_sn,
+                             GROUP, SCALE_SWIZZLED)
+
+
+@gluon.jit
+def load_block_scales(s_ptr, rows, row_ok, k_elem, K, stride_sn, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr):
+    """The block scale codes (int32: the scale byte, or for int4 the ``fp16 scale bits | zero << 16`` word) of
+    weight rows ``rows`` at K elements ``k_elem`` (broadcastable int32 tensors); rows past N (``row_ok`` False)
+    and columns past the end read 0. SCALE_SWIZZLED: the 128x4-swizzled layout (torchao ``to_blocked``),
+    ``stride_sn`` then the scale columns padded to 4."""
+    col = k_elem // GROUP
+    ok = row_ok & (col < K // GROUP)
+    return gl.load(s_ptr + w4_scale_offset(rows, col, stride_sn, SCALE_SWIZZLED), mask=ok, other=0).to(gl.int32)
 
 
 @gluon.jit

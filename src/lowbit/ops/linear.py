@@ -42,6 +42,7 @@ Inference only: the op has no autograd formula.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
@@ -396,9 +397,7 @@ def _run(
     if path == "gemm_w4_ra":
         if x2.data_ptr() % 16:
             x2 = x2.clone()  # the kernel reads x by TMA: a fresh allocation is aligned
-        if activation in GATED_ACTIVATIONS:
-            return apply_activation(target(x2, w, bias, None, config=facts[0]), activation)
-        return target(x2, w, bias, activation, config=facts[0])
+        target = functools.partial(target, config=facts[0])
     if target is not None and path != "unavailable":
         if activation in GATED_ACTIVATIONS and not (path == "gemv_w4" and _gated_gemv(w)):
             return apply_activation(target(x2, w, bias, None), activation)

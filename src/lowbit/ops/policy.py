@@ -139,8 +139,9 @@ REGISTER_OPERAND_MIN_WORK = 10**10
 above it; below, at short K or few columns, the kernel's pipeline prologue and epilogue weigh more and nothing
 was measured."""
 REGISTER_OPERAND_SMALL_M_MIN_WORK = 10**9
-"""Smallest M x N x K for the nvfp4 rule (:data:`REGISTER_OPERAND_SMALL_M`). H200, QuantLinear at M = 64
-(``benchmarks/experiments/ab_register_operand.py``, eager median / CUDA-graph replay): 6144x4096 (1.6e9) 30.3 /
+"""Smallest M x N x K for the nvfp4 rule (:data:`REGISTER_OPERAND_SMALL_M`). H200, QuantLinear at M = 64, eager
+median / CUDA-graph replay (the loop of ``benchmarks/experiments/ab_register_operand.py``, run before it was
+committed, when one bound served both rules): 6144x4096 (1.6e9) 30.3 /
 30.7 us against the Triton GEMM's 34.7 / 34.4, 4096x14336 54.5 / 54.4 against 61.7 / 61.0; 1024x4096 (2.7e8)
 17.2 / 17.2 against 17.6 / 16.1. Host time per call through the prepared layer's kept launch 26-40 us, the
 Triton GEMM's 27-42 (``F.linear`` 16-21), so eager gains what the GPU gains."""
