@@ -724,12 +724,49 @@ def test_kept_dequant_chunks_do_not_keep_the_weight_alive(fmt, opts, monkeypatch
     assert ref() is None and key not in lin._KEPT_CHUNKS
 
 
-def test_register_operand_rule(monkeypatch):
-    # policy.register_operand_config on the shapes of its sweep, for a 132-SM GPU: two warpgroups and 256-row x
-    # tiles where the output tiles (times the split) fill 0.9 to 2 waves, 64-row tiles for nvfp4 at M = 33..64;
-    # never below the rules' work bounds (M x N x K)
+def test_register_fragment_rule(monkeypatch):
+    # policy.register_operand_config as shipped (the fragment kernel) on the shapes of its sweep, for a 132-SM
+    # GPU: 256-row x tiles where the programs fill at least 0.8 of their last wave, up to the format's largest M;
+    # 128-row tiles for nvfp4 at M = 97..128, 64-row tiles split in 4 for nvfp4 at M = 32..64; work bounds
     from types import SimpleNamespace
 
+    assert policy.REGISTER_OPERAND_FRAGMENTS
+    monkeypatch.setattr(policy, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+
+    def cfg(fmt, n, m, k=8192):
+        return policy.register_operand_config(m, SimpleNamespace(fmt=fmt, shape=(n, k)), cuda)
+
+    big = {"BM": 256, "WG": 2, "SPLIT": 1}
+    # 28672 columns: 224 tiles of 128 per 256 rows, 0.85 of two waves
+    assert cfg("nvfp4", 28672, 256) == cfg("int4_awq", 28672, 192) == cfg("mxfp4", 28672, 512) == big
+    assert cfg("nvfp4", 28672, 1024) == cfg("nvfp4", 28672, 768) == big
+    assert cfg("mxfp4", 28672, 768) is None and cfg("int4_awq", 28672, 1024) is None  # past the format's M
+    assert cfg("nvfp4", 28672, 1025) is None and cfg("nvfp4", 28672, 2048) is None
+    assert cfg("nvfp4", 28672, 384) == big and cfg("nvfp4", 28672, 383) is None        # last tile half full
+    assert cfg("int4_awq", 4096, 512, 14336) == {**big, "SPLIT": 2}   # 64 tiles, split in 2: 128 of 132
+    assert cfg("nvfp4", 4096, 1024, 14336) == big                      # 128 tiles
+    assert cfg("nvfp4", 6144, 256, 4096) is None      # 48 tiles, split 2: 96 of 132 (0.73)
+    assert cfg("nvfp4", 6144, 1024, 4096) is None     # 192 tiles: 0.73 of two waves
+    assert policy.wave_fill(192, 132) == pytest.approx(192 / 264) and policy.wave_fill(132, 132) == 1.0
+    assert cfg("nf4", 28672, 256) is None and cfg("nvfp4", 28672, 160 - 64) is None
+    assert cfg("nvfp4", 28672, 128) == {"BM": 128, "WG": 2, "SPLIT": 1}
+    assert cfg("nvfp4", 4096, 128, 14336) is None and cfg("mxfp4", 28672, 128) is None
+    small = {"BM": 64, "WG": 1, "SPLIT": 4}
+    assert cfg("nvfp4", 28672, 64) == cfg("nvfp4", 28672, 32) == cfg("nvfp4", 6144, 32, 4096) == small
+    assert cfg("mxfp4", 28672, 64) is None and cfg("nvfp4", 28672, 31) is None
+    # below the work bounds
+    assert cfg("nvfp4", 1024, 64, 4096) is None      # 2.7e8
+    assert cfg("nvfp4", 28672, 256, 1024) is None and cfg("nvfp4", 28672, 256, 2048) == big
+
+
+def test_register_operand_rule(monkeypatch):
+    # without the fragment kernel (REGISTER_OPERAND_FRAGMENTS False), the register-operand kernel's own rule:
+    # two warpgroups and 256-row x tiles where the output tiles (times the split) fill 0.9 to 2 waves, 64-row
+    # tiles for nvfp4 at M = 33..64; never below the rules' work bounds (M x N x K)
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(policy, "REGISTER_OPERAND_FRAGMENTS", False)
     monkeypatch.setattr(policy, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
 
@@ -756,6 +793,7 @@ def test_register_operand_route_is_decided_and_explained(monkeypatch):
     pytest.importorskip("triton")
     from lowbit.kernels import gemm_w4
 
+    monkeypatch.setattr(policy, "REGISTER_OPERAND_FRAGMENTS", False)
     monkeypatch.setattr(policy, "sm_count", lambda device: 132)
     monkeypatch.setattr(policy, "REGISTER_OPERAND_MIN_WORK", 0)
     monkeypatch.setattr(policy, "REGISTER_OPERAND_SMALL_M_MIN_WORK", 0)
@@ -773,17 +811,21 @@ def test_register_operand_route_is_decided_and_explained(monkeypatch):
 
 
 def test_register_fragment_kernel_behind_its_switch(monkeypatch):
-    # policy.REGISTER_OPERAND_FRAGMENTS: the same rule runs gemm_w4_rf, and a prepared layer's runner the same
+    # policy.REGISTER_OPERAND_FRAGMENTS (on as shipped): the rule runs gemm_w4_rf, and a prepared layer's runner
+    # the same; off, gemm_w4_ra under its own rule
     pytest.importorskip("triton")
     from lowbit.kernels import gemm_w4
 
     monkeypatch.setattr(policy, "sm_count", lambda device: 132)
     q = lowbit.quantize(torch.randn(28672, 2048), "nvfp4")
     cuda = torch.device("cuda")
-    assert policy.linear_decide(256, cuda, q, "auto")[1] is gemm_w4.gemm_w4_ra
-    monkeypatch.setattr(policy, "REGISTER_OPERAND_FRAGMENTS", True)
     path, target, facts = policy.linear_decide(256, cuda, q, "auto")
     assert (path, target) == ("gemm_w4_ra", gemm_w4.gemm_w4_rf) and facts[0]["FRAGMENTS"] == 1
     assert "register-fragment" in lin._reason(path, facts, 256, cuda, q)
     run = gemm_w4.RaRunner(q, 256, torch.bfloat16, None, facts[0])
     assert run.plan.fragments and run.plan.w_args[0].shape == (448, 32, 512)
+    assert policy.linear_decide(768, cuda, q, "auto")[1] is gemm_w4.gemm_w4_rf
+    monkeypatch.setattr(policy, "REGISTER_OPERAND_FRAGMENTS", False)
+    path, target, facts = policy.linear_decide(256, cuda, q, "auto")
+    assert (path, target) == ("gemm_w4_ra", gemm_w4.gemm_w4_ra) and "FRAGMENTS" not in facts[0]
+    assert policy.linear_decide(768, cuda, q, "auto")[0] == "dequant_gemm"

@@ -146,11 +146,48 @@ committed, when one bound served both rules): 6144x4096 (1.6e9) 30.3 /
 17.2 / 17.2 against 17.6 / 16.1. Host time per call through the prepared layer's kept launch 26-40 us, the
 Triton GEMM's 27-42 (``F.linear`` 16-21), so eager gains what the GPU gains."""
 
-REGISTER_OPERAND_FRAGMENTS = False
-"""Where the rules above choose the register-operand route, run the register-fragment kernel
-(``gemm_w4.gemm_w4_rf``: the weight laid out once as wgmma register fragments, no shared memory for it) instead
-of ``gemm_w4_ra``, with the same config. False until that kernel has run on a GPU: it is compiled and checked
-for sm_90 only."""
+REGISTER_OPERAND_FRAGMENTS = True
+"""Where :func:`register_operand_config` takes a call, run the register-fragment kernel (``gemm_w4.gemm_w4_rf``)
+under the fragment rule (:data:`FRAGMENT_MAX_M` and below). That kernel reads the weight's codes from a second copy
+laid out once per weight as wgmma register fragments (the size of the packed codes; made at the first call that
+takes the route, kept while the weight lives), against ``gemm_w4_ra``'s shared-memory operand. False: the
+register-operand kernel under its own rule (:data:`REGISTER_OPERAND_M` and above), no second copy.
+
+H200, CUDA-graph replays with the weights rotated out of L2, ratio to cuBLAS bf16 (``sweep_w4a16_ws.py``), two
+warpgroups and 256-row x tiles, fragment against operand kernel: 28672x8192 at M = 256 nvfp4 0.85 / 0.69,
+int4_awq 0.71 / 0.72; 4096x14336 at M = 512 (split 2) nvfp4 0.74 / 0.63 (0.37 unsplit), int4_awq 0.69 / 0.64;
+nvfp4 at M = 64 with 64-row tiles, split 4: 0.67 / 0.73 / 0.86 against 0.58 / 0.71 / 0.80 (6144x4096,
+4096x14336, 28672x8192)."""
+FRAGMENT_MAX_M = {"nvfp4": 1024, "mxfp4": 512, "int4_awq": 512}
+"""Largest M per format for the fragment rule's 256-row tiles (taken where the last of them is at least half
+full: measured down to half, at M = 384). Same sweep, M = 192 to 2048 on 28672x8192,
+4096x14336, 6144x4096, 5120x5120 (the best of split 1 / 2 against the route of the time): nvfp4 won wherever
+the fill (:data:`FRAGMENT_MIN_FILL`) was 0.85 or more up to M = 1024 (28672x8192 at M = 768 / 1024: 0.75 / 0.81
+against dequantizing's 0.72 / 0.74; 4096x14336 at M = 1024: 0.84 against 0.75; 5120x5120 at M = 768: 0.80
+against 0.73), and was even or lost above it (4096x14336 at M = 2048: 0.83 / 0.83; 6144x4096: 0.81 / 0.88).
+Dequantizing mxfp4 and int4_awq weights is the faster route from M = 768 (28672x8192: 0.67 / 0.64 against
+0.76 / 0.69; 4096x14336 at M = 1024: 0.75 / 0.73 against 0.81 / 0.75); at M = 384 the kernel won (28672x8192:
+0.49 / 0.50 against the Triton GEMM's 0.40 / 0.46; 4096x14336, split 2: 0.53 / 0.55 against the operand
+kernel's 0.49 / 0.51)."""
+FRAGMENT_MIN_FILL = 0.8
+"""Smallest share of the SMs busy in the fragment rule's last wave of programs (output tiles x split): 0.85 and
+up won in the sweep above (28672x8192 at M = 256 / 384 / 768 are 0.85); at 0.73 it lost or tied (6144x4096 at
+M = 1024: 0.62 against 0.79; at M = 256, split 2: 0.49 / 0.50), at 0.61 lost (5120x5120 at M = 1024: 0.53 /
+0.77)."""
+FRAGMENT_SMALL_M = (32, 64)
+"""M range in which nvfp4 weights run the fragment kernel with 64-row x tiles and K split in 4, from
+:data:`FRAGMENT_SMALL_M_MIN_WORK`. Same sweep at M = 32: 0.69 / 0.69 / 0.81 / 0.68 (6144x4096, 4096x14336, 28672x8192,
+5120x5120) against the Triton GEMM's 0.58 / 0.71 / 0.70 / 0.62, split 2 0.41-0.72; at M = 64 see
+:data:`REGISTER_OPERAND_FRAGMENTS`. mxfp4 and int4_awq lost there (28672x8192 at M = 32: 0.83 / 0.90 against
+0.95 / 1.36)."""
+FRAGMENT_SMALL_M_MIN_WORK = 5 * 10**8
+"""Smallest M x N x K for :data:`FRAGMENT_SMALL_M`: 6144x4096 and 5120x5120 at M = 32 (8.1e8, 8.4e8) won;
+1024x4096 at M = 32 (1.3e8) tied (0.59 / 0.59) and at M = 64 (2.7e8) the operand kernel lost (0.62 / 0.76)."""
+FRAGMENT_MID_M = (97, 128)
+"""M range in which nvfp4 weights run the fragment kernel with two warpgroups and 128-row x tiles, K not split,
+under :data:`FRAGMENT_MIN_FILL`: 28672x8192 at M = 128 0.73 against the Triton GEMM's 0.52. Split K lost at this
+M (4096x14336, split 2: 0.44 against 0.60), and mxfp4 / int4_awq lost (28672x8192: 0.61 / 0.64 against 0.64 /
+0.67)."""
 
 _SM_COUNT: dict = {}
 
@@ -164,10 +201,47 @@ def sm_count(device: torch.device) -> int:
     return n
 
 
+def wave_fill(programs: int, sms: int) -> float:
+    """Share of the SM slots the ``programs`` fill over the waves they need (1.0: the last wave is full)."""
+    return programs / (-(-programs // sms) * sms)
+
+
 def register_operand_config(m: int, w: QTensor, device: torch.device) -> dict | None:
-    """The ``gemm_w4_ra`` config for ``m`` rows of x on weight ``w`` where that kernel is the W4A16 route
-    (:data:`REGISTER_OPERAND_M`, :data:`REGISTER_OPERAND_SMALL_M` and their work bounds), else None. The
-    caller has checked that the kernel reads ``w`` (``gemm_w4.ra_weight_supports``)."""
+    """The ``gemm_w4_rf`` config (``gemm_w4_ra``'s without :data:`REGISTER_OPERAND_FRAGMENTS`) for ``m`` rows of
+    x on weight ``w`` where that kernel is the W4A16 route, else None. The caller has checked that the kernel
+    reads ``w`` (``gemm_w4.ra_weight_supports``)."""
+    if REGISTER_OPERAND_FRAGMENTS:
+        return _fragment_config(m, w, device)
+    return _operand_config(m, w, device)
+
+
+def _fragment_config(m: int, w: QTensor, device: torch.device) -> dict | None:
+    n = w.shape[0]
+    work = m * n * w.shape[1]
+    lo, hi = FRAGMENT_SMALL_M
+    if lo <= m <= hi:
+        if w.fmt == "nvfp4" and work >= FRAGMENT_SMALL_M_MIN_WORK:
+            return {"BM": 64, "WG": 1, "SPLIT": 4}
+        return None
+    if work < REGISTER_OPERAND_MIN_WORK or m > FRAGMENT_MAX_M.get(w.fmt, 0):
+        return None
+    if m <= FRAGMENT_MID_M[1]:
+        if w.fmt != "nvfp4" or m < FRAGMENT_MID_M[0]:
+            return None
+        bm, splits = 128, (1,)
+    elif m % 256 and m % 256 < 128:
+        return None  # the last 256-row x tile less than half full: measured down to half (M = 384)
+    else:
+        bm, splits = 256, (1, 2, 3)
+    sms = sm_count(device)
+    tiles = -(-n // 128) * -(-m // bm)
+    split = max((s for s in splits if tiles * s <= sms), default=1)
+    if wave_fill(tiles * split, sms) < FRAGMENT_MIN_FILL:
+        return None
+    return {"BM": bm, "WG": 2, "SPLIT": split}
+
+
+def _operand_config(m: int, w: QTensor, device: torch.device) -> dict | None:
     n = w.shape[0]
     work = m * n * w.shape[1]
     lo, hi = REGISTER_OPERAND_SMALL_M
@@ -220,7 +294,7 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     common = op_common.decide_common(backend, device, m == 0)
     if common is not None:
         return common
-    least = min(REGISTER_OPERAND_MIN_WORK, REGISTER_OPERAND_SMALL_M_MIN_WORK)
+    least = min(REGISTER_OPERAND_MIN_WORK, REGISTER_OPERAND_SMALL_M_MIN_WORK, FRAGMENT_SMALL_M_MIN_WORK)
     if m > GEMV_MAX_M and m * w.shape[0] * w.shape[1] >= least and not dequant_only(w):
         module = kernel_module("gemm_w4")
         ra = getattr(module, "gemm_w4_rf" if REGISTER_OPERAND_FRAGMENTS else "gemm_w4_ra", None)
