@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.util
+import itertools
 import re
 
 import pytest
@@ -33,12 +34,15 @@ def test_every_kernel_module_ships_variants():
     assert names == present
 
 
-def compile_for_hopper(fn, signature, constexprs):
-    """Compile as a launch with 16-byte-aligned tensors would (the JIT marks such pointers divisible by 16)."""
+def compile_for_hopper(fn, signature, constexprs, ints_divisible=False):
+    """Compile as a launch with 16-byte-aligned tensors would (the JIT marks such pointers divisible by 16);
+    ``ints_divisible``: and with every i32 argument a multiple of 16 (as the JIT marks such values: the usual
+    case of M, N, K and strides of model layers, whose code ptxas schedules differently)."""
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
     names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+             if t.startswith("*") or (ints_divisible and t == "i32")}
     if fn.is_gluon():
         from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -281,9 +285,10 @@ def _written(instr: str) -> set[int]:
 
 
 def register_operand_hazards(sass: list[tuple[int, str]]) -> tuple[int, list[str]]:
-    """(number of register-operand wgmma groups in the main loop, instructions that write a group's A registers
-    while it may still run). A group (HGMMAs ending at the one that commits, gsb0) runs until the second
-    ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` after it in execution order, the loop's back edge taken."""
+    """(number of register-operand wgmma groups checked, instructions that write a group's A registers while it
+    may still run). A group (HGMMAs ending at the one that commits, gsb0) runs until the second
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` or the first ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after it, on every path:
+    a backward branch (the K loop's) taken and not taken, forward branches followed through."""
     hg = [i for i, (_, t) in enumerate(sass) if t.startswith("HGMMA")]
     groups, cur = [], []
     for i in hg:
@@ -292,53 +297,89 @@ def register_operand_hazards(sass: list[tuple[int, str]]) -> tuple[int, list[str
         if "gsb0" in sass[i][1]:
             groups.append(cur)
             cur = []
-    deps = [i for i, (_, t) in enumerate(sass) if t.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1")]
-    back = [i for i, (a, t) in enumerate(sass) if re.match(r"(@!?P\d+ )?BRA 0x([0-9a-f]+)", t)
-            and int(re.search(r"0x([0-9a-f]+)", t).group(1), 16) < a]
-    loop = [g for g in groups if all(r is not None for _, r in g) and any(g[-1][0] < d for d in deps)]
-    bad = []
-    for g in loop:
+    index = {a: i for i, (a, _) in enumerate(sass)}
+
+    def back_target(i):
+        m = re.match(r"(@!?P\d+ )?BRA 0x([0-9a-f]+)", sass[i][1])
+        if m and int(m.group(2), 16) < sass[i][0]:
+            return index[int(m.group(2), 16)]
+        return None
+
+    checked, bad = 0, []
+    for g in groups:
+        if any(r is None for _, r in g):
+            continue  # shared-memory A operand
+        checked += 1
         regs = set().union(*(set(range(r, r + 4)) for _, r in g))
-        end = g[-1][0]
-        after = [d for d in deps if d > end]
-        if len(after) >= 2:
-            window = range(end + 1, after[1] + 1)
-        else:  # retired in the next iteration: to the back edge, then from its target to the next wait
-            edge = min(b for b in back if b > end)
-            target = int(re.search(r"0x([0-9a-f]+)", sass[edge][1]).group(1), 16)
-            head = next(i for i, (a, _) in enumerate(sass) if a == target)
-            first = min(d for d in deps if d >= head)
-            window = [*range(end + 1, edge + 1), *range(head, first + 1)]
-        bad += [f"{sass[i][0]:#x} {sass[i][1]}" for i in window if _written(sass[i][1]) & regs]
-    return len(loop), bad
+        seen, stack, window = set(), [(g[-1][0] + 1, 0)], set()
+        while stack:
+            i, waits = stack.pop()
+            while i < len(sass) and (i, waits) not in seen:
+                seen.add((i, waits))
+                t = sass[i][1]
+                window.add(i)
+                if t.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
+                    break
+                if t.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"):
+                    waits += 1
+                    if waits == 2:
+                        break
+                target = back_target(i)
+                if target is not None:
+                    stack.append((target, waits))
+                    if not t.startswith("@"):
+                        break
+                i += 1
+        bad += [f"{sass[i][0]:#x} {sass[i][1]}" for i in sorted(window) if _written(sass[i][1]) & regs]
+    return checked, bad
+
+
+def accumulator_reads_before_final_wait(sass: list[tuple[int, str]]) -> list[str]:
+    """Instructions that name a wgmma accumulator register between the last HGMMA before a
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` and that wait, in program order: the accumulator is still being written
+    there. (ptxas scheduled the epilogue's conversions of the accumulator above the final wait of the
+    register-fragment kernel when the wait followed the K loop: the last K step partly lost.)"""
+    bad = []
+    for d, (_, t) in enumerate(sass):
+        if not t.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"):
+            continue
+        h = max(i for i in range(d) if sass[i][1].startswith("HGMMA"))
+        m = re.match(r"HGMMA\.64x(\d+)x\d+\.\S+ R(\d+)", sass[h][1])
+        acc = set(range(int(m.group(2)), int(m.group(2)) + int(m.group(1)) // 2))
+        bad += [f"{sass[i][0]:#x} {sass[i][1]}" for i in range(h + 1, d)
+                if {int(r) for r in re.findall(r"\bR(\d+)\b", sass[i][1])} & acc]
+    return bad
 
 
 @pytest.mark.parametrize("fragments", [False, True])
 def test_w4a16_register_operand_kernel_keeps_its_a_registers_until_retired(fragments):
     """The Gluon W4A16 kernels with the decoded weight in registers (``fragments``: read as register fragments):
     register-A wgmmas with one K step in flight, two A register sets, and no instruction writes a set's registers
-    before the wait that retires its wgmma (the hazard of Triton 3.6's pipelined register-A wgmma). The fragment
-    kernel moves nothing through shared memory but x: no shared-memory loads or stores (without split K) and
-    one 16-byte weight load per K step and thread."""
+    before the wait that retires its wgmma (the hazard of Triton 3.6's pipelined register-A wgmma); nothing
+    touches the accumulator before the final wait. Compiled as launched with i32 arguments that are multiples
+    of 16 and without, each variant. The fragment kernel moves nothing through shared memory but x: no
+    shared-memory loads or stores (without split K) and one 16-byte weight load per K step and thread."""
     from lowbit.kernels import gemm_w4
 
     variants = list(gemm_w4.ra_compile_variants(fragments))
-    assert len(variants) == 6
-    for fn, sig, consts in variants:
-        ck = compile_for_hopper(fn, sig, consts)
+    assert len(variants) == 8
+    for (fn, sig, consts), divisible in itertools.product(variants, (False, True)):
+        ck = compile_for_hopper(fn, sig, consts, ints_divisible=divisible)
         ptx = ck.asm["ptx"]
         dt = "bf16" if "bf16" in sig["out_ptr"] else "f16"
         assert f"wgmma.mma_async.sync.aligned.m64n{consts['BM']}k16.f32.{dt}.{dt}" in ptx, consts
-        assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2, consts
+        # the fragment kernel's last pair of K steps is peeled off the loop, with the final wait
+        assert ptx.count("wgmma.wait_group.sync.aligned 1;") == (3 if fragments else 2), consts
         assert ptx.count("wgmma.wait_group.sync.aligned 0;") == 1, consts
         assert "cp.async.bulk.tensor.2d.shared::cluster.global" in ptx, consts
         sass = _sass(ck.asm["cubin"])
         groups, bad = register_operand_hazards(sass)
-        assert groups == 2, consts
+        assert groups == (4 if fragments else 2), consts
         assert not bad, (consts, bad[:5])
+        assert not accumulator_reads_before_final_wait(sass), (consts, divisible)
         if fragments:
             ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for _, x in sass]
             if consts["SPLIT"] == 1:
                 assert not [o for o in ops if o.startswith(("STS", "LDS"))], consts
-            # two words' loads in the prologue, two per pass: four 16-byte loads in all
+            # two words' loads in the prologue, two per pair in the loop (the peeled pair's, past the end, unused)
             assert ops.count("LDG.E.128") == 4, consts

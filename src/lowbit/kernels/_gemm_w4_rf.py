@@ -13,11 +13,12 @@ Each warpgroup of a program computes ``acc[64 weight rows, BM x rows] = w_tile @
 come by TMA through a ring of ``STAGES`` slots, the weight words by plain loads two K steps ahead. As in
 ``_gemm_w4_ra`` the loop is unrolled by two K steps with one A register set each, each set a dependency of the
 ``warpgroup_mma_wait`` that retires its wgmma (``tests/kernels/test_compile_sm90.py`` checks the SASS), and
-split K ends in ``gluon_device.finish_w4_tile``. K steps past the end read zero words and zero scales (x
-zeros by TMA): they add zero. Rows past N read zero scales and are not stored.
-
-Status: compiled and inspected for sm_90 only (no GPU run yet); ``gemm_w4.gemm_w4_rf`` launches it, the
-dispatch policy does not route to it.
+split K ends in ``gluon_device.finish_w4_tile``. Two warpgroups share the x ring with no other barrier between
+them, so each pair of K steps ends in a CTA barrier before its two slots are refilled. The last pair is peeled
+off the loop and ends in the wait for every wgmma, with nothing between the last wgmma and that wait. K steps
+past the end read zero words and zero scales (x zeros by TMA): they add zero. Rows past N read zero scales and
+are not stored. ``gemm_w4.gemm_w4_rf`` launches it; the dispatch policy routes W4A16 calls to it
+(``policy.register_operand_config``).
 """
 
 from triton.experimental import gluon
@@ -119,6 +120,47 @@ def _operand(words, scale, DT: gl.constexpr, FMT: gl.constexpr, WG: gl.constexpr
 
 
 @gluon.jit
+def _step_pair(kt, steps, k0, m0, acc, a_odd, nxt, cur0, cur1, x_desc, x_bufs, ready, w_ptr, w_off, w_ok, s_ptr, rows,
+               row_ok, chunks, K, KS, stride_sn, DT: gl.constexpr, FMT: gl.constexpr, GROUP: gl.constexpr,
+               SCALE_SWIZZLED: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
+               a_layout: gl.constexpr, LAST: gl.constexpr):
+    """K steps ``kt`` (even A register set) and ``kt + 1`` (odd set) of the program's run; ``nxt``, ``cur0`` and
+    ``cur1`` hold step ``kt``'s scales and steps ``kt`` / ``kt + 1``'s words and come back two steps on.
+    ``LAST``: wait for every wgmma at the end, else for all but the odd one, then refill the two slots retired."""
+    scale = nxt
+    nxt = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 1) * BK + chunks * 16, K, stride_sn, GROUP,
+                            SCALE_SWIZZLED)
+    words = cur0
+    cur0 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 2, KS)
+    a_even = _operand(words, scale, DT, FMT, WG, a_layout)
+    mbarrier.wait(ready.index(kt % STAGES), (kt // STAGES) & 1)
+    acc = warpgroup_mma(a_even, x_bufs.index(kt % STAGES).permute((1, 0)), acc, is_async=True)
+    # retires the previous pair's odd wgmma: its registers (a dependency here) are free
+    acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))
+    scale = nxt
+    nxt = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 2) * BK + chunks * 16, K, stride_sn, GROUP,
+                            SCALE_SWIZZLED)
+    words = cur1
+    cur1 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 3, KS)
+    a_odd = _operand(words, scale, DT, FMT, WG, a_layout)
+    mbarrier.wait(ready.index((kt + 1) % STAGES), ((kt + 1) // STAGES) & 1)
+    acc = warpgroup_mma(a_odd, x_bufs.index((kt + 1) % STAGES).permute((1, 0)), acc, is_async=True)
+    if LAST:
+        acc, a_odd, a_even = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd, a_even))
+    else:
+        # retires this pair's even wgmma; after the CTA barrier every warp (both warpgroups) has retired steps
+        # kt - 1 and kt, whose x slots are refilled here (one barrier and both refills per pair: faster than a
+        # barrier and a refill per step in the sweep of this change)
+        acc, a_even = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_even))
+        gl.thread_barrier()
+        if kt + STAGES - 1 < steps:
+            _issue_x(x_desc, x_bufs, ready, kt + STAGES - 1, k0, m0, BM, STAGES)
+        if kt + STAGES < steps:
+            _issue_x(x_desc, x_bufs, ready, kt + STAGES, k0, m0, BM, STAGES)
+    return acc, a_odd, nxt, cur0, cur1
+
+
+@gluon.jit
 def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sn,
                       stride_om, FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr,
                       GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, BM: gl.constexpr,
@@ -173,31 +215,15 @@ def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_pt
     cur1 = _load_words(w_ptr, w_off, w_ok, k0 + 1, KS)
     acc = gl.zeros([ROWS, BM], gl.float32, acc_layout)
     a_odd = gl.zeros([ROWS, BK], DT, a_layout)
-    for kt in range(0, steps, 2):
-        scale = nxt
-        nxt = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 1) * BK + chunks * 16, K, stride_sn, GROUP,
-                                SCALE_SWIZZLED)
-        words = cur0
-        cur0 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 2, KS)
-        a_even = _operand(words, scale, DT, FMT, WG, a_layout)
-        mbarrier.wait(ready.index(kt % STAGES), (kt // STAGES) & 1)
-        acc = warpgroup_mma(a_even, x_bufs.index(kt % STAGES).permute((1, 0)), acc, is_async=True)
-        # retires the previous pass's odd wgmma: its registers (a dependency here) and its slot are free
-        acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))
-        if kt + STAGES - 1 < steps:
-            _issue_x(x_desc, x_bufs, ready, kt + STAGES - 1, k0, m0, BM, STAGES)
-        scale = nxt
-        nxt = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 2) * BK + chunks * 16, K, stride_sn, GROUP,
-                                SCALE_SWIZZLED)
-        words = cur1
-        cur1 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 3, KS)
-        a_odd = _operand(words, scale, DT, FMT, WG, a_layout)
-        mbarrier.wait(ready.index((kt + 1) % STAGES), ((kt + 1) // STAGES) & 1)
-        acc = warpgroup_mma(a_odd, x_bufs.index((kt + 1) % STAGES).permute((1, 0)), acc, is_async=True)
-        # retires this pass's even wgmma
-        acc, a_even = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_even))
-        if kt + STAGES < steps:
-            _issue_x(x_desc, x_bufs, ready, kt + STAGES, k0, m0, BM, STAGES)
-    acc, a_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_odd))
+    # the last pair of K steps is peeled off: its wait for every wgmma directly follows the last one, so that no
+    # read of the accumulator can be scheduled before it (ptxas moved the epilogue's conversions of the
+    # accumulator above a wait placed after the loop)
+    for kt in range(0, steps - 2, 2):
+        acc, a_odd, nxt, cur0, cur1 = _step_pair(
+            kt, steps, k0, m0, acc, a_odd, nxt, cur0, cur1, x_desc, x_bufs, ready, w_ptr, w_off, w_ok, s_ptr, rows,
+            row_ok, chunks, K, KS, stride_sn, DT, FMT, GROUP, SCALE_SWIZZLED, WG, BM, STAGES, a_layout, False)
+    acc, a_odd, nxt, cur0, cur1 = _step_pair(
+        steps - 2, steps, k0, m0, acc, a_odd, nxt, cur0, cur1, x_desc, x_bufs, ready, w_ptr, w_off, w_ok, s_ptr,
+        rows, row_ok, chunks, K, KS, stride_sn, DT, FMT, GROUP, SCALE_SWIZZLED, WG, BM, STAGES, a_layout, True)
     finish_w4_tile(acc, ws_ptr, cnt_ptr, tile, split, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0,
                    acc_layout, ROWS, BM, SPLIT, GSCALE_MODE, HAS_BIAS, ACT)

@@ -807,8 +807,8 @@ class RaRunner:
 
 def ra_compile_variants(fragments: bool = False):
     """The register-operand kernel (``fragments``: the register-fragment one): each format, both activation
-    dtypes, swizzled scales, both nvfp4 global scale modes, the epilogues, BM 64 / 128, one or two warpgroups,
-    split K. Descriptor signatures from host descriptors over small CPU tensors, as the JIT writes them."""
+    dtypes, swizzled scales, both nvfp4 global scale modes, the epilogues, BM 64 / 128 / 256, one or two
+    warpgroups, split K. Descriptor signatures from host descriptors over small CPU tensors, as the JIT writes them."""
     from triton.experimental.gluon import language as gl
 
     if fragments:
@@ -821,7 +821,10 @@ def ra_compile_variants(fragments: bool = False):
              ("nvfp4", "fp16", 64, dict(SCALE_SWIZZLED=True, GSCALE_MODE=2, ACT=2)),
              ("mxfp4", "bf16", 64, dict(SCALE_SWIZZLED=True, ACT=3)), ("mxfp4", "fp16", 128, dict(WG=2)),
              ("int4_awq", "bf16", 128, dict(HAS_BIAS=True, SPLIT=3)),
-             ("int4_awq", "fp16", 64, dict(GROUP=64, WG=2, SPLIT=2))]
+             ("int4_awq", "fp16", 64, dict(GROUP=64, WG=2, SPLIT=2)),
+             # no bias, activation or global scale, one split: the epilogue's first operation converts the
+             # accumulator (what ptxas once moved above the final wait)
+             ("mxfp4", "bf16", 128, {}), ("int4_awq", "bf16", 256, dict(WG=2))]
     for fmt, dtype, bm, extra in cases:
         tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
         sig = {"x_desc": _gluon_desc_signature(tdt, gdt, [bm, bk])}
