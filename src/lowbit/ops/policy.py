@@ -13,7 +13,8 @@ W4A16 (``lowbit.linear``), on CUDA:
 - ``M >= DEQUANT_GEMM_MIN_M``: dequantize a bounded chunk of rows at a time, then cuBLAS;
 - before both, where :func:`register_operand_config` says so (nvfp4, mxfp4, int4_awq weights whose tiles fill
   the GPU, large enough to cover the launch's host time): the Gluon GEMM with the decoded weight as the wgmma
-  register operand (``gemm_w4.gemm_w4_ra``; ``gemm_w4_rf`` with :data:`REGISTER_OPERAND_FRAGMENTS`).
+  register operand, read as register fragments (``gemm_w4.gemm_w4_rf``; with
+  :data:`REGISTER_OPERAND_FRAGMENTS` off, ``gemm_w4_ra`` through shared memory).
 
 Block-scaled pairs (``lowbit.scaled_mm``), on CUDA, through ``lowbit.kernels.scaled_mm`` (:func:`scaled_route`):
 
@@ -168,7 +169,10 @@ against 0.73), and was even or lost above it (4096x14336 at M = 2048: 0.83 / 0.8
 Dequantizing mxfp4 and int4_awq weights is the faster route from M = 768 (28672x8192: 0.67 / 0.64 against
 0.76 / 0.69; 4096x14336 at M = 1024: 0.75 / 0.73 against 0.81 / 0.75); at M = 384 the kernel won (28672x8192:
 0.49 / 0.50 against the Triton GEMM's 0.40 / 0.46; 4096x14336, split 2: 0.53 / 0.55 against the operand
-kernel's 0.49 / 0.51)."""
+kernel's 0.49 / 0.51). Eager QuantLinear (``lowbit bench --ops qlinear.w4a16-*``, H200) with this rule against the
+operand kernel's rule of the session before: 28672x8192 at M = 256 nvfp4 227.6 / 272.4 us, int4_awq 248.3 /
+259.4, mxfp4 277.4 / 260.3 (the one loss); 4096x14336 at M = 512 nvfp4 112.8 / 132.8, mxfp4 130.0 / 154.9,
+int4_awq 124.4 / 189.3."""
 FRAGMENT_MIN_FILL = 0.8
 """Smallest share of the SMs busy in the fragment rule's last wave of programs (output tiles x split): 0.85 and
 up won in the sweep above (28672x8192 at M = 256 / 384 / 768 are 0.85); at 0.73 it lost or tied (6144x4096 at
