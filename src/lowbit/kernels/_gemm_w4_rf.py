@@ -120,28 +120,49 @@ def _operand(words, scale, DT: gl.constexpr, FMT: gl.constexpr, WG: gl.constexpr
 
 
 @gluon.jit
-def _step_pair(kt, steps, k0, m0, acc, a_odd, nxt, cur0, cur1, x_desc, x_bufs, ready, w_ptr, w_off, w_ok, s_ptr, rows,
-               row_ok, chunks, K, KS, stride_sn, DT: gl.constexpr, FMT: gl.constexpr, GROUP: gl.constexpr,
-               SCALE_SWIZZLED: gl.constexpr, WG: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr,
-               a_layout: gl.constexpr, LAST: gl.constexpr):
-    """K steps ``kt`` (even A register set) and ``kt + 1`` (odd set) of the program's run; ``nxt``, ``cur0`` and
-    ``cur1`` hold step ``kt``'s scales and steps ``kt`` / ``kt + 1``'s words and come back two steps on.
-    ``LAST``: wait for every wgmma at the end, else for all but the odd one, then refill the two slots retired."""
-    scale = nxt
-    nxt = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 1) * BK + chunks * 16, K, stride_sn, GROUP,
-                            SCALE_SWIZZLED)
-    words = cur0
-    cur0 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 2, KS)
+def _step_pair(kt, steps, k0, m0, acc, a_odd, sc0, sc1, sc2, sc3, cur0, cur1, cur2, cur3, x_desc, x_bufs, ready,
+               w_ptr, w_off, w_ok, s_ptr, rows, row_ok, chunks, K, KS, stride_sn, DT: gl.constexpr,
+               FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, WG: gl.constexpr,
+               BM: gl.constexpr, STAGES: gl.constexpr, a_layout: gl.constexpr, DEEP: gl.constexpr,
+               LAST: gl.constexpr):
+    """K steps ``kt`` (even A register set) and ``kt + 1`` (odd set) of the program's run. The block scales
+    ``sc*`` and fragment words ``cur*`` in flight come back two steps on: ``DEEP``, those of steps ``kt`` to
+    ``kt + 3`` (loads four steps ahead); else ``sc0`` step ``kt``'s scales (one step ahead) and ``cur0`` /
+    ``cur1`` its and the next step's words. ``LAST``: wait for every wgmma at the end, else for all but the odd
+    one, then refill the two slots retired."""
+    if DEEP:
+        scale = sc0
+        sc0 = sc2
+        sc2 = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 4) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
+        words = cur0
+        cur0 = cur2
+        cur2 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 4, KS)
+    else:
+        scale = sc0
+        sc0 = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 1) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
+        words = cur0
+        cur0 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 2, KS)
     a_even = _operand(words, scale, DT, FMT, WG, a_layout)
     mbarrier.wait(ready.index(kt % STAGES), (kt // STAGES) & 1)
     acc = warpgroup_mma(a_even, x_bufs.index(kt % STAGES).permute((1, 0)), acc, is_async=True)
     # retires the previous pair's odd wgmma: its registers (a dependency here) are free
     acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))
-    scale = nxt
-    nxt = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 2) * BK + chunks * 16, K, stride_sn, GROUP,
-                            SCALE_SWIZZLED)
-    words = cur1
-    cur1 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 3, KS)
+    if DEEP:
+        scale = sc1
+        sc1 = sc3
+        sc3 = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 5) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
+        words = cur1
+        cur1 = cur3
+        cur3 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 5, KS)
+    else:
+        scale = sc0
+        sc0 = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 2) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
+        words = cur1
+        cur1 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 3, KS)
     a_odd = _operand(words, scale, DT, FMT, WG, a_layout)
     mbarrier.wait(ready.index((kt + 1) % STAGES), ((kt + 1) // STAGES) & 1)
     acc = warpgroup_mma(a_odd, x_bufs.index((kt + 1) % STAGES).permute((1, 0)), acc, is_async=True)
@@ -157,14 +178,15 @@ def _step_pair(kt, steps, k0, m0, acc, a_odd, nxt, cur0, cur1, x_desc, x_bufs, r
             _issue_x(x_desc, x_bufs, ready, kt + STAGES - 1, k0, m0, BM, STAGES)
         if kt + STAGES < steps:
             _issue_x(x_desc, x_bufs, ready, kt + STAGES, k0, m0, BM, STAGES)
-    return acc, a_odd, nxt, cur0, cur1
+    return acc, a_odd, sc0, sc1, sc2, sc3, cur0, cur1, cur2, cur3
 
 
 @gluon.jit
 def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_sn,
                       stride_om, FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr,
                       GSCALE_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, BM: gl.constexpr,
-                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr):
+                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr,
+                      DEEP: gl.constexpr):
     """SPLIT programs per output tile (64 WG weight rows x BM rows of x), each over its own run of K steps, WG
     warpgroups of 4 warps per program. ``x_desc``: x [M, K] (bf16/fp16) with [BM, 64] boxes; ``w_ptr``: the
     fragment words int32 [ceil(N / 64), ceil(K / 64), 512] (``w4_fragments``); ``s_ptr``: the block scales
@@ -210,20 +232,37 @@ def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_pt
     row_ok = rows < N
     chunks = _arange4(4, 3, scale_layout)[None, None, None, :]
 
-    nxt = load_block_scales(s_ptr, rows, row_ok, k0 * BK + chunks * 16, K, stride_sn, GROUP, SCALE_SWIZZLED)
+    sc0 = load_block_scales(s_ptr, rows, row_ok, k0 * BK + chunks * 16, K, stride_sn, GROUP, SCALE_SWIZZLED)
     cur0 = _load_words(w_ptr, w_off, w_ok, k0, KS)
     cur1 = _load_words(w_ptr, w_off, w_ok, k0 + 1, KS)
+    if DEEP:
+        sc1 = load_block_scales(s_ptr, rows, row_ok, (k0 + 1) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
+        sc2 = load_block_scales(s_ptr, rows, row_ok, (k0 + 2) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
+        sc3 = load_block_scales(s_ptr, rows, row_ok, (k0 + 3) * BK + chunks * 16, K, stride_sn, GROUP,
+                                SCALE_SWIZZLED)
+        cur2 = _load_words(w_ptr, w_off, w_ok, k0 + 2, KS)
+        cur3 = _load_words(w_ptr, w_off, w_ok, k0 + 3, KS)
+    else:
+        sc1 = sc0
+        sc2 = sc0
+        sc3 = sc0
+        cur2 = cur0
+        cur3 = cur1
     acc = gl.zeros([ROWS, BM], gl.float32, acc_layout)
     a_odd = gl.zeros([ROWS, BK], DT, a_layout)
     # the last pair of K steps is peeled off: its wait for every wgmma directly follows the last one, so that no
     # read of the accumulator can be scheduled before it (ptxas moved the epilogue's conversions of the
     # accumulator above a wait placed after the loop)
     for kt in range(0, steps - 2, 2):
-        acc, a_odd, nxt, cur0, cur1 = _step_pair(
-            kt, steps, k0, m0, acc, a_odd, nxt, cur0, cur1, x_desc, x_bufs, ready, w_ptr, w_off, w_ok, s_ptr, rows,
-            row_ok, chunks, K, KS, stride_sn, DT, FMT, GROUP, SCALE_SWIZZLED, WG, BM, STAGES, a_layout, False)
-    acc, a_odd, nxt, cur0, cur1 = _step_pair(
-        steps - 2, steps, k0, m0, acc, a_odd, nxt, cur0, cur1, x_desc, x_bufs, ready, w_ptr, w_off, w_ok, s_ptr,
-        rows, row_ok, chunks, K, KS, stride_sn, DT, FMT, GROUP, SCALE_SWIZZLED, WG, BM, STAGES, a_layout, True)
+        acc, a_odd, sc0, sc1, sc2, sc3, cur0, cur1, cur2, cur3 = _step_pair(
+            kt, steps, k0, m0, acc, a_odd, sc0, sc1, sc2, sc3, cur0, cur1, cur2, cur3, x_desc, x_bufs, ready, w_ptr,
+            w_off, w_ok, s_ptr, rows, row_ok, chunks, K, KS, stride_sn, DT, FMT, GROUP, SCALE_SWIZZLED, WG, BM,
+            STAGES, a_layout, DEEP, False)
+    acc, a_odd, sc0, sc1, sc2, sc3, cur0, cur1, cur2, cur3 = _step_pair(
+        steps - 2, steps, k0, m0, acc, a_odd, sc0, sc1, sc2, sc3, cur0, cur1, cur2, cur3, x_desc, x_bufs, ready,
+        w_ptr, w_off, w_ok, s_ptr, rows, row_ok, chunks, K, KS, stride_sn, DT, FMT, GROUP, SCALE_SWIZZLED, WG, BM,
+        STAGES, a_layout, DEEP, True)
     finish_w4_tile(acc, ws_ptr, cnt_ptr, tile, split, gscale_ptr, bias_ptr, out_ptr, M, N, stride_om, n0, m0,
                    acc_layout, ROWS, BM, SPLIT, GSCALE_MODE, HAS_BIAS, ACT)

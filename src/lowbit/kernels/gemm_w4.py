@@ -739,6 +739,8 @@ class RaPlan:
         self.act = ACTIVATIONS[activation]
         self.consts = dict(consts, ACT=self.act, BM=bm, BK=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], WG=wg,
                            SPLIT=split)
+        if fragments:
+            self.consts["DEEP"] = bool(cfg.get("DEEP"))
 
     def launch(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, store: dict | None = None,
                key: tuple | None = None) -> None:
@@ -824,7 +826,9 @@ def ra_compile_variants(fragments: bool = False):
              ("int4_awq", "fp16", 64, dict(GROUP=64, WG=2, SPLIT=2)),
              # no bias, activation or global scale, one split: the epilogue's first operation converts the
              # accumulator (what ptxas once moved above the final wait)
-             ("mxfp4", "bf16", 128, {}), ("int4_awq", "bf16", 256, dict(WG=2))]
+             ("mxfp4", "bf16", 128, {}), ("int4_awq", "bf16", 256, dict(WG=2)),
+             # the small-M route's tiles (the fragment kernel: loads four K steps ahead)
+             ("nvfp4", "bf16", 64, dict(GSCALE_MODE=1, SPLIT=4, DEEP=True))]
     for fmt, dtype, bm, extra in cases:
         tdt, gdt = (torch.bfloat16, gl.bfloat16) if dtype == "bf16" else (torch.float16, gl.float16)
         sig = {"x_desc": _gluon_desc_signature(tdt, gdt, [bm, bk])}
@@ -841,4 +845,7 @@ def ra_compile_variants(fragments: bool = False):
         consts.update(extra)
         if fragments:
             del consts["BK"]
+            consts["DEEP"] = bool(consts.pop("DEEP", False))
+        else:
+            consts.pop("DEEP", None)
         yield kernel, sig, consts
