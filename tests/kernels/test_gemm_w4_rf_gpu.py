@@ -49,7 +49,8 @@ def test_ragged_shapes(name, m, n, k):
 
 @pytest.mark.parametrize("config", [{"BM": 64, "WG": 1, "SPLIT": 4}, {"BM": 128, "WG": 2, "SPLIT": 1},
                                     {"BM": 256, "WG": 2, "SPLIT": 3}, {"BM": 256, "WG": 1, "SPLIT": 1},
-                                    {"BM": 64, "WG": 1, "SPLIT": 4, "DEEP": 1}, {"BM": 64, "WG": 1, "SPLIT": 1, "DEEP": 1}])
+                                    {"BM": 64, "WG": 1, "SPLIT": 4, "DEEP": 1},
+                                    {"BM": 64, "WG": 1, "SPLIT": 1, "DEEP": 1}])
 @pytest.mark.parametrize("name", ["nvfp4_swizzled", "mxfp4", "int4_g32"])
 def test_configs_and_the_register_operand_kernels_values(name, config):
     # the same decoded weight as gemm_w4_ra: only the fp32 accumulation order may differ (split K), so with one
