@@ -725,39 +725,45 @@ def test_kept_dequant_chunks_do_not_keep_the_weight_alive(fmt, opts, monkeypatch
 
 
 def test_register_fragment_rule(monkeypatch):
-    # policy.register_operand_config as shipped (the fragment kernel) on the shapes of its sweep, for a 132-SM
-    # GPU: 256-row x tiles where the programs fill at least 0.8 of their last wave, up to the format's largest M;
-    # 128-row tiles for nvfp4 at M = 97..128, 64-row tiles split in 4 for nvfp4 at M = 32..64; work bounds
+    # policy.register_operand_config as shipped (the fragment kernel, loads four K steps ahead) on the shapes of
+    # its sweeps, for a 132-SM GPU: 256-row x tiles where the programs fill at least 0.8 of their last wave, up
+    # to the format's largest M; 128-row tiles at M = 97..128; 64-row tiles split in 4 for nvfp4 at M = 32..64,
+    # mxfp4 / int4_awq at 33..64; work bounds
     from types import SimpleNamespace
 
-    assert policy.REGISTER_OPERAND_FRAGMENTS
+    assert policy.REGISTER_OPERAND_FRAGMENTS and policy.FRAGMENT_DEEP
     monkeypatch.setattr(policy, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
 
     def cfg(fmt, n, m, k=8192):
         return policy.register_operand_config(m, SimpleNamespace(fmt=fmt, shape=(n, k)), cuda)
 
-    big = {"BM": 256, "WG": 2, "SPLIT": 1}
+    big = {"BM": 256, "WG": 2, "SPLIT": 1, "DEEP": 1}
     # 28672 columns: 224 tiles of 128 per 256 rows, 0.85 of two waves
     assert cfg("nvfp4", 28672, 256) == cfg("int4_awq", 28672, 192) == cfg("mxfp4", 28672, 512) == big
-    assert cfg("nvfp4", 28672, 1024) == cfg("nvfp4", 28672, 768) == big
-    assert cfg("mxfp4", 28672, 768) is None and cfg("int4_awq", 28672, 1024) is None  # past the format's M
-    assert cfg("nvfp4", 28672, 1025) is None and cfg("nvfp4", 28672, 2048) is None
+    assert cfg("nvfp4", 28672, 1024) == cfg("nvfp4", 28672, 768) == cfg("mxfp4", 28672, 1024) == big
+    assert cfg("int4_awq", 28672, 768) is None and cfg("int4_awq", 28672, 1024) is None  # past the format's M
+    assert cfg("nvfp4", 28672, 1025) is None and cfg("mxfp4", 28672, 2048) is None
     assert cfg("nvfp4", 28672, 384) == big and cfg("nvfp4", 28672, 383) is None        # last tile half full
     assert cfg("int4_awq", 4096, 512, 14336) == {**big, "SPLIT": 2}   # 64 tiles, split in 2: 128 of 132
     assert cfg("nvfp4", 4096, 1024, 14336) == big                      # 128 tiles
     assert cfg("nvfp4", 6144, 256, 4096) is None      # 48 tiles, split 2: 96 of 132 (0.73)
     assert cfg("nvfp4", 6144, 1024, 4096) is None     # 192 tiles: 0.73 of two waves
     assert policy.wave_fill(192, 132) == pytest.approx(192 / 264) and policy.wave_fill(132, 132) == 1.0
-    assert cfg("nf4", 28672, 256) is None and cfg("nvfp4", 28672, 160 - 64) is None
-    assert cfg("nvfp4", 28672, 128) == {"BM": 128, "WG": 2, "SPLIT": 1}
-    assert cfg("nvfp4", 4096, 128, 14336) is None and cfg("mxfp4", 28672, 128) is None
-    small = {"BM": 64, "WG": 1, "SPLIT": 4}
+    assert cfg("nf4", 28672, 256) is None and cfg("nvfp4", 28672, 96) is None and cfg("nf4", 28672, 64) is None
+    mid = {"BM": 128, "WG": 2, "SPLIT": 1, "DEEP": 1}
+    assert cfg("nvfp4", 28672, 128) == cfg("mxfp4", 28672, 128) == cfg("int4_awq", 28672, 100) == mid
+    assert cfg("nvfp4", 4096, 128, 14336) is None      # 32 tiles
+    small = {"BM": 64, "WG": 1, "SPLIT": 4, "DEEP": 1}
     assert cfg("nvfp4", 28672, 64) == cfg("nvfp4", 28672, 32) == cfg("nvfp4", 6144, 32, 4096) == small
-    assert cfg("mxfp4", 28672, 64) is None and cfg("nvfp4", 28672, 31) is None
+    assert cfg("mxfp4", 28672, 64) == cfg("int4_awq", 4096, 64, 14336) == cfg("int4_awq", 28672, 33) == small
+    assert cfg("mxfp4", 28672, 32) is None and cfg("nvfp4", 28672, 31) is None
     # below the work bounds
     assert cfg("nvfp4", 1024, 64, 4096) is None      # 2.7e8
+    assert cfg("mxfp4", 6144, 64, 4096) is None      # 1.6e9
     assert cfg("nvfp4", 28672, 256, 1024) is None and cfg("nvfp4", 28672, 256, 2048) == big
+    monkeypatch.setattr(policy, "FRAGMENT_DEEP", False)
+    assert cfg("nvfp4", 28672, 256) == {"BM": 256, "WG": 2, "SPLIT": 1}
 
 
 def test_register_operand_rule(monkeypatch):

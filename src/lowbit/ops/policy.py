@@ -159,7 +159,7 @@ warpgroups and 256-row x tiles, fragment against operand kernel: 28672x8192 at M
 int4_awq 0.71 / 0.72; 4096x14336 at M = 512 (split 2) nvfp4 0.74 / 0.63 (0.37 unsplit), int4_awq 0.69 / 0.64;
 nvfp4 at M = 64 with 64-row tiles, split 4: 0.67 / 0.73 / 0.86 against 0.58 / 0.71 / 0.80 (6144x4096,
 4096x14336, 28672x8192)."""
-FRAGMENT_MAX_M = {"nvfp4": 1024, "mxfp4": 512, "int4_awq": 512}
+FRAGMENT_MAX_M = {"nvfp4": 1024, "mxfp4": 1024, "int4_awq": 512}
 """Largest M per format for the fragment rule's 256-row tiles (taken where the last of them is at least half
 full: measured down to half, at M = 384). Same sweep, M = 192 to 2048 on 28672x8192,
 4096x14336, 6144x4096, 5120x5120 (the best of split 1 / 2 against the route of the time): nvfp4 won wherever
@@ -172,7 +172,9 @@ Dequantizing mxfp4 and int4_awq weights is the faster route from M = 768 (28672x
 kernel's 0.49 / 0.51). Eager QuantLinear (``lowbit bench --ops qlinear.w4a16-*``, H200) with this rule against the
 operand kernel's rule of the session before: 28672x8192 at M = 256 nvfp4 227.6 / 272.4 us, int4_awq 248.3 /
 259.4, mxfp4 277.4 / 260.3 (the one loss); 4096x14336 at M = 512 nvfp4 112.8 / 132.8, mxfp4 130.0 / 154.9,
-int4_awq 124.4 / 189.3."""
+int4_awq 124.4 / 189.3. With the loads four K steps ahead (:data:`FRAGMENT_DEEP`) mxfp4 won at M = 1024 too
+(28672x8192 0.76 against dequantizing's 0.73, 4096x14336 0.83 against 0.81; without: 0.63 / 0.69); int4_awq
+did not (0.71 / 0.75 against 0.80 / 0.75)."""
 FRAGMENT_MIN_FILL = 0.8
 """Smallest share of the SMs busy in the fragment rule's last wave of programs (output tiles x split): 0.85 and
 up won in the sweep above (28672x8192 at M = 256 / 384 / 768 are 0.85); at 0.73 it lost or tied (6144x4096 at
@@ -184,14 +186,30 @@ FRAGMENT_SMALL_M = (32, 64)
 5120x5120) against the Triton GEMM's 0.58 / 0.71 / 0.70 / 0.62, split 2 0.41-0.72; at M = 64 see
 :data:`REGISTER_OPERAND_FRAGMENTS`. mxfp4 and int4_awq lost there (28672x8192 at M = 32: 0.83 / 0.90 against
 0.95 / 1.36)."""
+FRAGMENT_SMALL_M_OTHERS = (33, 64)
+"""M range in which mxfp4 and int4_awq weights run the fragment kernel as nvfp4 does at small M, from
+:data:`FRAGMENT_SMALL_M_OTHERS_MIN_WORK`. Sweep at M = 64 with the loads four steps ahead, against the Triton
+GEMM: mxfp4 0.91 / 0.91 / 0.69 against 0.79 / 0.78 / 0.65 (4096x14336, 28672x8192, 6144x4096), int4_awq
+0.94 / 0.87 / 0.71 against 0.88 / 0.83 / 0.73; at M = 32 the Triton GEMM won (mxfp4 0.89 / 0.87 against
+1.02 / 0.94, int4_awq 0.89 / 0.92 against 1.19 / 1.35)."""
+FRAGMENT_SMALL_M_OTHERS_MIN_WORK = 2 * 10**9
+"""Smallest M x N x K for :data:`FRAGMENT_SMALL_M_OTHERS`: 4096x14336 at M = 64 (3.8e9) won, 6144x4096 (1.6e9)
+was even."""
+FRAGMENT_DEEP = True
+"""Every fragment-rule config loads the block scales and fragment words four K steps ahead (``DEEP``; else
+one and two). Sweep, CUDA graph, ratio to cuBLAS bf16 against the shallow loads: 64-row tiles, split 4, at
+M = 64: 4096x14336 nvfp4 0.94 / 0.82, mxfp4 0.91 / 0.72, int4_awq 0.94 / 0.81, 28672x8192 0.90 / 0.91,
+0.91 / 0.86, 0.87 / 0.85, 6144x4096 even; two warpgroups, 256-row tiles: 28672x8192 at M = 256 mxfp4
+0.79 / 0.66, nvfp4 0.85 / 0.83, int4_awq 0.75 / 0.74, at M = 512 0.70 / 0.58, 0.72 / 0.71, 0.65 / 0.63;
+128-row tiles at M = 128: 0.73 / 0.61, 0.78 / 0.71, 0.83 / 0.75."""
 FRAGMENT_SMALL_M_MIN_WORK = 5 * 10**8
 """Smallest M x N x K for :data:`FRAGMENT_SMALL_M`: 6144x4096 and 5120x5120 at M = 32 (8.1e8, 8.4e8) won;
 1024x4096 at M = 32 (1.3e8) tied (0.59 / 0.59) and at M = 64 (2.7e8) the operand kernel lost (0.62 / 0.76)."""
 FRAGMENT_MID_M = (97, 128)
-"""M range in which nvfp4 weights run the fragment kernel with two warpgroups and 128-row x tiles, K not split,
-under :data:`FRAGMENT_MIN_FILL`: 28672x8192 at M = 128 0.73 against the Triton GEMM's 0.52. Split K lost at this
-M (4096x14336, split 2: 0.44 against 0.60), and mxfp4 / int4_awq lost (28672x8192: 0.61 / 0.64 against 0.64 /
-0.67)."""
+"""M range in which the fragment kernel runs with two warpgroups and 128-row x tiles, K not split, under
+:data:`FRAGMENT_MIN_FILL`: 28672x8192 at M = 128 (loads four steps ahead) nvfp4 0.78, mxfp4 0.73, int4_awq 0.83
+against the Triton GEMM's 0.71 (the sweep before: 0.52) / 0.64 / 0.74. Split K lost at this M (4096x14336,
+split 2: 0.44 against 0.60)."""
 
 _SM_COUNT: dict = {}
 
@@ -220,17 +238,21 @@ def register_operand_config(m: int, w: QTensor, device: torch.device) -> dict | 
 
 
 def _fragment_config(m: int, w: QTensor, device: torch.device) -> dict | None:
+    if w.fmt not in FRAGMENT_MAX_M:
+        return None
     n = w.shape[0]
     work = m * n * w.shape[1]
-    lo, hi = FRAGMENT_SMALL_M
-    if lo <= m <= hi:
-        if w.fmt == "nvfp4" and work >= FRAGMENT_SMALL_M_MIN_WORK:
-            return {"BM": 64, "WG": 1, "SPLIT": 4}
-        return None
-    if work < REGISTER_OPERAND_MIN_WORK or m > FRAGMENT_MAX_M.get(w.fmt, 0):
+    deep = {"DEEP": 1} if FRAGMENT_DEEP else {}
+    if m <= FRAGMENT_SMALL_M[1]:
+        if w.fmt == "nvfp4":
+            lo, least = FRAGMENT_SMALL_M[0], FRAGMENT_SMALL_M_MIN_WORK
+        else:
+            lo, least = FRAGMENT_SMALL_M_OTHERS[0], FRAGMENT_SMALL_M_OTHERS_MIN_WORK
+        return {"BM": 64, "WG": 1, "SPLIT": 4, **deep} if m >= lo and work >= least else None
+    if work < REGISTER_OPERAND_MIN_WORK or m > FRAGMENT_MAX_M[w.fmt]:
         return None
     if m <= FRAGMENT_MID_M[1]:
-        if w.fmt != "nvfp4" or m < FRAGMENT_MID_M[0]:
+        if m < FRAGMENT_MID_M[0]:
             return None
         bm, splits = 128, (1,)
     elif m % 256 and m % 256 < 128:
@@ -242,7 +264,7 @@ def _fragment_config(m: int, w: QTensor, device: torch.device) -> dict | None:
     split = max((s for s in splits if tiles * s <= sms), default=1)
     if wave_fill(tiles * split, sms) < FRAGMENT_MIN_FILL:
         return None
-    return {"BM": bm, "WG": 2, "SPLIT": split}
+    return {"BM": bm, "WG": 2, "SPLIT": split, **deep}
 
 
 def _operand_config(m: int, w: QTensor, device: torch.device) -> dict | None:
@@ -345,7 +367,8 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
         cfg = facts[0]
         kind = "register-fragment weight" if cfg.get("FRAGMENTS") else "register-operand"
         return (f"M={m}, {w.fmt}, N={w.shape[0]}: {kind} tensor-core GEMM (policy.register_operand_config: "
-                f"{cfg['WG']} warpgroup(s), {cfg['BM']}-row x tiles, K split in {cfg['SPLIT']})")
+                f"{cfg['WG']} warpgroup(s), {cfg['BM']}-row x tiles, K split in {cfg['SPLIT']}"
+                f"{', loads four K steps ahead' if cfg.get('DEEP') else ''})")
     if path == "gemm_w4":
         if m <= GEMV_MAX_M:
             return f"{regime} but no GEMV (gemv_w4: {facts[0]}): tensor-core GEMM"
