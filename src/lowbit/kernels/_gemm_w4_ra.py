@@ -33,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_device import decode_w4_words, finish_w4_tile, grouped_tile, load_w4_scales
+from .gluon_device import decode_w4_words, finish_w4_tile, load_w4_scales, w4_program_run
 
 
 
@@ -87,15 +87,7 @@ def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_p
     word_layout: gl.constexpr = gl.SliceLayout(2, code_layout)
     shift_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, code_layout))
 
-    tile = gl.program_id(0) // SPLIT
-    pid_n, pid_m = grouped_tile(tile, gl.cdiv(N, ROWS), gl.cdiv(M, BM), GROUP_M)
-    n0 = pid_n * ROWS
-    m0 = pid_m * BM
-    # this program's K steps, in pairs: the SPLIT programs of a tile take equal even runs; steps past the end
-    # read out of bounds (zeros) and add nothing
-    steps = gl.cdiv(gl.cdiv(gl.cdiv(K, BK), SPLIT), 2) * 2
-    split = gl.program_id(0) % SPLIT
-    k0 = split * steps
+    tile, split, n0, m0, steps, k0 = w4_program_run(M, N, K, ROWS, BM, BK, GROUP_M, SPLIT)
     for i in gl.static_range(STAGES - 1):
         if i < steps:
             _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, i, k0, m0, n0, ROWS, BM, BK, STAGES)

@@ -25,7 +25,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_device import finish_w4_tile, grouped_tile, load_block_scales, w4_scale_values
+from .gluon_device import finish_w4_tile, load_block_scales, w4_program_run, w4_scale_values
 
 BK = gl.constexpr(64)
 """K columns per step: four 16-wide chunks, one fragment word each per thread."""
@@ -206,15 +206,8 @@ def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_pt
     word_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(4, gl.SliceLayout(6, L7)))    # [w, l, c, q]
     scale_layout: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, gl.SliceLayout(6, L7)))   # [w, h, l, c]
 
-    tile = gl.program_id(0) // SPLIT
-    pid_n, pid_m = grouped_tile(tile, gl.cdiv(N, ROWS), gl.cdiv(M, BM), GROUP_M)
-    n0 = pid_n * ROWS
-    m0 = pid_m * BM
+    tile, split, n0, m0, steps, k0 = w4_program_run(M, N, K, ROWS, BM, BK, GROUP_M, SPLIT)
     KS = gl.cdiv(K, BK)
-    # this program's K steps, in pairs: the SPLIT programs of a tile take equal even runs
-    steps = gl.cdiv(gl.cdiv(KS, SPLIT), 2) * 2
-    split = gl.program_id(0) % SPLIT
-    k0 = split * steps
     for i in gl.static_range(STAGES - 1):
         if i < steps:
             _issue_x(x_desc, x_bufs, ready, i, k0, m0, BM, STAGES)

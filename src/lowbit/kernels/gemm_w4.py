@@ -549,13 +549,10 @@ def _gluon_call(name: str, x: torch.Tensor, w: QTensor, bias: torch.Tensor | Non
     return cfg, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
 
 
-def _ws_weight(w: QTensor, bn: int, bk: int):
-    """(packed weight as int32 [N, K / 8], its TMA descriptor, scales, scale row stride, constexprs), cached
-    per weight: the descriptor is built once."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    n, k_dim = w.shape
+def _w4_operands(w: QTensor):
+    """(packed codes as int32 [N, K / 8], scales, scale row stride, global scale, constexprs) of a W4A16 weight
+    for the Gluon kernels, cached per weight."""
+    k_dim = w.shape[1]
 
     def build():
         consts = dict(FMT=_FMT_ID[w.fmt], SCALE_SWIZZLED=False, GSCALE_MODE=0)
@@ -574,7 +571,20 @@ def _ws_weight(w: QTensor, bn: int, bk: int):
             gscale, consts["GSCALE_MODE"] = _global_scale(w, codes.device)
             if gscale is None:
                 gscale = scales
-        words = codes.view(torch.int32)
+        return codes.view(torch.int32), scales, stride_sn, gscale, consts
+
+    return _cached(w.data, "w4_operands", (w.data, w.scale, w.zeros, w.global_scale), build)
+
+
+def _ws_weight(w: QTensor, bn: int, bk: int):
+    """:func:`_w4_operands` with the packed weight's TMA descriptor ([bn, bk / 8] boxes) after the codes, cached
+    per weight: the descriptor is built once."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    def build():
+        words, scales, stride_sn, gscale, consts = _w4_operands(w)
+        n, k_dim = w.shape
         layout = gl.NVMMASharedLayout.get_default_for([bn, bk // 8], gl.int32)
         desc = GluonDescriptor(words, [n, k_dim // 8], [words.stride(0), 1], [bn, bk // 8], layout)
         return words, desc, scales, stride_sn, gscale, consts
@@ -726,7 +736,11 @@ class RaPlan:
             raise ValueError(f"{name}: config needs BM in (64, 128, 256), BK in "
                              f"{'(64,)' if fragments else '(32, 64, 128)'}, STAGES >= 3, WG in (1, 2) and SPLIT "
                              f"in 1..8, got {cfg}")
-        _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64 * wg, bk)
+        if fragments:
+            w_desc = None
+            _, scales, stride_sn, gscale, consts = _w4_operands(w)
+        else:
+            _, w_desc, scales, stride_sn, gscale, consts = _ws_weight(w, 64 * wg, bk)
         self.fragments = fragments
         self.m, self.n, self.k = m, w.shape[0], w.shape[1]
         self.bm, self.bk, self.wg, self.split = bm, bk, wg, split

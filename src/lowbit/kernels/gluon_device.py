@@ -23,6 +23,19 @@ def grouped_tile(tile, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def w4_program_run(M, N, K, ROWS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                   SPLIT: gl.constexpr):
+    """This program's share of the register-operand W4A16 GEMMs: (output tile, split index, first weight row
+    n0, first x row m0, K steps, first K step). SPLIT programs per tile take equal even runs of K steps (the
+    loops are unrolled by two); steps past the end read zeros and add nothing."""
+    tile = gl.program_id(0) // SPLIT
+    pid_n, pid_m = grouped_tile(tile, gl.cdiv(N, ROWS), gl.cdiv(M, BM), GROUP_M)
+    steps = gl.cdiv(gl.cdiv(gl.cdiv(K, BK), SPLIT), 2) * 2
+    split = gl.program_id(0) % SPLIT
+    return tile, split, pid_n * ROWS, pid_m * BM, steps, split * steps
+
+
+@gluon.jit
 def load_w4_scales(s_ptr, rows, row_ok, words, kt, K, stride_sn, FMT: gl.constexpr, GROUP: gl.constexpr,
                  BK: gl.constexpr, SCALE_SWIZZLED: gl.constexpr):
     """The block scale of every packed word [BN, BK / 8] of K step kt (``load_block_scales``)."""
