@@ -120,6 +120,27 @@ def _operand(words, scale, DT: gl.constexpr, FMT: gl.constexpr, WG: gl.constexpr
 
 
 @gluon.jit
+def _advance(s_near, s_far, w_near, w_far, step, s_ptr, rows, row_ok, chunks, K, stride_sn, w_ptr, w_off, w_ok, KS,
+             GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, DEEP: gl.constexpr):
+    """(scales, words) of K step ``step`` from a chain of loads in flight, and the chain moved on: ``DEEP``,
+    ``near`` holds ``step``, ``far`` ``step + 2``, and ``step + 4`` is loaded into ``far``; else the scales of
+    ``step + 1`` and words of ``step + 2`` are loaded into ``near`` (``far`` unused)."""
+    scale = s_near
+    words = w_near
+    if DEEP:
+        s_near = s_far
+        s_far = load_block_scales(s_ptr, rows, row_ok, (step + 4) * BK + chunks * 16, K, stride_sn, GROUP,
+                                  SCALE_SWIZZLED)
+        w_near = w_far
+        w_far = _load_words(w_ptr, w_off, w_ok, step + 4, KS)
+    else:
+        s_near = load_block_scales(s_ptr, rows, row_ok, (step + 1) * BK + chunks * 16, K, stride_sn, GROUP,
+                                   SCALE_SWIZZLED)
+        w_near = _load_words(w_ptr, w_off, w_ok, step + 2, KS)
+    return scale, words, s_near, s_far, w_near, w_far
+
+
+@gluon.jit
 def _step_pair(kt, steps, k0, m0, acc, a_odd, sc0, sc1, sc2, sc3, cur0, cur1, cur2, cur3, x_desc, x_bufs, ready,
                w_ptr, w_off, w_ok, s_ptr, rows, row_ok, chunks, K, KS, stride_sn, DT: gl.constexpr,
                FMT: gl.constexpr, GROUP: gl.constexpr, SCALE_SWIZZLED: gl.constexpr, WG: gl.constexpr,
@@ -130,39 +151,22 @@ def _step_pair(kt, steps, k0, m0, acc, a_odd, sc0, sc1, sc2, sc3, cur0, cur1, cu
     ``kt + 3`` (loads four steps ahead); else ``sc0`` step ``kt``'s scales (one step ahead) and ``cur0`` /
     ``cur1`` its and the next step's words. ``LAST``: wait for every wgmma at the end, else for all but the odd
     one, then refill the two slots retired."""
-    if DEEP:
-        scale = sc0
-        sc0 = sc2
-        sc2 = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 4) * BK + chunks * 16, K, stride_sn, GROUP,
-                                SCALE_SWIZZLED)
-        words = cur0
-        cur0 = cur2
-        cur2 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 4, KS)
-    else:
-        scale = sc0
-        sc0 = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 1) * BK + chunks * 16, K, stride_sn, GROUP,
-                                SCALE_SWIZZLED)
-        words = cur0
-        cur0 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 2, KS)
+    # step kt's operands; the loads of step kt + 4 (DEEP) or of its scales' next step and words' step after
+    scale, words, sc0, sc2, cur0, cur2 = _advance(sc0, sc2, cur0, cur2, k0 + kt, s_ptr, rows, row_ok, chunks, K,
+                                                  stride_sn, w_ptr, w_off, w_ok, KS, GROUP, SCALE_SWIZZLED, DEEP)
     a_even = _operand(words, scale, DT, FMT, WG, a_layout)
     mbarrier.wait(ready.index(kt % STAGES), (kt // STAGES) & 1)
     acc = warpgroup_mma(a_even, x_bufs.index(kt % STAGES).permute((1, 0)), acc, is_async=True)
     # retires the previous pair's odd wgmma: its registers (a dependency here) are free
     acc, a_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_odd))
     if DEEP:
-        scale = sc1
-        sc1 = sc3
-        sc3 = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 5) * BK + chunks * 16, K, stride_sn, GROUP,
-                                SCALE_SWIZZLED)
-        words = cur1
-        cur1 = cur3
-        cur3 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 5, KS)
-    else:
-        scale = sc0
-        sc0 = load_block_scales(s_ptr, rows, row_ok, (k0 + kt + 2) * BK + chunks * 16, K, stride_sn, GROUP,
-                                SCALE_SWIZZLED)
-        words = cur1
-        cur1 = _load_words(w_ptr, w_off, w_ok, k0 + kt + 3, KS)
+        scale, words, sc1, sc3, cur1, cur3 = _advance(sc1, sc3, cur1, cur3, k0 + kt + 1, s_ptr, rows, row_ok, chunks,
+                                                      K, stride_sn, w_ptr, w_off, w_ok, KS, GROUP, SCALE_SWIZZLED,
+                                                      DEEP)
+    else:  # one chain of scales
+        scale, words, sc0, sc3, cur1, cur3 = _advance(sc0, sc3, cur1, cur3, k0 + kt + 1, s_ptr, rows, row_ok, chunks,
+                                                      K, stride_sn, w_ptr, w_off, w_ok, KS, GROUP, SCALE_SWIZZLED,
+                                                      DEEP)
     a_odd = _operand(words, scale, DT, FMT, WG, a_layout)
     mbarrier.wait(ready.index((kt + 1) % STAGES), ((kt + 1) // STAGES) & 1)
     acc = warpgroup_mma(a_odd, x_bufs.index((kt + 1) % STAGES).permute((1, 0)), acc, is_async=True)
