@@ -173,8 +173,8 @@ kernel's 0.49 / 0.51). Eager QuantLinear (``lowbit bench --ops qlinear.w4a16-*``
 operand kernel's rule of the session before: 28672x8192 at M = 256 nvfp4 227.6 / 272.4 us, int4_awq 248.3 /
 259.4, mxfp4 277.4 / 260.3 (the one loss); 4096x14336 at M = 512 nvfp4 112.8 / 132.8, mxfp4 130.0 / 154.9,
 int4_awq 124.4 / 189.3. With the loads four K steps ahead (:data:`FRAGMENT_DEEP`) mxfp4 won at M = 1024 too
-(28672x8192 0.76 against dequantizing's 0.73, 4096x14336 0.83 against 0.81; without: 0.63 / 0.69); int4_awq
-did not (0.71 / 0.75 against 0.80 / 0.75)."""
+(28672x8192 0.76 against dequantizing's 0.73, 4096x14336 0.83 against 0.81; without: 0.63 / 0.69; M = 768
+not measured with them); int4_awq did not (0.71 / 0.75 against 0.80 / 0.75)."""
 FRAGMENT_MIN_FILL = 0.8
 """Smallest share of the SMs busy in the fragment rule's last wave of programs (output tiles x split): 0.85 and
 up won in the sweep above (28672x8192 at M = 256 / 384 / 768 are 0.85); at 0.73 it lost or tied (6144x4096 at
@@ -182,8 +182,8 @@ M = 1024: 0.62 against 0.79; at M = 256, split 2: 0.49 / 0.50), at 0.61 lost (51
 0.77)."""
 FRAGMENT_SMALL_M = (32, 64)
 """M range in which nvfp4 weights run the fragment kernel with 64-row x tiles and K split in 4, from
-:data:`FRAGMENT_SMALL_M_MIN_WORK`. Same sweep at M = 32: 0.69 / 0.69 / 0.81 / 0.68 (6144x4096, 4096x14336, 28672x8192,
-5120x5120) against the Triton GEMM's 0.58 / 0.71 / 0.70 / 0.62, split 2 0.41-0.72; at M = 64 see
+:data:`FRAGMENT_SMALL_M_MIN_WORK`. Same sweep at M = 32: 0.69 / 0.69 / 0.81 / 0.68 (6144x4096, 4096x14336,
+28672x8192, 5120x5120) against the Triton GEMM's 0.58 / 0.71 / 0.70 / 0.62, split 2 0.41-0.72; at M = 64 see
 :data:`REGISTER_OPERAND_FRAGMENTS`. mxfp4 and int4_awq lost there (28672x8192 at M = 32: 0.83 / 0.90 against
 0.95 / 1.36)."""
 FRAGMENT_SMALL_M_OTHERS = (33, 64)
