@@ -365,7 +365,8 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
                 "(Triton), then cuBLAS")
     if path == "gemm_w4_ra":
         cfg = facts[0]
-        kind = "register-fragment weight" if cfg.get("FRAGMENTS") else "register-operand"
+        kind = ("register-fragment weight (a copy of the codes in fragment order, made once per weight)"
+                if cfg.get("FRAGMENTS") else "register-operand")
         return (f"M={m}, {w.fmt}, N={w.shape[0]}: {kind} tensor-core GEMM (policy.register_operand_config: "
                 f"{cfg['WG']} warpgroup(s), {cfg['BM']}-row x tiles, K split in {cfg['SPLIT']}"
                 f"{', loads four K steps ahead' if cfg.get('DEEP') else ''})")
