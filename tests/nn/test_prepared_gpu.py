@@ -392,7 +392,8 @@ def test_compile_reduce_overhead(scheme):
     ("w4a16-nvfp4", 28672, 8192, 64, None), ("w4a16-nvfp4", 28672, 4096, 256, "silu"),
     ("w4a16-int4", 28672, 4096, 200, None), ("w4a16-mxfp4", 4096, 8192, 512, "gelu"),
     ("w4a16-nvfp4", 28672, 2048, 768, None), ("w4a16-nvfp4", 28672, 4096, 128, "gelu"),
-    ("w4a16-nvfp4", 6144, 4096, 32, None)])
+    ("w4a16-nvfp4", 6144, 4096, 32, None), ("w4a16-mxfp4", 28672, 4096, 64, None),
+    ("w4a16-int4", 28672, 4096, 128, "silu")])
 def test_register_operand_route(scheme, n, k, m, activation):
     # where policy.register_operand_config takes the call (132-SM Hopper): the prepared layer and lowbit.linear
     # run gemm_w4_ra with the same config, the same bits; close to the fp32 reference; CUDA-graph replay
