@@ -27,21 +27,27 @@ def run_ra(name, m, n, k, **kw):
     return run_ws(name, m, n, k, kernel="gemm_w4_ra", **kw)
 
 
+# the register-fragment kernel (test_gemm_w4_rf_gpu.py) takes the same calls: both run the shape tests here
+KERNELS = ("gemm_w4_ra", "gemm_w4_rf")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m", [17, 64, 200, 1024, 4096])
 @pytest.mark.parametrize("name", NAMES)
-def test_formats_by_m(name, m):
-    run_ra(name, m, 4096, 4096)
+def test_formats_by_m(name, m, kernel):
+    run_ws(name, m, 4096, 4096, kernel=kernel)
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "int4_g128", "int4_g64"])
 @pytest.mark.parametrize("m, n, k", [(33, 200, 160), (300, 1032, 4160), (129, 6144, 96), (1000, 4096, 14336),
                                      (64, 256, 4128)])
-def test_ragged_shapes(name, m, n, k):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_ragged_shapes(name, m, n, k, kernel):
     # N and K not multiples of the tile; 160 / 4160 / 96 / 4128 columns: an odd number of 64-wide K steps or a
     # last step cut short (K a multiple of 32); K = 14336 (the down projection)
     if name.startswith("int4") and k % int(name[6:]):
         name = "int4_g32"
-    run_ra(name, m, n, k)
+    run_ws(name, m, n, k, kernel=kernel)
 
 
 @pytest.mark.parametrize("wg", [1, 2])

@@ -36,7 +36,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .gluon_device import decode_w4_words, finish_w4_tile, load_w4_scales, w4_program_run
 
 
-
 @gluon.jit
 def _issue(x_desc, w_desc, x_bufs, raw_bufs, ready, kt, k0, m0, n0, ROWS: gl.constexpr, BM: gl.constexpr,
            BK: gl.constexpr, STAGES: gl.constexpr):

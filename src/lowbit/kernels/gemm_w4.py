@@ -721,8 +721,8 @@ class RaPlan:
     descriptor or fragment words and arguments. ``launch`` then reads x and launches; a :class:`RaRunner` keeps
     one plan and its compiled launch. M > 0, N > 0."""
 
-    __slots__ = ("act", "bk", "bm", "consts", "fragments", "grid", "k", "m", "n", "split", "stride_sn", "tiles",
-                 "w_args", "wg", "x_layout")
+    __slots__ = ("act", "bk", "bm", "consts", "fragments", "grid", "k", "kernel", "m", "n", "split", "stride_sn",
+                 "tiles", "w_args", "wg", "x_layout")
 
     def __init__(self, w: QTensor, m: int, dtype: torch.dtype, activation: str | None, cfg: dict,
                  fragments: bool = False) -> None:
@@ -751,10 +751,17 @@ class RaPlan:
         self.tiles = cdiv(m, bm) * cdiv(self.n, 64 * wg)
         self.grid = (self.tiles * split,)
         self.act = ACTIVATIONS[activation]
-        self.consts = dict(consts, ACT=self.act, BM=bm, BK=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], WG=wg,
+        self.consts = dict(consts, ACT=self.act, BM=bm, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], WG=wg,
                            SPLIT=split)
-        if fragments:
+        if fragments:  # BK is the kernel's own constant
+            from ._gemm_w4_rf import gemm_w4_rf_kernel as kernel
+
             self.consts["DEEP"] = bool(cfg.get("DEEP"))
+        else:
+            from ._gemm_w4_ra import gemm_w4_ra_kernel as kernel
+
+            self.consts["BK"] = bk
+        self.kernel = kernel
 
     def launch(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, store: dict | None = None,
                key: tuple | None = None) -> None:
@@ -769,16 +776,9 @@ class RaPlan:
             ws = cnt = out
         x_desc = LazyDescriptor(x, [self.bm, self.bk], layout=self.x_layout)
         w_arg, scales, gscale = self.w_args
-        consts = self.consts
-        if self.fragments:
-            from ._gemm_w4_rf import gemm_w4_rf_kernel as kernel
-
-            consts = {c: v for c, v in consts.items() if c != "BK"}
-        else:
-            from ._gemm_w4_ra import gemm_w4_ra_kernel as kernel
-        kept_launch(store, None if key is None else (*key, has_bias), kernel, self.grid, (
+        kept_launch(store, None if key is None else (*key, has_bias), self.kernel, self.grid, (
             x_desc, w_arg, scales, gscale, bias if has_bias else out, out, ws, cnt, self.m, self.n, self.k,
-            self.stride_sn, out.stride(0)), HAS_BIAS=has_bias, **consts, num_warps=4 * self.wg)
+            self.stride_sn, out.stride(0)), HAS_BIAS=has_bias, **self.consts, num_warps=4 * self.wg)
 
 
 def _fragment_words(w: QTensor) -> torch.Tensor:
@@ -796,7 +796,8 @@ def gemm_w4_rf(x: torch.Tensor, w: QTensor, bias: torch.Tensor | None = None, ac
                config: dict | None = None) -> torch.Tensor:
     """``act(x @ dequant(w).T + bias)`` through the Gluon kernel that reads the weight as wgmma register fragments
     (``_gemm_w4_rf``; the layout made once per weight). Same contract and config keys as :func:`gemm_w4_ra`
-    (BK 64 only); not routed by the dispatch policy."""
+    (BK 64 only), and ``DEEP``: load scales and words four K steps ahead. The W4A16 route where
+    ``policy.register_operand_config`` takes the call."""
     return _register_operand_gemm("gemm_w4_rf", True, x, w, bias, activation, config)
 
 
@@ -850,7 +851,10 @@ def ra_compile_variants(fragments: bool = False):
             sig["w_ptr"] = "*i32"
         else:
             sig["w_desc"] = _gluon_desc_signature(torch.int32, gl.int32, [64 * extra.get("WG", 1), bk // 8])
-        sig.update({"s_ptr": "*i32" if fmt == "int4_awq" else "*u8", "gscale_ptr": "*fp32", "bias_ptr": f"*{dtype}",
+        s_type = "*i32" if fmt == "int4_awq" else "*u8"
+        # without a global scale the launcher passes the scales there (never read), as the JIT then types it
+        gscale_type = "*fp32" if extra.get("GSCALE_MODE") else s_type
+        sig.update({"s_ptr": s_type, "gscale_ptr": gscale_type, "bias_ptr": f"*{dtype}",
                     "out_ptr": f"*{dtype}", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
                     "stride_sn": "i32", "stride_om": "i32"})
         consts = dict(FMT=_FMT_ID[fmt], GROUP={"nvfp4": 16, "mxfp4": 32, "int4_awq": 128}[fmt],

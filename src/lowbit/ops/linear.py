@@ -13,8 +13,9 @@ Dispatch, with ``M = x.numel() // K`` rows:
 2. x not on CUDA: the reference with ``backend="auto"``; ``backend="triton"`` is a ValueError.
 3. CUDA (``"auto"`` and ``"triton"`` alike; there is no silent fallback on CUDA), by ``policy.linear_decide``:
    the register-operand Gluon GEMM (``gemm_w4.gemm_w4_rf``, or ``gemm_w4_ra`` per
-   ``policy.REGISTER_OPERAND_FRAGMENTS``) where ``policy.register_operand_config`` takes the call; ``M >= policy.dequant_gemm_min_m(fmt)``: :func:`linear_dequant_gemm` (the weight dequantized by the
-   Triton kernels in chunks of at most 64 MB, then cuBLAS); ``M <= GEMV_MAX_M``: ``lowbit.kernels.gemv_w4``
+   ``policy.REGISTER_OPERAND_FRAGMENTS``) where ``policy.register_operand_config`` takes the call;
+   ``M >= policy.dequant_gemm_min_m(fmt)``: :func:`linear_dequant_gemm` (the weight dequantized by the Triton
+   kernels in chunks of at most 64 MB, then cuBLAS); ``M <= GEMV_MAX_M``: ``lowbit.kernels.gemv_w4``
    (split-K GEMV) if the module exists and its ``supports(w)`` returns None, else ``lowbit.kernels.gemm_w4``
    likewise; ``M > GEMV_MAX_M``: ``gemm_w4``. Where no kernel can run, :func:`linear` raises RuntimeError
    naming each reason (pass ``backend="torch"`` for the reference). ``M == 0`` launches nothing and returns an
