@@ -12,9 +12,10 @@ def rank_main(rank: int, world_size: int, port: int, phases: list, report: str, 
     """Run ``phases``: ``(use a gloo group, [convert_checkpoint kwargs, ...])`` in order, as rank ``rank``.
 
     ``die_after``: after converting that many source shards this rank's process exits at once (as if killed)
-    in the middle of its next one, as soon as the first file of that shard is on disk. The exit comes from the
-    writer thread that wrote the file: files are written in the background while the next ones are computed,
-    so a kill at a fixed tensor would leave more or less on disk depending on how far the writer had got. Each
+    in the middle of its next one, as soon as the first bytes of that shard's files are on disk. The exit comes
+    from the writer thread that wrote them: tensors are written in the background while the next ones are
+    computed, so a kill at a fixed tensor would leave more or less on disk depending on how far the writer
+    had got. Each
     job's error (or None) goes to ``report`` (a JSON list per rank)."""
     import lowbit
     import lowbit.io.convert as conv
@@ -22,19 +23,19 @@ def rank_main(rank: int, world_size: int, port: int, phases: list, report: str, 
     from lowbit.io.distributed import join_group, leave_group
 
     if die_after is not None:
-        real_convert, real_save, calls = conv._convert_shard, writer.save_safetensors, []
+        real_convert, real_write, calls = conv._convert_keys, writer.write_bytes, []
 
         def counting(keys, source, *a, **kw):
             calls.append(source.files[keys[0]].name.removesuffix(".safetensors"))
             return real_convert(keys, source, *a, **kw)
 
-        def dying(tensors, path, *a, **kw):
-            real_save(tensors, path, *a, **kw)
+        def dying(path, *a, **kw):
+            real_write(path, *a, **kw)
             if len(calls) > die_after and path.name.startswith(f".{calls[die_after]}.part"):
                 os._exit(9)
 
-        conv._convert_shard = counting
-        writer.save_safetensors = dying
+        conv._convert_keys = counting
+        writer.write_bytes = dying
     results = []
     for group, jobs in phases:
         if group:

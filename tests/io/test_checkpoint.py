@@ -453,7 +453,7 @@ def test_convert_equals_quantize_model_and_save(tmp_path, llama, sharded_src, sc
 def test_convert_resumes_per_shard(tmp_path, sharded_src, monkeypatch):
     import lowbit.io.convert as conv
 
-    real = conv._convert_shard
+    real = conv._convert_keys  # called once per piece of work: one per shard of this small model
     calls = []
 
     def crash_on_second(keys, *a, **kw):
@@ -462,13 +462,13 @@ def test_convert_resumes_per_shard(tmp_path, sharded_src, monkeypatch):
             raise RuntimeError("simulated crash")
         return real(keys, *a, **kw)
 
-    monkeypatch.setattr(conv, "_convert_shard", crash_on_second)
+    monkeypatch.setattr(conv, "_convert_keys", crash_on_second)
     with pytest.raises(RuntimeError, match="simulated crash"):
         lowbit.convert_checkpoint(sharded_src, tmp_path / "out", "w4a16-nf4", progress=False)
     assert not (tmp_path / "out").exists()
     (tmp_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.lowbit-convert")]
     manifest = json.loads((tmp_dir / "progress.json").read_text())
-    assert len(manifest["shards"]) == 1
+    assert len(manifest["pieces"]) == 1
 
     counted = []
 
@@ -476,7 +476,7 @@ def test_convert_resumes_per_shard(tmp_path, sharded_src, monkeypatch):
         counted.append(keys[0])
         return real(keys, *a, **kw)
 
-    monkeypatch.setattr(conv, "_convert_shard", count)
+    monkeypatch.setattr(conv, "_convert_keys", count)
     out = lowbit.convert_checkpoint(sharded_src, tmp_path / "out", "w4a16-nf4", progress=True)
     n_shards = len(list(sharded_src.glob("*.safetensors")))
     assert len(counted) == n_shards - 1 and calls[0] not in counted

@@ -246,18 +246,18 @@ def test_killed_rank_publishes_nothing_and_a_rerun_resumes(tmp_path, bare_src, m
     assert tmp.name == ".out.lowbit-convert.tmp"  # the sync directory is gone, the shards stay for a rerun
     assert list(tmp.glob(".part-2.part*.safetensors"))  # what the killed rank had written of its shard
     progress = {p.name: json.loads(p.read_text()) for p in tmp.glob("progress.rank*.json")}
-    assert {s["source"] for s in progress["progress.rank1.json"]["shards"].values()} == {"part-0.safetensors"}
+    assert {s["source"] for s in progress["progress.rank1.json"]["pieces"].values()} == {"part-0.safetensors"}
 
     # the rerun, on one process, converts only the shard not yet finished
     import lowbit.io.convert as conv
 
-    real, converted = conv._convert_shard, []
+    real, converted = conv._convert_keys, []
 
     def count(keys, *a, **kw):
         converted.append(keys[0])
         return real(keys, *a, **kw)
 
-    monkeypatch.setattr(conv, "_convert_shard", count)
+    monkeypatch.setattr(conv, "_convert_keys", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, max_shard_size=limit)
     assert [k.split(".")[1] for k in converted] == ["2"]  # part-2's tensors are blocks.2.*
     assert _tree(out) == ref
@@ -267,14 +267,14 @@ def test_killed_rank_publishes_nothing_and_a_rerun_resumes(tmp_path, bare_src, m
 def test_failed_rank_fails_every_rank_and_a_rerun_resumes(tmp_path, bare_src, refs, monkeypatch):
     import lowbit.io.convert as conv
 
-    real = conv._convert_shard
+    real = conv._convert_keys
 
     def fail_on_rank1(*a, **kw):
         if threading.current_thread().name == "rank1":
             raise OSError("disk on fire")
         return real(*a, **kw)
 
-    monkeypatch.setattr(conv, "_convert_shard", fail_on_rank1)
+    monkeypatch.setattr(conv, "_convert_keys", fail_on_rank1)
     out = tmp_path / "out"
     errors = _threads(2, lambda r: lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, rank=r,
                                                              world_size=2, timeout=30))
@@ -282,7 +282,7 @@ def test_failed_rank_fails_every_rank_and_a_rerun_resumes(tmp_path, bare_src, re
     assert isinstance(errors[0], DistributedConvertError)
     assert "rank 1 failed: OSError: disk on fire" in str(errors[0]) and "nothing was published" in str(errors[0])
     assert not out.exists()
-    monkeypatch.setattr(conv, "_convert_shard", real)
+    monkeypatch.setattr(conv, "_convert_keys", real)
     errors = _threads(3, lambda r: lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, rank=r,
                                                              world_size=3, timeout=30))
     assert errors == [None] * 3

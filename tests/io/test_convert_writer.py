@@ -1,7 +1,8 @@
-"""convert_checkpoint writes each finished output file in a background thread while it quantizes the next: the
-bytes are the sequential writer's (any number of ranks, files split in parts or not), a failed write fails the
-conversion with its own error and a rerun resumes, at most one write is pending, and an error in the compute
-loop still joins the writer and leaves what was computed recorded for a rerun. CPU only."""
+"""convert_checkpoint writes each quantized tensor into its planned file in a background thread while it
+quantizes the next: the bytes are the sequential writer's (any number of ranks, files split in parts or not,
+pieces of one file converted by different ranks), a failed write fails the conversion with its own error and a
+rerun resumes, the outputs waiting for the writer stay under max_shard_size, and an error in the compute loop
+still joins the writer and leaves what was computed recorded for a rerun. CPU only."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 
 import lowbit
 import lowbit.io.convert as conv
+import lowbit.io.convert_layout as layout
 import lowbit.io.convert_plan as plan
 import lowbit.io.convert_writer as writer
 from lowbit.io.distributed import DistributedConvertError
@@ -68,16 +70,16 @@ def llama_src(tmp_path_factory) -> Path:
 
 
 class _Saves:
-    """writer.save_safetensors, recording which thread wrote which file (and slowed down when asked)."""
+    """writer.write_bytes, recording which thread wrote into which file (and slowed down when asked)."""
 
     def __init__(self, monkeypatch, delay: float = 0.0) -> None:
-        self.real, self.delay, self.calls = writer.save_safetensors, delay, []
-        monkeypatch.setattr(writer, "save_safetensors", self)
+        self.real, self.delay, self.calls = writer.write_bytes, delay, []
+        monkeypatch.setattr(writer, "write_bytes", self)
 
-    def __call__(self, tensors, path, metadata=None):
+    def __call__(self, path, fd, offset, data):
         self.calls.append((threading.current_thread().name, path.name))
         time.sleep(self.delay)
-        self.real(tensors, path, metadata)
+        self.real(path, fd, offset, data)
 
 
 def _convert(src, out, world_size=1, **kw):
@@ -107,7 +109,10 @@ def _convert(src, out, world_size=1, **kw):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("limit", ["5GB", "5KB"])  # one file per shard; numbered parts
-def test_overlapped_writes_give_the_sequential_bytes(tmp_path, bare_src, monkeypatch, world_size, limit):
+@pytest.mark.parametrize("piece_bytes", [layout.PIECE_BYTES, 20_000])  # a piece per shard; several per shard
+def test_overlapped_writes_give_the_sequential_bytes(tmp_path, bare_src, monkeypatch, world_size, limit,
+                                                     piece_bytes):
+    monkeypatch.setattr(layout, "PIECE_BYTES", piece_bytes)
     saves = _Saves(monkeypatch)
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
     assert _convert(bare_src, tmp_path / "ref", max_shard_size=limit) == [None]
@@ -123,6 +128,11 @@ def test_overlapped_writes_give_the_sequential_bytes(tmp_path, bare_src, monkeyp
     assert _tree(tmp_path / "out") == ref
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
     assert _writer_threads() == []
+    if world_size > 1 and piece_bytes < layout.PIECE_BYTES:  # the ranks shared files, not just the shard list
+        writers: dict[str, set[str]] = {}
+        for thread, name in saves.calls:
+            writers.setdefault(name, set()).add(thread)
+        assert any(len(w) > 1 for w in writers.values())
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -154,32 +164,32 @@ def test_failed_write_fails_the_conversion_and_a_rerun_resumes(tmp_path, bare_sr
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
     saves = _Saves(monkeypatch)
 
-    def broken(tensors, path, metadata=None):
+    def broken(path, fd, offset, data):
         saves.calls.append((threading.current_thread().name, path.name))
         if path.name.startswith(f".{failing}."):
             raise OSError(f"no space left writing {path.name}")
-        saves.real(tensors, path, metadata)
+        saves.real(path, fd, offset, data)
 
-    monkeypatch.setattr(writer, "save_safetensors", broken)
+    monkeypatch.setattr(writer, "write_bytes", broken)
     out = tmp_path / "out"
     with pytest.raises(OSError, match=rf"no space left writing \.{failing}\.part00000"):
         lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
     assert not out.exists()
     assert _writer_threads() == []
     tmp = tmp_path / ".out.lowbit-convert.tmp"
-    recorded = {s["source"] for s in json.loads((tmp / "progress.json").read_text())["shards"].values()}
+    recorded = {s["source"] for s in json.loads((tmp / "progress.json").read_text())["pieces"].values()}
     before = {f"part-{i}.safetensors" for i in range(int(failing[-1]))}
     assert recorded == before  # every shard before the failed one, nothing after it
 
     converted = []
-    real = conv._convert_shard
+    real = conv._convert_keys
 
     def count(keys, source, *a, **kw):
         converted.append(source.files[keys[0]].name)
         return real(keys, source, *a, **kw)
 
-    monkeypatch.setattr(writer, "save_safetensors", saves.real)
-    monkeypatch.setattr(conv, "_convert_shard", count)
+    monkeypatch.setattr(writer, "write_bytes", saves.real)
+    monkeypatch.setattr(conv, "_convert_keys", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
     assert converted == [f"part-{i}.safetensors" for i in range(4) if f"part-{i}.safetensors" not in before]
     assert _tree(out) == ref
@@ -187,74 +197,66 @@ def test_failed_write_fails_the_conversion_and_a_rerun_resumes(tmp_path, bare_sr
 
 
 def test_failed_write_on_one_rank_fails_every_rank(tmp_path, bare_src, monkeypatch):
-    owner = conv.assign_shards({f.name: f.stat().st_size for f in sorted(bare_src.glob("*.safetensors"))}, 2)
-    victim = next(n for n, r in owner.items() if r == 1).removesuffix(".safetensors")
-    real = writer.save_safetensors
+    real = writer.write_bytes
 
-    def broken(tensors, path, metadata=None):
-        if path.name.startswith(f".{victim}."):
+    def broken(path, fd, offset, data):
+        if "rank 1/2" in threading.current_thread().name:  # rank 1's writer thread
             raise OSError("disk on fire")
-        real(tensors, path, metadata)
+        real(path, fd, offset, data)
 
-    monkeypatch.setattr(writer, "save_safetensors", broken)
+    monkeypatch.setattr(writer, "write_bytes", broken)
     out = tmp_path / "out"
     errors = _convert(bare_src, out, 2)
     assert isinstance(errors[1], OSError) and "disk on fire" in str(errors[1])
     assert isinstance(errors[0], DistributedConvertError) and "rank 1 failed: OSError: disk on fire" in str(errors[0])
     assert not out.exists() and _writer_threads() == []
-    monkeypatch.setattr(writer, "save_safetensors", real)
+    monkeypatch.setattr(writer, "write_bytes", real)
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
     assert _convert(bare_src, out, 3) == [None] * 3  # the rerun (sequential writes, three ranks) completes
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
     assert _tree(out) == _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
 
 
-# ------------------------------------------------------------------------------------- one pending write
+# ------------------------------------------------------------------------------- bounded pending writes
 
 
-def test_at_most_one_write_is_pending_and_writes_overlap_compute(tmp_path, bare_src, monkeypatch):
-    lock = threading.Lock()
-    state = {"handed": 0, "finished": 0, "writing": False}
-    outstanding, computed_while_writing = [], []
-    real_submit = writer.ShardWriter.submit
+def test_pending_writes_stay_under_max_shard_size_and_overlap_compute(tmp_path, bare_src, monkeypatch):
+    limit = 5_000
+    pending, computed_while_writing, largest = [], [], [0]
+    state = {"writing": False}
+    real_submit = writer.TensorWriter._submit
 
-    def submit(self, fn, *args):
-        def job(*a):
-            try:
-                return fn(*a)
-            finally:
-                with lock:
-                    state["finished"] += 1
+    def submit(self, job, nbytes):
+        real_submit(self, job, nbytes)
+        largest[0] = max(largest[0], nbytes)
+        with self._cond:  # handed over and not yet written, counting the one just handed over
+            pending.append(self._pending)
 
-        real_submit(self, job, *args)
-        with lock:  # handed over and not yet written, counting the one just handed over
-            state["handed"] += 1
-            outstanding.append(state["handed"] - state["finished"])
+    saves = _Saves(monkeypatch, delay=0.005)
 
-    saves = _Saves(monkeypatch, delay=0.05)
-
-    def slow_save(tensors, path, metadata=None):
+    def slow_write(path, fd, offset, data):
         state["writing"] = True
         try:
-            saves(tensors, path, metadata)
+            saves(path, fd, offset, data)
         finally:
             state["writing"] = False
 
-    real_convert = conv._convert_shard
+    real_convert = conv._convert_keys
 
     def watched(*a, **kw):
         for item in real_convert(*a, **kw):
             computed_while_writing.append(state["writing"])
             yield item
 
-    monkeypatch.setattr(writer.ShardWriter, "submit", submit)
-    monkeypatch.setattr(writer, "save_safetensors", slow_save)
-    monkeypatch.setattr(conv, "_convert_shard", watched)
-    lowbit.convert_checkpoint(bare_src, tmp_path / "out", SCHEME, progress=False, max_shard_size="5KB")
-    assert len(outstanding) == len(saves.calls) > 8
-    assert max(outstanding) == 1  # never a second file waiting behind the one being written
-    assert state["handed"] == state["finished"]
-    assert any(computed_while_writing)  # the compute loop did run while a file was being written
+    monkeypatch.setattr(writer.TensorWriter, "_submit", submit)
+    monkeypatch.setattr(writer, "write_bytes", slow_write)
+    monkeypatch.setattr(conv, "_convert_keys", watched)
+    lowbit.convert_checkpoint(bare_src, tmp_path / "out", SCHEME, progress=False, max_shard_size=limit)
+    assert len(saves.calls) > 8 and all(name.startswith(WRITER) for name, _ in saves.calls)
+    assert 0 < largest[0] <= limit
+    assert max(pending) <= limit  # never more than max_shard_size of output waiting
+    assert max(pending) > largest[0]  # but more than one tensor: the writer fell behind and the loop went on
+    assert any(computed_while_writing)  # the compute loop did run while a tensor was being written
 
 
 # ------------------------------------------------------------------------------ compute fails, write pending
@@ -265,40 +267,39 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
     ref = _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
-    started, finished, release = threading.Event(), threading.Event(), threading.Event()
-    real_save, real_abort = writer.save_safetensors, writer.ShardWriter.abort
+    started, release = threading.Event(), threading.Event()
+    tmp = tmp_path / ".out.lowbit-convert.tmp"
+    real_write, real_abort = writer.write_bytes, writer.TensorWriter.abort
 
-    def slow_save(tensors, path, metadata=None):
+    def slow_write(path, fd, offset, data):
         started.set()
         release.wait(30)  # still writing when the compute loop fails: released once the writer is being joined
-        real_save(tensors, path, metadata)
-        finished.set()
+        real_write(path, fd, offset, data)
 
     def abort(self, err):
-        assert not finished.is_set()  # the write is pending when the converting thread joins the writer
+        assert not (tmp / "progress.json").exists()  # the first piece is pending when the writer is joined
         release.set()
         return real_abort(self, err)
 
-    real_convert, calls = conv._convert_shard, []
+    real_convert, calls = conv._convert_keys, []
 
     def failing(keys, source, *a, **kw):
         calls.append(source.files[keys[0]].name)
         if len(calls) == 2:
-            assert started.wait(10) and not finished.is_set()  # the first shard's write is pending
+            assert started.wait(10)  # the first shard's writes are pending
             raise error("compute failed")
         return real_convert(keys, source, *a, **kw)
 
-    monkeypatch.setattr(writer, "save_safetensors", slow_save)
-    monkeypatch.setattr(writer.ShardWriter, "abort", abort)
-    monkeypatch.setattr(conv, "_convert_shard", failing)
+    monkeypatch.setattr(writer, "write_bytes", slow_write)
+    monkeypatch.setattr(writer.TensorWriter, "abort", abort)
+    monkeypatch.setattr(conv, "_convert_keys", failing)
     out = tmp_path / "out"
     with pytest.raises(error, match="compute failed"):
         lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
-    assert finished.is_set() and _writer_threads() == []  # joined: the pending write was completed
+    assert release.is_set() and _writer_threads() == []  # joined: the pending writes were completed
     assert not out.exists()
-    tmp = tmp_path / ".out.lowbit-convert.tmp"
     manifest = json.loads((tmp / "progress.json").read_text())
-    assert [s["source"] for s in manifest["shards"].values()] == ["part-0.safetensors"]
+    assert [s["source"] for s in manifest["pieces"].values()] == ["part-0.safetensors"]
 
     calls.clear()
 
@@ -306,9 +307,9 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
         calls.append(source.files[keys[0]].name)
         return real_convert(keys, source, *a, **kw)
 
-    monkeypatch.setattr(writer, "save_safetensors", real_save)
-    monkeypatch.setattr(writer.ShardWriter, "abort", real_abort)
-    monkeypatch.setattr(conv, "_convert_shard", count)
+    monkeypatch.setattr(writer, "write_bytes", real_write)
+    monkeypatch.setattr(writer.TensorWriter, "abort", real_abort)
+    monkeypatch.setattr(conv, "_convert_keys", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
     assert calls == ["part-1.safetensors", "part-2.safetensors", "part-3.safetensors"]  # part-0 was kept
     assert _tree(out) == ref
@@ -317,12 +318,12 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
 def test_compute_error_and_a_failed_pending_write_raise_the_compute_error(tmp_path, bare_src, monkeypatch):
     started = threading.Event()
 
-    def broken(tensors, path, metadata=None):
+    def broken(path, fd, offset, data):
         started.set()
         time.sleep(0.2)
         raise OSError("write failed")
 
-    real_convert, calls = conv._convert_shard, []
+    real_convert, calls = conv._convert_keys, []
 
     def failing(*a, **kw):
         calls.append(1)
@@ -331,8 +332,8 @@ def test_compute_error_and_a_failed_pending_write_raise_the_compute_error(tmp_pa
             raise RuntimeError("compute failed")
         return real_convert(*a, **kw)
 
-    monkeypatch.setattr(writer, "save_safetensors", broken)
-    monkeypatch.setattr(conv, "_convert_shard", failing)
+    monkeypatch.setattr(writer, "write_bytes", broken)
+    monkeypatch.setattr(conv, "_convert_keys", failing)
     with pytest.raises(RuntimeError, match="compute failed") as info:
         lowbit.convert_checkpoint(bare_src, tmp_path / "out", SCHEME, progress=False)
     assert any("pending background write failed too: OSError: write failed" in n

@@ -5,32 +5,34 @@ meta device, says which tensors are Linear weights), or a diffusers model folder
 ``_class_name`` and no ``model_type``) or a bare folder of ``*.safetensors`` files (no config.json), where the
 name and shape rules of :mod:`lowbit.io.rules` decide from the safetensors headers.
 
-This module runs a conversion: each source shard's tensors quantized one at a time (:func:`_convert_shard`),
-the ranks of a multi-process conversion, and the last step (index, config, publishing). What it runs on lives
-beside it: the plan derived from the arguments and the source (:mod:`lowbit.io.convert_plan`), the background
-writer of the output files (:mod:`lowbit.io.convert_writer`) and the progress records that make a conversion
-resumable (:mod:`lowbit.io.convert_progress`).
+This module runs a conversion: the tensors of each piece of work quantized one at a time
+(:func:`_convert_keys`), the ranks of a multi-process conversion, and the last step (index, config,
+publishing). What it runs on lives beside it: the plan derived from the arguments and the source
+(:mod:`lowbit.io.convert_plan`), the output files laid out in advance and the pieces of work
+(:mod:`lowbit.io.convert_layout`), the background writer that puts each tensor's bytes at its place in its
+file (:mod:`lowbit.io.convert_writer`) and the progress records that make a conversion resumable
+(:mod:`lowbit.io.convert_progress`).
 
 Memory bound: one source tensor at a time on ``device`` (the fused q/k/v or gate/up siblings are read one by
-one for their shared NVFP4 global scale), its quantized output, plus the output tensors buffered for the file
-being filled, which is handed to the writer before it exceeds ``max_shard_size`` (a single tensor larger than
-that goes alone), plus at most one finished file the writer is still writing. So peak memory is about
-2 x ``max_shard_size`` + twice the largest source tensor, whatever the size of the checkpoint or of its
-shards, plus the quantizer's working memory for one tensor: on a GPU that is device memory; on the CPU the
+one for their shared NVFP4 global scale), its quantized output, plus the outputs handed to the writer and not
+yet written, at most ``max_shard_size`` bytes (or one tensor, if larger). So peak memory is about
+``max_shard_size`` + twice the largest source tensor, whatever the size of the checkpoint or of its shards,
+plus the quantizer's working memory for one tensor: on a GPU that is device memory; on the CPU the
 reference quantizers hold up to three fp32 copies of the tensor (measured on a 25.3 GB machine converting a
 29.1 GB checkpoint to w8a8-fp8-block with ``max_shard_size="1GB"``: 4.0 GB of anonymous memory at the peak,
 ``benchmarks/experiments/convert_larger_than_ram.py``; the safetensors files are memory-mapped, and the pages
-read count as the process's file-backed resident memory, which the kernel reclaims like any page cache). Output files follow the source shards (one per shard, split into numbered parts where a shard's output
-exceeds ``max_shard_size``).
+read count as the process's file-backed resident memory, which the kernel reclaims like any page cache).
+Output files follow the source shards (one per shard, split into numbered parts where a shard's output
+exceeds ``max_shard_size``), byte for byte as ``safetensors.torch.save_file`` writes them.
 
-Resumable: a rerun with the same source, scheme and format, on any number of processes, skips the shards
+Resumable: a rerun with the same source, scheme and format, on any number of processes, skips the pieces
 finished by any of them (:mod:`lowbit.io.convert_progress`). The last step renames the temp directory to
 ``out_dir`` in one operation, so ``out_dir`` never holds a half checkpoint.
 
 Several processes (``rank``/``world_size``, a ``torch.distributed`` process group or torchrun's environment):
-each rank converts its share of the source shards (by bytes) into the shared temp directory; once all are done
-rank 0 alone writes index and config from every rank's records, in source-shard order, and publishes, so the
-result is the single-process one byte for byte (:mod:`lowbit.io.distributed` says how the ranks meet).
+each rank converts its share of the pieces (by source bytes) into the shared files of the temp directory; once
+all are done rank 0 alone writes index and config from every rank's records and publishes, so the result is
+the single-process one byte for byte (:mod:`lowbit.io.distributed` says how the ranks meet).
 """
 
 from __future__ import annotations
@@ -44,15 +46,14 @@ from typing import Any
 
 import torch
 
-from ..api import quantize
 from ..nn.modules import QuantLinear
 from ..nn.quantize import DEFAULT_SKIP
 from ..nn.schemes import Scheme, get_scheme
-from . import lightx2v as _lx
 from .checkpoint import choose_layout
+from .convert_layout import Piece, quantize_target
 from .convert_plan import ConversionPlan, check_source, check_unquantized_config, plan_conversion
-from .convert_progress import MANIFEST, finished_shards, progress_bar, read_progress
-from .convert_writer import ShardWriter, write_shard
+from .convert_progress import MANIFEST, finished_pieces, progress_bar, read_progress
+from .convert_writer import TensorWriter
 from .distributed import (
     DEFAULT_TIMEOUT,
     SYNC_TAG,
@@ -70,6 +71,7 @@ from .distributed import (
 from .files import (
     CONFIG_NAME,
     INDEX_FILE,
+    SAFETENSORS_DTYPES,
     SINGLE_FILE,
     TensorSource,
     copy_extra_files,
@@ -81,8 +83,8 @@ from .files import (
 from .layouts import DTYPE_NAMES, NAME_DTYPES, params_from_json, params_to_json
 from .rules import check_patterns
 
-# False: every file is written in the converting thread before the next tensor is read (the sequential
-# reference the tests compare the overlapped writer's bytes with); not a user option, the output is the same
+# False: every tensor is written in the converting thread before the next is read (the sequential reference
+# the tests compare the overlapped writer's bytes with); not a user option, the output is the same
 _OVERLAP_WRITES = True
 
 
@@ -120,8 +122,8 @@ def _release_host_cache() -> None:
             return
 
 
-def _convert_shard(
-    keys: list[str],
+def _convert_keys(
+    keys,
     source: TensorSource,
     targets: dict[str, tuple[str, str]],
     scheme: Scheme,
@@ -130,24 +132,16 @@ def _convert_shard(
     global_scale,
     bar,
 ):
-    """Per source key: ``(output tensors, (module name, info) or None)``; Linear weights among ``keys`` are
-    quantized, the rest passed through. One source tensor is held at a time (a generator, so the caller
-    decides when outputs are written and dropped)."""
+    """Per source key: ``(output tensors on the host, (module name, info) or None)``; Linear weights among
+    ``keys`` are quantized, the rest passed through. One source tensor is held at a time (a generator, so the
+    caller decides when outputs are written and dropped)."""
     for key in keys:
         t = source.get(key)
         if key in targets:
             name, prefix = targets[key]
             w = t.to(device)
-            if layout.name == "lightx2v":
-                # LightX2V's own converter rule (bf16 cast, per-tensor 2688/amax in bf16), bit for bit
-                q = _lx.quantize_weight(w, _lx.quant_scheme_of(scheme))
-            else:
-                opts = scheme.weight_quantize_options(w.shape[1])
-                g = global_scale(name)
-                if g is not None:
-                    opts["global_scale"] = g.to(device)
-                q = quantize(w, scheme.weight_format, **opts)
-            m = QuantLinear(w.shape[1], w.shape[0], False, scheme=scheme, weight=q)
+            g = None if layout.name == "lightx2v" else global_scale(name)
+            m, q = quantize_target(w, scheme, layout, g)
             out = _to_host({f"{prefix}{k}": v.detach() for k, v in layout.export(m).items()}, device)
             info = {
                 "scheme": scheme.name,
@@ -159,40 +153,55 @@ def _convert_shard(
             del t, w, q, m
             yield out, (name, info)
         else:
-            yield {key: t}, None
+            yield {key: t.contiguous()}, None
             del t
         if bar is not None:
             bar.update(1)
 
 
-def _convert_shards(
-    plan: ConversionPlan, todo: list[Path], tmp: Path, manifest_path: Path, kept: dict[str, dict], dev: torch.device,
+def _convert_pieces(
+    plan: ConversionPlan, todo: list[Piece], tmp: Path, manifest_path: Path, kept: dict[str, dict], dev: torch.device,
     progress: bool, done_count: int, total: int, label: str,
 ) -> None:
-    """Convert the source shards ``todo`` into ``tmp``, recording each finished one in ``manifest_path`` (after
-    ``kept``, the entries this file held that are still intact)."""
-    manifest: dict[str, Any] = {**plan.ident, "shards": dict(kept)}
+    """Convert the pieces ``todo``, writing into the planned files of ``tmp``, recording each finished one in
+    ``manifest_path`` (after ``kept``, the records this file held that are still intact)."""
+    manifest: dict[str, Any] = {**plan.ident, "pieces": dict(kept)}
+    outputs = plan.outputs
     bar = progress_bar(total, progress, label)
     if bar is not None:
         bar.update(done_count)
 
-    def recorder(i: int, out_name: str) -> Callable[[dict[str, dict]], None]:
-        # runs in the writer thread once the shard's files are on disk: the only place the manifest changes
-        def record(entries: dict[str, dict]) -> None:
-            manifest["shards"].update(entries)
+    def recorder(i: int, piece: Piece, infos: dict[str, dict]) -> Callable[[], None]:
+        # runs in the writer thread once the piece's files are fsynced: the only place the manifest changes
+        def record() -> None:
+            manifest["pieces"][piece.id] = {"source": piece.source, "modules": infos}
             write_json(manifest_path, manifest)
             if bar is None and progress:
-                print(f"{label}: shard {i + 1}/{len(todo)} {out_name} done", file=sys.stderr)
+                print(f"{label}: piece {i + 1}/{len(todo)} ({piece.id}) done", file=sys.stderr)
 
         return record
 
-    writer = ShardWriter(_OVERLAP_WRITES)
+    writer = TensorWriter(tmp, outputs.files, _OVERLAP_WRITES, plan.limit, label)
     try:
-        for i, src_file in enumerate(todo):
-            out_name = SINGLE_FILE if plan.single else src_file.name
-            outputs = _convert_shard(plan.shard_keys[src_file], plan.source, plan.targets, plan.scheme, plan.layout,
-                                     dev, plan.global_scale, bar)
-            write_shard(src_file, out_name, outputs, tmp, plan.limit, writer, recorder(i, out_name))
+        for i, piece in enumerate(todo):
+            infos: dict[str, dict] = {}
+            for key, (tensors, info) in zip(piece.keys, _convert_keys(
+                piece.keys, plan.source, plan.targets, plan.scheme, plan.layout, dev, plan.global_scale, bar
+            )):
+                specs = outputs.specs[key]
+                got = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+                want = {s.name: (SAFETENSORS_DTYPES.get(s.dtype), s.shape) for s in specs}
+                if got != want:
+                    raise RuntimeError(
+                        f"convert_checkpoint: {key!r} gave tensors {got}, but the files were laid out for {want}"
+                    )
+                for k, v in tensors.items():
+                    tmp_name, offset = outputs.where[k]
+                    writer.write(tmp_name, offset, v)
+                del tensors
+                if info is not None:
+                    infos[info[0]] = info[1]
+            writer.end_piece(piece.files, recorder(i, piece, infos))
         writer.close()
     except BaseException as e:
         writer.abort(e)
@@ -205,31 +214,40 @@ def _convert_shards(
 
 
 def _finalize(plan: ConversionPlan, tmp: Path, overwrite: bool) -> None:
-    """Merge the progress files, write index, config and extra files into ``tmp`` and publish it."""
+    """Check that every piece is done, rename the files to their names, write index, config and extra files
+    into ``tmp`` and publish it."""
     manifests, _ = read_progress(tmp, plan.ident)
-    shards = finished_shards(tmp, manifests.values())
-    missing = sorted({f.name for f in plan.shard_keys} - {s["source"] for s in shards.values()})
+    done = finished_pieces(tmp, manifests.values(), plan.outputs)
+    missing = [p.id for p in plan.outputs.pieces if p.id not in done]
     if missing:
         raise RuntimeError(
-            f"convert_checkpoint: {tmp} lacks the output of source shard(s) {missing[:5]} that every rank reported "
-            "done (was the temp directory changed meanwhile?); rerun to convert them"
+            f"convert_checkpoint: {tmp} lacks piece(s) {missing[:5]} of the output that every rank reported done "
+            "(was the temp directory changed meanwhile?); rerun to convert them"
         )
-    # only the finished shards stay: parts of shards a killed run did not finish, files of another conversion
-    # and progress files go, so the directory holds what a run that was never interrupted writes
+    files = plan.outputs.files
+    for f in files.values():
+        with open(tmp / f.tmp_name, "rb") as fh:
+            if fh.read(len(f.header)) != f.header:
+                raise RuntimeError(f"convert_checkpoint: {tmp / f.tmp_name} does not start with its planned header "
+                                   "(was the temp directory changed meanwhile?); rerun to convert it")
+    # only the planned files stay: files of another conversion and progress files go, so the directory holds
+    # what a run that was never interrupted writes
     for p in tmp.iterdir():
-        if p.name in shards and p.is_file() and not p.is_symlink():
+        if p.name in files and p.is_file() and not p.is_symlink():
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
             p.unlink()
-    infos = {n: info for s in shards.values() for n, info in s["modules"].items()}
+    for f in files.values():
+        (tmp / f.tmp_name).replace(tmp / f.name)
+    infos = {n: info for rec in done.values() for n, info in rec["modules"].items()}
     stubs = {n: _stub(n, info, plan.scheme) for n, info in infos.items()}
     ignore = sorted(set(plan.ignore) | {n for n in plan.linears if n not in stubs})
     layout = choose_layout(stubs, plan.layout.name)
-    if list(shards) != [SINGLE_FILE]:
-        wmap = {k: f for f, s in shards.items() for k in s["keys"]}
-        total_size = sum(s["bytes"] for s in shards.values())
+    if [f.name for f in files.values()] != [SINGLE_FILE]:
+        wmap = {k: f.name for f in files.values() for k in f.keys}
+        total_size = sum(f.tensor_bytes for f in files.values())
         write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": wmap})
     cfg = plan.cfg
     if cfg is not None:
@@ -248,7 +266,11 @@ def _finalize(plan: ConversionPlan, tmp: Path, overwrite: bool) -> None:
     try:
         publish(tmp, plan.out_dir, overwrite)
     except BaseException:
-        write_json(tmp / MANIFEST, {**plan.ident, "shards": shards})  # keep the finished shards for a rerun
+        # keep the finished pieces for a rerun: back to their temp names, with their records
+        for f in files.values():
+            if (tmp / f.name).is_file():
+                (tmp / f.name).replace(tmp / f.tmp_name)
+        write_json(tmp / MANIFEST, {**plan.ident, "pieces": done})
         raise
 
 
@@ -289,14 +311,14 @@ def convert_checkpoint(
             only matching Linear weights are quantized. Without a transformers model it also replaces the
             default name rules (embeddings, norms, modulation, final projection).
         exclude: module-name patterns never quantized (in addition to ``skip``).
-        progress: show a tqdm bar (or a line per shard on stderr without tqdm).
+        progress: show a tqdm bar (or a line per piece of work on stderr without tqdm).
         format: checkpoint layout, as ``save_quantized(format=...)``; ``"lightx2v"`` writes LightX2V's keys
             and quantizes the weights exactly as LightX2V's converter does.
         overwrite: replace an existing ``out_dir``.
-        max_shard_size: bound on the output buffered in memory per file (``"5GB"``, ``"500MB"`` or bytes): a
-            source shard whose output is larger is written in numbered parts. A finished file is written in the
-            background while the next is filled, so peak memory is about twice this plus twice the largest
-            source tensor.
+        max_shard_size: size bound of an output file (``"5GB"``, ``"500MB"`` or bytes): a source shard whose
+            output is larger is written in numbered parts. Also the bound on the output waiting to be written
+            (tensors are written in the background while the next is quantized), so peak memory is about this
+            plus twice the largest source tensor.
         model_class, trust_remote_code: for building the model skeleton (meta device) that says which tensors
             are Linear weights; without transformers, or for diffusers/bare folders, the rules of
             :mod:`lowbit.io.rules` decide.
@@ -315,13 +337,15 @@ def convert_checkpoint(
     the source's config (if any) and the ``quantization_config``; load it with
     ``lowbit.load_quantized(out_dir, model=<the module>)``.
 
-    Several processes: every rank is called with the same arguments. The source shards are split by bytes
-    (:func:`lowbit.io.distributed.assign_shards`), each rank converts its own on its own device into the
-    shared temp directory (its progress in ``progress.rank<r>.json``), and once all ranks are done (a barrier:
-    the process group's, else files, see :mod:`lowbit.io.distributed`) rank 0 alone writes the index and
-    config and publishes; the result is byte for byte the single-process one, whatever the number of ranks. A
-    failed rank fails every rank (:class:`lowbit.io.distributed.DistributedConvertError` on the others) and
-    nothing is published; a rerun, with any number of ranks, resumes from the finished shards.
+    Several processes: every rank is called with the same arguments. The source shards are cut into pieces of
+    about 256 MB at module boundaries, split over the ranks by bytes (:mod:`lowbit.io.convert_layout`,
+    :func:`lowbit.io.distributed.assign_shards`); each rank converts its own on its own device, writing into
+    the shared files of the temp directory at their planned offsets (its progress in
+    ``progress.rank<r>.json``), and once all ranks are done (a barrier: the process group's, else files, see
+    :mod:`lowbit.io.distributed`) rank 0 alone writes the index and config and publishes; the result is byte for
+    byte the single-process one, whatever the number of ranks. A failed rank fails every rank
+    (:class:`lowbit.io.distributed.DistributedConvertError` on the others) and nothing is published; a rerun,
+    with any number of ranks, resumes from the finished pieces.
     """
     scheme = get_scheme(scheme)
     world = resolve_world(rank, world_size)
@@ -345,9 +369,10 @@ def convert_checkpoint(
                     )
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True, exist_ok=True)
-                done = finished_shards(tmp, manifests.values())
-                own = finished_shards(tmp, [manifests[tmp / MANIFEST]]) if tmp / MANIFEST in manifests else {}
-                _run_shards(plan, list(plan.shard_keys), tmp, tmp / MANIFEST, own, done, dev, progress,
+                done = finished_pieces(tmp, manifests.values(), plan.outputs)
+                own = (finished_pieces(tmp, [manifests[tmp / MANIFEST]], plan.outputs)
+                       if tmp / MANIFEST in manifests else {})
+                _run_pieces(plan, plan.outputs.pieces, tmp, tmp / MANIFEST, own, done, dev, progress,
                             "lowbit convert")
             finally:
                 plan.source.close()
@@ -356,16 +381,15 @@ def convert_checkpoint(
     return _convert_ranks(src_dir, out_dir, scheme, world, dev, progress, timeout, opts)
 
 
-def _run_shards(
-    plan: ConversionPlan, mine: list[Path], tmp: Path, manifest_path: Path, own: dict[str, dict], done: dict[str, dict],
-    dev: torch.device, progress: bool, label: str,
+def _run_pieces(
+    plan: ConversionPlan, mine: list[Piece], tmp: Path, manifest_path: Path, own: dict[str, dict],
+    done: dict[str, dict], dev: torch.device, progress: bool, label: str,
 ) -> None:
-    """Convert the source shards ``mine`` that ``done`` does not hold yet."""
-    done_sources = {info["source"] for info in done.values()}
-    todo = [f for f in mine if f.name not in done_sources]
-    total = sum(len(plan.shard_keys[f]) for f in mine)
-    done_count = total - sum(len(plan.shard_keys[f]) for f in todo)
-    _convert_shards(plan, todo, tmp, manifest_path, own, dev, progress, done_count, total, label)
+    """Convert the pieces ``mine`` that ``done`` does not hold yet."""
+    todo = [p for p in mine if p.id not in done]
+    total = sum(len(p.keys) for p in mine)
+    done_count = total - sum(len(p.keys) for p in todo)
+    _convert_pieces(plan, todo, tmp, manifest_path, own, dev, progress, done_count, total, label)
 
 
 def _convert_ranks(
@@ -394,12 +418,12 @@ def _convert_ranks(
                             f"lowbit.convert_checkpoint: {tmp} holds files of another conversion; they are replaced",
                             stacklevel=3,
                         )
-                    done = finished_shards(tmp, manifests.values())
+                    done = finished_pieces(tmp, manifests.values(), plan.outputs)
                     path = tmp / f"progress.rank{world.rank}.json"
-                    own = finished_shards(tmp, [manifests[path]]) if path in manifests else {}
-                    owner = assign_shards({f.name: f.stat().st_size for f in plan.shard_keys}, world.size)
-                    mine = [f for f in plan.shard_keys if owner[f.name] == world.rank]
-                    _run_shards(plan, mine, tmp, path, own, done, dev, progress,
+                    own = finished_pieces(tmp, [manifests[path]], plan.outputs) if path in manifests else {}
+                    owner = assign_shards({p.id: p.nbytes for p in plan.outputs.pieces}, world.size)
+                    mine = [p for p in plan.outputs.pieces if owner[p.id] == world.rank]
+                    _run_pieces(plan, mine, tmp, path, own, done, dev, progress,
                                 f"lowbit convert rank {world.rank}/{world.size}")
                 finally:
                     plan.source.close()
@@ -427,7 +451,7 @@ def _convert_ranks(
     if err is not None:
         raise err
     if not outcome.get("ok"):
-        where = f"; the finished shards stay in {tmp} for a rerun" if tmp is not None else ""
+        where = f"; the finished pieces stay in {tmp} for a rerun" if tmp is not None else ""
         raise DistributedConvertError(
             f"convert_checkpoint rank {world.rank} of {world.size}: {outcome.get('error')}; nothing was published"
             f" at {out_dir}{where}"

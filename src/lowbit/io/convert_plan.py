@@ -5,8 +5,9 @@ before it writes anything.
   config.json matching its headers;
 - :func:`plan_conversion`: the output path checked, the Linear weights to quantize chosen (from the
   config's model built on the meta device, or by the name and shape rules of :mod:`lowbit.io.rules` for a
-  diffusers or bare folder), the checkpoint layout, the shared NVFP4 global scale of fused siblings, and the
-  identity of the conversion that a resumed run must match (:class:`ConversionPlan`).
+  diffusers or bare folder), the checkpoint layout, the shared NVFP4 global scale of fused siblings, the
+  output files and the pieces of work (:mod:`lowbit.io.convert_layout`), and the identity of the conversion
+  that a resumed run must match (:class:`ConversionPlan`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..formats.nvfp4 import finite_amax, nvfp4_default_global_scale
 from ..nn.modules import QuantLinear
 from ..nn.quantize import fused_groups, is_skipped, linear_layers, skip_patterns
 from ..nn.schemes import Scheme
+from . import convert_layout
 from .checkpoint import align_prefix, build_skeleton, check_skeleton_shapes, choose_layout
 from .files import CONFIG_NAME, TensorSource, check_out_dir, read_json
 from .rules import matches, select_linear_weights
@@ -210,10 +212,16 @@ def plan_conversion(
             "include": list(include_p),
             "exclude": list(exclude_p),
             "max_shard_size": limit,
+            "piece_bytes": convert_layout.PIECE_BYTES,
         }
         shard_keys: dict[Path, list[str]] = {}
         for key, f in source.files.items():
             shard_keys.setdefault(f, []).append(key)
+        shard_keys = dict(sorted(shard_keys.items()))
+        single = source.index is None and len(shard_keys) == 1
+        outputs = convert_layout.plan_outputs(shard_keys, source.shape, source.dtype, targets,
+                                              lambda n: n in group_of, scheme, layout, limit, single,
+                                              convert_layout.PIECE_BYTES)
     except BaseException:
         source.close()
         raise
@@ -221,8 +229,7 @@ def plan_conversion(
         src_dir=src_dir, out_dir=out_dir, scheme=scheme, cfg=cfg, source=source, linears=linears, targets=targets,
         ignore=ignore, layout=layout, global_scale=global_scale, ident=ident,
         ident_hash=hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest(),
-        shard_keys=dict(sorted(shard_keys.items())),
-        single=source.index is None and len(shard_keys) == 1, limit=limit,
+        shard_keys=shard_keys, single=single, limit=limit, outputs=outputs,
     )
 
 

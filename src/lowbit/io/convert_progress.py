@@ -1,11 +1,11 @@
 """A conversion's progress: the records that make it resumable, and the progress bar.
 
-Work happens in ``.<out_name>.lowbit-convert.tmp`` next to the output directory; each finished output shard is
-recorded in ``progress.json`` there (``progress.rank<r>.json`` for rank ``r`` of several; by the writer, after
-the shard's files are fsynced and renamed into place), together with the identity of the conversion (source,
-scheme, format, options). A rerun with the same identity, on any number of processes, skips the shards
-finished by any of them: :func:`read_progress` reads the records that match, :func:`finished_shards` keeps
-those whose files are all intact.
+Work happens in ``.<out_name>.lowbit-convert.tmp`` next to the output directory; each finished piece of work
+(:mod:`lowbit.io.convert_layout`) is recorded in ``progress.json`` there (``progress.rank<r>.json`` for rank
+``r`` of several; by the writer, after the files it wrote are fsynced), together with the identity of the
+conversion (source, scheme, format, options). A rerun with the same identity, on any number of processes,
+skips the pieces finished by any of them: :func:`read_progress` reads the records that match,
+:func:`finished_pieces` keeps those whose files are still there at their planned size.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from .files import read_json, safetensors_keys
+from .convert_layout import OutputPlan
+from .files import read_json
 
 MANIFEST = "progress.json"
 RANK_MANIFEST = re.compile(r"progress\.rank\d+\.json")
@@ -44,34 +45,34 @@ def read_progress(tmp: Path, ident: dict) -> tuple[dict[Path, dict], bool]:
         except (FileNotFoundError, ValueError):
             stale = True
             continue
-        if all(m.get(k) == v for k, v in ident.items()) and isinstance(m.get("shards"), dict):
+        if all(m.get(k) == v for k, v in ident.items()) and isinstance(m.get("pieces"), dict):
             ours[p] = m
         else:
             stale = True
     return ours, stale
 
 
-def finished_shards(tmp: Path, manifests: Iterable[dict]) -> dict[str, dict]:
-    """``{output file: manifest entry}`` of the source shards finished with every output part intact, in
-    source-shard then file name order (so the result cannot depend on which rank wrote what, or when)."""
-    by_source: dict[str, dict[str, dict]] = {}
+def finished_pieces(tmp: Path, manifests: Iterable[dict], outputs: OutputPlan) -> dict[str, dict]:
+    """``{piece id: record}`` of the planned pieces some manifest records whose files are all in ``tmp`` at
+    their planned size, in plan order (so the result cannot depend on which rank wrote what, or when)."""
+    recorded: dict[str, dict] = {}
     for m in manifests:
-        for f, info in m["shards"].items():
-            if isinstance(info, dict) and isinstance(info.get("source"), str):
-                by_source.setdefault(info["source"], {})[f] = info
-    out: dict[str, dict] = {}
-    for src in sorted(by_source):
-        files = by_source[src]
-        if all(_shard_ok(tmp / f, info.get("keys", [])) for f, info in files.items()):
-            out.update((f, files[f]) for f in sorted(files))
-    return out
+        for pid, info in m["pieces"].items():
+            if isinstance(info, dict) and isinstance(info.get("modules"), dict):
+                recorded[pid] = info
+    intact: dict[str, bool] = {}
+
+    def ok(name: str) -> bool:
+        if name not in intact:
+            path = tmp / name
+            try:
+                intact[name] = path.is_file() and not path.is_symlink() and path.stat().st_size == outputs.files[
+                    name].size
+            except OSError:
+                intact[name] = False
+        return intact[name]
+
+    return {p.id: recorded[p.id] for p in outputs.pieces if p.id in recorded and all(ok(f) for f in p.files)}
 
 
-def _shard_ok(path: Path, keys: list[str]) -> bool:
-    try:
-        return path.is_file() and set(safetensors_keys(path)) == set(keys)
-    except (ValueError, OSError):
-        return False
-
-
-__all__ = ["MANIFEST", "RANK_MANIFEST", "finished_shards", "progress_bar", "read_progress"]
+__all__ = ["MANIFEST", "RANK_MANIFEST", "finished_pieces", "progress_bar", "read_progress"]

@@ -1,72 +1,116 @@
-"""Writing a conversion's output files: one background thread per process overlaps writing with computing.
+"""Writing a conversion's output: tensor bytes straight into the planned files, in a background thread.
 
-A finished file (a source shard's output, or one numbered part of it) is written and fsynced by the writer
-thread while the next is quantized, so a process takes about the larger of its compute and its writes rather
-than their sum (ranks sharing one disk otherwise wait for each other's writes with their devices idle). At
-most one write is pending: handing over the next file waits for the previous one, and a write's error is
-raised in the converting thread there or at the end of its shards (:class:`ShardWriter`). :func:`write_shard`
-cuts one source shard's outputs into files of at most ``max_shard_size`` bytes and, once the last is on disk,
-renames them into place and records them.
+The files are laid out in advance (:mod:`lowbit.io.convert_layout`), so a tensor is written the moment it is
+quantized: its bytes go from the (pinned) host copy to its offset in its file with ``os.pwrite``, with no
+serializing copy, and the header goes to offset 0 the first time a process opens the file. Several ranks
+write into the same files at disjoint offsets. A piece of work ends with an fsync of the files it wrote, then
+its record (``on_done``): a recorded piece is on disk.
+
+:class:`TensorWriter` does this in one background thread while the converting thread quantizes the next
+tensor, so a process takes about the larger of its compute and its writes rather than their sum. The tensors
+handed over and not yet written are bounded (``max_pending`` bytes, at least one tensor): past that, handing
+over waits. A write's error is raised in the converting thread at its next hand-over or at the end; the
+pieces after a failed write are neither written nor recorded. ``overlap=False`` writes in the calling thread,
+in the same order, the same bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import warnings
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from .files import save_safetensors, tensor_nbytes
+from .convert_layout import OutputFile
 
 
-class ShardWriter:
-    """Writes finished output files in one background thread while the converting thread computes the next.
+def write_bytes(path: Path, fd: int, offset: int, data: memoryview) -> None:
+    """Write all of ``data`` at ``offset`` of the open file ``fd`` (``path`` names it, for errors and for
+    tests that make a write fail); ``pwrite`` may write less than asked, so it loops."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        if n <= 0:
+            raise OSError(f"{path}: pwrite wrote {n} bytes at offset {offset}")
+        data = data[n:]
+        offset += n
 
-    ``submit`` first waits for the write before it (raising that write's error, if any, in the caller), so at
-    most one write is pending and at most one finished file is held in memory besides the one being filled.
-    ``close`` waits for the last write and raises its error; ``abort`` (for the caller's own error, interrupts
-    included) waits for the pending write too, so the writer thread never outlives the conversion call and a
-    file that was computed is still written and recorded for a rerun. ``overlap=False`` runs every write in the
-    calling thread, in the same order, with the same bytes.
-    """
 
-    def __init__(self, overlap: bool) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lowbit-convert-writer") if overlap else None
-        self._pending: Future | None = None
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
 
-    def submit(self, fn: Callable[..., None], /, *args: Any) -> None:
-        self.wait()
-        if self._pool is None:
-            fn(*args)
-        else:
-            self._pending = self._pool.submit(fn, *args)
 
-    def wait(self) -> None:
-        """Block until the pending write is done; its error is raised here."""
-        pending = self._pending
-        if pending is None:
+class TensorWriter:
+    """Writes tensors into their planned files (see the module docstring)."""
+
+    def __init__(self, tmp: Path, files: dict[str, OutputFile], overlap: bool, max_pending: int,
+                 label: str = "") -> None:
+        self.tmp = tmp
+        self.files = files
+        self.max_pending = max(1, int(max_pending))
+        self._fds: dict[str, int] = {}
+        self._jobs: deque = deque()
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = None
+        if overlap:
+            name = f"lowbit-convert-writer ({label})" if label else "lowbit-convert-writer"
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ the converting thread
+
+    def write(self, tmp_name: str, offset: int, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` (a contiguous CPU tensor) at ``offset`` of file ``tmp_name``."""
+        self._submit(("write", tmp_name, offset, tensor), tensor.numel() * tensor.element_size())
+
+    def end_piece(self, tmp_names: tuple[str, ...], on_done: Callable[[], None]) -> None:
+        """Once the writes handed over so far are done: fsync ``tmp_names``, then call ``on_done``."""
+        self._submit(("piece", tmp_names, on_done), 0)
+
+    def _submit(self, job: tuple, nbytes: int) -> None:
+        if self._thread is None:
+            self._do(job)
             return
-        futures_wait([pending])  # an interrupt while waiting leaves the write pending, for abort to join
-        self._pending = None
-        pending.result()
+        with self._cond:
+            while self._error is None and self._jobs and self._pending + nbytes > self.max_pending:
+                self._cond.wait()
+            self._raise()
+            self._jobs.append((job, nbytes))
+            self._pending += nbytes
+            self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def close(self) -> None:
+        """Wait for every write; raise the first write error."""
         try:
-            self.wait()
+            self._join()
+            with self._cond:
+                self._raise()
         finally:
-            self._shutdown()
+            self._close_fds()
 
     def abort(self, error: BaseException) -> None:
-        """Join the writer after ``error`` stopped the caller; a failed pending write is added to ``error``'s
-        notes (``error`` is what propagates: it is why the conversion stopped)."""
-        pending, self._pending = self._pending, None
+        """Join the writer after ``error`` stopped the caller: what was handed over is still written and
+        recorded (it was computed); a write error is added to ``error``'s notes, since ``error`` propagates."""
         try:
-            # exception() waits without raising the write's error; an interrupt while waiting still propagates
-            failed = pending.exception() if pending is not None else None
+            self._join()
+            failed = self._error
+            self._error = None
             if failed is not None and failed is not error:
                 note = ("lowbit.convert_checkpoint: the pending background write failed too: "
                         f"{type(failed).__name__}: {failed}")
@@ -75,60 +119,73 @@ class ShardWriter:
                 else:  # Python 3.10
                     warnings.warn(note, stacklevel=3)
         finally:
-            self._shutdown()
+            self._close_fds()
 
-    def _shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+    def _join(self) -> None:
+        if self._thread is None:
+            return
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._thread = None
+
+    # ------------------------------------------------------------------ the writer thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closing:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job, nbytes = self._jobs[0]
+                failed = self._error is not None
+            if not failed:
+                try:
+                    self._do(job)
+                except BaseException as e:  # noqa: BLE001 - raised in the converting thread
+                    with self._cond:
+                        self._error = e
+            with self._cond:
+                self._jobs.popleft()
+                self._pending -= nbytes
+                self._cond.notify_all()
+
+    def _fd(self, tmp_name: str) -> int:
+        fd = self._fds.get(tmp_name)
+        if fd is None:
+            f = self.files[tmp_name]
+            path = self.tmp / tmp_name
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                # every rank that writes into the file sets the same size and header: whichever comes first, the
+                # others change nothing (a longer file left by another conversion is cut to size)
+                if os.fstat(fd).st_size != f.size:
+                    os.ftruncate(fd, f.size)
+                write_bytes(path, fd, 0, memoryview(f.header))
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[tmp_name] = fd
+        return fd
+
+    def _do(self, job: tuple) -> None:
+        if job[0] == "write":
+            _, tmp_name, offset, tensor = job
+            if tensor.numel():
+                write_bytes(self.tmp / tmp_name, self._fd(tmp_name), offset, tensor_bytes(tensor))
+        else:
+            _, tmp_names, on_done = job
+            for name in tmp_names:
+                os.fsync(self._fd(name))
+            on_done()
+
+    def _close_fds(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-def _write_file(tensors: dict[str, torch.Tensor], path: Path, finish: Callable[[], None] | None) -> None:
-    """One writer job: a part file (temp name, fsync, rename), then, for a shard's last part, ``finish``."""
-    save_safetensors(tensors, path)  # looked up here, so tests can make it fail
-    if finish is not None:
-        finish()
-
-
-def write_shard(
-    src_file: Path, out_name: str, outputs, tmp: Path, limit: int, writer: ShardWriter,
-    record: Callable[[dict[str, dict]], None],
-) -> None:
-    """Write one source shard's outputs as ``out_name`` or, past ``limit`` bytes, as numbered parts; the buffer
-    is handed to ``writer`` before a tensor would take it over ``limit``. Once the last part is on disk the
-    writer renames the parts to their final names and calls ``record`` with their manifest entries."""
-    stem = out_name.removesuffix(".safetensors")
-    parts: list[tuple[Path, dict]] = []
-    buf: dict[str, torch.Tensor] = {}
-    infos: dict[str, dict] = {}
-    size = 0
-
-    def finish(parts: list[tuple[Path, dict]]) -> None:
-        out: dict[str, dict] = {}
-        for i, (path, entry) in enumerate(parts):
-            name = out_name if len(parts) == 1 else f"{stem}-part{i + 1:05d}-of-{len(parts):05d}.safetensors"
-            path.replace(tmp / name)
-            out[name] = entry
-        record(out)
-
-    def flush(last: bool) -> None:
-        nonlocal buf, infos, size
-        path = tmp / f".{stem}.part{len(parts):05d}.safetensors"
-        parts.append((path, {"source": src_file.name, "keys": list(buf), "bytes": size, "modules": infos}))
-        tensors, buf, infos, size = buf, {}, {}, 0
-        # the part count, hence the final names, is known only once the last part is handed over
-        writer.submit(_write_file, tensors, path, (lambda p=list(parts): finish(p)) if last else None)
-
-    for tensors, info in outputs:
-        n = sum(tensor_nbytes(v) for v in tensors.values())
-        if buf and size + n > limit:
-            flush(last=False)
-        buf.update(tensors)
-        size += n
-        if info is not None:
-            infos[info[0]] = info[1]
-        del tensors
-    flush(last=True)
-
-
-__all__ = ["ShardWriter", "write_shard"]
+__all__ = ["TensorWriter", "tensor_bytes", "write_bytes"]
