@@ -41,6 +41,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,41 @@ def _release_host_cache() -> None:
             return
 
 
+class _Reader:
+    """Reads the next source tensor in a background thread while the current one is quantized and written.
+    A Linear weight bound for a GPU is also copied there, on a stream of the reader's own (the copy from
+    pageable memory keeps a thread busy for as long as it runs), and the quantizing stream waits for it."""
+
+    def __init__(self, source: TensorSource, targets, device: torch.device) -> None:
+        self.source, self.targets, self.device = source, targets, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="lowbit-convert-reader")
+
+    def _load(self, key: str):
+        t = self.source.get(key)
+        if self.stream is None or key not in self.targets:
+            return t, None, None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            w = t.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return t, w, done
+
+    def submit(self, key: str):
+        return self.pool.submit(self._load, key)
+
+    def take(self, pending):
+        t, w, done = pending.result()
+        if done is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(done)
+            w.record_stream(current)  # allocated on the reader's stream, used and freed on this one
+        return t, w
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _convert_keys(
     keys,
     source: TensorSource,
@@ -133,30 +169,38 @@ def _convert_keys(
     bar,
 ):
     """Per source key: ``(output tensors on the host, (module name, info) or None)``; Linear weights among
-    ``keys`` are quantized, the rest passed through. One source tensor is held at a time (a generator, so the
-    caller decides when outputs are written and dropped)."""
-    for key in keys:
-        t = source.get(key)
-        if key in targets:
-            name, prefix = targets[key]
-            w = t.to(device)
-            g = None if layout.name == "lightx2v" else global_scale(name)
-            m, q = quantize_target(w, scheme, layout, g)
-            out = _to_host({f"{prefix}{k}": v.detach() for k, v in layout.export(m).items()}, device)
-            info = {
-                "scheme": scheme.name,
-                "shape": [w.shape[0], w.shape[1]],
-                "dtype": DTYPE_NAMES.get(t.dtype, "float32"),
-                "scale_layout": q.scale_layout,
-                "params": params_to_json(q.params),
-            }
-            del t, w, q, m
-            yield out, (name, info)
-        else:
-            yield {key: t.contiguous()}, None
-            del t
-        if bar is not None:
-            bar.update(1)
+    ``keys`` are quantized, the rest passed through. One source tensor is held at a time besides the next one,
+    read ahead (a generator, so the caller decides when outputs are written and dropped)."""
+    keys = list(keys)
+    reader = _Reader(source, targets, device)
+    try:
+        pending = reader.submit(keys[0]) if keys else None
+        for i, key in enumerate(keys):
+            t, w = reader.take(pending)
+            pending = reader.submit(keys[i + 1]) if i + 1 < len(keys) else None
+            if key in targets:
+                name, prefix = targets[key]
+                if w is None:
+                    w = t.to(device)
+                g = None if layout.name == "lightx2v" else global_scale(name)
+                m, q = quantize_target(w, scheme, layout, g)
+                out = _to_host({f"{prefix}{k}": v.detach() for k, v in layout.export(m).items()}, device)
+                info = {
+                    "scheme": scheme.name,
+                    "shape": [w.shape[0], w.shape[1]],
+                    "dtype": DTYPE_NAMES.get(t.dtype, "float32"),
+                    "scale_layout": q.scale_layout,
+                    "params": params_to_json(q.params),
+                }
+                del t, w, q, m
+                yield out, (name, info)
+            else:
+                yield {key: t.contiguous()}, None
+                del t, w
+            if bar is not None:
+                bar.update(1)
+    finally:
+        reader.close()
 
 
 def _convert_pieces(
@@ -185,9 +229,10 @@ def _convert_pieces(
     try:
         for i, piece in enumerate(todo):
             infos: dict[str, dict] = {}
-            for key, (tensors, info) in zip(piece.keys, _convert_keys(
-                piece.keys, plan.source, plan.targets, plan.scheme, plan.layout, dev, plan.global_scale, bar
-            )):
+            converted = _convert_keys(piece.keys, plan.source, plan.targets, plan.scheme, plan.layout, dev,
+                                      plan.global_scale, bar)
+            # the generator first: it runs to its end (and joins its reader) before the keys run out
+            for (tensors, info), key in zip(converted, piece.keys):
                 specs = outputs.specs[key]
                 got = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
                 want = {s.name: (SAFETENSORS_DTYPES.get(s.dtype), s.shape) for s in specs}

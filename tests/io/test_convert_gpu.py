@@ -1,0 +1,63 @@
+"""convert_checkpoint on CUDA writes the CPU conversion's bytes: the reader thread's copies to the GPU on its own
+stream, the pinned copies back and the writer thread's pwrites change nothing, on one rank and on two (one GPU
+each where there are two, else both on one), with pieces small enough that the ranks share files."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowbit
+import lowbit.io.convert_layout as layout
+
+pytestmark = pytest.mark.gpu
+
+SCHEMES = ["w4a16-nvfp4", "w8a8-fp8-block", "w4a8-mxfp4", "w4a16-int4", "w4a16-nf4"]
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory) -> Path:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    d = tmp_path_factory.mktemp("llama") / "model"
+    model.save_pretrained(d, max_shard_size="3MB")
+    return d
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_cuda_conversion_writes_the_cpu_bytes(tmp_path, llama_src, monkeypatch, scheme):
+    ref = _tree(lowbit.convert_checkpoint(llama_src, tmp_path / "cpu", scheme, device="cpu", progress=False))
+    assert _tree(lowbit.convert_checkpoint(llama_src, tmp_path / "gpu", scheme, device="cuda:0",
+                                           progress=False)) == ref
+    monkeypatch.setattr(layout, "PIECE_BYTES", 1 << 20)  # several pieces per shard: the ranks share files
+    devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
+    errors: list[BaseException | None] = [None, None]
+
+    def run(r: int) -> None:
+        try:
+            lowbit.convert_checkpoint(llama_src, tmp_path / "two", scheme, device=devices, rank=r, world_size=2,
+                                      progress=False, timeout=120)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert errors == [None, None]
+    assert _tree(tmp_path / "two") == ref
