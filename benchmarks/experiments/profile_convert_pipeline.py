@@ -78,6 +78,11 @@ def main() -> int:
     writer.write_bytes = timed("writer: pwrite", writer.write_bytes)
     writer.os = types.SimpleNamespace(**{**vars(os), "fsync": timed("writer: fsync", os.fsync)})
     files.TensorSource.get = timed("any: TensorSource.get", files.TensorSource.get)
+    conv.plan_conversion = timed("whole: plan_conversion", conv.plan_conversion)
+    conv._convert_pieces = timed("whole: the pieces' loop", conv._convert_pieces)
+    conv._finalize = timed("whole: _finalize (publish included)", conv._finalize)
+    conv.publish = timed("whole: publish (fsync of the tree, rename)", conv.publish)
+    conv.write_json = timed("any: write_json (fsynced)", conv.write_json)
     if args.device.startswith("cuda"):
         torch.cuda.init()
     t0 = time.perf_counter()
