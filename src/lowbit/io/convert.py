@@ -158,6 +158,27 @@ class _Reader:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _grouped(keys: list[str], targets: dict[str, tuple[str, str]], global_scale) -> list[str]:
+    """``keys`` with the members of a fused group (those among ``keys``) moved up behind the first one, so that
+    they are read one after another and their shared global scale comes from the copies already on the device
+    (the order of work does not change the files: every tensor has its planned place)."""
+    group = getattr(global_scale, "group", lambda name: None)
+    name_to_key = {targets[k][0]: k for k in keys if k in targets}
+    out, seen = [], set()
+    for key in keys:
+        if key in seen:
+            continue
+        g = group(targets[key][0]) if key in targets else None
+        members = [name_to_key[n] for n in g if n in name_to_key] if g else [key]
+        if key not in members:
+            members = [key]
+        for k in members:
+            if k not in seen:
+                seen.add(k)
+                out.append(k)
+    return out
+
+
 def _convert_keys(
     keys,
     source: TensorSource,
@@ -168,23 +189,41 @@ def _convert_keys(
     global_scale,
     bar,
 ):
-    """Per source key: ``(output tensors on the host, (module name, info) or None)``; Linear weights among
+    """Per source key: ``(key, output tensors on the host, (module name, info) or None)``; Linear weights among
     ``keys`` are quantized, the rest passed through. One source tensor is held at a time besides the next one,
-    read ahead (a generator, so the caller decides when outputs are written and dropped)."""
-    keys = list(keys)
+    read ahead, and the members of a fused group among ``keys`` (held on the device until their shared global
+    scale is known); a generator, so the caller decides when outputs are written and dropped."""
+    order = _grouped(list(keys), targets, global_scale)
+    group = getattr(global_scale, "group", lambda name: None)
     reader = _Reader(source, targets, device)
+    held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # members of the group being read
     try:
-        pending = reader.submit(keys[0]) if keys else None
-        for i, key in enumerate(keys):
+        pending = reader.submit(order[0]) if order else None
+        for i, key in enumerate(order):
             t, w = reader.take(pending)
-            pending = reader.submit(keys[i + 1]) if i + 1 < len(keys) else None
-            if key in targets:
-                name, prefix = targets[key]
-                if w is None:
-                    w = t.to(device)
-                g = None if layout.name == "lightx2v" else global_scale(name)
-                m, q = quantize_target(w, scheme, layout, g)
-                out = _to_host({f"{prefix}{k}": v.detach() for k, v in layout.export(m).items()}, device)
+            pending = reader.submit(order[i + 1]) if i + 1 < len(order) else None
+            if key not in targets:
+                yield key, {key: t.contiguous()}, None
+                del t, w
+                if bar is not None:
+                    bar.update(1)
+                continue
+            if w is None:
+                w = t.to(device)
+            name = targets[key][0]
+            g = group(name) if layout.name != "lightx2v" else None
+            held[key] = (t, w)
+            members = [k for k in order if k in targets and g is not None and targets[k][0] in g]
+            if any(k not in held for k in members):
+                continue  # the rest of the group is read next
+            batch = members or [key]
+            amax = {targets[k][0]: type(global_scale).amax(held[k][1]) for k in batch} if g else None
+            for k in batch:
+                t, w = held.pop(k)
+                name, prefix = targets[k]
+                scale = None if layout.name == "lightx2v" else global_scale(name, amax)
+                m, q = quantize_target(w, scheme, layout, scale)
+                out = _to_host({f"{prefix}{n}": v.detach() for n, v in layout.export(m).items()}, device)
                 info = {
                     "scheme": scheme.name,
                     "shape": [w.shape[0], w.shape[1]],
@@ -193,12 +232,9 @@ def _convert_keys(
                     "params": params_to_json(q.params),
                 }
                 del t, w, q, m
-                yield out, (name, info)
-            else:
-                yield {key: t.contiguous()}, None
-                del t, w
-            if bar is not None:
-                bar.update(1)
+                yield k, out, (name, info)
+                if bar is not None:
+                    bar.update(1)
     finally:
         reader.close()
 
@@ -229,10 +265,8 @@ def _convert_pieces(
     try:
         for i, piece in enumerate(todo):
             infos: dict[str, dict] = {}
-            converted = _convert_keys(piece.keys, plan.source, plan.targets, plan.scheme, plan.layout, dev,
-                                      plan.global_scale, bar)
-            # the generator first: it runs to its end (and joins its reader) before the keys run out
-            for (tensors, info), key in zip(converted, piece.keys):
+            for key, tensors, info in _convert_keys(piece.keys, plan.source, plan.targets, plan.scheme,
+                                                    plan.layout, dev, plan.global_scale, bar):
                 specs = outputs.specs[key]
                 got = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
                 want = {s.name: (SAFETENSORS_DTYPES.get(s.dtype), s.shape) for s in specs}

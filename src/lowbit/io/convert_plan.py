@@ -116,6 +116,36 @@ def _linear_weights(
     return out
 
 
+class SharedScales:
+    """The NVFP4 global scale fused siblings (q/k/v, gate/up) share, as :func:`lowbit.quantize_model` computes
+    it: from each member's finite absmax. ``scale(name, amax)`` takes the absmaxes the caller already has (the
+    members it holds on the device) and reads the others from the source, one tensor at a time; a group's scale
+    is computed once."""
+
+    def __init__(self, source: TensorSource, dev: torch.device, group_of: dict[str, tuple[str, ...]],
+                 name_to_key: dict[str, str]) -> None:
+        self.source, self.dev, self.group_of, self.name_to_key = source, dev, group_of, name_to_key
+        self._cache: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def group(self, name: str) -> tuple[str, ...] | None:
+        return self.group_of.get(name)
+
+    def __call__(self, name: str, amax: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        group = self.group_of.get(name)
+        if group is None:
+            return None
+        if group not in self._cache:
+            known = amax or {}
+            values = [known[n] if n in known else self.amax(self.source.get(self.name_to_key[n]).to(self.dev))
+                      for n in group]
+            self._cache[group] = nvfp4_default_global_scale(torch.stack(values))
+        return self._cache[group]
+
+    @staticmethod
+    def amax(w: torch.Tensor) -> torch.Tensor:
+        return finite_amax(w).float().cpu()
+
+
 class ConversionPlan:
     """What every rank of a conversion derives from its arguments and the source, before writing anything."""
 
@@ -188,20 +218,11 @@ def plan_conversion(
         probe = QuantLinear(16, 16, False, scheme=scheme)
         layout = choose_layout({"probe": probe}, format)
 
-        # fused siblings share one NVFP4 global scale: computed from each member's absmax, one tensor at a time
+        # fused siblings share one NVFP4 global scale, from each member's absmax
         name_to_key = {name: key for key, (name, _) in targets.items()}
         shared = scheme.shared_global_scale and layout.name != "lightx2v"  # LightX2V: one scale per weight
         group_of = {n: g for g in (fused_groups(name_to_key) if shared else []) for n in g}
-        cache: dict[tuple[str, ...], torch.Tensor] = {}
-
-        def global_scale(name: str) -> torch.Tensor | None:
-            group = group_of.get(name)
-            if group is None:
-                return None
-            if group not in cache:
-                amax = torch.stack([finite_amax(source.get(name_to_key[n]).to(dev)).float().cpu() for n in group])
-                cache[group] = nvfp4_default_global_scale(amax)
-            return cache[group]
+        global_scale = SharedScales(source, dev, group_of, name_to_key)
 
         ident = {
             "source": str(src_dir.resolve()),
