@@ -61,3 +61,18 @@ def test_cuda_conversion_writes_the_cpu_bytes(tmp_path, llama_src, monkeypatch, 
         t.join(timeout=300)
     assert errors == [None, None]
     assert _tree(tmp_path / "two") == ref
+
+
+def test_fp8_block_quantize_under_a_bfloat16_default_dtype():
+    """The kernel's plan and result templates name their dtypes: a caller (or transformers, while it builds a
+    model) that set the default dtype to bfloat16 still gets float32 block scales."""
+    w = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    ref = lowbit.quantize(w, "fp8_block")
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        q = lowbit.quantize(w, "fp8_block")
+    finally:
+        torch.set_default_dtype(old)
+    assert q.scale.dtype == torch.float32
+    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(q.scale, ref.scale)

@@ -133,7 +133,8 @@ def _quant_plan(x: torch.Tensor, block, scale_fmt, scale_layout) -> _QPlan:
     p.data_shape = x.shape
     # the template's tensors are replaced per call; meta tensors of the result's shapes pass QTensor's checks
     p.template = QTensor(data=torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="meta"),
-                         scale=torch.empty(ref.expected_scale_shape(x.shape, block), device="meta"), fmt="fp8_block",
+                         scale=torch.empty(ref.expected_scale_shape(x.shape, block), dtype=torch.float32, device="meta"),
+                         fmt="fp8_block",
                          shape=x.shape, dtype=x.dtype, scale_layout=scale_layout,
                          params={"block": block, "scale_fmt": scale_fmt})
     p.scale_storage = p.scale_strides = None
@@ -246,7 +247,7 @@ def quantize_fp8_block(
 # kernel launch; a quantize result differs from its plan's template only in data, scale (and a fresh
 # params dict), so it is made as a copy of the template's fields when QTensor keeps them in __dict__
 _FAST_QTENSOR = hasattr(QTensor(data=torch.empty(0, dtype=torch.float8_e4m3fn, device="meta"),
-                                scale=torch.empty(0, device="meta"), fmt="fp8_block", shape=(0,),
+                                scale=torch.empty(0, dtype=torch.float32, device="meta"), fmt="fp8_block", shape=(0,),
                                 params={"block": (1, 128)}), "__dict__")
 
 
