@@ -1,12 +1,13 @@
-"""Ranks of a multi-process checkpoint conversion: which rank this is, which source shards it converts, on
-which device, and how the ranks meet when their shards are done.
+"""Ranks of a multi-process checkpoint conversion: which rank this is, which pieces of work it converts, on
+which device, and how the ranks meet when their work is done.
 
 :func:`lowbit.convert_checkpoint` with ``world_size > 1`` (given, or read from an initialized
 ``torch.distributed`` process group, or from torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) splits the
-source shards over the ranks (:func:`assign_shards`), each rank writes its own output shards into the one
-shared temp directory, and rank 0 alone writes the index and config and publishes once every rank is done.
+pieces of the source shards over the ranks (:func:`assign_shards`), each rank writes its tensors into the
+shared files of the one temp directory, and rank 0 alone writes the index and config and publishes once every
+rank is done.
 
-The ranks meet twice: after their shards (each says whether it succeeded) and after rank 0 published (rank 0
+The ranks meet twice: after their work (each says whether it succeeded) and after rank 0 published (rank 0
 says whether it did). With a process group this is two collectives (:class:`GroupSync`; gloo works on CPU).
 Without one the ranks meet through small files in a hidden directory next to the output, ``.<out
 name>.lowbit-convert.sync.tmp`` (:class:`FileSync`): every rank rewrites its own state file there every
