@@ -13,10 +13,11 @@ publishing). What it runs on lives beside it: the plan derived from the argument
 file (:mod:`lowbit.io.convert_writer`) and the progress records that make a conversion resumable
 (:mod:`lowbit.io.convert_progress`).
 
-Memory bound: one source tensor at a time on ``device`` (the fused q/k/v or gate/up siblings are read one by
-one for their shared NVFP4 global scale), its quantized output, plus the outputs handed to the writer and not
-yet written, at most ``max_shard_size`` bytes (or one tensor, if larger). So peak memory is about
-``max_shard_size`` + twice the largest source tensor, whatever the size of the checkpoint or of its shards,
+Memory bound: one source tensor at a time on ``device`` besides the next one, read ahead (the members of a
+fused q/k/v or gate/up group are held there together until their shared NVFP4 global scale is known), its
+quantized output, plus the outputs handed to the writer and not yet written, at most ``max_shard_size`` bytes
+(or one tensor, if larger). So peak memory is about ``max_shard_size`` + twice the largest source tensor (or
+the largest fused group plus one tensor), whatever the size of the checkpoint or of its shards,
 plus the quantizer's working memory for one tensor: on a GPU that is device memory; on the CPU the
 reference quantizers hold up to three fp32 copies of the tensor (measured on a 25.3 GB machine converting a
 29.1 GB checkpoint to w8a8-fp8-block with ``max_shard_size="1GB"``: 4.0 GB of anonymous memory at the peak,
