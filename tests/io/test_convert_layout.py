@@ -156,3 +156,25 @@ def test_parts_are_cut_before_a_tensor_would_pass_the_limit():
     for a, b in itertools.pairwise(files):
         nxt = keys[keys.index(next(k for k in keys if plan.where[plan.specs[k][0].name][0] == b.tmp_name))]
         assert a.tensor_bytes + sum(s.nbytes for s in plan.specs[nxt]) > limit
+
+
+def test_conversion_passes_through_every_safetensors_dtype(tmp_path):
+    """Tensors that are not Linear weights keep their dtype and bytes, whatever it is (the files are laid out
+    for them from the source header)."""
+    g = torch.Generator().manual_seed(1)
+    src = tmp_path / "src"
+    src.mkdir()
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu,
+              torch.uint16, torch.uint32, torch.uint64, torch.complex64]
+    extra = {f"extra.{i}": _random_tensor(random.Random(i), d) for i, d in enumerate(dtypes)}
+    save_file({"blocks.0.ffn.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16), **extra},
+              str(src / "model.safetensors"))
+    out = lowbit.convert_checkpoint(src, tmp_path / "out", "w8a8-fp8-block", device="cpu", progress=False)
+    from safetensors.torch import load_file
+
+    back = load_file(str(out / "model.safetensors"))
+    for k, t in extra.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape
+        assert back[k].reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist(), k
+    assert back["blocks.0.ffn.weight"].dtype == torch.float8_e4m3fn  # the Linear weight was quantized

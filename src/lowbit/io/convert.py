@@ -159,24 +159,20 @@ class _Reader:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _grouped(keys: list[str], targets: dict[str, tuple[str, str]], global_scale) -> list[str]:
-    """``keys`` with the members of a fused group (those among ``keys``) moved up behind the first one, so that
-    they are read one after another and their shared global scale comes from the copies already on the device
-    (the order of work does not change the files: every tensor has its planned place)."""
-    group = getattr(global_scale, "group", lambda name: None)
-    name_to_key = {targets[k][0]: k for k in keys if k in targets}
+def _batches(keys, targets: dict[str, tuple[str, str]], global_scale) -> list[list[str]]:
+    """``keys`` in batches of work: a fused group's members among ``keys`` together, at the first one's place,
+    so that they are read one after another and their shared global scale comes from the copies already on the
+    device; every other key alone (the order of work does not change the files: each tensor has its planned
+    place)."""
+    key_of = {targets[k][0]: k for k in keys if k in targets}
     out, seen = [], set()
     for key in keys:
         if key in seen:
             continue
-        g = group(targets[key][0]) if key in targets else None
-        members = [name_to_key[n] for n in g if n in name_to_key] if g else [key]
-        if key not in members:
-            members = [key]
-        for k in members:
-            if k not in seen:
-                seen.add(k)
-                out.append(k)
+        group = global_scale.group(targets[key][0]) if key in targets else None
+        batch = [key_of[n] for n in group if n in key_of] if group else [key]
+        seen.update(batch)
+        out.append(batch)
     return out
 
 
@@ -194,37 +190,34 @@ def _convert_keys(
     ``keys`` are quantized, the rest passed through. One source tensor is held at a time besides the next one,
     read ahead, and the members of a fused group among ``keys`` (held on the device until their shared global
     scale is known); a generator, so the caller decides when outputs are written and dropped."""
-    order = _grouped(list(keys), targets, global_scale)
-    group = getattr(global_scale, "group", lambda name: None)
+    batches = _batches(keys, targets, global_scale)
+    order = [k for batch in batches for k in batch]
     reader = _Reader(source, targets, device)
-    held: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # members of the group being read
     try:
         pending = reader.submit(order[0]) if order else None
-        for i, key in enumerate(order):
-            t, w = reader.take(pending)
-            pending = reader.submit(order[i + 1]) if i + 1 < len(order) else None
-            if key not in targets:
+        n = 0
+        for batch in batches:
+            loaded = []
+            for key in batch:
+                t, w = reader.take(pending)
+                n += 1
+                pending = reader.submit(order[n]) if n < len(order) else None
+                loaded.append((key, t, w))
+            if batch[0] not in targets:
+                (key, t, _), = loaded
                 yield key, {key: t.contiguous()}, None
-                del t, w
+                del t, loaded
                 if bar is not None:
                     bar.update(1)
                 continue
-            if w is None:
-                w = t.to(device)
-            name = targets[key][0]
-            g = group(name) if layout.name != "lightx2v" else None
-            held[key] = (t, w)
-            members = [k for k in order if k in targets and g is not None and targets[k][0] in g]
-            if any(k not in held for k in members):
-                continue  # the rest of the group is read next
-            batch = members or [key]
-            amax = {targets[k][0]: type(global_scale).amax(held[k][1]) for k in batch} if g else None
-            for k in batch:
-                t, w = held.pop(k)
-                name, prefix = targets[k]
-                scale = None if layout.name == "lightx2v" else global_scale(name, amax)
-                m, q = quantize_target(w, scheme, layout, scale)
-                out = _to_host({f"{prefix}{n}": v.detach() for n, v in layout.export(m).items()}, device)
+            loaded = [(key, t, t.to(device) if w is None else w) for key, t, w in loaded]
+            amax = ({targets[key][0]: global_scale.amax(w) for key, _, w in loaded}
+                    if global_scale.group(targets[batch[0]][0]) else None)
+            while loaded:
+                key, t, w = loaded.pop(0)
+                name, prefix = targets[key]
+                m, q = quantize_target(w, scheme, layout, global_scale(name, amax))
+                out = _to_host({f"{prefix}{k}": v.detach() for k, v in layout.export(m).items()}, device)
                 info = {
                     "scheme": scheme.name,
                     "shape": [w.shape[0], w.shape[1]],
@@ -233,7 +226,7 @@ def _convert_keys(
                     "params": params_to_json(q.params),
                 }
                 del t, w, q, m
-                yield k, out, (name, info)
+                yield key, out, (name, info)
                 if bar is not None:
                     bar.update(1)
     finally:

@@ -27,8 +27,10 @@ SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
 }  # fmt: skip
-"""torch dtypes of the safetensors header's dtype names (the ones lowbit's formats store)."""
+"""torch dtypes of the safetensors header's dtype names (all that torch and safetensors share but F4: the
+ones lowbit's formats store, and those a conversion passes through)."""
 
 
 def read_json(path: Path, what: str = "JSON file") -> dict:
