@@ -226,6 +226,53 @@ def test_three_spawned_ranks_in_a_gloo_group(tmp_path, bare_src, refs):
     assert _tree(tmp_path / "bare") == refs["bare"]
 
 
+_GROUP_THREADS_SCRIPT = """
+import os, sys
+from lowbit.io import distributed as d
+
+def gloo_threads():
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return [n for n in names if "gloo" in n]
+
+if sys.argv[1] == "without":
+    d.import_before_group = lambda: None
+store = d.host_store(1)
+d.join_group(0, 1, store.port)
+during = gloo_threads()
+import torch._dynamo  # a conversion imports it after the group exists (its meta-device probe)
+d.leave_group()
+print(len(during), len(gloo_threads()))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists the process's threads through /proc")
+def test_leaving_the_group_ends_its_threads(tmp_path):
+    """A group that outlives its ranks' work aborted them at exit (a gloo thread freeing a work object while
+    the interpreter shut down): leaving it must end its threads, also after torch._dynamo was imported with
+    the group in place, as every conversion does. Without the early imports the threads stay (checked too,
+    so the check can fail)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "group_threads.py"
+    script.write_text(_GROUP_THREADS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(lowbit.__file__).resolve().parents[1])}
+    got = {}
+    for mode in ("with", "without"):
+        p = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr
+        got[mode] = tuple(int(v) for v in p.stdout.split())
+    assert got["with"][0] > 0 and got["with"][1] == 0, got
+    assert got["without"][1] > 0, got
+
+
 # --------------------------------------------------------------------------------------- failures, resume
 
 

@@ -228,6 +228,9 @@ def rank_main(rank: int, world: int, args: dict, out_dir: str, port: int) -> Non
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        from ..io.distributed import import_before_group
+
+        import_before_group()  # so that destroy_process_group below ends the group's threads
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
         mesh = init_device_mesh("cuda", (world,))
     s = SHAPES[args["shape"]]

@@ -400,11 +400,34 @@ GROUP_TIMEOUT = datetime.timedelta(hours=6)
 that dies is noticed at once: gloo sees its connection close)."""
 
 
+WORLD_CAPTURING_MODULES = (
+    "torch.distributed.nn.functional",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+)
+"""torch modules whose functions take ``group=dist.group.WORLD`` as a default argument: imported while a
+default group exists, they keep that group alive after ``destroy_process_group`` (torch._dynamo and
+torch._inductor import them). Its gloo threads then outlive the interpreter's shutdown, and a work object the
+gloo thread frees there needs the GIL a finalizing interpreter no longer gives: the process aborts
+("terminate called without an active exception") after its work is done."""
+
+
+def import_before_group() -> None:
+    """Import :data:`WORLD_CAPTURING_MODULES` before a default process group exists (then they capture None),
+    so that destroying the group ends its threads at once."""
+    import importlib
+
+    for name in WORLD_CAPTURING_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
 def join_group(rank: int, world_size: int, port: int | None = None) -> None:
     """Initialize the default gloo process group: through the TCPStore on ``port`` (:func:`host_store`), or
     with ``port=None`` through torchrun's environment (``env://``)."""
     import torch.distributed as dist
 
+    import_before_group()
     if port is None:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
         return
@@ -474,6 +497,7 @@ __all__ = [
     "check_statuses",
     "check_timeout",
     "host_store",
+    "import_before_group",
     "join_group",
     "leave_group",
     "rank_device",
