@@ -151,23 +151,34 @@ def test_convert_memory_is_bounded(tmp_path, monkeypatch, overlap):
     peak = [0]
     lock = threading.Lock()  # the writer thread drops the tensors of the files it wrote
     real_get = io_files.TensorSource.get
+    real_read_into = io_files.TensorSource.read_into
 
     def forget(key):
         with lock:
             live.pop(key, None)
 
-    def tracked_get(self, key):
-        t = real_get(self, key)
+    def track(t):
         with lock:
             live[id(t)] = t.numel() * t.element_size()
             peak[0] = max(peak[0], sum(live.values()))
         weakref.finalize(t, forget, id(t))
         return t
 
-    monkeypatch.setattr(io_files.TensorSource, "get", tracked_get)
+    reads = []
+
+    def tracked_read_into(self, key, out, pool=None):
+        reads.append(key)
+        # the buffer itself is what stays alive: track it, not only the view returned
+        real_read_into(self, key, out, pool)
+        track(out)
+        return out.view(self.span(key).dtype).view(self.span(key).shape)
+
+    monkeypatch.setattr(io_files.TensorSource, "get", lambda self, key: track(real_get(self, key)))
+    monkeypatch.setattr(io_files.TensorSource, "read_into", tracked_read_into)
     out = lowbit.convert_checkpoint(src, tmp_path / "out", "w4a16-nf4", progress=False, device="cpu",
                                     max_shard_size=limit)
     assert total > 5 * (limit + 2 * largest)
+    assert len(reads) == 24  # the Linear weights come through the positional reads, tracked too
     bound = limit + 2 * largest
     assert 0 < peak[0] <= bound, (peak[0], bound)
     parts = sorted(p.name for p in out.glob("*.safetensors"))

@@ -124,18 +124,35 @@ def _release_host_cache() -> None:
             return
 
 
+READ_THREADS = 4
+"""Threads reading the chunks of one Linear weight from its file at once (a read from the page cache is a copy
+bound by one core's speed)."""
+
+
 class _Reader:
     """Reads the next source tensor in a background thread while the current one is quantized and written.
-    A Linear weight bound for a GPU is also copied there, on a stream of the reader's own (the copy from
-    pageable memory keeps a thread busy for as long as it runs), and the quantizing stream waits for it."""
+    A Linear weight is read with positional reads into a buffer of its own (page-locked for a GPU), in chunks
+    over ``READ_THREADS`` threads; one bound for a GPU is then copied there on a stream of the reader's own, and
+    the quantizing stream waits for it. Other tensors (and a weight whose header safetensors alone reads) come
+    through safetensors."""
 
     def __init__(self, source: TensorSource, targets, device: torch.device) -> None:
         self.source, self.targets, self.device = source, targets, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lowbit-convert-reader")
+        self.io = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="lowbit-convert-read")
+
+    def _read(self, key: str) -> torch.Tensor:
+        span = self.source.span(key) if key in self.targets else None
+        if span is None:
+            return self.source.get(key)
+        # pinned: the copy to the GPU is then a DMA the driver does not stage through a buffer of its own;
+        # torch's host allocator keeps the block from reuse until that copy is done
+        buf = torch.empty(span.nbytes, dtype=torch.uint8, pin_memory=self.stream is not None)
+        return self.source.read_into(key, buf, self.io)
 
     def _load(self, key: str):
-        t = self.source.get(key)
+        t = self._read(key)
         if self.stream is None or key not in self.targets:
             return t, None, None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -157,6 +174,7 @@ class _Reader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.io.shutdown(wait=True)
 
 
 def _batches(keys, targets: dict[str, tuple[str, str]], global_scale) -> list[list[str]]:

@@ -12,6 +12,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,72 @@ def _data_end(path: Path) -> int | None:
     return 8 + n + (max(ends) if ends else 0)
 
 
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header read (safetensors' own limit)."""
+
+READ_CHUNK_BYTES = 32 << 20
+"""Bytes of one positional read of :meth:`TensorSource.read_into`; a tensor's chunks go to the pool's threads."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a tensor's bytes lie in its safetensors file: ``nbytes`` bytes from ``offset``."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _counts(v: Any, lengths) -> bool:
+    return isinstance(v, list) and len(v) in lengths and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+
+
+def tensor_spans(path: Path) -> dict[str, Span] | None:
+    """Each tensor's :class:`Span`, from the header of ``path``; None where the header is not one this reader
+    takes as it is (a dtype torch lacks, byte ranges that do not match the shapes or the file, malformed JSON):
+    safetensors then reads those tensors and reports what is wrong."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                return None
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            return None
+        dtype, shape, offsets = SAFETENSORS_DTYPES.get(entry.get("dtype")), entry.get("shape"), entry.get(
+            "data_offsets")
+        if dtype is None or not _counts(shape, range(64)) or not _counts(offsets, (2,)):
+            return None
+        begin, end = offsets
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes or 8 + n + end > size:
+            return None
+        out[key] = Span(8 + n + begin, nbytes, dtype, tuple(shape))
+    return out
+
+
+def read_span(fd: int, offset: int, out: memoryview, path: Path) -> None:
+    """Fill ``out`` with the bytes of file descriptor ``fd`` from ``offset`` (positional reads, no seek: threads
+    share the descriptor); ValueError naming ``path`` if the file ends first."""
+    done = 0
+    while done < len(out):
+        got = os.preadv(fd, [out[done:]], offset + done)
+        if got <= 0:
+            raise ValueError(f"{path}: truncated: {len(out) - done} byte(s) missing at offset {offset + done}")
+        done += got
+
+
 class TensorSource:
     """Lazy access to the tensors of a safetensors model directory (one open handle per shard)."""
 
@@ -137,6 +204,8 @@ class TensorSource:
         self.files, self.index = weight_files(self.dir)
         self._handles: dict[Path, Any] = {}
         self._checked: set[Path] = set()
+        self._spans: dict[Path, dict[str, Span] | None] = {}
+        self._fds: dict[Path, int] = {}
 
     def keys(self) -> list[str]:
         return list(self.files)
@@ -198,8 +267,53 @@ class TensorSource:
         """The safetensors dtype name of ``key`` (``"BF16"``, ``"F32"``, ...), from the header."""
         return str(self._handle(self.files[key]).get_slice(key).get_dtype())
 
+    def span(self, key: str) -> Span | None:
+        """Where the bytes of ``key`` lie in its file (:func:`tensor_spans`); None if only safetensors reads it."""
+        if key not in self.files:
+            raise KeyError(key)
+        path = self.files[key]
+        if path not in self._spans:
+            self._handle(path)  # the checks of every read (index against file, a valid file)
+            self._spans[path] = tensor_spans(path)
+        spans = self._spans[path]
+        return spans.get(key) if spans is not None else None
+
+    def read_into(self, key: str, out: torch.Tensor, pool=None) -> torch.Tensor:
+        """Read ``key`` into ``out`` (a contiguous uint8 CPU tensor of exactly the tensor's byte count, e.g.
+        pinned memory for a copy to a GPU) and return it viewed as the tensor: the bytes ``get`` returns,
+        read with positional reads straight into ``out``, in chunks over ``pool``'s threads if given.
+        Call only for keys with a :meth:`span`."""
+        span = self.span(key)
+        if span is None:
+            raise ValueError(f"{self.files[key]}: tensor {key!r} has no byte span this reader takes; use get()")
+        if (out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous()
+                or out.numel() != span.nbytes):
+            raise ValueError(f"read_into: out must be a contiguous uint8 CPU tensor of {span.nbytes} bytes")
+        path = self.files[key]
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        if span.nbytes:
+            mv = memoryview(out.numpy()).cast("B")
+            starts = range(0, span.nbytes, READ_CHUNK_BYTES)
+            chunk = lambda a: read_span(fd, span.offset + a, mv[a:a + READ_CHUNK_BYTES], path)  # noqa: E731
+            if pool is None or len(starts) == 1:
+                for a in starts:
+                    chunk(a)
+            else:
+                futures = [pool.submit(chunk, a) for a in starts]
+                errors = [f.exception() for f in futures]  # every chunk done before anything is raised
+                first = next((e for e in errors if e is not None), None)
+                if first is not None:
+                    raise first
+        return out.view(span.dtype).view(span.shape)
+
     def close(self) -> None:
         self._handles.clear()
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
 
 
 # ---------------------------------------------------------------------------------------------- writing
