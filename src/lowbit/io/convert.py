@@ -148,7 +148,11 @@ class _Reader:
             return self.source.get(key)
         # pinned: the copy to the GPU is then a DMA the driver does not stage through a buffer of its own;
         # torch's host allocator keeps the block from reuse until that copy is done
-        buf = torch.empty(span.nbytes, dtype=torch.uint8, pin_memory=self.stream is not None)
+        if self.stream is None:
+            buf = torch.empty(span.nbytes, dtype=torch.uint8)
+        else:
+            with torch.cuda.device(self.device):  # the page-locked block belongs to this rank's GPU context
+                buf = torch.empty(span.nbytes, dtype=torch.uint8, pin_memory=True)
         return self.source.read_into(key, buf, self.io)
 
     def _load(self, key: str):
