@@ -373,10 +373,13 @@ def convert_throughput(name: str = "h100x2_convert.json") -> list[str]:
     speed = [[f"`{s}`", _fmt(v.get("inner"), ".2f"), _fmt(v.get("outer"), ".2f"), str(d["identical"].get(s))]
              for s, v in d["speedup"].items()]
     gpu = d["host"]["gpus"][0].removeprefix("NVIDIA ").split()[0]
+    argv = d.get("argv", [])
+    workdir = argv[argv.index("--workdir") + 1] if "--workdir" in argv[:-1] else ""
+    where = "the work directory, on /dev/shm (tmpfs)," if workdir.startswith("/dev/shm") else "the disk"
     out = [f"## Checkpoint conversion on 1 and 2 {gpu} GPUs (`benchmarks/convert_throughput.py`)", "",
            _method(name, gpu=", ".join(d["host"]["gpus"]), date=d["date"][:10], torch=d["host"]["torch"],
                    extra=f"A synthetic Llama-3-70B-shaped checkpoint of {src['bytes'] / 1e9:.1f} GB in "
-                         f"{src['shards']} shards, read from the page cache; the disk takes "
+                         f"{src['shards']} shards, read from the page cache; {where} takes "
                          f"{d['disk_write_gbps']:.2f} GB/s of fsynced writes."), "",
            ("Seconds and GB/s of source read, inside the workers (from a barrier to the end of rank 0's publish) "
             "and with process start-up."), ""]
