@@ -157,17 +157,37 @@ def write_source(path: Path, size_gb: float, shard_gb: float | None, device: str
 # ------------------------------------------------------------------------------------------- the ranks
 
 
+def interleaved(sizes, world_size: int) -> dict[str, int]:
+    """The assignment before contiguous runs (``--assign interleaved``, for comparison): the largest piece
+    first onto the least loaded rank, so that neighbouring pieces, and the files they write, alternate between
+    ranks."""
+    loads = [0] * world_size
+    out = {}
+    for name, n in sorted(sizes, key=lambda item: (-item[1], item[0])):
+        r = min(range(world_size), key=lambda i: (loads[i], i))
+        out[name] = r
+        loads[r] += n
+    return out
+
+
 def rank_main(rank: int, world_size: int, port: int, device: str, src: str, out: str, scheme: str,
-              report: str) -> None:
+              report: str, variant: dict) -> None:
     """One rank: join the group, warm up (CUDA, transformers, the scheme's kernels), meet the others, then
-    time ``convert_checkpoint`` from the barrier to its return (rank 0: after publishing)."""
+    time ``convert_checkpoint`` from the barrier to its return (rank 0: after publishing). ``variant``: the
+    ``--assign`` and ``--read-threads`` of a comparison run."""
     t_start = time.perf_counter()
     import torch
     import torch.distributed as dist
 
     import lowbit
+    import lowbit.io.convert as convert
     from lowbit.io.distributed import join_group, leave_group
     from lowbit.nn.schemes import get_scheme
+
+    if variant.get("assign") == "interleaved":
+        convert.assign_runs = interleaved
+    if variant.get("read_threads"):
+        convert.READ_THREADS = variant["read_threads"]
 
     result = {"rank": rank, "device": device, "ok": False}
     try:
@@ -200,15 +220,15 @@ def rank_main(rank: int, world_size: int, port: int, device: str, src: str, out:
     finally:
         leave_group()
     Path(f"{report}.rank{rank}.json").write_text(json.dumps(result))
-    # leave without the interpreter's shutdown: there a c10d/gloo background thread that is still joinable now
-    # and then ends the process with "terminate called without an active exception" (SIGABRT), an exit code
-    # that would mark a finished rank as failed
+    # leave without the interpreter's shutdown, which a rank does not need (before join_group imported the torch
+    # modules that keep a group alive, a gloo thread there now and then ended the process with SIGABRT)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if result["ok"] else 1)
 
 
-def run_conversion(src: Path, out: Path, scheme: str, devices: list[str], work: Path) -> dict:
+def run_conversion(src: Path, out: Path, scheme: str, devices: list[str], work: Path,
+                   variant: dict | None = None) -> dict:
     from lowbit.io.distributed import host_store, spawn_workers, stop_workers
 
     world = len(devices)
@@ -216,7 +236,8 @@ def run_conversion(src: Path, out: Path, scheme: str, devices: list[str], work: 
     t0 = time.perf_counter()
     store = host_store(world)
     procs = spawn_workers(rank_main, range(world),
-                          lambda r: (r, world, store.port, devices[r], str(src), str(out), scheme, report))
+                          lambda r: (r, world, store.port, devices[r], str(src), str(out), scheme, report,
+                                     variant or {}))
     codes = stop_workers(procs, wait_s=1800)
     outer = time.perf_counter() - t0
     ranks = []
@@ -279,6 +300,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-json", default=None, help="write the results here")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="start no further scheme after this many seconds (default 330)")
+    p.add_argument("--assign", choices=("runs", "interleaved"), default="runs",
+                   help="pieces per rank: lowbit's contiguous runs, or interleaved (the earlier assignment)")
+    p.add_argument("--read-threads", type=int, default=None,
+                   help="threads reading one Linear weight (default: lowbit's READ_THREADS)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the outputs")
     args = p.parse_args(argv)
     if not (args.size_gb > 0 and math.isfinite(args.size_gb)):
@@ -336,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert_throughput: --schemes: unknown {unknown or 'empty'}; known: {', '.join(SCHEMES)}",
               file=sys.stderr)
         return 2
+    if args.read_threads is not None and args.read_threads < 1:
+        print("convert_throughput: --read-threads must be at least 1", file=sys.stderr)
+        return 2
+    variant = {"assign": args.assign, "read_threads": args.read_threads}
     made = args.workdir is None
     work = Path(tempfile.mkdtemp(prefix="lowbit-convert-bench-")) if made else Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -351,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                  "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                  if torch.cuda.is_available() else []},
         "devices": devices, "page_cache": "warm (the source was just written)", "runs": [], "identical": {},
-        "speedup": {}, "skipped": [],
+        "speedup": {}, "skipped": [], "variant": variant,
     }
     failed = False
     try:
@@ -370,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             for devs in configs:
                 out = work / f"out-{scheme}-{len(devs)}"
                 print(f"{scheme} on {len(devs)} device(s) {','.join(devs)} ...", flush=True)
-                run = run_conversion(src, out, scheme, devs, work)
+                run = run_conversion(src, out, scheme, devs, work, variant)
                 if run["ok"]:
                     run["inner_gbps"] = gb / run["inner_s"]
                     run["outer_gbps"] = gb / run["outer_s"]

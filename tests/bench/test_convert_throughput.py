@@ -26,17 +26,21 @@ def test_model_dims_reach_the_size(monkeypatch):
     assert small["intermediate_size"] % 128 == 0 and 0.05e9 >= 4 * ct.layer_bytes(small)
 
 
-def test_cpu_run_checks_identical_outputs_and_cleans_up(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("variant", [[], ["--assign", "interleaved", "--read-threads", "1"]],
+                         ids=["default", "interleaved-1-thread"])
+def test_cpu_run_checks_identical_outputs_and_cleans_up(tmp_path, monkeypatch, capsys, variant):
     # in this process (the spawned ranks import the script by name from benchmarks/)
     monkeypatch.syspath_prepend(str(BENCH))
     import convert_throughput as ct
 
     work, out = tmp_path / "work", tmp_path / "convert.json"
     rc = ct.main(["--size-gb", "0.05", "--devices", "cpu,cpu", "--schemes", "w8a8-fp8-block",
-                  "--workdir", str(work), "--out-json", str(out)])
+                  "--workdir", str(work), "--out-json", str(out), *variant])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     result = json.loads(out.read_text())
+    assert result["variant"] == ({"assign": "interleaved", "read_threads": 1} if variant
+                                 else {"assign": "runs", "read_threads": None})
     assert result["identical"] == {"w8a8-fp8-block": True}
     src = result["source"]
     assert 0.04e9 < src["bytes"] < 0.06e9 and src["shards"] >= 4 and src["hidden_size"] == 512
@@ -51,9 +55,21 @@ def test_cpu_run_checks_identical_outputs_and_cleans_up(tmp_path, monkeypatch, c
     assert list(work.iterdir()) == []  # the synthetic checkpoint and the outputs are gone
 
 
+def test_interleaved_assignment_alternates_neighbours(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import convert_throughput as ct
+
+    sizes = [("a", 5), ("b", 5), ("c", 9), ("d", 1), ("e", 4)]
+    assert ct.interleaved(sizes, 2) == {"c": 0, "a": 1, "b": 1, "e": 0, "d": 1}  # loads 13 and 11
+    assert ct.interleaved(list(reversed(sizes)), 2) == ct.interleaved(sizes, 2)
+
+
 def test_bad_arguments(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     import convert_throughput as ct
+
+    assert ct.main(["--devices", "cpu,cpu", "--read-threads", "0"]) == 2
+    assert "--read-threads must be at least 1" in capsys.readouterr().err
 
     assert ct.main(["--devices", "cpu,cpu", "--schemes", "w3a3"]) == 2
     assert "--schemes: unknown ['w3a3']" in capsys.readouterr().err

@@ -63,7 +63,7 @@ from .distributed import (
     FileSync,
     GroupSync,
     World,
-    assign_shards,
+    assign_runs,
     check_statuses,
     check_timeout,
     on_device,
@@ -433,8 +433,9 @@ def convert_checkpoint(
     ``lowbit.load_quantized(out_dir, model=<the module>)``.
 
     Several processes: every rank is called with the same arguments. The source shards are cut into pieces of
-    about 256 MB at module boundaries, split over the ranks by bytes (:mod:`lowbit.io.convert_layout`,
-    :func:`lowbit.io.distributed.assign_shards`); each rank converts its own on its own device, writing into
+    about 256 MB at module boundaries, split over the ranks in contiguous runs of about equal bytes
+    (:mod:`lowbit.io.convert_layout`, :func:`lowbit.io.distributed.assign_runs`: each rank writes files of its
+    own but where a run ends); each rank converts its own on its own device, writing into
     the shared files of the temp directory at their planned offsets (its progress in
     ``progress.rank<r>.json``), and once all ranks are done (a barrier: the process group's, else files, see
     :mod:`lowbit.io.distributed`) rank 0 alone writes the index and config and publishes; the result is byte for
@@ -516,7 +517,7 @@ def _convert_ranks(
                     done = finished_pieces(tmp, manifests.values(), plan.outputs)
                     path = tmp / f"progress.rank{world.rank}.json"
                     own = finished_pieces(tmp, [manifests[path]], plan.outputs) if path in manifests else {}
-                    owner = assign_shards({p.id: p.nbytes for p in plan.outputs.pieces}, world.size)
+                    owner = assign_runs([(p.id, p.nbytes) for p in plan.outputs.pieces], world.size)
                     mine = [p for p in plan.outputs.pieces if owner[p.id] == world.rank]
                     _run_pieces(plan, mine, tmp, path, own, done, dev, progress,
                                 f"lowbit convert rank {world.rank}/{world.size}")

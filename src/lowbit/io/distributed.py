@@ -3,7 +3,7 @@ which device, and how the ranks meet when their work is done.
 
 :func:`lowbit.convert_checkpoint` with ``world_size > 1`` (given, or read from an initialized
 ``torch.distributed`` process group, or from torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``) splits the
-pieces of the source shards over the ranks (:func:`assign_shards`), each rank writes its tensors into the
+pieces of the source shards over the ranks (:func:`assign_runs`), each rank writes its tensors into the
 shared files of the one temp directory, and rank 0 alone writes the index and config and publishes once every
 rank is done.
 
@@ -153,16 +153,37 @@ def on_device(dev: torch.device):
     return contextlib.nullcontext()
 
 
-def assign_shards(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
-    """``{shard name: rank}``: the largest shard first onto the least loaded rank (by bytes), equal sizes in
-    name order and equal loads to the lowest rank, so every rank computes the same assignment."""
-    loads = [0] * world_size
-    out: dict[str, int] = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        r = min(range(world_size), key=lambda i: (loads[i], i))
-        out[name] = r
-        loads[r] += sizes[name]
-    return out
+def assign_runs(sizes: Sequence[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """``{name: rank}`` for the ``(name, bytes)`` items of ``sizes`` in their order, cut into at most
+    ``world_size`` contiguous runs, rank ``r`` taking the ``r``-th: the cut whose largest run is smallest (so
+    no rank holds more than an equal share plus one item), found by bisecting on that largest load with a greedy
+    fill; every rank computes the same assignment from the same items.
+
+    Pieces of work in file order thus give each rank files of its own (two ranks share at most the file at a
+    cut): the ranks' writes do not queue on one file's lock (tmpfs and ext4 take a per-file lock for a
+    buffered write), and the fsync after a piece flushes the rank's own writes."""
+
+    def runs(bound: int) -> list[int] | None:
+        ranks, rank, load = [], 0, 0
+        for _, n in sizes:
+            if load + n > bound and load > 0:
+                rank, load = rank + 1, 0
+            if rank >= world_size:
+                return None
+            ranks.append(rank)
+            load += n
+        return ranks
+
+    total = sum(n for _, n in sizes)
+    lo = max([-(-total // world_size), *(n for _, n in sizes)]) if sizes else 0
+    hi = max(lo, total)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if runs(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return dict(zip((name for name, _ in sizes), runs(lo) or [], strict=True))
 
 
 def check_timeout(timeout: Any) -> float:
@@ -493,7 +514,7 @@ __all__ = [
     "FileSync",
     "GroupSync",
     "World",
-    "assign_shards",
+    "assign_runs",
     "check_statuses",
     "check_timeout",
     "host_store",
