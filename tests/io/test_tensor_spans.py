@@ -104,3 +104,11 @@ def test_read_into_checks_its_buffer(tmp_path):
     with pytest.raises(KeyError):
         src.span("missing")
     src.close()
+
+
+def test_without_preadv_safetensors_reads(tmp_path, monkeypatch):
+    save_file({"w": torch.randn(4, 4)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.delattr(io_files.os, "preadv")
+    src = TensorSource(tmp_path)
+    assert src.span("w") is None
+    src.close()

@@ -268,9 +268,12 @@ class TensorSource:
         return str(self._handle(self.files[key]).get_slice(key).get_dtype())
 
     def span(self, key: str) -> Span | None:
-        """Where the bytes of ``key`` lie in its file (:func:`tensor_spans`); None if only safetensors reads it."""
+        """Where the bytes of ``key`` lie in its file (:func:`tensor_spans`); None if only safetensors reads it
+        (also where the platform has no ``os.preadv``)."""
         if key not in self.files:
             raise KeyError(key)
+        if not hasattr(os, "preadv"):
+            return None
         path = self.files[key]
         if path not in self._spans:
             self._handle(path)  # the checks of every read (index against file, a valid file)
