@@ -180,7 +180,7 @@ def rank_main(rank: int, world_size: int, port: int, device: str, src: str, out:
     import torch.distributed as dist
 
     import lowbit
-    import lowbit.io.convert as convert
+    from lowbit.io import convert
     from lowbit.io.distributed import join_group, leave_group
     from lowbit.nn.schemes import get_scheme
 

@@ -146,7 +146,7 @@ class Span:
     shape: tuple[int, ...]
 
 
-def _counts(v: Any, lengths) -> bool:
+def _non_negative_ints(v: Any, lengths) -> bool:
     return isinstance(v, list) and len(v) in lengths and all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
 
@@ -174,7 +174,7 @@ def tensor_spans(path: Path) -> dict[str, Span] | None:
             return None
         dtype, shape, offsets = SAFETENSORS_DTYPES.get(entry.get("dtype")), entry.get("shape"), entry.get(
             "data_offsets")
-        if dtype is None or not _counts(shape, range(64)) or not _counts(offsets, (2,)):
+        if dtype is None or not _non_negative_ints(shape, range(64)) or not _non_negative_ints(offsets, (2,)):
             return None
         begin, end = offsets
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -299,7 +299,7 @@ class TensorSource:
         if span.nbytes:
             mv = memoryview(out.numpy()).cast("B")
             starts = range(0, span.nbytes, READ_CHUNK_BYTES)
-            chunk = lambda a: read_span(fd, span.offset + a, mv[a:a + READ_CHUNK_BYTES], path)  # noqa: E731
+            chunk = lambda a: read_span(fd, span.offset + a, mv[a:a + READ_CHUNK_BYTES], path)
             if pool is None or len(starts) == 1:
                 for a in starts:
                     chunk(a)
