@@ -15,6 +15,10 @@ On the 2-GPU machine (about 3 minutes for 20 GB on 2 H100s with 32 cores and a l
 
     PYTHONUNBUFFERED=1 python3 benchmarks/convert_throughput.py --size-gb 20 --devices 2 --out-json $OUT/convert.json
 
+``--assign runs,interleaved`` adds a run on N devices per way of giving pieces to ranks (lowbit's contiguous runs,
+or the earlier interleaving), each with its speedup over the one one-device run; ``--read-threads`` sets the
+threads reading one weight.
+
 On CPU (a model scaled down to the size; the CPU test runs it this way)::
 
     python benchmarks/convert_throughput.py --size-gb 0.05 --devices cpu,cpu --out-json /tmp/convert.json
@@ -300,12 +304,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-json", default=None, help="write the results here")
     p.add_argument("--budget-s", type=float, default=330.0,
                    help="start no further scheme after this many seconds (default 330)")
-    p.add_argument("--assign", choices=("runs", "interleaved"), default="runs",
-                   help="pieces per rank: lowbit's contiguous runs, or interleaved (the earlier assignment)")
+    p.add_argument("--assign", default="runs",
+                   help="pieces per rank: runs (lowbit's contiguous runs) or interleaved (the earlier assignment); "
+                        "a comma list (runs,interleaved) adds a run on N devices per entry, with its own speedup")
     p.add_argument("--read-threads", type=int, default=None,
                    help="threads reading one Linear weight (default: lowbit's READ_THREADS)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the outputs")
     args = p.parse_args(argv)
+    args.assign = [a.strip() for a in args.assign.split(",") if a.strip()]
+    if not args.assign or any(a not in ("runs", "interleaved") for a in args.assign) or len(set(args.assign)) < len(
+            args.assign):
+        p.error(f"--assign takes runs and/or interleaved, each once, got {','.join(args.assign) or 'nothing'}")
     if not (args.size_gb > 0 and math.isfinite(args.size_gb)):
         p.error(f"--size-gb must be a positive number, got {args.size_gb}")
     if args.shard_gb is not None and not args.shard_gb > 0:
@@ -322,13 +331,16 @@ def table(result: dict) -> str:
     for r in result["runs"]:
         if r["ok"]:
             lines.append(f"{r['scheme']:16}{r['world_size']:>8}{r['inner_s']:>9.2f}{r['inner_gbps']:>8.2f}"
-                         f"{r['outer_s']:>9.2f}{r['outer_gbps']:>8.2f}  {result['identical'].get(r['scheme'], '-')}")
+                         f"{r['outer_s']:>9.2f}{r['outer_gbps']:>8.2f}  {result['identical'].get(r['scheme'], '-')}"
+                         + (f"  pieces {r['assign']}" if r.get("assign") and r["world_size"] > 1 else ""))
         else:
             errors = "; ".join(x.get("error", "?") for x in r["ranks"] if not x.get("ok"))
             lines.append(f"{r['scheme']:16}{r['world_size']:>8}  failed: {errors}")
     for scheme, s in result["speedup"].items():
-        lines.append(f"{scheme}: {s['world_size']} devices vs 1: {s['inner']:.2f}x inside the workers, "
-                     f"{s['outer']:.2f}x with process start-up")
+        for assign, t in result.get("speedup_by_assign", {}).get(scheme, {None: s}).items():
+            label = f" (pieces {assign})" if assign else ""
+            lines.append(f"{scheme}: {t['world_size']} devices vs 1{label}: {t['inner']:.2f}x inside the workers, "
+                         f"{t['outer']:.2f}x with process start-up")
     for s in result.get("skipped", []):
         lines.append(f"{s}: skipped (--budget-s)")
     return "\n".join(lines)
@@ -364,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.read_threads is not None and args.read_threads < 1:
         print("convert_throughput: --read-threads must be at least 1", file=sys.stderr)
         return 2
-    variant = {"assign": args.assign, "read_threads": args.read_threads}
+    variant = {"assign": args.assign[0], "read_threads": args.read_threads}
     made = args.workdir is None
     work = Path(tempfile.mkdtemp(prefix="lowbit-convert-bench-")) if made else Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -390,16 +402,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {gb:.2f} GB in {result['source']['shards']} shards, {result['source']['write_s']:.1f} s", flush=True)
         result["disk_write_gbps"] = disk_write_gbps(work, int(min(2e9, result["source"]["bytes"] / 4)))
         print(f"  the disk takes {result['disk_write_gbps']:.2f} GB/s of fsynced writes", flush=True)
-        configs = [devices[:1]] + ([devices] if len(devices) > 1 else [])
+        # one device once; N devices once per --assign entry (the assignment matters only there)
+        configs = [(devices[:1], args.assign[0])] + ([(devices, a) for a in args.assign] if len(devices) > 1 else [])
         for scheme in schemes:
             if time.perf_counter() - t_begin > args.budget_s:
                 result["skipped"].append(scheme)
                 continue
             outs = []
-            for devs in configs:
-                out = work / f"out-{scheme}-{len(devs)}"
-                print(f"{scheme} on {len(devs)} device(s) {','.join(devs)} ...", flush=True)
-                run = run_conversion(src, out, scheme, devs, work, variant)
+            for devs, assign in configs:
+                out = work / f"out-{scheme}-{len(devs)}-{assign}"
+                print(f"{scheme} on {len(devs)} device(s) {','.join(devs)}"
+                      + (f", pieces {assign}" if len(devs) > 1 else "") + " ...", flush=True)
+                run = run_conversion(src, out, scheme, devs, work, {**variant, "assign": assign})
+                run["assign"] = assign
                 if run["ok"]:
                     run["inner_gbps"] = gb / run["inner_s"]
                     run["outer_gbps"] = gb / run["outer_s"]
@@ -410,18 +425,22 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  failed: {[x.get('error') for x in run['ranks'] if not x.get('ok')]}", flush=True)
                 result["runs"].append(run)
                 outs.append((run, out))
-            if len(outs) == 2 and all(r["ok"] for r, _ in outs):
-                a, b = tree_digest(outs[0][1]), tree_digest(outs[1][1])
-                same = a == b
+            if len(outs) >= 2 and all(r["ok"] for r, _ in outs):
+                a = tree_digest(outs[0][1])
+                digests = [tree_digest(out) for _, out in outs[1:]]
+                same = all(b == a for b in digests)
                 result["identical"][scheme] = same
                 if not same:
                     failed = True
                     result.setdefault("differing_files", {})[scheme] = sorted(
-                        k for k in set(a) | set(b) if a.get(k) != b.get(k))
-                one, many = outs[0][0], outs[1][0]
-                result["speedup"][scheme] = {"world_size": many["world_size"],
-                                             "inner": one["inner_s"] / many["inner_s"],
-                                             "outer": one["outer_s"] / many["outer_s"]}
+                        k for b in digests for k in set(a) | set(b) if a.get(k) != b.get(k))
+                one = outs[0][0]
+                by_assign = {many["assign"]: {"world_size": many["world_size"],
+                                              "inner": one["inner_s"] / many["inner_s"],
+                                              "outer": one["outer_s"] / many["outer_s"]} for many, _ in outs[1:]}
+                result["speedup"][scheme] = by_assign[args.assign[0]]
+                if len(by_assign) > 1:
+                    result.setdefault("speedup_by_assign", {})[scheme] = by_assign
             if not args.keep:
                 for _, out in outs:
                     shutil.rmtree(out, ignore_errors=True)

@@ -26,8 +26,8 @@ def test_model_dims_reach_the_size(monkeypatch):
     assert small["intermediate_size"] % 128 == 0 and 0.05e9 >= 4 * ct.layer_bytes(small)
 
 
-@pytest.mark.parametrize("variant", [[], ["--assign", "interleaved", "--read-threads", "1"]],
-                         ids=["default", "interleaved-1-thread"])
+@pytest.mark.parametrize("variant", [[], ["--assign", "interleaved,runs", "--read-threads", "1"]],
+                         ids=["default", "both-assignments-1-thread"])
 def test_cpu_run_checks_identical_outputs_and_cleans_up(tmp_path, monkeypatch, capsys, variant):
     # in this process (the spawned ranks import the script by name from benchmarks/)
     monkeypatch.syspath_prepend(str(BENCH))
@@ -41,6 +41,13 @@ def test_cpu_run_checks_identical_outputs_and_cleans_up(tmp_path, monkeypatch, c
     result = json.loads(out.read_text())
     assert result["variant"] == ({"assign": "interleaved", "read_threads": 1} if variant
                                  else {"assign": "runs", "read_threads": None})
+    if variant:  # one process once, two once per assignment, all the same bytes; a speedup for each
+        assert [(r["world_size"], r["assign"]) for r in result["runs"]] == [(1, "interleaved"), (2, "interleaved"),
+                                                                          (2, "runs")]
+        by = result["speedup_by_assign"]["w8a8-fp8-block"]
+        assert set(by) == {"interleaved", "runs"} and result["speedup"]["w8a8-fp8-block"] == by["interleaved"]
+        assert "(pieces runs)" in printed and "pieces interleaved" in printed
+        result["runs"] = result["runs"][:2]
     assert result["identical"] == {"w8a8-fp8-block": True}
     src = result["source"]
     assert 0.04e9 < src["bytes"] < 0.06e9 and src["shards"] >= 4 and src["hidden_size"] == 512
@@ -70,6 +77,10 @@ def test_bad_arguments(capsys, monkeypatch):
 
     assert ct.main(["--devices", "cpu,cpu", "--read-threads", "0"]) == 2
     assert "--read-threads must be at least 1" in capsys.readouterr().err
+    for bad in ("runs,runs", "striped", ","):
+        with pytest.raises(SystemExit):
+            ct.main(["--devices", "cpu,cpu", "--assign", bad])
+        assert "--assign takes runs and/or interleaved, each once" in capsys.readouterr().err
 
     assert ct.main(["--devices", "cpu,cpu", "--schemes", "w3a3"]) == 2
     assert "--schemes: unknown ['w3a3']" in capsys.readouterr().err
