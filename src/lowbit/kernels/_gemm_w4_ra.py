@@ -33,7 +33,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_device import decode_w4_words, finish_w4_tile, load_w4_scales, w4_program_run
+from .gluon_device import (
+    decode_w4_words,
+    finish_w4_tile,
+    load_w4_scales,
+    ring_barriers,
+    w4_acc_layout,
+    w4_program_run,
+)
 
 
 @gluon.jit
@@ -75,11 +82,8 @@ def gemm_w4_ra_kernel(x_desc, w_desc, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_p
     DT: gl.constexpr = x_desc.dtype
     x_bufs = gl.allocate_shared_memory(DT, [STAGES, BM, BK], x_desc.layout)
     raw_bufs = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, W], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
-                                                         instr_shape=[16, BM, 16])
+    ready = ring_barriers(STAGES)
+    acc_layout: gl.constexpr = w4_acc_layout(WG, BM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # one thread holds the eight codes of a word; a warp covers 32 / W rows of W words
     code_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // W, W, 1], [4 * WG, 1, 1], [2, 1, 0])

@@ -25,7 +25,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from .gluon_device import finish_w4_tile, load_block_scales, w4_program_run, w4_scale_values
+from .gluon_device import (
+    finish_w4_tile,
+    load_block_scales,
+    ring_barriers,
+    w4_acc_layout,
+    w4_program_run,
+    w4_scale_values,
+)
 
 BK = gl.constexpr(64)
 """K columns per step: four 16-wide chunks, one fragment word each per thread."""
@@ -200,11 +207,8 @@ def gemm_w4_rf_kernel(x_desc, w_ptr, s_ptr, gscale_ptr, bias_ptr, out_ptr, ws_pt
     ROWS: gl.constexpr = 64 * WG
     DT: gl.constexpr = x_desc.dtype
     x_bufs = gl.allocate_shared_memory(DT, [STAGES, BM, BK], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
-                                                         instr_shape=[16, BM, 16])
+    ready = ring_barriers(STAGES)
+    acc_layout: gl.constexpr = w4_acc_layout(WG, BM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     L7: gl.constexpr = _frag_layout(WG)
     word_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(4, gl.SliceLayout(6, L7)))    # [w, l, c, q]

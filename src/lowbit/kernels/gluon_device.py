@@ -5,9 +5,26 @@
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 ROWS_PER_CONSUMER = gl.constexpr(64)
 """Output rows of one consumer warpgroup: one wgmma m64 row block."""
+
+
+@gluon.constexpr_function
+def w4_acc_layout(WG, BM):
+    """The fp32 accumulator of a register-operand W4A16 program's transposed tile [64 WG weight rows, BM rows of
+    x]: WG warpgroups stacked along the weight rows, m64nBMk16 wgmmas."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * int(WG), 1], instr_shape=[16, int(BM), 16])
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """One mbarrier per slot of a TMA ring, each expecting one arrival (the copy's ``expect``)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    return ready
 
 
 @gluon.jit
