@@ -10,12 +10,13 @@ since the machine has no git history::
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py e2e --e2e-args "--configs bf16,lowbit:w4a16-nvfp4"
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py dit offload                      # DiT block, block offload
     GIT_SHA=<sha> python3 benchmarks/gpu_check.py tests tp --tests tests/parallel   # 2+ GPUs: tensor parallel
+    GIT_SHA=<sha> python3 benchmarks/gpu_check.py convert                          # 2+ GPUs: conversion speed
 
 Writes ``$OUT/gpu_tests_<path>.xml`` (one pytest and report per test path), ``$OUT/quant_kernels_<date>.json``
 (the quantize/dequantize ops), ``$OUT/w4a16_gemv.json``, ``w4a16_gemm.json``, ``scaled_mm.json``,
 ``qlinear.json`` (the ``ops`` step: the other registered ops, one ``python -m lowbit.bench`` each) and
 ``$OUT/e2e.json`` / ``dit.json`` / ``offload.json`` / ``tp.json`` / ``gptq.json`` (the suites, ``lowbit bench
-e2e|dit|offload|tp|gptq``); the
+e2e|dit|offload|tp|gptq``), ``$OUT/convert.json`` (``benchmarks/convert_throughput.py``); the
 results tables are printed last. Every one is a ``lowbit bench`` result that ``lowbit bench compare`` reads.
 Keeps to about 8 minutes on an H100: the harness skips the baselines not timed by ``--deadline-s`` after the
 start (lowbit's own cases always run and are written to the JSON before any baseline).
@@ -176,6 +177,28 @@ def run_module(name: str, out_dir: str, extra: str, timeout_s: float) -> None:
     print(f"lowbit {name}: exit {rc}", flush=True)
 
 
+CONVERT_ARGS = "--size-gb 20 --assign runs,interleaved --workdir /dev/shm/lowbit-convert-bench --budget-s 150"
+"""The convert step's default: 20 GB from tmpfs, two GPUs once per way of giving pieces to ranks, no scheme
+started after 150 s (the step's time limit, --bench-timeout-s, would lose the JSON written at the end)."""
+
+
+def convert_command(json_path: str, extra: str) -> list[str]:
+    """The ``benchmarks/convert_throughput.py`` command line of the convert step (2+ GPUs)."""
+    import shlex
+
+    return [sys.executable, os.path.join(ROOT, "benchmarks", "convert_throughput.py"), "--out-json", json_path,
+            *shlex.split(extra)]
+
+
+def run_convert(out_dir: str, extra: str, timeout_s: float) -> None:
+    cmd = convert_command(os.path.join(out_dir, "convert.json"), extra)
+    try:
+        rc = subprocess.call(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        rc = "timeout (the JSON is written at the end: nothing)"
+    print(f"convert_throughput: exit {rc}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="*", help="tests, bench (the quantize/dequantize ops), ops (the W4A16 linear, "
@@ -202,13 +225,15 @@ def main() -> int:
     ap.add_argument("--offload-args", default="", help="arguments of `lowbit bench offload`")
     ap.add_argument("--tp-args", default="", help="arguments of `lowbit bench tp` (needs 2+ GPUs)")
     ap.add_argument("--gptq-args", default="", help="arguments of `lowbit bench gptq`")
+    ap.add_argument("--convert-args", default=CONVERT_ARGS,
+                    help=f"arguments of benchmarks/convert_throughput.py (2+ GPUs; default: {CONVERT_ARGS})")
     ap.add_argument("--bench-timeout-s", type=float, default=300.0, help="time limit of the dit and offload steps")
     args = ap.parse_args()
     what = set(args.what or ["tests", "bench"])
-    steps = {"tests", "bench", "ops", "install", "e2e", "dit", "offload", "tp", "gptq"}
+    steps = {"tests", "bench", "ops", "install", "e2e", "dit", "offload", "tp", "gptq", "convert"}
     if what - steps:
-        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e, dit, offload, tp, gptq or "
-                 "install")
+        ap.error(f"unknown step(s) {sorted(what - steps)}: use tests, bench, ops, e2e, dit, offload, tp, gptq, "
+                 "convert or install")
 
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "benchmarks", "results", "tmp")
     os.makedirs(out_dir, exist_ok=True)
@@ -230,6 +255,8 @@ def main() -> int:
         run_module("tp", out_dir, args.tp_args, args.bench_timeout_s)
     if "gptq" in what:
         run_module("gptq", out_dir, args.gptq_args, args.bench_timeout_s)
+    if "convert" in what:
+        run_convert(out_dir, args.convert_args, args.bench_timeout_s)
     if "bench" not in what:
         if tests_summary:
             print(tests_summary)

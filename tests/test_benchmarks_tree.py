@@ -240,6 +240,12 @@ def test_gpu_check_runs_the_maintained_benchmarks_through_lowbit_bench():
         assert suite in bench.SUITES
     source = (BENCH / "gpu_check.py").read_text(encoding="utf-8")
     assert "benchmarks/bench_" not in source and "lowbit.bench." + "e2e" not in source
+    # the convert step: convert_throughput.py with arguments its parser takes
+    cmd = gc.convert_command("/out/convert.json", gc.CONVERT_ARGS)
+    assert cmd[1].endswith("benchmarks/convert_throughput.py")
+    ct = _load_script(BENCH / "convert_throughput.py")
+    parsed = ct.parse_args(cmd[2:])
+    assert parsed.out_json == "/out/convert.json" and parsed.assign == ["runs", "interleaved"]
 
 
 def test_gpu_check_runs_every_single_gpu_test_file():
