@@ -168,13 +168,17 @@ def suite_command(name: str, json_path: str, extra: str) -> list[str]:
 def run_module(name: str, out_dir: str, extra: str, timeout_s: float) -> None:
     """``lowbit bench <name>`` (the suites e2e, dit, offload) with ``extra`` arguments, JSON to
     ``$OUT/<name>.json`` (e2e and dit write it after every config)."""
-    cmd = suite_command(name, os.path.join(out_dir, f"{name}.json"), extra)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    call_step(f"lowbit {name}", suite_command(name, os.path.join(out_dir, f"{name}.json"), extra), timeout_s,
+              "timeout (what finished is in the JSON)")
+
+
+def call_step(label: str, cmd: list[str], timeout_s: float, on_timeout: str) -> None:
+    """Run a step's command from the repository root, unbuffered, and print its exit status."""
     try:
-        rc = subprocess.call(cmd, cwd=ROOT, env=env, timeout=timeout_s)
+        rc = subprocess.call(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        rc = "timeout (what finished is in the JSON)"
-    print(f"lowbit {name}: exit {rc}", flush=True)
+        rc = on_timeout
+    print(f"{label}: exit {rc}", flush=True)
 
 
 CONVERT_ARGS = "--size-gb 20 --assign runs,interleaved --workdir /dev/shm/lowbit-convert-bench --budget-s 150"
@@ -191,12 +195,8 @@ def convert_command(json_path: str, extra: str) -> list[str]:
 
 
 def run_convert(out_dir: str, extra: str, timeout_s: float) -> None:
-    cmd = convert_command(os.path.join(out_dir, "convert.json"), extra)
-    try:
-        rc = subprocess.call(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        rc = "timeout (the JSON is written at the end: nothing)"
-    print(f"convert_throughput: exit {rc}", flush=True)
+    call_step("convert_throughput", convert_command(os.path.join(out_dir, "convert.json"), extra), timeout_s,
+              "timeout (the JSON is written at the end: nothing)")
 
 
 def main() -> int:

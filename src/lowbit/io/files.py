@@ -118,19 +118,32 @@ def safetensors_keys(path: Path) -> list[str]:
     return keys
 
 
-def _data_end(path: Path) -> int | None:
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header read (safetensors' own limit)."""
+
+
+def _header(path: Path) -> tuple[int, dict, int] | None:
+    """(header length, the parsed header, file size) of a safetensors file; None if it is not readable as one."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                return None
             header = json.loads(fh.read(n))
     except (OSError, ValueError):
         return None
+    return (n, header, size) if isinstance(header, dict) else None
+
+
+def _data_end(path: Path) -> int | None:
+    parsed = _header(path)
+    if parsed is None:
+        return None
+    n, header, _ = parsed
     ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
     return 8 + n + (max(ends) if ends else 0)
 
-
-MAX_HEADER_BYTES = 100_000_000
-"""The largest safetensors header read (safetensors' own limit)."""
 
 READ_CHUNK_BYTES = 32 << 20
 """Bytes of one positional read of :meth:`TensorSource.read_into`; a tensor's chunks go to the pool's threads."""
@@ -155,17 +168,10 @@ def tensor_spans(path: Path) -> dict[str, Span] | None:
     """Each tensor's :class:`Span`, from the header of ``path``; None where the header is not one this reader
     takes as it is (a dtype torch lacks, byte ranges that do not match the shapes or the file, malformed JSON):
     safetensors then reads those tensors and reports what is wrong."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
-                return None
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError):
+    parsed = _header(path)
+    if parsed is None:
         return None
-    if not isinstance(header, dict):
-        return None
+    n, header, size = parsed
     out = {}
     for key, entry in header.items():
         if key == "__metadata__":
@@ -177,7 +183,7 @@ def tensor_spans(path: Path) -> dict[str, Span] | None:
         if dtype is None or not _non_negative_ints(shape, range(64)) or not _non_negative_ints(offsets, (2,)):
             return None
         begin, end = offsets
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes or 8 + n + end > size:
             return None
         out[key] = Span(8 + n + begin, nbytes, dtype, tuple(shape))
