@@ -152,7 +152,7 @@ GPU_TEST_PATHS = [
     "tests/nn/test_prepared_gpu.py", "tests/kernels/test_int4_conventions.py", "tests/integrations/test_diffusers_gpu.py",
     "tests/nn/test_offload.py", "tests/nn/test_fuse_gpu.py", "tests/nn/test_fp8_compute_gpu.py",
     "tests/algorithms/test_gptq_gpu.py", "tests/kernels/test_gemm_w4_ws_gpu.py", "tests/kernels/test_gemm_w4_ra_gpu.py",
-    "tests/kernels/test_gemm_w4_rf_gpu.py", "tests/io/test_convert_gpu.py",
+    "tests/kernels/test_gemm_w4_rf_gpu.py", "tests/io/test_convert_gpu.py", "tests/io/test_staging_gpu.py",
     "tests/bench",
 ]
 """tests/parallel needs two GPUs: ``tests tp --tests tests/parallel`` on a 2-GPU machine."""

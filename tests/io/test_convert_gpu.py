@@ -1,6 +1,6 @@
 """convert_checkpoint on CUDA writes the CPU conversion's bytes: the reader thread's copies to the GPU on its own
-stream, the pinned copies back and the writer thread's pwrites change nothing, on one rank and on two (one GPU
-each where there are two, else both on one), with pieces small enough that the ranks share files."""
+stream, the writer's copies back through page-locked chunks and its pwrites change nothing, on one rank and on two
+(one GPU each where there are two, else both on one), with pieces small enough that the ranks share files."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import lowbit
+import lowbit.io.convert as conv
 import lowbit.io.convert_layout as layout
+import lowbit.io.convert_writer as writer
 
 pytestmark = pytest.mark.gpu
 
@@ -61,6 +63,19 @@ def test_cuda_conversion_writes_the_cpu_bytes(tmp_path, llama_src, monkeypatch, 
         t.join(timeout=300)
     assert errors == [None, None]
     assert _tree(tmp_path / "two") == ref
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w8a8-fp8-block"])
+def test_small_staging_chunks_write_the_same_bytes(tmp_path, llama_src, monkeypatch, scheme):
+    """Weights and outputs many times the staging chunk, read and written through a ring of few chunks: the
+    bytes of the CPU conversion still."""
+    ref = _tree(lowbit.convert_checkpoint(llama_src, tmp_path / "cpu", scheme, device="cpu", progress=False))
+    monkeypatch.setattr(conv, "STAGING_CHUNK_BYTES", 40_000)
+    monkeypatch.setattr(writer, "STAGING_CHUNK_BYTES", 24_576)
+    monkeypatch.setattr(conv, "READ_THREADS", 3)
+    monkeypatch.setattr(writer, "WRITE_THREADS", 1)
+    assert _tree(lowbit.convert_checkpoint(llama_src, tmp_path / "gpu", scheme, device="cuda:0",
+                                           progress=False)) == ref
 
 
 def test_fp8_block_quantize_under_a_bfloat16_default_dtype():

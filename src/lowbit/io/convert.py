@@ -16,11 +16,13 @@ file (:mod:`lowbit.io.convert_writer`) and the progress records that make a conv
 Memory bound: one source tensor at a time on ``device`` besides the next one, read ahead (the members of a
 fused q/k/v or gate/up group are held there together until their shared NVFP4 global scale is known), its
 quantized output, plus the outputs handed to the writer and not yet written, at most ``max_shard_size`` bytes
-(or one tensor, if larger). So peak memory is about ``max_shard_size`` + twice the largest source tensor (or
-the largest fused group plus one tensor), whatever the size of the checkpoint or of its shards,
-plus the quantizer's working memory for one tensor: on a GPU that is device memory; on the CPU the
-reference quantizers hold up to three fp32 copies of the tensor (measured on a 25.3 GB machine converting a
-29.1 GB checkpoint to w8a8-fp8-block with ``max_shard_size="1GB"``: 4.0 GB of anonymous memory at the peak,
+(on a GPU, where they stay in device memory until written, at most ``DEVICE_PENDING_BYTES``; or one tensor, if
+larger). So peak memory is about that bound + twice the largest source tensor (or the largest fused group plus
+one tensor), whatever the size of the checkpoint or of its shards, plus the quantizer's working memory for one
+tensor: on a GPU that is device memory, and the host holds only the page-locked staging chunks of the reader
+and the writer (:mod:`lowbit.io.staging`, a few hundred MB); on the CPU the reference quantizers hold up to
+three fp32 copies of the tensor (measured on a 25.3 GB machine converting a 29.1 GB checkpoint to
+w8a8-fp8-block with ``max_shard_size="1GB"``: 4.0 GB of anonymous memory at the peak,
 ``benchmarks/experiments/convert_larger_than_ram.py``; the safetensors files are memory-mapped, and the pages
 read count as the process's file-backed resident memory, which the kernel reclaims like any page cache).
 Output files follow the source shards (one per shard, split into numbered parts where a shard's output
@@ -55,7 +57,7 @@ from .checkpoint import choose_layout
 from .convert_layout import Piece, quantize_target
 from .convert_plan import ConversionPlan, check_source, check_unquantized_config, plan_conversion
 from .convert_progress import MANIFEST, finished_pieces, progress_bar, read_progress
-from .convert_writer import TensorWriter
+from .convert_writer import STAGING_CHUNK_BYTES, TensorWriter
 from .distributed import (
     DEFAULT_TIMEOUT,
     SYNC_TAG,
@@ -84,10 +86,15 @@ from .files import (
 )
 from .layouts import DTYPE_NAMES, NAME_DTYPES, params_from_json, params_to_json
 from .rules import check_patterns
+from .staging import PinnedRing, upload
 
 # False: every tensor is written in the converting thread before the next is read (the sequential reference
 # the tests compare the overlapped writer's bytes with); not a user option, the output is the same
 _OVERLAP_WRITES = True
+
+DEVICE_PENDING_BYTES = 1 << 30
+"""On a GPU, the outputs handed to the writer and not yet written (device memory) are bounded by this, or by
+``max_shard_size`` if smaller."""
 
 
 def _stub(name: str, info: dict, scheme: Scheme) -> QuantLinear:
@@ -103,20 +110,9 @@ def _stub(name: str, info: dict, scheme: Scheme) -> QuantLinear:
     return m
 
 
-def _to_host(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """CPU copies of ``tensors``. From a GPU the copies go into pinned memory (``non_blocking``; torch's caching
-    host allocator reuses the blocks once the writer drops them) and are waited for once: a copy into fresh
-    pageable memory ran at about 1.4 GB/s on an H200 host, a third of a conversion's time for fp8 outputs."""
-    if device.type != "cuda":
-        return {k: v.to("cpu") for k, v in tensors.items()}
-    out = {k: v.to("cpu", non_blocking=True) for k, v in tensors.items()}
-    torch.cuda.current_stream(device).synchronize()
-    return out
-
-
 def _release_host_cache() -> None:
-    """Give the pinned blocks that :func:`_to_host` left in torch's host cache back to the system: a
-    conversion should not keep gigabytes of page-locked memory in the caller's process."""
+    """Give the pinned blocks left in torch's host cache (the staging chunks of the reader and the writer) back to
+    the system: a conversion should not keep page-locked memory in the caller's process."""
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
         fn = getattr(torch._C, name, None)
         if fn is not None:
@@ -124,46 +120,41 @@ def _release_host_cache() -> None:
             return
 
 
-READ_THREADS = 4
-"""Threads reading the chunks of one Linear weight from its file at once (a read from the page cache is a copy
-bound by one core's speed)."""
+READ_THREADS = 8
+"""Threads reading the chunks of a Linear weight from its file at once (a read from the page cache is a copy
+bound by one core's speed: 4 threads read about 15 GB/s from tmpfs on an H200 host, 8 about 26)."""
 
 
 class _Reader:
     """Reads the next source tensor in a background thread while the current one is quantized and written.
-    A Linear weight is read with positional reads into a buffer of its own (page-locked for a GPU), in chunks
-    over ``READ_THREADS`` threads; one bound for a GPU is then copied there on a stream of the reader's own, and
-    the quantizing stream waits for it. Other tensors (and a weight whose header safetensors alone reads) come
-    through safetensors."""
+    A Linear weight is read with positional reads, in chunks over ``READ_THREADS`` threads: for a GPU into a
+    few reused page-locked chunks (:mod:`lowbit.io.staging`) whose copies to the device go on a stream of the
+    reader's own (the quantizing stream waits for it); for the CPU straight into a buffer of the weight's own.
+    Other tensors (and a weight whose header safetensors alone reads) come through safetensors."""
 
     def __init__(self, source: TensorSource, targets, device: torch.device) -> None:
         self.source, self.targets, self.device = source, targets, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="lowbit-convert-reader")
         self.io = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="lowbit-convert-read")
-
-    def _read(self, key: str) -> torch.Tensor:
-        span = self.source.span(key) if key in self.targets else None
-        if span is None:
-            return self.source.get(key)
-        # pinned: the copy to the GPU is then a DMA the driver does not stage through a buffer of its own;
-        # torch's host allocator keeps the block from reuse until that copy is done
-        if self.stream is None:
-            buf = torch.empty(span.nbytes, dtype=torch.uint8)
-        else:
-            with torch.cuda.device(self.device):  # the page-locked block belongs to this rank's GPU context
-                buf = torch.empty(span.nbytes, dtype=torch.uint8, pin_memory=True)
-        return self.source.read_into(key, buf, self.io)
+        self.stream = self.ring = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+            self.ring = PinnedRing(device, 2 * READ_THREADS, STAGING_CHUNK_BYTES)
 
     def _load(self, key: str):
-        t = self._read(key)
-        if self.stream is None or key not in self.targets:
-            return t, None, None
+        span = self.source.span(key) if key in self.targets else None
+        if span is None:
+            return self.source.get(key), None, None
+        if self.stream is None:
+            return self.source.read_into(key, torch.empty(span.nbytes, dtype=torch.uint8), self.io), None, None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            w = t.to(self.device, non_blocking=True)
+            flat = torch.empty(span.nbytes, dtype=torch.uint8, device=self.device)
+        upload(self.ring, self.stream, flat, lambda start, out: self.source.read_bytes(key, start, out), self.io)
+        with torch.cuda.device(self.device):
             done = torch.cuda.Event()
             done.record(self.stream)
-        return t, w, done
+        w = flat.view(span.dtype).view(span.shape)
+        return w, w, done
 
     def submit(self, key: str):
         return self.pool.submit(self._load, key)
@@ -179,6 +170,8 @@ class _Reader:
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.io.shutdown(wait=True)
+        if self.ring is not None:
+            self.ring.close()
 
 
 def _batches(keys, targets: dict[str, tuple[str, str]], global_scale) -> list[list[str]]:
@@ -207,14 +200,18 @@ def _convert_keys(
     device: torch.device,
     global_scale,
     bar,
+    reader: _Reader | None = None,
 ):
-    """Per source key: ``(key, output tensors on the host, (module name, info) or None)``; Linear weights among
-    ``keys`` are quantized, the rest passed through. One source tensor is held at a time besides the next one,
-    read ahead, and the members of a fused group among ``keys`` (held on the device until their shared global
-    scale is known); a generator, so the caller decides when outputs are written and dropped."""
+    """Per source key: ``(key, output tensors, (module name, info) or None)``; Linear weights among ``keys`` are
+    quantized (outputs on ``device``, made on its current stream), the rest passed through (on the CPU). One
+    source tensor is held at a time besides the next one, read ahead, and the members of a fused group among
+    ``keys`` (held on the device until their shared global scale is known); a generator, so the caller decides
+    when outputs are written and dropped."""
     batches = _batches(keys, targets, global_scale)
     order = [k for batch in batches for k in batch]
-    reader = _Reader(source, targets, device)
+    own_reader = reader is None
+    if own_reader:
+        reader = _Reader(source, targets, device)
     try:
         pending = reader.submit(order[0]) if order else None
         n = 0
@@ -239,7 +236,7 @@ def _convert_keys(
                 key, t, w = loaded.pop(0)
                 name, prefix = targets[key]
                 m, q = quantize_target(w, scheme, layout, global_scale(name, amax))
-                out = _to_host({f"{prefix}{k}": v.detach() for k, v in layout.export(m).items()}, device)
+                out = {f"{prefix}{k}": v.detach().contiguous() for k, v in layout.export(m).items()}
                 info = {
                     "scheme": scheme.name,
                     "shape": [w.shape[0], w.shape[1]],
@@ -252,7 +249,8 @@ def _convert_keys(
                 if bar is not None:
                     bar.update(1)
     finally:
-        reader.close()
+        if own_reader:
+            reader.close()
 
 
 def _convert_pieces(
@@ -277,12 +275,17 @@ def _convert_pieces(
 
         return record
 
-    writer = TensorWriter(tmp, outputs.files, _OVERLAP_WRITES, plan.limit, label)
+    cuda = dev.type == "cuda"
+    # on a GPU the outputs handed to the writer are device memory until written
+    writer = TensorWriter(tmp, outputs.files, _OVERLAP_WRITES,
+                          min(plan.limit, DEVICE_PENDING_BYTES) if cuda else plan.limit, label)
+    reader = None
     try:
+        reader = _Reader(plan.source, plan.targets, dev) if todo else None
         for i, piece in enumerate(todo):
             infos: dict[str, dict] = {}
             for key, tensors, info in _convert_keys(piece.keys, plan.source, plan.targets, plan.scheme,
-                                                    plan.layout, dev, plan.global_scale, bar):
+                                                    plan.layout, dev, plan.global_scale, bar, reader=reader):
                 specs = outputs.specs[key]
                 got = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
                 want = {s.name: (SAFETENSORS_DTYPES.get(s.dtype), s.shape) for s in specs}
@@ -290,9 +293,13 @@ def _convert_pieces(
                     raise RuntimeError(
                         f"convert_checkpoint: {key!r} gave tensors {got}, but the files were laid out for {want}"
                     )
+                ready = None
+                if cuda and any(v.device.type == "cuda" for v in tensors.values()):
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(dev))
                 for k, v in tensors.items():
                     tmp_name, offset = outputs.where[k]
-                    writer.write(tmp_name, offset, v)
+                    writer.write(tmp_name, offset, v, ready)
                 del tensors
                 if info is not None:
                     infos[info[0]] = info[1]
@@ -302,9 +309,11 @@ def _convert_pieces(
         writer.abort(e)
         raise
     finally:
+        if reader is not None:
+            reader.close()
         if bar is not None:
             bar.close()
-        if dev.type == "cuda":
+        if cuda:
             _release_host_cache()
 
 

@@ -1,17 +1,19 @@
 """Writing a conversion's output: tensor bytes straight into the planned files, in a background thread.
 
 The files are laid out in advance (:mod:`lowbit.io.convert_layout`), so a tensor is written the moment it is
-quantized: its bytes go from the (pinned) host copy to its offset in its file with ``os.pwrite``, with no
-serializing copy, and the header goes to offset 0 the first time a process opens the file. Several ranks
-write into the same files at disjoint offsets. A piece of work ends with an fsync of the files it wrote, then
-its record (``on_done``): a recorded piece is on disk.
+quantized: its bytes go to its offset in its file with ``os.pwrite``, with no serializing copy, and the header goes
+to offset 0 the first time a process opens the file. A tensor on a GPU is handed over as it is, with the event of
+the work that made it; the writer copies it to the host through a few reused page-locked chunks
+(:mod:`lowbit.io.staging`) and writes each chunk as soon as its copy is done, so the converting thread never waits
+for those copies. Several ranks write into the same files at disjoint offsets. A piece of work ends with an fsync of
+the files it wrote, then its record (``on_done``): a recorded piece is on disk.
 
-:class:`TensorWriter` does this in one background thread while the converting thread quantizes the next
-tensor, so a process takes about the larger of its compute and its writes rather than their sum. The tensors
-handed over and not yet written are bounded (``max_pending`` bytes, at least one tensor): past that, handing
-over waits. A write's error is raised in the converting thread at its next hand-over or at the end; the
-pieces after a failed write are neither written nor recorded. ``overlap=False`` writes in the calling thread,
-in the same order, the same bytes.
+:class:`TensorWriter` does this in one background thread while the converting thread quantizes the next tensor, so a
+process takes about the larger of its compute and its writes rather than their sum. The tensors handed over and not
+yet written are bounded (``max_pending`` bytes, at least one tensor): past that, handing over waits (on a GPU the
+tensors handed over are device memory). A write's error is raised in the converting thread at its next hand-over or
+at the end; the pieces after a failed write are neither written nor recorded. ``overlap=False`` writes in the
+calling thread, in the same order, the same bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ from pathlib import Path
 import torch
 
 from .convert_layout import OutputFile
+from .staging import PinnedRing, download
+
+WRITE_THREADS = 2
+"""Threads writing the chunks of a GPU tensor: one writes a chunk while the next one's copy to the host finishes
+(writes into one file take turns on its inode lock, so more threads would not write faster)."""
+
+STAGING_CHUNK_BYTES = 16 << 20
+"""Size of each page-locked chunk that a conversion's copies between a GPU and the host go through."""
 
 
 def write_bytes(path: Path, fd: int, offset: int, data: memoryview) -> None:
@@ -54,6 +64,7 @@ class TensorWriter:
     def __init__(self, tmp: Path, files: dict[str, OutputFile], overlap: bool, max_pending: int,
                  label: str = "") -> None:
         self.tmp = tmp
+        self._staging = None  # (ring, stream, pool) for tensors on a GPU, made at the first one
         self.files = files
         self.max_pending = max(1, int(max_pending))
         self._fds: dict[str, int] = {}
@@ -70,9 +81,10 @@ class TensorWriter:
 
     # ------------------------------------------------------------------ the converting thread
 
-    def write(self, tmp_name: str, offset: int, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` (a contiguous CPU tensor) at ``offset`` of file ``tmp_name``."""
-        self._submit(("write", tmp_name, offset, tensor), tensor.numel() * tensor.element_size())
+    def write(self, tmp_name: str, offset: int, tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """Write ``tensor`` (contiguous, on the CPU or a GPU) at ``offset`` of file ``tmp_name``; for a GPU tensor,
+        ``ready`` is an event recorded after the work that made it (None: the work is done)."""
+        self._submit(("write", tmp_name, offset, tensor, ready), tensor.numel() * tensor.element_size())
 
     def end_piece(self, tmp_names: tuple[str, ...], on_done: Callable[[], None]) -> None:
         """Once the writes handed over so far are done: fsync ``tmp_names``, then call ``on_done``."""
@@ -170,11 +182,27 @@ class TensorWriter:
             self._fds[tmp_name] = fd
         return fd
 
+    def _gpu_staging(self, device: torch.device):
+        if self._staging is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            ring = PinnedRing(device, 2 * WRITE_THREADS, STAGING_CHUNK_BYTES)
+            self._staging = (ring, torch.cuda.Stream(device),
+                             ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="lowbit-convert-write"))
+        return self._staging
+
     def _do(self, job: tuple) -> None:
         if job[0] == "write":
-            _, tmp_name, offset, tensor = job
-            if tensor.numel():
-                write_bytes(self.tmp / tmp_name, self._fd(tmp_name), offset, tensor_bytes(tensor))
+            _, tmp_name, offset, tensor, ready = job
+            if not tensor.numel():
+                return
+            path, fd = self.tmp / tmp_name, self._fd(tmp_name)
+            if tensor.device.type == "cuda":
+                ring, stream, pool = self._gpu_staging(tensor.device)
+                download(ring, stream, tensor, ready, lambda start, data: write_bytes(path, fd, offset + start, data),
+                         pool)
+            else:
+                write_bytes(path, fd, offset, tensor_bytes(tensor))
         else:
             _, tmp_names, on_done = job
             for name in tmp_names:
@@ -182,10 +210,15 @@ class TensorWriter:
             on_done()
 
     def _close_fds(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            ring, _, pool = staging
+            pool.shutdown(wait=True)
+            ring.close()
         fds, self._fds = self._fds, {}
         for fd in fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
 
 
-__all__ = ["TensorWriter", "tensor_bytes", "write_bytes"]
+__all__ = ["STAGING_CHUNK_BYTES", "WRITE_THREADS", "TensorWriter", "tensor_bytes", "write_bytes"]

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -212,6 +213,7 @@ class TensorSource:
         self._checked: set[Path] = set()
         self._spans: dict[Path, dict[str, Span] | None] = {}
         self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
 
     def keys(self) -> list[str]:
         return list(self.files)
@@ -287,25 +289,41 @@ class TensorSource:
         spans = self._spans[path]
         return spans.get(key) if spans is not None else None
 
-    def read_into(self, key: str, out: torch.Tensor, pool=None) -> torch.Tensor:
-        """Read ``key`` into ``out`` (a contiguous uint8 CPU tensor of exactly the tensor's byte count, e.g.
-        pinned memory for a copy to a GPU) and return it viewed as the tensor: the bytes ``get`` returns,
-        read with positional reads straight into ``out``, in chunks over ``pool``'s threads if given.
-        Call only for keys with a :meth:`span`."""
+    def _fd(self, path: Path) -> int:
+        with self._lock:  # readers of one file share its descriptor; positional reads need no seek
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return fd
+
+    def _span_or_raise(self, key: str) -> Span:
         span = self.span(key)
         if span is None:
             raise ValueError(f"{self.files[key]}: tensor {key!r} has no byte span this reader takes; use get()")
+        return span
+
+    def read_bytes(self, key: str, start: int, out: memoryview) -> None:
+        """Read bytes ``start`` to ``start + len(out)`` of tensor ``key``'s data into ``out`` (positional reads;
+        any thread). Call only for keys with a :meth:`span`."""
+        span = self._span_or_raise(key)
+        if start < 0 or start + len(out) > span.nbytes:
+            raise ValueError(f"read_bytes: bytes {start}..{start + len(out)} lie outside tensor {key!r}'s "
+                             f"{span.nbytes} bytes")
+        path = self.files[key]
+        read_span(self._fd(path), span.offset + start, out, path)
+
+    def read_into(self, key: str, out: torch.Tensor, pool=None) -> torch.Tensor:
+        """Read ``key`` into ``out`` (a contiguous uint8 CPU tensor of exactly the tensor's byte count) and return
+        it viewed as the tensor: the bytes ``get`` returns, read with positional reads straight into ``out``, in
+        chunks over ``pool``'s threads if given. Call only for keys with a :meth:`span`."""
+        span = self._span_or_raise(key)
         if (out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous()
                 or out.numel() != span.nbytes):
             raise ValueError(f"read_into: out must be a contiguous uint8 CPU tensor of {span.nbytes} bytes")
-        path = self.files[key]
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         if span.nbytes:
             mv = memoryview(out.numpy()).cast("B")
             starts = range(0, span.nbytes, READ_CHUNK_BYTES)
-            chunk = lambda a: read_span(fd, span.offset + a, mv[a:a + READ_CHUNK_BYTES], path)
+            chunk = lambda a: self.read_bytes(key, a, mv[a:a + READ_CHUNK_BYTES])
             if pool is None or len(starts) == 1:
                 for a in starts:
                     chunk(a)
