@@ -176,9 +176,9 @@ def interleaved(sizes, world_size: int) -> dict[str, int]:
 
 def rank_main(rank: int, world_size: int, port: int, device: str, src: str, out: str, scheme: str,
               report: str, variant: dict) -> None:
-    """One rank: join the group, warm up (CUDA, transformers, the scheme's kernels), meet the others, then
-    time ``convert_checkpoint`` from the barrier to its return (rank 0: after publishing). ``variant``: the
-    ``--assign`` and ``--read-threads`` of a comparison run."""
+    """One rank: join the group, warm up (CUDA, transformers, the scheme's kernels at every Linear shape of the
+    source), meet the others, then time ``convert_checkpoint`` from the barrier to its return (rank 0: after
+    publishing). ``variant``: the ``--assign`` and ``--read-threads`` of a comparison run."""
     t_start = time.perf_counter()
     import torch
     import torch.distributed as dist
@@ -203,8 +203,13 @@ def rank_main(rank: int, world_size: int, port: int, device: str, src: str, out:
             # ranks sharing the CPU split its cores rather than each running a thread per core
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         s = get_scheme(scheme)
-        w = torch.randn(256, 256, device=dev).to(torch.bfloat16)
-        lowbit.quantize(w, s.weight_format, **s.weight_quantize_options(256))
+        # every distinct Linear shape of the source once, so that no run compiles a kernel variant inside its
+        # timing (the first run after the source was written would otherwise pay for the later ones)
+        dims = json.loads((Path(src) / "config.json").read_text())
+        for shape in sorted({sh for _, sh in layer_shapes(dims) if len(sh) == 2}):
+            w = torch.randn(shape, device=dev).to(torch.bfloat16)
+            lowbit.quantize(w, s.weight_format, **s.weight_quantize_options(shape[1]))
+            del w
         try:
             import transformers.models.llama.modeling_llama  # noqa: F401 - imported by the conversion otherwise
         except ImportError:
