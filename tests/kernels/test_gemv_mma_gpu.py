@@ -309,3 +309,92 @@ def test_mma_nf4_graph_capture_and_not_used_for_blocksize_32():
     assert mma_layout(prepare_w4(q32)) is None
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     _check(G.gemv_w4(x, q32, mma_config=ALL_M), _reference(x, q32), "nf4 b32", rel=4e-3)
+
+
+# --------------------------------------------------------------------- M > 16: blocks of 16 x rows
+
+ROW_BLOCKS = {**ALL_M, "max_m": G.MMA_MAX_M}
+
+
+def _any_format(fmt, n, k, seed):
+    if fmt == "int4_awq":
+        return _int4(n, k, 128, seed=seed)
+    if fmt == "nf4":
+        return _nf4(n, k, 64, True, seed=seed)
+    return lowbit.quantize(torch.randn(n, k, device="cuda") * 0.05, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4_awq", "nf4"])
+@pytest.mark.parametrize("m", [17, 24, 32, 33, 48, 64])
+def test_mma_row_blocks_random_weights(fmt, m):
+    q = _any_format(fmt, 1040, 4096, seed=m)
+    p = prepare_w4(q)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    got = G.gemv_w4(x, p, mma_config=ROW_BLOCKS)
+    _check(got, _reference(x, q), f"{fmt} M={m}", rel=6e-3 if fmt == "nf4" else 4e-3)
+    assert any(key[0] == m for key in mma_layout(p).plans), "the tensor-core GEMV did not run"
+
+
+@pytest.mark.parametrize("m", [20, 40, 64])
+def test_mma_row_blocks_bias_activation_split_k_row_scale(m):
+    q = lowbit.quantize(torch.randn(1000, 8192, device="cuda") * 0.05, "nvfp4")
+    x = torch.randn(m, 8192, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    rs = torch.rand(m, device="cuda") + 0.5
+    for cfg in (ROW_BLOCKS, {**ROW_BLOCKS, "rg": 1, "j": 2, "ctas_per_sm": 16},
+                {**ROW_BLOCKS, "rg": 4, "j": 4, "warps": 2, "ctas_per_sm": 1}):
+        for act in (None, "silu"):
+            got = G.gemv_w4(x, q, bias, act, mma_config=cfg)
+            _check(got, _reference(x, q, bias, act), f"act={act} M={m} cfg={cfg}")
+        ref = _reference(x, q).double() * rs.double()[:, None]
+        _check(G.gemv_w4(x, q, mma_config=cfg, row_scale=rs), ref, f"per-row scale M={m} cfg={cfg}")
+
+
+@pytest.mark.parametrize("m", [17, 32, 50])
+def test_mma_row_blocks_gated(m):
+    """[gate; up] with the gated epilogue: out is [M, N / 2], each block of rows at its place."""
+    q = lowbit.quantize(torch.randn(2048, 4096, device="cuda") * 0.05, "nvfp4")
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    full = _reference(x, q).double()
+    ref = torch.nn.functional.silu(full[:, :1024]) * full[:, 1024:]
+    for cfg in (ROW_BLOCKS, {**ROW_BLOCKS, "ctas_per_sm": 16}):
+        _check(G.gemv_w4(x, q, activation="silu_and_mul", mma_config=cfg), ref, f"gated M={m} cfg={cfg}")
+
+
+def test_mma_row_blocks_equal_the_16_row_calls_without_split_k():
+    """Without split K each block of rows sums in the order of an M = 16 call on those rows: the bits match."""
+    q = lowbit.quantize(torch.randn(4096, 4096, device="cuda") * 0.05, "mxfp4")
+    p = prepare_w4(q)
+    cfg = {**ROW_BLOCKS, "ctas_per_sm": 1}
+    x = torch.randn(40, 4096, device="cuda", dtype=torch.bfloat16)
+    got = G.gemv_w4(x, p, mma_config=cfg)
+    parts = [G.gemv_w4(x[a:a + 16], p, mma_config=cfg) for a in (0, 16, 32)]
+    assert all(plan.split == 1 for key, plan in mma_layout(p).plans.items())
+    assert torch.equal(got, torch.cat(parts))
+
+
+def test_mma_row_blocks_repeated_calls_identical_and_graph_capturable():
+    q = lowbit.quantize(torch.randn(6144, 4096, device="cuda") * 0.05, "nvfp4")
+    x = torch.randn(48, 4096, device="cuda", dtype=torch.bfloat16)
+    cfg = {**ROW_BLOCKS, "ctas_per_sm": 8}
+    first = G.gemv_w4(x, q, mma_config=cfg)
+    for _ in range(10):
+        assert torch.equal(G.gemv_w4(x, q, mma_config=cfg), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = G.gemv_w4(x, q, mma_config=cfg)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+
+
+def test_m_past_16_needs_the_tensor_core_gemv():
+    q = lowbit.quantize(torch.randn(256, 512, device="cuda") * 0.05, "nvfp4")
+    x = torch.randn(17, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="M=17 rows"):
+        G.gemv_w4(x, q)                                   # the default MMA stops at 16
+    with pytest.raises(ValueError, match="M=17 rows"):
+        G.gemv_w4(x.half(), q, mma_config=ROW_BLOCKS)     # fp16 x: no tensor-core GEMV for nvfp4
+    with pytest.raises(ValueError, match="M=65 rows"):
+        G.gemv_w4(torch.randn(65, 512, device="cuda", dtype=torch.bfloat16), q, mma_config=ROW_BLOCKS)

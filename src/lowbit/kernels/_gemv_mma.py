@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..formats.spec import NF4
-from .device import gemv_epilogue, one_line
+from .device import ACT_GATED, gemv_epilogue, one_line
 
 FMT_NVFP4 = tl.constexpr(0)
 FMT_MXFP4 = tl.constexpr(1)
@@ -380,9 +380,9 @@ def gemv_mma_kernel(
     FMT: tl.constexpr, RG: tl.constexpr, J: tl.constexpr, IPS: tl.constexpr, NT: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
-    CPG: tl.constexpr = 1, XF16: tl.constexpr = False,
+    CPG: tl.constexpr = 1, XF16: tl.constexpr = False, MB: tl.constexpr = 1,
 ):
-    """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT.
+    """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT MB.
 
     w_ptr: int32 [N16, KQ, 128] (= [N16, KQ, 32 lanes, 4]) (N16 = ceil(N / 16) row groups, KQ = K / 64
     chunks); s_ptr: uint16 [N16, K / SB, 8] scale pairs (SB = 16 for NVFP4: one per lane t; 32 for MXFP4:
@@ -392,8 +392,26 @@ def gemv_mma_kernel(
     A program owns RG row groups and IPS iterations of J chunks starting at chunk
     pid_k * IPS * J; the tile is ``[J, RG, 128]`` and the warps split its J chunks, so a warp loads the x
     fragments of its chunk once and uses them for its RG row groups.
+    MB > 1 (M > 16): blocks of 16 x rows, each in programs of its own; the MB programs of one weight tile are
+    consecutive in dim 0, so they run together and all but the first read the tile from L2.
     """
-    pid_n = tl.program_id(0)
+    if MB == 1:
+        pid_n = tl.program_id(0)
+    else:
+        pid_n = tl.program_id(0) // MB
+        pid_m = tl.program_id(0) % MB
+        m_base = pid_m * 16
+        x_ptr += m_base.to(tl.int64) * K
+        if ACT >= ACT_GATED:
+            out_ptr += m_base.to(tl.int64) * (N // 2)
+        else:
+            out_ptr += m_base.to(tl.int64) * N
+        if ROW_SCALE == 2:
+            rs_ptr += m_base
+        # this block's split-K partials and arrival counters follow the other blocks'
+        ws_ptr += pid_m.to(tl.int64) * (SPLIT * 8 * NT) * N
+        cnt_ptr += pid_m * tl.cdiv(tl.cdiv(N, 16), RG) * NT
+        M = M - m_base
     pid_k = tl.program_id(1)
     rg = pid_n * RG + tl.arange(0, RG)
     n16 = tl.cdiv(N, 16)

@@ -53,6 +53,9 @@ ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3,
 """Epilogue codes; 4 + code is the gated form ``act(gate) * up`` (``lowbit.kernels.device.ACT_GATED``)."""
 GATED = 4
 MAX_M = 16
+MMA_MAX_M = 64
+"""M up to MAX_M runs on every GEMV kernel; up to MMA_MAX_M only on the tensor-core GEMV (blocks of 16 x rows in
+programs of their own), where an ``mma_config`` with that ``max_m`` asks for it."""
 
 TILE = {
     # M <= fma_max_m: CUDA-core FMA kernel (MP = 1, 2 or 4 rows of x per program); else the tl.dot kernel
@@ -150,6 +153,7 @@ def mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, p
     """The launch plan of the tensor-core GEMV (static facts only: no tensor is read, so the compiled path can
     build it from fake tensors). K is split as for a weight of ``plan_n`` rows (default ``n``)."""
     nt = 1 if m <= 8 else 2
+    mb = cdiv(m, 16)  # blocks of 16 x rows, each in programs of its own (M > 16)
     kq = kdim // 64
     rg = cfg["rg"]
     j = cfg["j"]
@@ -159,17 +163,17 @@ def mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, p
     n_tiles = cdiv(cdiv(n, 16), rg)
     cps = cfg.get("ctas_per_sm", TILE["ctas_per_sm"])
     cps = cps if isinstance(cps, int) else cps[nt - 1]
-    split = _split_k(iters, cdiv(cdiv(plan_n or n, 16), rg), kdim, 8 * nt, _num_sms(dev_index),
+    split = _split_k(iters, cdiv(cdiv(plan_n or n, 16), rg) * mb, kdim, 8 * nt * mb, _num_sms(dev_index),
                      {**TILE, "ctas_per_sm": cps})
-    consts = {"FMT": fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt,
+    consts = {"FMT": fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt, "MB": mb,
               "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind,
               "ROW_SCALE": rs_mode, "CPG": cpg, "XF16": x_dtype == torch.float16,
               "POST": 1.0 if fmt_code in (km.FMT_INT4.value, km.FMT_NF4.value) else 2.0 ** 63 * (post / 64.0)}
     # the warps split the J chunks (then the row groups): a warp's 32 lanes must hold dim 2 whole, which
     # the mma asm relies on
-    return Plan(fn=km.gemv_mma_kernel, grid=(n_tiles, split, 1), consts=consts,
+    return Plan(fn=km.gemv_mma_kernel, grid=(n_tiles * mb, split, 1), consts=consts,
                 num_warps=min(cfg["warps"], rg * j), ints=(m, n, kdim, kq), split=split,
-                mp=8 * nt, n_tiles=n_tiles * nt)
+                mp=8 * nt * mb, n_tiles=n_tiles * nt * mb)
 
 
 def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, out: torch.Tensor,
@@ -284,8 +288,9 @@ def _check_x(x: torch.Tensor, p: PreparedW4) -> None:
         raise ValueError(f"gemv_w4: x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if x.shape[1] != p.k:
         raise ValueError(f"gemv_w4: x has K={x.shape[1]}, the weight has K={p.k}")
-    if x.shape[0] > MAX_M:
-        raise ValueError(f"gemv_w4: M={x.shape[0]} rows; the GEMV covers M <= {MAX_M}")
+    if x.shape[0] > MMA_MAX_M:
+        raise ValueError(f"gemv_w4: M={x.shape[0]} rows; the GEMV covers M <= {MAX_M} (the tensor-core GEMV "
+                         f"M <= {MMA_MAX_M})")
     if x.device != p.device:
         raise ValueError(f"gemv_w4: x is on {x.device}, the weight on {p.device}")
 
@@ -337,11 +342,12 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
             activation: str | None = None, config: dict | None = None,
             mma_config: dict | bool | None = None, *, row_scale: torch.Tensor | None = None,
             divide_by: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``act(x @ dequant(w).T + bias)`` in x's dtype, accumulated in fp32, for M <= 16.
+    """``act(x @ dequant(w).T + bias)`` in x's dtype, accumulated in fp32, for M <= 16 (M <= 64 on the
+    tensor-core GEMV when ``mma_config`` asks for it).
 
     Args:
-        x: ``[M, K]`` bfloat16/float16 CUDA tensor (CPU under ``TRITON_INTERPRET=1``), ``M <= 16``; a
-            non-contiguous or misaligned x is copied.
+        x: ``[M, K]`` bfloat16/float16 CUDA tensor (CPU under ``TRITON_INTERPRET=1``), ``M <= 16`` (up to
+            ``MMA_MAX_M`` where the tensor-core GEMV runs); a non-contiguous or misaligned x is copied.
         w: QTensor with logical shape ``[N, K]`` (see :func:`supports`), or :func:`prepare_w4`'s result.
         bias: None or ``[N]`` (any float dtype; added in fp32).
         activation: None, ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"silu"``; or the gated forms
@@ -364,7 +370,7 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
     """
     p = w if type(w) is PreparedW4 else prepare_w4(w)
     if not isinstance(x, torch.Tensor) or x.dtype not in _X_DTYPES or x.dim() != 2 or x.shape[1] != p.k \
-            or x.shape[0] > MAX_M or x.device != p.device:
+            or x.shape[0] > MMA_MAX_M or x.device != p.device:
         _check_x(x, p)
     act = ACTIVATIONS.get(activation, -1) if activation is None or type(activation) is str else -1
     if act < 0:
@@ -405,6 +411,10 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
             if lay is not None:
                 _mma_launch(x, p, lay, bias, act, out, dev_index, mcfg, row_scale, rs_mode)
                 return out
+    if m > MAX_M:
+        raise ValueError(f"gemv_w4: M={m} rows; the GEMV covers M <= {MAX_M}, and M <= {MMA_MAX_M} only on the "
+                         "tensor-core GEMV, which this call does not take (an mma_config whose max_m covers M, "
+                         "a weight with its layout, an x dtype it takes)")
     bias_dtype = None if bias is None else bias.dtype
     if config is None:
         pk = (m, x.dtype, bias_dtype, act, rs_mode, out_dtype)
@@ -446,7 +456,7 @@ _WPB = {"nvfp4": 2, "mxfp4": 4, "fp4_b32": 4, "nf4": 8, "nf4_dq": 8, "int4_awq":
 _POST = {"nvfp4": 64.0, "mxfp4": 64.0, "fp4_b32": 64.0, "nf4": 1.0, "nf4_dq": 1.0, "int4_awq": 1.0}
 
 
-def compile_variants():
+def _variants():
     """(kernel, signature, constexprs) of the code paths the launcher starts (CI compiles them for sm_90):
     every format through both kernels (FMA at M = 1, 2, 4 and dot), bf16 and fp16 x, split-K, each
     activation, bias, each global-scale kind, and the other nf4 / int4 block sizes."""
@@ -490,6 +500,13 @@ def compile_variants():
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63}
         yield km.gemv_mma_kernel, mma_sig, consts
+    # blocks of 16 x rows (M > 16): split-K, per-row scales, the gated epilogue
+    for fmt_code, mb, split, has_bias, act, rs in [(0, 2, 4, True, 1, 2), (1, 4, 1, False, 7, 0),
+                                                   (0, 3, 2, False, 6, 1)]:
+        consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": 2,
+                  "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": 1, "ROW_SCALE": rs,
+                  "POST": 2.0 ** 63, "CPG": 1, "XF16": False, "MB": mb}  # in the kernel's argument order
+        yield km.gemv_mma_kernel, mma_sig, consts
     # the post-scaled formats: int4 groups of 128 (2 chunks) and 64, NF4 blocks of 64 and 128; bf16 and fp16 x
     for fmt, nt, split, has_bias, act, cpg, xf16 in [
         (km.FMT_INT4, 1, 1, False, 0, 2, False), (km.FMT_INT4, 2, 4, True, 1, 2, False),
@@ -504,3 +521,14 @@ def compile_variants():
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": GS_NONE.value, "ROW_SCALE": 0,
                   "POST": 1.0, "CPG": cpg, "XF16": xf16}
         yield km.gemv_mma_kernel, sig, consts
+
+
+def compile_variants():
+    """Every shipped variant's (kernel, signature, constexprs), as CI compiles them for sm_90. A compile outside
+    the JIT fills in no default, so the tensor-core GEMV's trailing constexprs are given explicitly (in the
+    kernel's argument order)."""
+    for fn, sig, consts in _variants():
+        if fn is km.gemv_mma_kernel:
+            consts = {**consts, "CPG": consts.get("CPG", 1), "XF16": consts.get("XF16", False),
+                      "MB": consts.get("MB", 1)}
+        yield fn, sig, consts
