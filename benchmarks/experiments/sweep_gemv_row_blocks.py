@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import lowbit
 from lowbit.kernels import gemv_w4 as G
+from lowbit.kernels.gemv_mma_layout import mma_layout
 from lowbit.kernels.gemv_prepack import prepare_w4
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder (_common)
@@ -46,6 +47,8 @@ def main() -> None:
             q = _quantize(w, name)
             qs = [q] + [_quantize(w, name) for _ in range(min(_copies(w.numel() // 2), 8) - 1)]
             ps = [prepare_w4(q_) for q_ in qs]
+            for p_ in ps:
+                mma_layout(p_)  # laid out now: a graph capture does not build a layout (the call would fall back)
             ws = [w] + [w.clone() for _ in range(min(_copies(w.numel() * 2), 8) - 1)]
             for m in (int(v) for v in args.ms.split(",")):
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
