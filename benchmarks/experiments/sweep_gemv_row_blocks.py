@@ -57,6 +57,8 @@ def main() -> None:
                 row["cublas_us"] = graph_ms(_rotating([lambda w_=w_, x=x: F.linear(x, w_) for w_ in ws]),
                                             repeats=10, calls=5) * 1e3
                 row["default_path"] = lowbit.ops.plan_linear(x, q).path
+                for q_ in qs:
+                    lowbit.linear(x, q_)  # each copy's route prepared (e.g. its fragments) before the capture
                 fn = _rotating([lambda q_=q_, x=x: lowbit.linear(x, q_) for q_ in qs])
                 row["default_us"] = graph_ms(fn, repeats=10, calls=5) * 1e3
                 row["blocks"] = {}
