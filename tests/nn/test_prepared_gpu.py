@@ -4,8 +4,8 @@ load_state_dict re-prepare; torch.inference_mode and no_grad for every scheme at
 torch.compile (Inductor, fullgraph) launches the GEMV kernels from its generated code, equals eager, and does not
 recompile per M within the GEMV regime.
 
-The register-operand route (big tiles at M = 192..512, nvfp4 at M = 33..64, large layers) through prepared
-layers and lowbit.linear.
+The register-operand route (big tiles at M = 192..512, nvfp4 at M = 33..64, large layers) and the GEMV's blocks
+of 16 rows (nvfp4 and mxfp4 at M = 17..32) through prepared layers, lowbit.linear and torch.compile.
 
 Run on the device machine: ``python -m pytest -q -p no:cacheprovider tests/nn/test_prepared_gpu.py``.
 """
@@ -72,11 +72,13 @@ def test_runner_bits_equal_linear(scheme, x_dtype, bias, activation):
     kinds = {"gemv_w4": "GemvRunner", "gemm_w4": "GemmRunner"}
     want_kinds = {}
     for m in (1, 3, 16, 10, 17, 300):
-        path = policy.linear_decide(m, w.data.device, w, "auto")[0]
+        path = policy.linear_decide(m, w.data.device, w, "auto", x_dtype)[0]
         if path in kinds:
             want_kinds[m] = kinds[path]
     assert {k[0]: type(r).__name__ for k, r in prep.runners.items()} == want_kinds
-    assert want_kinds[17] == "GemmRunner"
+    # M = 17: nvfp4 and mxfp4 with bf16 x take the tensor-core GEMV's blocks of 16 rows, the others the GEMM
+    rows = w.fmt in ("nvfp4", "mxfp4") and x_dtype == torch.bfloat16
+    assert want_kinds[17] == ("GemvRunner" if rows else "GemmRunner")
     from lowbit.ops.linear import weight_chunks
 
     chunks = weight_chunks(w, torch.empty((), dtype=x_dtype).element_size())
@@ -392,7 +394,7 @@ def test_compile_reduce_overhead(scheme):
     ("w4a16-nvfp4", 28672, 8192, 64, None), ("w4a16-nvfp4", 28672, 4096, 256, "silu"),
     ("w4a16-int4", 28672, 4096, 200, None), ("w4a16-mxfp4", 4096, 8192, 512, "gelu"),
     ("w4a16-nvfp4", 28672, 2048, 768, None), ("w4a16-nvfp4", 28672, 4096, 128, "gelu"),
-    ("w4a16-nvfp4", 6144, 4096, 32, None), ("w4a16-mxfp4", 28672, 4096, 64, None),
+    ("w4a16-nvfp4", 6144, 4096, 48, None), ("w4a16-mxfp4", 28672, 4096, 64, None),
     ("w4a16-int4", 28672, 4096, 128, "silu")])
 def test_register_operand_route(scheme, n, k, m, activation):
     # where policy.register_operand_config takes the call (132-SM Hopper): the prepared layer and lowbit.linear
@@ -432,3 +434,41 @@ def test_register_operand_route_gated_and_misaligned():
     got = lowbit.linear(x, w, activation="silu_and_mul")
     want = apply_activation(lowbit.linear(x.clone(), w), "silu_and_mul")
     assert got.shape == (256, 14336) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-mxfp4"])
+def test_gemv_row_blocks_route(scheme):
+    """M = 17..32 with bf16 x: lowbit.linear, the prepared layer (a GemvRunner), a CUDA graph of it and its
+    fullgraph torch.compile run the tensor-core GEMV in blocks of 16 rows, the same bits, close to the fp32
+    reference; fp16 x and M = 33 take the GEMM."""
+    from lowbit.ops import policy
+
+    layer = _layer(scheme, n=1040, k=4096, activation="silu")
+    w = layer.weight_qtensor
+    for m in (17, 24, 32):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        plan = lowbit.ops.plan_linear(x, w)
+        assert plan.path == "gemv_w4" and "blocks of 16" in plan.reason, plan
+        got = layer(x)
+        assert type(layer._prepared.runners[(m, torch.bfloat16, False)]).__name__ == "GemvRunner"
+        want = _want(layer, x)
+        assert torch.equal(_bits(got), _bits(want)), m
+        ref = lowbit.linear(x, w, layer.bias.to(x.dtype), "silu", backend="torch").float()
+        assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+        x3 = x.view(1, m, 4096)
+        assert torch.equal(_bits(layer(x3)), _bits(want.view(1, m, -1)))
+    assert policy.linear_decide(24, w.data.device, w, "auto", torch.float16)[0] != "gemv_w4"
+    assert policy.linear_decide(33, w.data.device, w, "auto", torch.bfloat16)[0] != "gemv_w4"
+    x = torch.randn(24, 4096, device="cuda", dtype=torch.bfloat16)
+    want = _want(layer, x)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = layer(x)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(y), _bits(want))
+    torch._dynamo.reset()
+    cf = torch.compile(layer, fullgraph=True)
+    with torch.inference_mode():
+        assert torch.equal(_bits(cf(x)), _bits(want))
+

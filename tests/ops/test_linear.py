@@ -387,7 +387,8 @@ def test_run_calls_the_kernel(weights, kernels, monkeypatch):
     kernels["gemv_w4"] = _stand_in("gemv_w4", calls=calls)
     kernels["gemm_w4"] = _stand_in("gemm_w4", calls=calls)
     real_decide = policy.linear_decide
-    monkeypatch.setattr(policy, "linear_decide", lambda m, device, w, backend: real_decide(m, CUDA, w, backend))
+    monkeypatch.setattr(policy, "linear_decide",
+                        lambda m, device, w, backend, x_dtype=None: real_decide(m, CUDA, w, backend, x_dtype))
     q = weights["fp4_b32"]
     x = _x((384, 2, 3), torch.bfloat16).permute(1, 2, 0)  # [2, 3, 384], not contiguous
     b = _x((48,), torch.bfloat16)

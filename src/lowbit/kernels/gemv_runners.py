@@ -16,7 +16,7 @@ import torch
 from . import interpreting as _interpreting
 from .gemv_mma_layout import mma_layout, mma_table
 from .gemv_prepack import PreparedW4
-from .gemv_w4 import GATED, MMA, TILE, Plan, make_plan, mma_plan, mma_regime, mma_x_dtypes
+from .gemv_w4 import GATED, MMA, TILE, Plan, make_plan, mma_max_m, mma_plan, mma_regime, mma_x_dtypes
 from .scratch import KeptScratch
 
 
@@ -51,7 +51,7 @@ def mma_rule(f: GemvFacts) -> tuple[tuple, int, int, bool]:
     ``f`` under :data:`MMA`: plain values, so that traced code can apply the rule to a symbolic M."""
     if f.mma_fmt < 0 or _interpreting():
         return (), 1, 0, False
-    return (mma_x_dtypes(f.fmt), MMA["min_m"], MMA["max_m"],
+    return (mma_x_dtypes(f.fmt), MMA["min_m"], mma_max_m(MMA, f.fmt),
             mma_regime(f.plan_n or f.n, f.k, 1, {**MMA, "min_m": 1}, f.fmt))
 
 

@@ -120,7 +120,7 @@ def clear_cache() -> None:
 # ------------------------------------------------------------------------------------- tensor-core regime
 
 MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": {"nf4": 1 << 25, "other": 1 << 27}, "rg": 2, "j": 4,
-       "warps": 4, "ctas_per_sm": (8, 4)}
+       "warps": 4, "ctas_per_sm": (8, 4), "row_blocks_max_m": {"nvfp4": 32, "mxfp4": 32}}
 """The tensor-core GEMV (``_gemv_mma``): used for min_m <= M <= max_m where the weight allows it (see
 :func:`mma_layout`), at M = 1 only for weights of at least m1_min_weights elements (an int, or per format with
 "other" for the rest: the FMA kernel's NF4 table loads make it slower, so NF4 switches on smaller
@@ -130,7 +130,12 @@ program, j: 64-column chunks per iteration (one per warp), ctas_per_sm: the spli
 M > 8 (an int for both). ``min_m=17`` turns it off. H200 sweeps (NVFP4, CUDA graphs): at M = 1 it beats the
 row-major FMA kernel on 28672x8192 and 8192x28672 (42.0 / 44.2 us against 47.5 / 50.0) but not on the smaller
 shapes
-(8192x8192: 18.5 against 16.9 us); from M = 2 on it wins everywhere (28672x8192, M = 16: 52 against 168 us)."""
+(8192x8192: 18.5 against 16.9 us); from M = 2 on it wins everywhere (28672x8192, M = 16: 52 against 168 us).
+row_blocks_max_m: per format, the largest M past max_m it takes in blocks of 16 x rows (at most MMA_MAX_M).
+H200, CUDA graphs, against the tensor-core GEMMs that ``lowbit.linear`` ran there before
+(``benchmarks/experiments/sweep_gemv_row_blocks.py``): nvfp4 1.20-1.50x at M = 24 and 32 on 6144x4096,
+4096x14336 and 28672x8192, mxfp4 1.02-1.35x; at M = 48 0.83-1.08x and at M = 64 0.78x, int4_awq 0.84-0.94x
+everywhere, so nvfp4 and mxfp4 up to 32 only."""
 
 
 def mma_x_dtypes(fmt: str) -> tuple:
@@ -144,7 +149,24 @@ def mma_regime(n: int, kdim: int, m: int, cfg: dict, fmt: str = "") -> bool:
     floor = cfg.get("m1_min_weights", 0)
     if isinstance(floor, dict):
         floor = floor.get("nf4" if fmt.startswith("nf4") else fmt, floor.get("other", 0))
-    return cfg["min_m"] <= m <= cfg["max_m"] and (m > 1 or n * kdim >= floor)
+    return cfg["min_m"] <= m <= mma_max_m(cfg, fmt) and (m > 1 or n * kdim >= floor)
+
+
+def mma_max_m(cfg: dict, fmt: str) -> int:
+    """The largest M ``cfg`` (an :data:`MMA`-shaped dict) gives the tensor-core GEMV on a ``fmt`` weight."""
+    return min(MMA_MAX_M, max(cfg["max_m"], cfg.get("row_blocks_max_m", {}).get(fmt, 0)))
+
+
+def row_blocks_apply(w: QTensor | PreparedW4, m: int, x_dtype: torch.dtype) -> bool:
+    """Whether :func:`gemv_w4` with the default :data:`MMA` runs ``m`` > :data:`MAX_M` rows of ``x_dtype`` on
+    ``w`` (the tensor-core GEMV in blocks of 16 rows); cheap once ``w``'s layouts are made (the first call for a
+    weight makes them)."""
+    if not MAX_M < m <= MMA.get("row_blocks_max_m", {}).get(w.fmt, 0) or _interpreting():
+        return False
+    if x_dtype not in mma_x_dtypes(w.fmt) or supports(w) is not None:
+        return False
+    p = w if type(w) is PreparedW4 else prepare_w4(w)
+    return p.device.type == "cuda" and mma_regime(p.plan_n, p.k, m, MMA, p.fmt) and mma_layout(p) is not None
 
 
 def mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, post: float, has_bias: bool,

@@ -210,8 +210,9 @@ def _reason(path: str, facts: tuple, m: int, device: torch.device, w: QTensor) -
     return policy.linear_reason(path, facts, m, device, w, _chunk_rows(w, 2, None) if path == "dequant_gemm" else 0)
 
 
-def _plan(m: int, n: int, k: int, device: torch.device, w: QTensor, backend: str) -> LinearPlan:
-    path, target, facts = policy.linear_decide(m, device, w, backend)
+def _plan(m: int, n: int, k: int, device: torch.device, w: QTensor, backend: str,
+          x_dtype: torch.dtype | None = None) -> LinearPlan:
+    path, target, facts = policy.linear_decide(m, device, w, backend, x_dtype)
     error = target if path == "unavailable" else None
     return LinearPlan(path, _reason(path, facts, m, device, w), backend, str(device), m, n, k, w.fmt, error)
 
@@ -370,11 +371,12 @@ def plan_linear(
     """Which path :func:`linear` takes for an x of this shape (or this tensor) and weight ``w``, and why.
 
     The structured form of :func:`explain`; the rules are in this module's docstring. Given a shape, the
-    device is ``w``'s. Raises only for invalid arguments (bad backend, K mismatch, unsupported ``w``); a
+    device and the x dtype are ``w``'s. Raises only for invalid arguments (bad backend, K mismatch, unsupported ``w``); a
     call that cannot run comes back as ``path == "unavailable"``.
     """
     m, n, k, device = _rows(x_shape_or_tensor, w)
-    return _plan(m, n, k, device, w, resolve_backend(backend))
+    x_dtype = x_shape_or_tensor.dtype if isinstance(x_shape_or_tensor, torch.Tensor) else None
+    return _plan(m, n, k, device, w, resolve_backend(backend), x_dtype)
 
 
 def explain(x_shape_or_tensor: torch.Tensor | Sequence[int], w: QTensor, backend: str | None = None) -> str:
@@ -394,7 +396,7 @@ def _run(
 ) -> torch.Tensor:
     """The implementation behind :func:`linear` and the custom op: ``x2`` is ``[M, K]`` contiguous."""
     m = x2.shape[0]
-    path, target, facts = policy.linear_decide(m, x2.device, w, backend)
+    path, target, facts = policy.linear_decide(m, x2.device, w, backend, x2.dtype)
     if path == "gemm_w4_ra":
         if x2.data_ptr() % 16:
             x2 = x2.clone()  # the kernel reads x by TMA: a fresh allocation is aligned

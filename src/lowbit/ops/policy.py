@@ -9,6 +9,8 @@ device, with the measurement behind each number. :func:`lowbit.explain` and
 W4A16 (``lowbit.linear``), on CUDA:
 
 - ``M <= GEMV_MAX_M``: the split-K GEMV (``lowbit.kernels.gemv_w4``) when it covers the weight, else the GEMM;
+  past it, nvfp4 and mxfp4 weights with bf16 x up to ``gemv_w4.MMA["row_blocks_max_m"]`` (32) rows still take the
+  tensor-core GEMV, in blocks of 16 x rows;
 - ``GEMV_MAX_M < M < DEQUANT_GEMM_MIN_M``: the tensor-core GEMM (``lowbit.kernels.gemm_w4``);
 - ``M >= DEQUANT_GEMM_MIN_M``: dequantize a bounded chunk of rows at a time, then cuBLAS;
 - before both, where :func:`register_operand_config` says so (nvfp4, mxfp4, int4_awq weights whose tiles fill
@@ -310,8 +312,10 @@ kernel_module = op_common.kernel_module
 # ---------------------------------------------------------------------------------------------- W4A16
 
 
-def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tuple[str, Any, tuple]:
-    """THE W4A16 dispatch rules (module docstring), cheap enough for every call.
+def linear_decide(m: int, device: torch.device, w: QTensor, backend: str,
+                  x_dtype: torch.dtype | None = None) -> tuple[str, Any, tuple]:
+    """THE W4A16 dispatch rules (module docstring), cheap enough for every call. ``x_dtype``: the activations'
+    (None: the weight's dtype), which decides whether the GEMV's row blocks can run past GEMV_MAX_M.
 
     Returns ``(path, target, facts)``: ``target`` is the kernel function for ``gemv_w4``/``gemm_w4``, the
     exception class for ``unavailable``, None for ``dequant_gemm`` (the op runs it) and the other paths;
@@ -320,6 +324,11 @@ def linear_decide(m: int, device: torch.device, w: QTensor, backend: str) -> tup
     common = op_common.decide_common(backend, device, m == 0)
     if common is not None:
         return common
+    if m > GEMV_MAX_M:
+        module = kernel_module("gemv_w4")
+        rows = getattr(module, "row_blocks_apply", None)
+        if rows is not None and rows(w, m, w.dtype if x_dtype is None else x_dtype):
+            return "gemv_w4", module.gemv_w4, ("row_blocks",)
     least = min(REGISTER_OPERAND_MIN_WORK, REGISTER_OPERAND_SMALL_M_MIN_WORK, FRAGMENT_SMALL_M_MIN_WORK)
     if m > GEMV_MAX_M and m * w.shape[0] * w.shape[1] >= least and not dequant_only(w):
         module = kernel_module("gemm_w4")
@@ -354,6 +363,9 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
     if path == "empty":
         return "M == 0: nothing to compute, no launch"
     if path == "gemv_w4":
+        if facts[:1] == ("row_blocks",):
+            return (f"{regime}, {w.fmt} up to gemv_w4.MMA['row_blocks_max_m']: the split-K tensor-core mma.sync GEMV "
+                    "in blocks of 16 x rows")
         return f"{regime}: split-K {kernel_module('gemv_w4').describe(w, m)}"
     if path == "dequant_gemm":
         if facts[:1] == ("dequant_only",):

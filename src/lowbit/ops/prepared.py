@@ -95,6 +95,9 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
         self.runners: dict = {}
         self._chunks: dict = {}      # x dtype -> the decode calls of the dequantize-then-BLAS regime
         self._dequant_min_m = 1 << 62
+        # M past GEMV_MAX_M up to this, of these x dtypes, still takes a GEMV runner (the tensor-core GEMV's blocks
+        # of 16 rows: lowbit.kernels.gemv_w4.MMA["row_blocks_max_m"]); set by _prepare_gemv
+        self._gemv_rows_max, self._gemv_rows_dtypes = 0, ()
         self._ra_configs: dict = {}  # M -> the register-operand GEMM's config where the rules choose it, else None
         self._scaled_ready = False   # activation-quantized schemes: the quick call below applies
         self._quantizers: dict = {}  # x dtype -> (activation quantize function, its kwargs)
@@ -196,7 +199,8 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
                     and (bias is None or (bias.dtype == x.dtype and not p.gated))):
                 x2 = x.reshape(-1, p.k)
                 m = x2.shape[0]
-                if 0 < m <= GEMV_MAX_M:
+                # past GEMV_MAX_M: the tensor-core GEMV's blocks of 16 rows, where the rule allows them
+                if 0 < m <= GEMV_MAX_M or (x.dtype in p.mma_rule[0] and GEMV_MAX_M < m <= p.mma_rule[2]):
                     t = self.gemv_tensors
                     # only the layouts of the kernel that runs become graph inputs (each input costs the compiled
                     # code a guard and a size check per call); the rule is gemv_runners.uses_mma's, in

@@ -1,7 +1,8 @@
 """The weight-only (W4A16) calls of a prepared weight (:class:`lowbit.ops.prepared.PreparedWeight`).
 
 At preparation the GEMV layouts are made (``lowbit.kernels.gemv_prepack.prepare_w4`` and the tensor-core
-layout) with the static inputs of the compiled path; a call then runs, for M up to ``GEMV_MAX_M``, a
+layout) with the static inputs of the compiled path; a call then runs, for M up to ``GEMV_MAX_M`` (for nvfp4 and
+mxfp4 with bf16 x up to the GEMV's row-block limit), a
 ``lowbit.kernels.gemv_runners.GemvRunner`` made once per (M, x dtype, bias or not), between that and the
 dequantize threshold a ``lowbit.kernels.gemm_w4.GemmRunner`` (the same keys), and above the threshold the chunks
 of :func:`lowbit.ops.linear.linear_dequant_gemm` with their decode launches made once per x dtype. Each gives the
@@ -68,6 +69,9 @@ class W4A16Calls:
         self.facts = facts(p)   # builds the tensor-core layout too
         lay = mma_layout(p)
         self.gemv = p
+        dtypes, _, hi, _ = mma_rule(self.facts)
+        if hi > GEMV_MAX_M:  # what gemv_w4.row_blocks_apply decides for lowbit.linear, per layer once
+            self._gemv_rows_max, self._gemv_rows_dtypes = hi, dtypes
         # under torch.compile the placeholders (the fp32 one standing for an absent nested scale, table or
         # global scale) are passed as None and the op puts the device's shared placeholder in their place
         # (lowbit.kernels.scratch.traced_shared); so are the layouts of a kernel that cannot run
@@ -93,7 +97,7 @@ class W4A16Calls:
         k = self.k
         x2 = x if x.dim() == 2 else x.reshape(-1, k)
         m = x2.shape[0]
-        if not 0 < m <= GEMV_MAX_M:
+        if not 0 < m <= GEMV_MAX_M and not (m <= self._gemv_rows_max and x.dtype in self._gemv_rows_dtypes):
             if m > GEMV_MAX_M:
                 ra = self._ra_configs.get(m, False)
                 if ra is False:
