@@ -389,13 +389,16 @@ def test_mma_row_blocks_repeated_calls_identical_and_graph_capturable():
     assert torch.equal(out, first)
 
 
-def test_m_past_16_needs_the_tensor_core_gemv():
+def test_m_past_16_needs_the_tensor_core_gemv(monkeypatch):
     q = lowbit.quantize(torch.randn(256, 512, device="cuda") * 0.05, "nvfp4")
     x = torch.randn(17, 512, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="M=17 rows"):
-        G.gemv_w4(x, _int4(256, 512, 128, seed=1))        # the default MMA stops at 16 for int4
+        G.gemv_w4(x, q)                                   # the default MMA stops at 16
+    monkeypatch.setitem(G.MMA, "row_blocks_max_m", G.ROW_BLOCKS_MAX_M)
+    with pytest.raises(ValueError, match="M=17 rows"):
+        G.gemv_w4(x, _int4(256, 512, 128, seed=1))        # int4 is not among the measured row-block formats
     assert G.row_blocks_apply(q, 17, torch.bfloat16) and not G.row_blocks_apply(q, 33, torch.bfloat16)
-    _check(G.gemv_w4(x, q), _reference(x, q), "nvfp4 M=17, default MMA")  # nvfp4 / mxfp4: row blocks to 32
+    _check(G.gemv_w4(x, q), _reference(x, q), "nvfp4 M=17, default MMA with the row-block limits")
     with pytest.raises(ValueError, match="M=17 rows"):
         G.gemv_w4(x.half(), q, mma_config=ROW_BLOCKS)     # fp16 x: no tensor-core GEMV for nvfp4
     with pytest.raises(ValueError, match="M=65 rows"):

@@ -76,9 +76,11 @@ def test_runner_bits_equal_linear(scheme, x_dtype, bias, activation):
         if path in kinds:
             want_kinds[m] = kinds[path]
     assert {k[0]: type(r).__name__ for k, r in prep.runners.items()} == want_kinds
-    # M = 17: nvfp4 and mxfp4 with bf16 x take the tensor-core GEMV's blocks of 16 rows, the others the GEMM
-    rows = w.fmt in ("nvfp4", "mxfp4") and x_dtype == torch.bfloat16
-    assert want_kinds[17] == ("GemvRunner" if rows else "GemmRunner")
+    # M = 17: the tensor-core GEMV's blocks of 16 rows where gemv_w4.MMA["row_blocks_max_m"] covers the format (and
+    # x is bf16), the GEMM otherwise
+    from lowbit.kernels.gemv_w4 import row_blocks_apply
+
+    assert want_kinds[17] == ("GemvRunner" if row_blocks_apply(w, 17, x_dtype) else "GemmRunner")
     from lowbit.ops.linear import weight_chunks
 
     chunks = weight_chunks(w, torch.empty((), dtype=x_dtype).element_size())
@@ -437,12 +439,14 @@ def test_register_operand_route_gated_and_misaligned():
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-mxfp4"])
-def test_gemv_row_blocks_route(scheme):
-    """M = 17..32 with bf16 x: lowbit.linear, the prepared layer (a GemvRunner), a CUDA graph of it and its
-    fullgraph torch.compile run the tensor-core GEMV in blocks of 16 rows, the same bits, close to the fp32
-    reference; fp16 x and M = 33 take the GEMM."""
+def test_gemv_row_blocks_route(scheme, monkeypatch):
+    """With the measured row-block limits (gemv_w4.ROW_BLOCKS_MAX_M), M = 17..32 with bf16 x: lowbit.linear, the
+    prepared layer (a GemvRunner), a CUDA graph of it and its fullgraph torch.compile run the tensor-core GEMV in
+    blocks of 16 rows, the same bits, close to the fp32 reference; fp16 x and M = 33 take the GEMM."""
+    from lowbit.kernels import gemv_w4
     from lowbit.ops import policy
 
+    monkeypatch.setitem(gemv_w4.MMA, "row_blocks_max_m", gemv_w4.ROW_BLOCKS_MAX_M)  # before the layer is prepared
     layer = _layer(scheme, n=1040, k=4096, activation="silu")
     w = layer.weight_qtensor
     for m in (17, 24, 32):

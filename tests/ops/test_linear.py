@@ -405,6 +405,35 @@ def test_run_calls_the_kernel(weights, kernels, monkeypatch):
         lowbit.linear(x, q)
 
 
+def test_gemv_row_blocks_rule(weights, kernels, monkeypatch):
+    """Past GEMV_MAX_M the rules ask the GEMV module's row_blocks_apply with x's dtype (plan_linear: the given
+    tensor's, a shape's: the weight's); a module without it, another dtype or M past its limit take the GEMM."""
+    calls, asked = [], []
+
+    def rows(w, m, x_dtype):
+        asked.append((m, x_dtype))
+        return policy.GEMV_MAX_M < m <= 32 and x_dtype == torch.bfloat16
+
+    kernels["gemv_w4"] = _stand_in("gemv_w4", calls=calls)
+    kernels["gemm_w4"] = _stand_in("gemm_w4", calls=calls)
+    real_decide = policy.linear_decide
+    monkeypatch.setattr(policy, "linear_decide",
+                        lambda m, device, w, backend, x_dtype=None: real_decide(m, CUDA, w, backend, x_dtype))
+    q = weights["nvfp4"]
+    k = q.shape[1]
+    assert _path(q, 24).path == "gemm_w4"                        # a module without row_blocks_apply
+    kernels["gemv_w4"].row_blocks_apply = rows
+    plan = lin._plan(24, q.shape[0], k, CUDA, q, "auto", torch.bfloat16)
+    assert plan.path == "gemv_w4" and "blocks of 16 x rows" in plan.reason
+    assert lin._plan(24, q.shape[0], k, CUDA, q, "auto", torch.float16).path == "gemm_w4"
+    assert lin._plan(33, q.shape[0], k, CUDA, q, "auto", torch.bfloat16).path == "gemm_w4"
+    assert _path(q, 8).path == "gemv_w4" and all(m > policy.GEMV_MAX_M for m, _ in asked)  # past it only
+    lowbit.linear(_x((24, k), torch.bfloat16), q)
+    lowbit.linear(_x((24, k), torch.float16), q)
+    assert [c[0] for c in calls] == ["gemv_w4", "gemm_w4"]
+    assert (24, torch.bfloat16) in asked and (24, torch.float16) in asked
+
+
 def test_kernel_module_lookup():
     # the real lookup: absent modules are None (the kernels may land later), present ones are imported
     policy.kernel_module.cache_clear()

@@ -120,7 +120,7 @@ def clear_cache() -> None:
 # ------------------------------------------------------------------------------------- tensor-core regime
 
 MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": {"nf4": 1 << 25, "other": 1 << 27}, "rg": 2, "j": 4,
-       "warps": 4, "ctas_per_sm": (8, 4), "row_blocks_max_m": {"nvfp4": 32, "mxfp4": 32}}
+       "warps": 4, "ctas_per_sm": (8, 4), "row_blocks_max_m": {}}
 """The tensor-core GEMV (``_gemv_mma``): used for min_m <= M <= max_m where the weight allows it (see
 :func:`mma_layout`), at M = 1 only for weights of at least m1_min_weights elements (an int, or per format with
 "other" for the rest: the FMA kernel's NF4 table loads make it slower, so NF4 switches on smaller
@@ -131,11 +131,17 @@ M > 8 (an int for both). ``min_m=17`` turns it off. H200 sweeps (NVFP4, CUDA gra
 row-major FMA kernel on 28672x8192 and 8192x28672 (42.0 / 44.2 us against 47.5 / 50.0) but not on the smaller
 shapes
 (8192x8192: 18.5 against 16.9 us); from M = 2 on it wins everywhere (28672x8192, M = 16: 52 against 168 us).
-row_blocks_max_m: per format, the largest M past max_m it takes in blocks of 16 x rows (at most MMA_MAX_M).
-H200, CUDA graphs, against the tensor-core GEMMs that ``lowbit.linear`` ran there before
-(``benchmarks/experiments/sweep_gemv_row_blocks.py``): nvfp4 1.20-1.50x at M = 24 and 32 on 6144x4096,
+row_blocks_max_m: per format, the largest M past max_m it takes in blocks of 16 x rows (at most MMA_MAX_M); the
+dispatch rules (``lowbit.ops.policy.linear_decide``), prepared layers and their compiled path follow it. Empty
+by default: :data:`ROW_BLOCKS_MAX_M` is the measured choice, to be made the default once the prepared and
+compiled paths have run with it on a GPU (the kernel itself has: ``tests/kernels/test_gemv_mma_gpu.py``)."""
+
+ROW_BLOCKS_MAX_M = {"nvfp4": 32, "mxfp4": 32}
+"""``MMA["row_blocks_max_m"]`` as measured. H200, CUDA graphs, against the tensor-core GEMMs ``lowbit.linear`` runs
+there (``benchmarks/experiments/sweep_gemv_row_blocks.py``): nvfp4 1.20-1.50x at M = 24 and 32 on 6144x4096,
 4096x14336 and 28672x8192, mxfp4 1.02-1.35x; at M = 48 0.83-1.08x and at M = 64 0.78x, int4_awq 0.84-0.94x
-everywhere, so nvfp4 and mxfp4 up to 32 only."""
+everywhere: nvfp4 and mxfp4 up to 32. Set ``MMA["row_blocks_max_m"] = ROW_BLOCKS_MAX_M`` before layers are
+prepared to use it."""
 
 
 def mma_x_dtypes(fmt: str) -> tuple:

@@ -1,8 +1,8 @@
 """The weight-only (W4A16) calls of a prepared weight (:class:`lowbit.ops.prepared.PreparedWeight`).
 
 At preparation the GEMV layouts are made (``lowbit.kernels.gemv_prepack.prepare_w4`` and the tensor-core
-layout) with the static inputs of the compiled path; a call then runs, for M up to ``GEMV_MAX_M`` (for nvfp4 and
-mxfp4 with bf16 x up to the GEMV's row-block limit), a
+layout) with the static inputs of the compiled path; a call then runs, for M up to ``GEMV_MAX_M`` (and past it up
+to the GEMV's row-block limit, ``gemv_w4.MMA["row_blocks_max_m"]``, where that covers the format), a
 ``lowbit.kernels.gemv_runners.GemvRunner`` made once per (M, x dtype, bias or not), between that and the
 dequantize threshold a ``lowbit.kernels.gemm_w4.GemmRunner`` (the same keys), and above the threshold the chunks
 of :func:`lowbit.ops.linear.linear_dequant_gemm` with their decode launches made once per x dtype. Each gives the
