@@ -381,14 +381,19 @@ def test_dispatch_no_triton(weights, kernels, monkeypatch):
     assert plan.path == "unavailable" and "triton cannot be imported" in plan.reason
 
 
-def test_run_calls_the_kernel(weights, kernels, monkeypatch):
-    """The CPU stand-in for CUDA: _run hands the kernel a contiguous [M, K] x and reshapes its result."""
-    calls = []
+def _stand_ins_on_cuda(kernels, monkeypatch, calls):
+    """Stand-in GEMV and GEMM modules recording their calls, and the rules deciding as if x were on CUDA."""
     kernels["gemv_w4"] = _stand_in("gemv_w4", calls=calls)
     kernels["gemm_w4"] = _stand_in("gemm_w4", calls=calls)
     real_decide = policy.linear_decide
     monkeypatch.setattr(policy, "linear_decide",
                         lambda m, device, w, backend, x_dtype=None: real_decide(m, CUDA, w, backend, x_dtype))
+
+
+def test_run_calls_the_kernel(weights, kernels, monkeypatch):
+    """The CPU stand-in for CUDA: _run hands the kernel a contiguous [M, K] x and reshapes its result."""
+    calls = []
+    _stand_ins_on_cuda(kernels, monkeypatch, calls)
     q = weights["fp4_b32"]
     x = _x((384, 2, 3), torch.bfloat16).permute(1, 2, 0)  # [2, 3, 384], not contiguous
     b = _x((48,), torch.bfloat16)
@@ -414,11 +419,7 @@ def test_gemv_row_blocks_rule(weights, kernels, monkeypatch):
         asked.append((m, x_dtype))
         return policy.GEMV_MAX_M < m <= 32 and x_dtype == torch.bfloat16
 
-    kernels["gemv_w4"] = _stand_in("gemv_w4", calls=calls)
-    kernels["gemm_w4"] = _stand_in("gemm_w4", calls=calls)
-    real_decide = policy.linear_decide
-    monkeypatch.setattr(policy, "linear_decide",
-                        lambda m, device, w, backend, x_dtype=None: real_decide(m, CUDA, w, backend, x_dtype))
+    _stand_ins_on_cuda(kernels, monkeypatch, calls)
     q = weights["nvfp4"]
     k = q.shape[1]
     assert _path(q, 24).path == "gemm_w4"                        # a module without row_blocks_apply
