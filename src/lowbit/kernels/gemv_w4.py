@@ -139,7 +139,7 @@ compiled paths have run with it on a GPU (the kernel itself has: ``tests/kernels
 ROW_BLOCKS_MAX_M = {"nvfp4": 32, "mxfp4": 32}
 """``MMA["row_blocks_max_m"]`` as measured. H200, CUDA graphs, against the tensor-core GEMMs ``lowbit.linear`` runs
 there (``benchmarks/experiments/sweep_gemv_row_blocks.py``): nvfp4 1.20-1.50x at M = 24 and 32 on 6144x4096,
-4096x14336 and 28672x8192, mxfp4 1.02-1.35x; at M = 48 0.83-1.08x and at M = 64 0.78x, int4_awq 0.84-0.94x
+4096x14336 and 28672x8192, mxfp4 1.02-1.35x; at M = 48 0.83-1.08x and at M = 64 0.78x, int4_awq 0.73-0.95x
 everywhere: nvfp4 and mxfp4 up to 32. Set ``MMA["row_blocks_max_m"] = ROW_BLOCKS_MAX_M`` before layers are
 prepared to use it."""
 
