@@ -1,6 +1,10 @@
-"""Assertions for tests and benchmarks (no pytest import): bit-exact comparison with a useful report."""
+"""Assertions and fixtures for tests and benchmarks (no pytest import): bit-exact comparison with a useful report,
+the W4A16 oracle, adversarial NVFP4 ties, and small checkpoints on disk with a digest of a directory's files."""
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import torch
 
@@ -72,3 +76,49 @@ def nvfp4_order_ties() -> tuple[torch.Tensor, torch.Tensor]:
         amax = torch.full((blocks.shape[0], 1), 7.5 * 2.0**k)
         rows.append(torch.cat([amax, blocks], 1))
     return torch.cat(rows), s
+
+
+def tree_digest(root: Path | str) -> dict[str, str]:
+    """``{path relative to root: sha256}`` of every file below ``root``: two conversions wrote the same bytes iff
+    their digests are equal."""
+    root = Path(root)
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_tiny_llama(directory: Path | str, *, hidden: int = 64, intermediate: int = 128, layers: int = 2,
+                     heads: int = 4, kv_heads: int = 2, vocab: int = 96, max_shard_size: str = "20KB",
+                     seed: int = 0) -> Path:
+    """A random bf16 transformers ``LlamaForCausalLM`` saved to ``directory`` in shards of ``max_shard_size``
+    (several files even at these sizes); needs transformers."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).save_pretrained(
+        directory, max_shard_size=max_shard_size)
+    return Path(directory)
+
+
+def write_bare_blocks(directory: Path | str, blocks: tuple[int, ...], seed: int,
+                      names: tuple[str, ...] = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "ffn.net.0.proj")) -> Path:
+    """Files ``part-<i>.safetensors`` holding ``blocks[i]`` DiT-style blocks each (a 64 x 64 bf16 weight per name
+    and a norm weight), no config.json: the name rules decide which tensors are Linear weights."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    d = Path(directory)
+    d.mkdir(parents=True)
+    for i, n_blocks in enumerate(blocks):
+        t = {}
+        for b in range(n_blocks):
+            for name in names:
+                t[f"blocks.{i}.{b}.{name}.weight"] = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+            t[f"blocks.{i}.{b}.norm1.weight"] = torch.ones(64)
+        save_file(t, str(d / f"part-{i}.safetensors"))
+    return d
+

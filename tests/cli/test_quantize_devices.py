@@ -4,7 +4,6 @@ device lists and option combinations exit 2 with one line naming the option. CPU
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -16,13 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 import lowbit
+from lowbit.testing import tree_digest, write_tiny_llama
 
 from ._helpers import run_cli
-
-
-def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _env() -> dict[str, str]:
@@ -52,14 +47,8 @@ def bare(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    d = tmp_path_factory.mktemp("llama") / "tiny-llama"
-    transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16).save_pretrained(d, max_shard_size="30KB")
+    pytest.importorskip("transformers")
+    d = write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny-llama", max_shard_size="30KB")
     assert len(list(d.glob("*.safetensors"))) >= 4
     return d
 
@@ -75,7 +64,7 @@ def test_devices_cpu_cpu_converts_a_transformers_model_without_evaluation(llama,
     assert [r["status"] for r in report["schemes"]] == ["ok", "ok"], report["schemes"]
     for scheme in schemes:
         ref = lowbit.convert_checkpoint(llama, tmp_path / f"ref-{scheme}", scheme, progress=False)
-        assert _tree(out / scheme) == _tree(ref), scheme
+        assert tree_digest(out / scheme) == tree_digest(ref), scheme
     # no temp or sync directory left beside the checkpoints
     assert sorted(p.name for p in out.iterdir()) == sorted([".lowbit-quantize.json", "report.json", "report.txt",
                                                             *schemes])
@@ -88,7 +77,7 @@ def test_no_eval_converts_a_transformers_model_on_one_device(llama, tmp_path):
     assert rc == 0, err
     assert "convert only (no evaluation)" in stdout and "processes" not in stdout
     ref = lowbit.convert_checkpoint(llama, tmp_path / "ref", "w4a16-nf4", include="*mlp*", progress=False)
-    assert _tree(out / "w4a16-nf4") == _tree(ref)
+    assert tree_digest(out / "w4a16-nf4") == tree_digest(ref)
     assert json.loads((out / "report.json").read_text())["schemes"][0]["quantized_layers"] == 6  # 3 per layer
 
 
@@ -100,7 +89,7 @@ def test_torchrun_runs_python_m_lowbit_on_every_rank(bare, tmp_path):
     report = json.loads(p.stdout)  # rank 0 alone prints
     assert report["processes"] == 2 and report["schemes"][0]["status"] == "ok"
     ref = lowbit.convert_checkpoint(bare, tmp_path / "ref", "w4a16-nvfp4", progress=False)
-    assert _tree(out / "w4a16-nvfp4") == _tree(ref)
+    assert tree_digest(out / "w4a16-nvfp4") == tree_digest(ref)
 
 
 def test_python_m_lowbit():

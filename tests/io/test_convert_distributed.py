@@ -5,42 +5,26 @@ arguments are refused. CPU only."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import lowbit
 from lowbit.io import distributed as dist_io
 from lowbit.io.distributed import DistributedConvertError, assign_runs, resolve_world
+from lowbit.testing import tree_digest, write_bare_blocks, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
 SCHEME = "w4a16-nvfp4"  # fused q/k/v and gate/up share a global scale: siblings in other ranks' shards
 
 
-def _tree(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
-
-
 @pytest.fixture(scope="module")
 def llama_src(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    d = tmp_path_factory.mktemp("llama") / "model"
-    model.save_pretrained(d, max_shard_size="20KB")
+    d = write_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
     (d / "tokenizer_config.json").write_text("{}")
     assert len(list(d.glob("*.safetensors"))) >= 6
     return d
@@ -54,16 +38,7 @@ def bare_src(tmp_path_factory) -> Path:
 
 def _bare(d: Path, blocks: tuple[int, ...]) -> Path:
     """Files ``part-<i>.safetensors`` of ``blocks[i]`` transformer blocks each."""
-    g = torch.Generator().manual_seed(1)
-    d.mkdir()
-    for i, n_blocks in enumerate(blocks):
-        t = {}
-        for b in range(n_blocks):
-            for name in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "ffn.net.0.proj"):
-                t[f"blocks.{i}.{b}.{name}.weight"] = torch.randn(64, 64, generator=g).to(torch.bfloat16)
-            t[f"blocks.{i}.{b}.norm1.weight"] = torch.ones(64)
-        save_file(t, str(d / f"part-{i}.safetensors"))
-    return d
+    return write_bare_blocks(d, blocks, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +46,8 @@ def refs(tmp_path_factory, llama_src, bare_src) -> dict[str, dict[str, str]]:
     """The single-process conversions' files and digests."""
     out = tmp_path_factory.mktemp("refs")
     return {
-        "llama": _tree(lowbit.convert_checkpoint(llama_src, out / "llama", SCHEME, progress=False)),
-        "bare": _tree(lowbit.convert_checkpoint(bare_src, out / "bare", SCHEME, progress=False)),
+        "llama": tree_digest(lowbit.convert_checkpoint(llama_src, out / "llama", SCHEME, progress=False)),
+        "bare": tree_digest(lowbit.convert_checkpoint(bare_src, out / "bare", SCHEME, progress=False)),
     }
 
 
@@ -203,14 +178,14 @@ def test_bad_rank_arguments(tmp_path, bare_src, kwargs, error, match):
 @pytest.mark.parametrize("which", ["llama", "bare"])
 def test_ranks_on_threads_write_the_single_process_bytes(tmp_path, llama_src, bare_src, refs, which, world_size):
     src = llama_src if which == "llama" else bare_src
-    before = _tree(src)
+    before = tree_digest(src)
     out = tmp_path / "out"
     errors = _threads(world_size, lambda r: lowbit.convert_checkpoint(
         src, out, SCHEME, progress=False, rank=r, world_size=world_size, device=["cpu"] * world_size, timeout=30))
     assert errors == [None] * world_size
-    assert _tree(out) == refs[which]
+    assert tree_digest(out) == refs[which]
     assert _siblings(tmp_path) == ["out"]  # no temp or sync directory left
-    assert _tree(src) == before
+    assert tree_digest(src) == before
 
 
 def _spawn(world_size: int, phases: list, tmp_path: Path, die: tuple[int, int] | None = None) -> list:
@@ -241,15 +216,15 @@ def test_spawned_ranks_in_a_gloo_group_and_through_files(tmp_path, bare_src, ref
     phases = [(True, [_job(bare_src, tmp_path / "group")]), (False, [_job(bare_src, tmp_path / "files", timeout=60)])]
     codes, results = _spawn(2, phases, tmp_path)
     assert codes == [0, 0] and results == [[None, None]] * 2, results
-    assert _tree(tmp_path / "group") == refs["bare"]
-    assert _tree(tmp_path / "files") == refs["bare"]
+    assert tree_digest(tmp_path / "group") == refs["bare"]
+    assert tree_digest(tmp_path / "files") == refs["bare"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_three_spawned_ranks_in_a_gloo_group(tmp_path, bare_src, refs):
     codes, results = _spawn(3, [(True, [_job(bare_src, tmp_path / "bare")])], tmp_path)
     assert codes == [0, 0, 0] and results == [[None]] * 3, results
-    assert _tree(tmp_path / "bare") == refs["bare"]
+    assert tree_digest(tmp_path / "bare") == refs["bare"]
 
 
 _GROUP_THREADS_SCRIPT = """
@@ -312,7 +287,8 @@ def test_killed_rank_publishes_nothing_and_a_rerun_resumes(tmp_path, monkeypatch
     # small output files: a shard's output is written in parts, so the killed rank leaves some behind
     limit = "5KB"
     bare_src = _bare(tmp_path / "src", (2, 1, 1))  # rank 0: part-0; rank 1: part-1, then part-2
-    ref = _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False, max_shard_size=limit))
+    ref = tree_digest(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False,
+                                                max_shard_size=limit))
     out = tmp_path / "out"
     (tmp_path / "r").mkdir()
     # rank 1 dies in the middle of its second shard; rank 0 notices its silence (5 s: rank 0's one shard may be
@@ -341,7 +317,7 @@ def test_killed_rank_publishes_nothing_and_a_rerun_resumes(tmp_path, monkeypatch
     monkeypatch.setattr(conv, "_convert_keys", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, max_shard_size=limit)
     assert [k.split(".")[1] for k in converted] == ["2"]  # part-2's tensors are blocks.2.*
-    assert _tree(out) == ref
+    assert tree_digest(out) == ref
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r", "ref", "src"]
 
 
@@ -367,7 +343,7 @@ def test_failed_rank_fails_every_rank_and_a_rerun_resumes(tmp_path, bare_src, re
     errors = _threads(3, lambda r: lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, rank=r,
                                                              world_size=3, timeout=30))
     assert errors == [None] * 3
-    assert _tree(out) == refs["bare"]
+    assert tree_digest(out) == refs["bare"]
     assert _siblings(tmp_path) == ["out"]
 
 
@@ -383,7 +359,7 @@ def test_ranks_given_different_arguments_publish_nothing(tmp_path, bare_src, ref
         errors = _threads(2, lambda r: lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False, rank=r,
                                                                  world_size=2, timeout=30))
     assert errors == [None, None]
-    assert _tree(out) == refs["bare"]
+    assert tree_digest(out) == refs["bare"]
 
 
 def test_a_rank_that_never_starts_times_out(tmp_path, bare_src):

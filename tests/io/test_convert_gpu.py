@@ -4,7 +4,6 @@ stream, the writer's copies back through page-locked chunks and its pwrites chan
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
@@ -15,35 +14,24 @@ import lowbit
 import lowbit.io.convert as conv
 import lowbit.io.convert_layout as layout
 import lowbit.io.convert_writer as writer
+from lowbit.testing import tree_digest, write_tiny_llama
 
 pytestmark = pytest.mark.gpu
 
 SCHEMES = ["w4a16-nvfp4", "w8a8-fp8-block", "w4a8-mxfp4", "w4a16-int4", "w4a16-nf4"]
 
 
-def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def llama_src(tmp_path_factory) -> Path:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    d = tmp_path_factory.mktemp("llama") / "model"
-    model.save_pretrained(d, max_shard_size="3MB")
-    return d
+    pytest.importorskip("transformers")
+    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "model", hidden=512, intermediate=1536, layers=3,
+                            vocab=512, max_shard_size="3MB")
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_cuda_conversion_writes_the_cpu_bytes(tmp_path, llama_src, monkeypatch, scheme):
-    ref = _tree(lowbit.convert_checkpoint(llama_src, tmp_path / "cpu", scheme, device="cpu", progress=False))
-    assert _tree(lowbit.convert_checkpoint(llama_src, tmp_path / "gpu", scheme, device="cuda:0",
+    ref = tree_digest(lowbit.convert_checkpoint(llama_src, tmp_path / "cpu", scheme, device="cpu", progress=False))
+    assert tree_digest(lowbit.convert_checkpoint(llama_src, tmp_path / "gpu", scheme, device="cuda:0",
                                            progress=False)) == ref
     monkeypatch.setattr(layout, "PIECE_BYTES", 1 << 20)  # several pieces per shard: the ranks share files
     devices = ["cuda:0", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda:0", "cuda:0"]
@@ -62,19 +50,19 @@ def test_cuda_conversion_writes_the_cpu_bytes(tmp_path, llama_src, monkeypatch, 
     for t in threads:
         t.join(timeout=300)
     assert errors == [None, None]
-    assert _tree(tmp_path / "two") == ref
+    assert tree_digest(tmp_path / "two") == ref
 
 
 @pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w8a8-fp8-block"])
 def test_small_staging_chunks_write_the_same_bytes(tmp_path, llama_src, monkeypatch, scheme):
     """Weights and outputs many times the staging chunk, read and written through a ring of few chunks: the
     bytes of the CPU conversion still."""
-    ref = _tree(lowbit.convert_checkpoint(llama_src, tmp_path / "cpu", scheme, device="cpu", progress=False))
+    ref = tree_digest(lowbit.convert_checkpoint(llama_src, tmp_path / "cpu", scheme, device="cpu", progress=False))
     monkeypatch.setattr(conv, "STAGING_CHUNK_BYTES", 40_000)
     monkeypatch.setattr(writer, "STAGING_CHUNK_BYTES", 24_576)
     monkeypatch.setattr(conv, "READ_THREADS", 3)
     monkeypatch.setattr(writer, "WRITE_THREADS", 1)
-    assert _tree(lowbit.convert_checkpoint(llama_src, tmp_path / "gpu", scheme, device="cuda:0",
+    assert tree_digest(lowbit.convert_checkpoint(llama_src, tmp_path / "gpu", scheme, device="cuda:0",
                                            progress=False)) == ref
 
 

@@ -6,15 +6,12 @@ still joins the writer and leaves what was computed recorded for a rerun. CPU on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 import lowbit
 import lowbit.io.convert as conv
@@ -22,17 +19,10 @@ import lowbit.io.convert_layout as layout
 import lowbit.io.convert_plan as plan
 import lowbit.io.convert_writer as writer
 from lowbit.io.distributed import DistributedConvertError
+from lowbit.testing import tree_digest, write_bare_blocks, write_tiny_llama
 
 SCHEME = "w4a16-nvfp4"
 WRITER = "lowbit-convert-writer"
-
-
-def _tree(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _writer_threads() -> list[threading.Thread]:
@@ -42,30 +32,13 @@ def _writer_threads() -> list[threading.Thread]:
 @pytest.fixture(scope="module")
 def bare_src(tmp_path_factory) -> Path:
     """Four safetensors files of different sizes, no config.json (the name rules pick the Linears)."""
-    g = torch.Generator().manual_seed(3)
-    d = tmp_path_factory.mktemp("bare") / "dit"
-    d.mkdir()
-    for i, n_blocks in enumerate((2, 3, 1, 2)):
-        t = {}
-        for b in range(n_blocks):
-            for name in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "ffn.net.0.proj"):
-                t[f"blocks.{i}.{b}.{name}.weight"] = torch.randn(64, 64, generator=g).to(torch.bfloat16)
-            t[f"blocks.{i}.{b}.norm1.weight"] = torch.ones(64)
-        save_file(t, str(d / f"part-{i}.safetensors"))
-    return d
+    return write_bare_blocks(tmp_path_factory.mktemp("bare") / "dit", (2, 3, 1, 2), seed=3)
 
 
 @pytest.fixture(scope="module")
 def llama_src(tmp_path_factory) -> Path:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    d = tmp_path_factory.mktemp("llama") / "model"
-    model.save_pretrained(d, max_shard_size="20KB")
+    pytest.importorskip("transformers")
+    d = write_tiny_llama(tmp_path_factory.mktemp("llama") / "model")
     return d
 
 
@@ -117,7 +90,7 @@ def test_overlapped_writes_give_the_sequential_bytes(tmp_path, bare_src, monkeyp
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
     assert _convert(bare_src, tmp_path / "ref", max_shard_size=limit) == [None]
     assert saves.calls and all(not name.startswith(WRITER) for name, _ in saves.calls)  # really sequential
-    ref = _tree(tmp_path / "ref")
+    ref = tree_digest(tmp_path / "ref")
     if limit == "5KB":
         assert sum("-part" in f for f in ref) > 4  # shards written in several parts
 
@@ -125,7 +98,7 @@ def test_overlapped_writes_give_the_sequential_bytes(tmp_path, bare_src, monkeyp
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
     assert _convert(bare_src, tmp_path / "out", world_size, max_shard_size=limit) == [None] * world_size
     assert saves.calls and all(name.startswith(WRITER) for name, _ in saves.calls)  # really in the background
-    assert _tree(tmp_path / "out") == ref
+    assert tree_digest(tmp_path / "out") == ref
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
     assert _writer_threads() == []
     if world_size > 1 and piece_bytes < layout.PIECE_BYTES:  # the ranks shared files, not just the shard list
@@ -149,9 +122,9 @@ def test_overlapped_writes_give_the_sequential_bytes_for_a_transformers_model(tm
     _convert(llama_src, tmp_path / "ref")
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
     assert _convert(llama_src, tmp_path / "out", world_size) == [None] * world_size
-    ref = _tree(tmp_path / "ref")
+    ref = tree_digest(tmp_path / "ref")
     assert "model.safetensors.index.json" in ref and "config.json" in ref
-    assert _tree(tmp_path / "out") == ref
+    assert tree_digest(tmp_path / "out") == ref
 
 
 # ------------------------------------------------------------------------------------------ a failed write
@@ -160,7 +133,7 @@ def test_overlapped_writes_give_the_sequential_bytes_for_a_transformers_model(tm
 @pytest.mark.parametrize("failing", ["part-1", "part-3"])  # a write followed by more compute; the last write
 def test_failed_write_fails_the_conversion_and_a_rerun_resumes(tmp_path, bare_src, monkeypatch, failing):
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
-    ref = _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
+    ref = tree_digest(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
     saves = _Saves(monkeypatch)
 
@@ -192,7 +165,7 @@ def test_failed_write_fails_the_conversion_and_a_rerun_resumes(tmp_path, bare_sr
     monkeypatch.setattr(conv, "_convert_keys", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
     assert converted == [f"part-{i}.safetensors" for i in range(4) if f"part-{i}.safetensors" not in before]
-    assert _tree(out) == ref
+    assert tree_digest(out) == ref
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]
 
 
@@ -214,7 +187,8 @@ def test_failed_write_on_one_rank_fails_every_rank(tmp_path, bare_src, monkeypat
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
     assert _convert(bare_src, out, 3) == [None] * 3  # the rerun (sequential writes, three ranks) completes
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
-    assert _tree(out) == _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
+    ref = lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False)
+    assert tree_digest(out) == tree_digest(ref)
 
 
 # ------------------------------------------------------------------------------- bounded pending writes
@@ -265,7 +239,7 @@ def test_pending_writes_stay_under_max_shard_size_and_overlap_compute(tmp_path, 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_src, monkeypatch, error):
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", False)
-    ref = _tree(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
+    ref = tree_digest(lowbit.convert_checkpoint(bare_src, tmp_path / "ref", SCHEME, progress=False))
     monkeypatch.setattr(conv, "_OVERLAP_WRITES", True)
     started, release = threading.Event(), threading.Event()
     tmp = tmp_path / ".out.lowbit-convert.tmp"
@@ -312,7 +286,7 @@ def test_compute_error_while_a_write_is_pending_joins_the_writer(tmp_path, bare_
     monkeypatch.setattr(conv, "_convert_keys", count)
     lowbit.convert_checkpoint(bare_src, out, SCHEME, progress=False)
     assert calls == ["part-1.safetensors", "part-2.safetensors", "part-3.safetensors"]  # part-0 was kept
-    assert _tree(out) == ref
+    assert tree_digest(out) == ref
 
 
 def test_compute_error_and_a_failed_pending_write_raise_the_compute_error(tmp_path, bare_src, monkeypatch):
