@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import hashlib
 import json
 import math
@@ -39,7 +40,9 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,11 +177,87 @@ def interleaved(sizes, world_size: int) -> dict[str, int]:
     return out
 
 
+class Timers:
+    """Timers around the calls of a conversion in this process (patched in by :meth:`install`): per (thread,
+    call) the total seconds, the number of calls, the first call's and the longest call's seconds. The reader
+    thread reads a source tensor and copies it to the GPU, the converting thread waits for it, quantizes and
+    hands the outputs over, the writer copies them back and writes them; ``whole:`` rows are the conversion's
+    phases, ``ranks:`` rows the waits for the other ranks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stats: dict[tuple[str, str], list[float]] = {}
+
+    def wrap(self, label: str, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                dt = time.perf_counter() - t0
+                key = (threading.current_thread().name.split(" ")[0].rstrip("_0123456789"), label)
+                with self.lock:
+                    st = self.stats.setdefault(key, [0.0, 0, dt, 0.0])
+                    st[0] += dt
+                    st[1] += 1
+                    st[3] = max(st[3], dt)
+        return wrapper
+
+    def install(self) -> Timers:
+        import lowbit.io.convert as conv
+        import lowbit.io.convert_writer as writer
+        from lowbit.io import distributed, files
+        from lowbit.io.convert_plan import SharedScales
+
+        w = self.wrap
+        conv._Reader._load = w("reader: read a tensor (and copy it to the GPU)", conv._Reader._load)
+        conv._Reader.take = w("convert: wait for the reader", conv._Reader.take)
+        conv.quantize_target = w("convert: quantize", conv.quantize_target)
+        conv.upload = w("reader: chunks read and copied to the GPU", conv.upload)
+        writer.download = w("writer: chunks copied back and written", writer.download)
+        writer.TensorWriter._submit = w("convert: hand over (waits when the writer is behind)",
+                                        writer.TensorWriter._submit)
+        writer.write_bytes = w("writer: pwrite", writer.write_bytes)
+        writer.os = types.SimpleNamespace(**{**vars(os), "fsync": w("writer: fsync", os.fsync)})
+        files.TensorSource.get = w("any: TensorSource.get", files.TensorSource.get)
+        files.TensorSource.read_into = w("reader: positional reads into a buffer", files.TensorSource.read_into)
+        conv.plan_conversion = w("whole: plan_conversion", conv.plan_conversion)
+        conv._convert_pieces = w("whole: the pieces' loop", conv._convert_pieces)
+        conv._finalize = w("whole: _finalize (publish included)", conv._finalize)
+        conv.publish = w("whole: publish (fsync of the tree, rename)", conv.publish)
+        conv.write_json = w("any: write_json (fsynced)", conv.write_json)
+        conv._release_host_cache = w("whole: release the pinned host cache", conv._release_host_cache)
+        SharedScales.amax = staticmethod(w("convert: global-scale amax", SharedScales.amax))
+        for cls in (distributed.GroupSync, distributed.FileSync):
+            cls.exchange = w("ranks: exchange statuses (waits for the others)", cls.exchange)
+            cls.outcome = w("ranks: wait for rank 0's outcome", cls.outcome)
+        return self
+
+    def rows(self, clear: bool = True) -> list[dict]:
+        """The rows, longest total first (and start over when ``clear``)."""
+        with self.lock:
+            rows = [{"thread": th, "what": lab, "s": st[0], "calls": st[1], "first_s": st[2], "longest_s": st[3]}
+                    for (th, lab), st in self.stats.items()]
+            if clear:
+                self.stats.clear()
+        return sorted(rows, key=lambda r: -r["s"])
+
+
+def format_rows(rows: list[dict], most: int | None = None) -> str:
+    lines = [f"  {'thread':24s} {'what':54s} {'total':>9s}  {'calls':>6s} {'first':>7s} {'longest':>7s}"]
+    for r in rows[:most]:
+        lines.append(f"  {r['thread']:24s} {r['what']:54s} {r['s']:7.2f} s  {r['calls']:6d} {r['first_s']:7.3f} "
+                     f"{r['longest_s']:7.3f}")
+    return "\n".join(lines)
+
+
 def rank_main(rank: int, world_size: int, port: int, device: str, src: str, out: str, scheme: str,
               report: str, variant: dict) -> None:
     """One rank: join the group, warm up (CUDA, transformers, the scheme's kernels at every Linear shape of the
     source), meet the others, then time ``convert_checkpoint`` from the barrier to its return (rank 0: after
-    publishing). ``variant``: the ``--assign`` and ``--read-threads`` of a comparison run."""
+    publishing). ``variant``: the ``--assign`` and ``--read-threads`` of a comparison run, and ``profile``
+    (per-rank :class:`Timers` in the rank's result)."""
     t_start = time.perf_counter()
     import torch
     import torch.distributed as dist
@@ -216,11 +295,14 @@ def rank_main(rank: int, world_size: int, port: int, device: str, src: str, out:
             pass
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+        timers = Timers().install() if variant.get("profile") else None
         result["startup_s"] = time.perf_counter() - t_start
         dist.barrier()
         t0 = time.perf_counter()
         lowbit.convert_checkpoint(src, out, scheme, device=dev, rank=rank, world_size=world_size, progress=False)
         result["inner_s"] = time.perf_counter() - t0
+        if timers is not None:
+            result["profile"] = timers.rows()
         result["ok"] = True
         if dev.type == "cuda":
             result["max_memory_allocated"] = torch.cuda.max_memory_allocated(dev)
@@ -315,6 +397,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--read-threads", type=int, default=None,
                    help="threads reading one Linear weight (default: lowbit's READ_THREADS)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the outputs")
+    p.add_argument("--profile", action="store_true",
+                   help="time the conversion's calls inside each rank (reader, converting thread, writer, waits for "
+                        "the other ranks) and print each rank's table")
     args = p.parse_args(argv)
     args.assign = [a.strip() for a in args.assign.split(",") if a.strip()]
     if not args.assign or any(a not in ("runs", "interleaved") for a in args.assign) or len(set(args.assign)) < len(
@@ -382,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         print("convert_throughput: --read-threads must be at least 1", file=sys.stderr)
         return 2
     variant = {"assign": args.assign[0], "read_threads": args.read_threads}
+    if args.profile:
+        variant["profile"] = True
     made = args.workdir is None
     work = Path(tempfile.mkdtemp(prefix="lowbit-convert-bench-")) if made else Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -425,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
                     run["outer_gbps"] = gb / run["outer_s"]
                     print(f"  {run['inner_s']:.2f} s inside ({run['inner_gbps']:.2f} GB/s), {run['outer_s']:.2f} s "
                           f"with start-up ({run['outer_gbps']:.2f} GB/s)", flush=True)
+                    for rk in run["ranks"]:
+                        if rk.get("profile"):
+                            print(f"  rank {rk['rank']} ({rk['device']}), {rk['inner_s']:.2f} s inside:\n"
+                                  + format_rows(rk["profile"], 14), flush=True)
                 else:
                     failed = True
                     print(f"  failed: {[x.get('error') for x in run['ranks'] if not x.get('ok')]}", flush=True)

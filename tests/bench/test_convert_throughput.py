@@ -26,8 +26,8 @@ def test_model_dims_reach_the_size(monkeypatch):
     assert small["intermediate_size"] % 128 == 0 and 0.05e9 >= 4 * ct.layer_bytes(small)
 
 
-@pytest.mark.parametrize("variant", [[], ["--assign", "interleaved,runs", "--read-threads", "1"]],
-                         ids=["default", "both-assignments-1-thread"])
+@pytest.mark.parametrize("variant", [[], ["--assign", "interleaved,runs", "--read-threads", "1"], ["--profile"]],
+                         ids=["default", "both-assignments-1-thread", "profile"])
 def test_cpu_run_checks_identical_outputs_and_cleans_up(tmp_path, monkeypatch, capsys, variant):
     # in this process (the spawned ranks import the script by name from benchmarks/)
     monkeypatch.syspath_prepend(str(BENCH))
@@ -39,9 +39,17 @@ def test_cpu_run_checks_identical_outputs_and_cleans_up(tmp_path, monkeypatch, c
     printed = capsys.readouterr().out
     assert rc == 0, printed
     result = json.loads(out.read_text())
-    assert result["variant"] == ({"assign": "interleaved", "read_threads": 1} if variant
+    profile = variant == ["--profile"]
+    assert result["variant"] == ({"assign": "runs", "read_threads": None, "profile": True} if profile else
+                                 {"assign": "interleaved", "read_threads": 1} if variant
                                  else {"assign": "runs", "read_threads": None})
-    if variant:  # one process once, two once per assignment, all the same bytes; a speedup for each
+    for run in result["runs"]:  # --profile: each rank's timers, printed and in its result
+        for rk in run["ranks"]:
+            whats = {r["what"] for r in rk.get("profile", [])}
+            assert ("whole: the pieces' loop" in whats) == profile, whats
+            assert ("ranks: exchange statuses (waits for the others)" in whats) == (profile and run["world_size"] > 1)
+            assert (f"rank {rk['rank']} ({rk['device']})" in printed) == profile
+    if variant and not profile:  # one process once, two once per assignment, all the same bytes; a speedup each
         assert [(r["world_size"], r["assign"]) for r in result["runs"]] == [(1, "interleaved"), (2, "interleaved"),
                                                                           (2, "runs")]
         by = result["speedup_by_assign"]["w8a8-fp8-block"]
