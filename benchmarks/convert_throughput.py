@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import functools
-import hashlib
 import json
 import math
 import os
@@ -359,21 +358,6 @@ def disk_write_gbps(work: Path, nbytes: int) -> float:
     return max(1, nbytes >> 24) * len(block) / 1e9 / seconds
 
 
-def tree_digest(root: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``root`` (threads: hashlib releases the GIL on large buffers)."""
-
-    def digest(p: Path) -> str:
-        h = hashlib.sha256()
-        with open(p, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 24), b""):
-                h.update(chunk)
-        return h.hexdigest()
-
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        return dict(zip((str(p.relative_to(root)) for p in files), pool.map(digest, files)))
-
-
 # -------------------------------------------------------------------------------------------- the run
 
 
@@ -444,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lowbit.cli import parse_devices
     from lowbit.nn import SCHEMES
+    from lowbit.testing import tree_digest
 
     if args.devices is None:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0

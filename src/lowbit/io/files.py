@@ -191,6 +191,15 @@ def tensor_spans(path: Path) -> dict[str, Span] | None:
     return out
 
 
+def settle(futures) -> None:
+    """Wait for every future, then raise the first error: no chunk of a read or copy is still running when an
+    error propagates (its buffer may be freed then)."""
+    errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+
+
 def read_span(fd: int, offset: int, out: memoryview, path: Path) -> None:
     """Fill ``out`` with the bytes of file descriptor ``fd`` from ``offset`` (positional reads, no seek: threads
     share the descriptor); ValueError naming ``path`` if the file ends first."""
@@ -328,11 +337,7 @@ class TensorSource:
                 for a in starts:
                     chunk(a)
             else:
-                futures = [pool.submit(chunk, a) for a in starts]
-                errors = [f.exception() for f in futures]  # every chunk done before anything is raised
-                first = next((e for e in errors if e is not None), None)
-                if first is not None:
-                    raise first
+                settle([pool.submit(chunk, a) for a in starts])
         return out.view(span.dtype).view(span.shape)
 
     def close(self) -> None:

@@ -24,6 +24,8 @@ from concurrent.futures import Executor
 
 import torch
 
+from .files import settle
+
 
 class PinnedRing:
     """``count`` page-locked buffers of ``nbytes`` bytes each, taken and given back by any thread. A buffer given
@@ -68,14 +70,6 @@ class PinnedRing:
         self._events, self._views, self._bufs = [], [], []
 
 
-def _settle(futures) -> None:
-    """Wait for every future, then raise the first error (no chunk is still running when an error propagates)."""
-    errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-
-
 def upload(ring: PinnedRing, stream: torch.cuda.Stream, dst: torch.Tensor, fill: Callable[[int, memoryview], None],
            pool: Executor) -> None:
     """Fill ``dst`` (a flat uint8 tensor on ``stream``'s GPU) with bytes that ``fill(start, out)`` puts into
@@ -95,7 +89,7 @@ def upload(ring: PinnedRing, stream: torch.cuda.Stream, dst: torch.Tensor, fill:
         finally:
             ring.give(i, event)
 
-    _settle([pool.submit(chunk, a) for a in range(0, n, ring.nbytes)])
+    settle([pool.submit(chunk, a) for a in range(0, n, ring.nbytes)])
 
 
 def download(ring: PinnedRing, stream: torch.cuda.Stream, src: torch.Tensor, ready: torch.cuda.Event | None,
@@ -132,7 +126,7 @@ def download(ring: PinnedRing, stream: torch.cuda.Stream, src: torch.Tensor, rea
             if any(f.done() and f.exception() is not None for f in futures):
                 break  # a write failed: the chunks after it are not copied
     finally:
-        _settle(futures)
+        settle(futures)
 
 
 __all__ = ["PinnedRing", "download", "upload"]
