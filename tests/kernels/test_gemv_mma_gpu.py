@@ -392,9 +392,10 @@ def test_mma_row_blocks_repeated_calls_identical_and_graph_capturable():
 def test_m_past_16_needs_the_tensor_core_gemv(monkeypatch):
     q = lowbit.quantize(torch.randn(256, 512, device="cuda") * 0.05, "nvfp4")
     x = torch.randn(17, 512, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setitem(G.MMA, "row_blocks_max_m", {})
     with pytest.raises(ValueError, match="M=17 rows"):
-        G.gemv_w4(x, q)                                   # the default MMA stops at 16
-    monkeypatch.setitem(G.MMA, "row_blocks_max_m", G.ROW_BLOCKS_MAX_M)
+        G.gemv_w4(x, q)                                   # without row blocks the tensor-core GEMV stops at 16
+    monkeypatch.setitem(G.MMA, "row_blocks_max_m", G.ROW_BLOCKS_MAX_M)   # the default
     with pytest.raises(ValueError, match="M=17 rows"):
         G.gemv_w4(x, _int4(256, 512, 128, seed=1))        # int4 is not among the measured row-block formats
     assert G.row_blocks_apply(q, 17, torch.bfloat16) and not G.row_blocks_apply(q, 33, torch.bfloat16)

@@ -203,3 +203,14 @@ def test_nf4_layout_and_table_decode(n, k, blocksize, dq, dtype):
     for r in range(n16):
         assert torch.equal(lay.scales[r, :, :, 0], bits[16 * r + g].T)
         assert torch.equal(lay.scales[r, :, :, 1], bits[16 * r + 8 + g].T)
+
+
+@pytest.mark.parametrize("routes", [{}, G.ROW_BLOCKS_MAX_M])
+def test_plan_key_is_hashable_and_ignores_routing_keys(routes):
+    """Launch plans are cached per key: the config's per-format routing dicts must not enter it."""
+    cfg = {**G.MMA, "row_blocks_max_m": dict(routes)}
+    key = G.mma_plan_key(24, None, 0, torch.bfloat16, cfg, 0, torch.bfloat16)
+    hash(key)
+    assert key == G.mma_plan_key(24, None, 0, torch.bfloat16, {**cfg, "row_blocks_max_m": {"nvfp4": 17}}, 0,
+                                 torch.bfloat16)
+    assert key != G.mma_plan_key(24, None, 0, torch.bfloat16, {**cfg, "rg": 4}, 0, torch.bfloat16)

@@ -119,8 +119,14 @@ def clear_cache() -> None:
 
 # ------------------------------------------------------------------------------------- tensor-core regime
 
+ROW_BLOCKS_MAX_M = {"nvfp4": 32, "mxfp4": 32}
+"""The default ``MMA["row_blocks_max_m"]``, as measured. H200, CUDA graphs, against the tensor-core GEMMs
+``lowbit.linear`` ran there before (``benchmarks/experiments/sweep_gemv_row_blocks.py``): nvfp4 1.20-1.77x at
+M = 17-32 on 6144x4096, 4096x14336, 28672x8192 and 8192x28672, mxfp4 1.02-1.39x; at M = 48 0.83-1.08x and at
+M = 64 0.78x, int4_awq 0.73-0.95x everywhere: nvfp4 and mxfp4 up to 32."""
+
 MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": {"nf4": 1 << 25, "other": 1 << 27}, "rg": 2, "j": 4,
-       "warps": 4, "ctas_per_sm": (8, 4), "row_blocks_max_m": {}}
+       "warps": 4, "ctas_per_sm": (8, 4), "row_blocks_max_m": dict(ROW_BLOCKS_MAX_M)}
 """The tensor-core GEMV (``_gemv_mma``): used for min_m <= M <= max_m where the weight allows it (see
 :func:`mma_layout`), at M = 1 only for weights of at least m1_min_weights elements (an int, or per format with
 "other" for the rest: the FMA kernel's NF4 table loads make it slower, so NF4 switches on smaller
@@ -131,17 +137,9 @@ M > 8 (an int for both). ``min_m=17`` turns it off. H200 sweeps (NVFP4, CUDA gra
 row-major FMA kernel on 28672x8192 and 8192x28672 (42.0 / 44.2 us against 47.5 / 50.0) but not on the smaller
 shapes
 (8192x8192: 18.5 against 16.9 us); from M = 2 on it wins everywhere (28672x8192, M = 16: 52 against 168 us).
-row_blocks_max_m: per format, the largest M past max_m it takes in blocks of 16 x rows (at most MMA_MAX_M); the
-dispatch rules (``lowbit.ops.policy.linear_decide``), prepared layers and their compiled path follow it. Empty
-by default: :data:`ROW_BLOCKS_MAX_M` is the measured choice, to be made the default once the prepared and
-compiled paths have run with it on a GPU (the kernel itself has: ``tests/kernels/test_gemv_mma_gpu.py``)."""
-
-ROW_BLOCKS_MAX_M = {"nvfp4": 32, "mxfp4": 32}
-"""``MMA["row_blocks_max_m"]`` as measured. H200, CUDA graphs, against the tensor-core GEMMs ``lowbit.linear`` runs
-there (``benchmarks/experiments/sweep_gemv_row_blocks.py``): nvfp4 1.20-1.50x at M = 24 and 32 on 6144x4096,
-4096x14336 and 28672x8192, mxfp4 1.02-1.35x; at M = 48 0.83-1.08x and at M = 64 0.78x, int4_awq 0.73-0.95x
-everywhere: nvfp4 and mxfp4 up to 32. Set ``MMA["row_blocks_max_m"] = ROW_BLOCKS_MAX_M`` before layers are
-prepared to use it."""
+row_blocks_max_m: per format, the largest M past max_m it takes in blocks of 16 x rows (at most MMA_MAX_M), with
+bf16 x; the dispatch rules (``lowbit.ops.policy.linear_decide``), prepared layers and their compiled path follow
+it. Change it before layers are prepared (``{}`` turns the row blocks off)."""
 
 
 def mma_x_dtypes(fmt: str) -> tuple:
@@ -204,11 +202,21 @@ def mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, p
                 mp=8 * nt * mb, n_tiles=n_tiles * nt * mb)
 
 
+# what decides whether the tensor-core GEMV runs, not how it launches (their values are per-format dicts)
+_MMA_ROUTING_KEYS = ("m1_min_weights", "row_blocks_max_m")
+
+
+def mma_plan_key(m: int, bias, act: int, x_dtype: torch.dtype, cfg: dict, rs_mode: int,
+                 out_dtype: torch.dtype) -> tuple:
+    """What a tensor-core GEMV launch plan depends on, as a hashable key (the config's routing keys left out)."""
+    return (m, bias is None, None if bias is None else bias.dtype, act, x_dtype,
+            tuple((k_, v) for k_, v in cfg.items() if k_ not in _MMA_ROUTING_KEYS), rs_mode, out_dtype)
+
+
 def _mma_launch(x: torch.Tensor, p: PreparedW4, lay: MmaLayout, bias, act: int, out: torch.Tensor,
                 dev_index: int, cfg: dict, row_scale: torch.Tensor | None = None, rs_mode: int = 0) -> None:
     m = x.shape[0]
-    key = (m, bias is None, None if bias is None else bias.dtype, act, x.dtype,
-           tuple((k_, v) for k_, v in cfg.items() if k_ != "m1_min_weights"), rs_mode, out.dtype)
+    key = mma_plan_key(m, bias, act, x.dtype, cfg, rs_mode, out.dtype)
     plan = lay.plans.get(key)
     if plan is None:
         plan = lay.plans[key] = mma_plan(m, p.n, p.k, lay.fmt_code, lay.cpg, p.gs_kind, p.post, bias is not None,
