@@ -1,8 +1,9 @@
-"""The tensor-core GEMV past M = 16: blocks of 16 x rows in programs of their own (``MMA_MAX_M``, an
-``mma_config`` with ``max_m`` up to 64), against what ``lowbit.linear`` runs there by default (the tensor-core
-GEMM) and cuBLAS bf16, at M = 16 ... 64.
+"""The tensor-core GEMV past M = 16: blocks of up to ``block_rows`` x rows in programs of their own
+(``MMA_MAX_M``, an ``mma_config`` with ``max_m`` up to 64), against what ``lowbit.linear`` runs there without
+row blocks (the tensor-core GEMM) and cuBLAS bf16, at M = 16 ... 64.
 
     PYTHONPATH=src python benchmarks/experiments/sweep_gemv_row_blocks.py [--formats nvfp4,int4_awq] [--ms 24,32]
+        [--block-rows 16,32] [--ctas-per-sm 4,8]
 
 CUDA-graph replays with the weights rotated out of L2 (the GPU time inside a model's graph). Each output is
 checked against the fp32 reference first. JSON to ``$OUT/sweep_gemv_row_blocks.json``.
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--ms", default="16,24,32,48,64")
     ap.add_argument("--shapes", default="6144x4096,4096x14336,28672x8192")
     ap.add_argument("--ctas-per-sm", default="4", help="the split-K target(s) to try for M > 16, comma-separated")
+    ap.add_argument("--block-rows", default="16,32", help="the most x rows per block to try, comma-separated")
     args = ap.parse_args()
     dev = torch.device("cuda")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -56,26 +58,34 @@ def main() -> None:
                 row = {"fmt": name, "n": n, "k": k, "m": m}
                 row["cublas_us"] = graph_ms(_rotating([lambda w_=w_, x=x: F.linear(x, w_) for w_ in ws]),
                                             repeats=10, calls=5) * 1e3
-                row["default_path"] = lowbit.ops.plan_linear(x, q).path
-                for q_ in qs:
-                    lowbit.linear(x, q_)  # each copy's route prepared (e.g. its fragments) before the capture
-                fn = _rotating([lambda q_=q_, x=x: lowbit.linear(x, q_) for q_ in qs])
-                row["default_us"] = graph_ms(fn, repeats=10, calls=5) * 1e3
+                routes = G.MMA["row_blocks_max_m"]
+                G.MMA["row_blocks_max_m"] = {}   # the route without row blocks (they are measured below)
+                try:
+                    row["default_path"] = lowbit.ops.plan_linear(x, q).path
+                    for q_ in qs:
+                        lowbit.linear(x, q_)  # each copy's route prepared (e.g. its fragments) before the capture
+                    fn = _rotating([lambda q_=q_, x=x: lowbit.linear(x, q_) for q_ in qs])
+                    row["default_us"] = graph_ms(fn, repeats=10, calls=5) * 1e3
+                finally:
+                    G.MMA["row_blocks_max_m"] = routes
                 row["blocks"] = {}
                 for cps in (int(v) for v in args.ctas_per_sm.split(",")):
-                    cfg = {**G.MMA, "max_m": 64, "ctas_per_sm": cps}
-                    out = G.gemv_w4(x, ps[0], mma_config=cfg)
-                    fro, peak = rel_errors(out.float(), ref)
-                    fn = _rotating([lambda p_=p_, x=x, cfg=cfg: G.gemv_w4(x, p_, mma_config=cfg) for p_ in ps])
-                    us = graph_ms(fn, repeats=10, calls=5) * 1e3
-                    row["blocks"][cps] = {"us": us, "rel_fro": fro, "rel_peak": peak,
-                                          "x_cublas": row["cublas_us"] / us, "x_default": row["default_us"] / us}
+                    for br in (int(v) for v in args.block_rows.split(",")):
+                        cfg = {**G.MMA, "max_m": 64, "ctas_per_sm": cps, "block_rows": br}
+                        out = G.gemv_w4(x, ps[0], mma_config=cfg)
+                        fro, peak = rel_errors(out.float(), ref)
+                        fn = _rotating([lambda p_=p_, x=x, cfg=cfg: G.gemv_w4(x, p_, mma_config=cfg) for p_ in ps])
+                        us = graph_ms(fn, repeats=10, calls=5) * 1e3
+                        row["blocks"][f"cps{cps}/r{br}"] = {"us": us, "rel_fro": fro, "rel_peak": peak,
+                                                            "x_cublas": row["cublas_us"] / us,
+                                                            "x_default": row["default_us"] / us}
                 best = min(row["blocks"].values(), key=lambda v: v["us"])
                 rows.append(row)
-                blocks = " ".join(f"cps{c}:{v['us']:.1f}" for c, v in row["blocks"].items())
+                blocks = " ".join(f"{c}:{v['us']:.1f}" for c, v in row["blocks"].items())
                 print(f"{name:9s} {n}x{k} M={m:3d}  cuBLAS {row['cublas_us']:7.1f} us | default "
                       f"({row['default_path']}) {row['default_us']:7.1f} | row blocks {blocks} -> "
-                      f"{best['x_default']:.2f}x default, {best['x_cublas']:.2f}x cuBLAS (err {best['rel_fro']:.1e})",
+                      f"{best['x_default']:.2f}x GEMM route, {best['x_cublas']:.2f}x cuBLAS "
+                      f"(err {best['rel_fro']:.1e})",
                       flush=True)
                 with open(out_path, "w") as f:
                     json.dump({"header": header(), "rows": rows}, f, indent=1)

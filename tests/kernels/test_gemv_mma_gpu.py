@@ -311,9 +311,11 @@ def test_mma_nf4_graph_capture_and_not_used_for_blocksize_32():
     _check(G.gemv_w4(x, q32, mma_config=ALL_M), _reference(x, q32), "nf4 b32", rel=4e-3)
 
 
-# --------------------------------------------------------------------- M > 16: blocks of 16 x rows
+# --------------------------------------------------------------------- M > 16: blocks of x rows
 
-ROW_BLOCKS = {**ALL_M, "max_m": G.MMA_MAX_M}
+ROW_BLOCKS = {**ALL_M, "max_m": G.MMA_MAX_M}   # blocks of up to MMA["block_rows"] (24) rows: 2 or 3 n-tiles
+ROW_BLOCKS_16 = {**ROW_BLOCKS, "block_rows": 16}
+ROW_BLOCKS_32 = {**ROW_BLOCKS, "block_rows": 32}  # up to 4 n-tiles
 
 
 def _any_format(fmt, n, k, seed):
@@ -325,14 +327,28 @@ def _any_format(fmt, n, k, seed):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "int4_awq", "nf4"])
-@pytest.mark.parametrize("m", [17, 24, 32, 33, 48, 64])
+@pytest.mark.parametrize("m", [17, 24, 25, 32, 33, 48, 64])
 def test_mma_row_blocks_random_weights(fmt, m):
     q = _any_format(fmt, 1040, 4096, seed=m)
     p = prepare_w4(q)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-    got = G.gemv_w4(x, p, mma_config=ROW_BLOCKS)
-    _check(got, _reference(x, q), f"{fmt} M={m}", rel=6e-3 if fmt == "nf4" else 4e-3)
+    for cfg in (ROW_BLOCKS, ROW_BLOCKS_16, ROW_BLOCKS_32):
+        got = G.gemv_w4(x, p, mma_config=cfg)
+        _check(got, _reference(x, q), f"{fmt} M={m} block_rows={cfg['block_rows']}",
+               rel=6e-3 if fmt == "nf4" else 4e-3)
     assert any(key[0] == m for key in mma_layout(p).plans), "the tensor-core GEMV did not run"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4_awq", "nf4"])
+def test_mma_fp16_x_and_row_blocks_of_24(fmt):
+    """fp16 x (the post-scaled formats) and blocks of 3 n-tiles (block_rows 24: 40 rows as 24 + 16)."""
+    q = _any_format(fmt, 520, 2048, seed=3)
+    x = torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16)
+    cfg = {**ROW_BLOCKS, "block_rows": 24}
+    _check(G.gemv_w4(x, q, mma_config=cfg), _reference(x, q), f"{fmt} M=40 block_rows=24", rel=6e-3)
+    if fmt != "nvfp4":
+        xh = x.half()
+        _check(G.gemv_w4(xh, q, mma_config=cfg), _reference(xh, q), f"{fmt} fp16 M=40", rel=6e-3)
 
 
 @pytest.mark.parametrize("m", [20, 40, 64])
@@ -361,16 +377,19 @@ def test_mma_row_blocks_gated(m):
         _check(G.gemv_w4(x, q, activation="silu_and_mul", mma_config=cfg), ref, f"gated M={m} cfg={cfg}")
 
 
-def test_mma_row_blocks_equal_the_16_row_calls_without_split_k():
-    """Without split K each block of rows sums in the order of an M = 16 call on those rows: the bits match."""
+@pytest.mark.parametrize("block_rows", [16, 24, 32])
+def test_mma_row_blocks_equal_the_16_row_calls_without_split_k(block_rows):
+    """Without split K every n-tile of 8 rows sums in the order of an M = 16 call on its rows, however many
+    n-tiles share a block: the bits match."""
     q = lowbit.quantize(torch.randn(4096, 4096, device="cuda") * 0.05, "mxfp4")
     p = prepare_w4(q)
-    cfg = {**ROW_BLOCKS, "ctas_per_sm": 1}
+    cfg = {**ROW_BLOCKS, "ctas_per_sm": 1, "block_rows": block_rows}
     x = torch.randn(40, 4096, device="cuda", dtype=torch.bfloat16)
     got = G.gemv_w4(x, p, mma_config=cfg)
     parts = [G.gemv_w4(x[a:a + 16], p, mma_config=cfg) for a in (0, 16, 32)]
     assert all(plan.split == 1 for key, plan in mma_layout(p).plans.items())
     assert torch.equal(got, torch.cat(parts))
+    assert torch.equal(G.gemv_w4(x[:32], p, mma_config=cfg), got[:32])
 
 
 def test_mma_row_blocks_repeated_calls_identical_and_graph_capturable():
@@ -398,7 +417,7 @@ def test_m_past_16_needs_the_tensor_core_gemv(monkeypatch):
     monkeypatch.setitem(G.MMA, "row_blocks_max_m", G.ROW_BLOCKS_MAX_M)   # the default
     with pytest.raises(ValueError, match="M=17 rows"):
         G.gemv_w4(x, _int4(256, 512, 128, seed=1))        # int4 is not among the measured row-block formats
-    assert G.row_blocks_apply(q, 17, torch.bfloat16) and not G.row_blocks_apply(q, 33, torch.bfloat16)
+    assert G.row_blocks_apply(q, 17, torch.bfloat16) and not G.row_blocks_apply(q, 49, torch.bfloat16)
     _check(G.gemv_w4(x, q), _reference(x, q), "nvfp4 M=17, default MMA with the row-block limits")
     with pytest.raises(ValueError, match="M=17 rows"):
         G.gemv_w4(x.half(), q, mma_config=ROW_BLOCKS)     # fp16 x: no tensor-core GEMV for nvfp4

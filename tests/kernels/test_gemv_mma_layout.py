@@ -214,3 +214,24 @@ def test_plan_key_is_hashable_and_ignores_routing_keys(routes):
     assert key == G.mma_plan_key(24, None, 0, torch.bfloat16, {**cfg, "row_blocks_max_m": {"nvfp4": 17}}, 0,
                                  torch.bfloat16)
     assert key != G.mma_plan_key(24, None, 0, torch.bfloat16, {**cfg, "rg": 4}, 0, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m, block_rows, nt, mb", [
+    (1, 32, 1, 1), (9, 32, 2, 1), (16, 32, 2, 1), (17, 32, 3, 1), (24, 32, 3, 1), (25, 32, 4, 1), (32, 32, 4, 1),
+    (33, 32, 3, 2), (40, 32, 3, 2), (64, 32, 4, 2), (17, 16, 2, 2), (40, 16, 2, 3), (64, 16, 2, 4), (40, 24, 3, 2),
+])
+def test_plan_blocks_of_x_rows(monkeypatch, m, block_rows, nt, mb):
+    """M past 16 goes in the fewest blocks of at most block_rows rows, each of ceil(rows / 8) n-tiles; the
+    grid, workspace rows and counters follow."""
+    monkeypatch.setattr(G, "_num_sms", lambda index: 132)
+    cfg = {**G.MMA, "block_rows": block_rows}
+    plan = G.mma_plan(m, 4096, 4096, 0, 1, 1, 1.0, False, 0, torch.bfloat16, 0, cfg)
+    assert (plan.consts["NT"], plan.consts["MB"]) == (nt, mb)
+    assert 8 * nt * mb >= m and plan.mp == 8 * nt * mb and plan.grid[0] % mb == 0
+
+
+@pytest.mark.parametrize("block_rows", [0, 12, 40, 64, "32"])
+def test_plan_block_rows_checked(monkeypatch, block_rows):
+    monkeypatch.setattr(G, "_num_sms", lambda index: 132)
+    with pytest.raises(ValueError, match="block_rows"):
+        G.mma_plan(40, 4096, 4096, 0, 1, 1, 1.0, False, 0, torch.bfloat16, 0, {**G.MMA, "block_rows": block_rows})

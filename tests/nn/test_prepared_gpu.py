@@ -4,8 +4,8 @@ load_state_dict re-prepare; torch.inference_mode and no_grad for every scheme at
 torch.compile (Inductor, fullgraph) launches the GEMV kernels from its generated code, equals eager, and does not
 recompile per M within the GEMV regime.
 
-The register-operand route (big tiles at M = 192..512, nvfp4 at M = 33..64, large layers) and the GEMV's blocks
-of 16 rows (nvfp4 and mxfp4 at M = 17..32) through prepared layers, lowbit.linear and torch.compile.
+The register-operand route (big tiles at M = 192..512, nvfp4 at M = 49..64, large layers) and the GEMV's blocks
+of x rows (nvfp4 and mxfp4 at M = 17..48) through prepared layers, lowbit.linear and torch.compile.
 
 Run on the device machine: ``python -m pytest -q -p no:cacheprovider tests/nn/test_prepared_gpu.py``.
 """
@@ -76,7 +76,7 @@ def test_runner_bits_equal_linear(scheme, x_dtype, bias, activation):
         if path in kinds:
             want_kinds[m] = kinds[path]
     assert {k[0]: type(r).__name__ for k, r in prep.runners.items()} == want_kinds
-    # M = 17: the tensor-core GEMV's blocks of 16 rows where gemv_w4.MMA["row_blocks_max_m"] covers the format (and
+    # M = 17: the tensor-core GEMV's blocks of x rows where gemv_w4.MMA["row_blocks_max_m"] covers the format (and
     # x is bf16), the GEMM otherwise
     from lowbit.kernels.gemv_w4 import row_blocks_apply
 
@@ -396,7 +396,7 @@ def test_compile_reduce_overhead(scheme):
     ("w4a16-nvfp4", 28672, 8192, 64, None), ("w4a16-nvfp4", 28672, 4096, 256, "silu"),
     ("w4a16-int4", 28672, 4096, 200, None), ("w4a16-mxfp4", 4096, 8192, 512, "gelu"),
     ("w4a16-nvfp4", 28672, 2048, 768, None), ("w4a16-nvfp4", 28672, 4096, 128, "gelu"),
-    ("w4a16-nvfp4", 6144, 4096, 48, None), ("w4a16-mxfp4", 28672, 4096, 64, None),
+    ("w4a16-nvfp4", 6144, 4096, 56, None), ("w4a16-mxfp4", 28672, 4096, 64, None),
     ("w4a16-int4", 28672, 4096, 128, "silu")])
 def test_register_operand_route(scheme, n, k, m, activation):
     # where policy.register_operand_config takes the call (132-SM Hopper): the prepared layer and lowbit.linear
@@ -440,19 +440,19 @@ def test_register_operand_route_gated_and_misaligned():
 
 @pytest.mark.parametrize("scheme", ["w4a16-nvfp4", "w4a16-mxfp4"])
 def test_gemv_row_blocks_route(scheme, monkeypatch):
-    """With the measured row-block limits (gemv_w4.ROW_BLOCKS_MAX_M), M = 17..32 with bf16 x: lowbit.linear, the
+    """With the measured row-block limits (gemv_w4.ROW_BLOCKS_MAX_M), M = 17..48 with bf16 x: lowbit.linear, the
     prepared layer (a GemvRunner), a CUDA graph of it and its fullgraph torch.compile run the tensor-core GEMV in
-    blocks of 16 rows, the same bits, close to the fp32 reference; fp16 x and M = 33 take the GEMM."""
+    blocks of x rows, the same bits, close to the fp32 reference; fp16 x and M = 49 take the GEMM."""
     from lowbit.kernels import gemv_w4
     from lowbit.ops import policy
 
     monkeypatch.setitem(gemv_w4.MMA, "row_blocks_max_m", gemv_w4.ROW_BLOCKS_MAX_M)  # before the layer is prepared
     layer = _layer(scheme, n=1040, k=4096, activation="silu")
     w = layer.weight_qtensor
-    for m in (17, 24, 32):
+    for m in (17, 24, 32, 48):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         plan = lowbit.ops.plan_linear(x, w)
-        assert plan.path == "gemv_w4" and "blocks of 16" in plan.reason, plan
+        assert plan.path == "gemv_w4" and "blocks of x rows" in plan.reason, plan
         got = layer(x)
         assert type(layer._prepared.runners[(m, torch.bfloat16, False)]).__name__ == "GemvRunner"
         want = _want(layer, x)
@@ -462,7 +462,7 @@ def test_gemv_row_blocks_route(scheme, monkeypatch):
         x3 = x.view(1, m, 4096)
         assert torch.equal(_bits(layer(x3)), _bits(want.view(1, m, -1)))
     assert policy.linear_decide(24, w.data.device, w, "auto", torch.float16)[0] != "gemv_w4"
-    assert policy.linear_decide(33, w.data.device, w, "auto", torch.bfloat16)[0] != "gemv_w4"
+    assert policy.linear_decide(49, w.data.device, w, "auto", torch.bfloat16)[0] != "gemv_w4"
     x = torch.randn(24, 4096, device="cuda", dtype=torch.bfloat16)
     want = _want(layer, x)
     g = torch.cuda.CUDAGraph()

@@ -425,7 +425,7 @@ def test_gemv_row_blocks_rule(weights, kernels, monkeypatch):
     assert _path(q, 24).path == "gemm_w4"                        # a module without row_blocks_apply
     kernels["gemv_w4"].row_blocks_apply = rows
     plan = lin._plan(24, q.shape[0], k, CUDA, q, "auto", torch.bfloat16)
-    assert plan.path == "gemv_w4" and "blocks of 16 x rows" in plan.reason
+    assert plan.path == "gemv_w4" and "blocks of x rows" in plan.reason
     assert lin._plan(24, q.shape[0], k, CUDA, q, "auto", torch.float16).path == "gemm_w4"
     assert lin._plan(33, q.shape[0], k, CUDA, q, "auto", torch.bfloat16).path == "gemm_w4"
     assert _path(q, 8).path == "gemv_w4" and all(m > policy.GEMV_MAX_M for m, _ in asked)  # past it only

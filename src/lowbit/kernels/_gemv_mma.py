@@ -1,4 +1,5 @@
-"""Triton kernel of the tensor-core 4-bit GEMV (``mma.sync`` m16n8k16 in inline PTX), M <= 16.
+"""Triton kernel of the tensor-core 4-bit GEMV (``mma.sync`` m16n8k16 in inline PTX), M <= 32 per block of
+programs (up to 4 n-tiles of 8 x rows share each decoded weight register).
 
 Why: the CUDA-core FMA kernel spends about 4.5 instructions per weight at M = 1 and one more FMA per weight
 per extra row of x, so it is issue-bound from M = 2 on. Here one ``mma.sync`` multiplies 256 weights by up to
@@ -113,6 +114,8 @@ def _mma_asm(nt: int) -> str:
 
 _MMA_ASM_1 = tl.constexpr(one_line(_mma_asm(1)))
 _MMA_ASM_2 = tl.constexpr(one_line(_mma_asm(2)))
+_MMA_ASM_3 = tl.constexpr(one_line(_mma_asm(3)))
+_MMA_ASM_4 = tl.constexpr(one_line(_mma_asm(4)))
 
 # int4 (AWQ/GPTQ): nibble q of element (row g + 8 h, column 4 i + c) sits at bit 4 (h + 2 (c // 2)) + 16 (c % 2)
 # of the lane's word, so A register j is ((w >> 4 j) & 0x000F000F) | MAGIC = (MAGIC + q) in both halves, exact
@@ -185,8 +188,12 @@ def _mma_int4_asm(nt: int, fp16: bool) -> str:
 
 _INT4_ASM_BF16_1 = tl.constexpr(one_line(_mma_int4_asm(1, False)))
 _INT4_ASM_BF16_2 = tl.constexpr(one_line(_mma_int4_asm(2, False)))
+_INT4_ASM_BF16_3 = tl.constexpr(one_line(_mma_int4_asm(3, False)))
+_INT4_ASM_BF16_4 = tl.constexpr(one_line(_mma_int4_asm(4, False)))
 _INT4_ASM_F16_1 = tl.constexpr(one_line(_mma_int4_asm(1, True)))
 _INT4_ASM_F16_2 = tl.constexpr(one_line(_mma_int4_asm(2, True)))
+_INT4_ASM_F16_3 = tl.constexpr(one_line(_mma_int4_asm(3, True)))
+_INT4_ASM_F16_4 = tl.constexpr(one_line(_mma_int4_asm(4, True)))
 
 
 # NF4 (bitsandbytes): a 16-entry table lookup per nibble with prmt. The table of the 16 levels (rounded to the
@@ -247,8 +254,29 @@ def _mma_nf4_asm(nt: int, fp16: bool) -> str:
 
 _NF4_ASM_BF16_1 = tl.constexpr(one_line(_mma_nf4_asm(1, False)))
 _NF4_ASM_BF16_2 = tl.constexpr(one_line(_mma_nf4_asm(2, False)))
+_NF4_ASM_BF16_3 = tl.constexpr(one_line(_mma_nf4_asm(3, False)))
+_NF4_ASM_BF16_4 = tl.constexpr(one_line(_mma_nf4_asm(4, False)))
 _NF4_ASM_F16_1 = tl.constexpr(one_line(_mma_nf4_asm(1, True)))
 _NF4_ASM_F16_2 = tl.constexpr(one_line(_mma_nf4_asm(2, True)))
+_NF4_ASM_F16_3 = tl.constexpr(one_line(_mma_nf4_asm(3, True)))
+_NF4_ASM_F16_4 = tl.constexpr(one_line(_mma_nf4_asm(4, True)))
+
+
+
+def _chunk_constraints(nt: int, nf4: bool) -> str:
+    """The chunk asm's constraints (pack = 4): 4 nt outputs; 4 words, 8 x registers per n-tile, 4 copies of each
+    of the two pairs, 4 nt accumulators; NF4: 4 copies of each of the 8 table words."""
+    return ",".join(["=f"] * (4 * nt) + ["r"] * (4 + 8 * nt + 8) + ["f"] * (4 * nt) + ["r"] * (32 if nf4 else 0))
+
+
+_CONS_1 = tl.constexpr(_chunk_constraints(1, False))
+_CONS_2 = tl.constexpr(_chunk_constraints(2, False))
+_CONS_3 = tl.constexpr(_chunk_constraints(3, False))
+_CONS_4 = tl.constexpr(_chunk_constraints(4, False))
+_CONS_NF4_1 = tl.constexpr(_chunk_constraints(1, True))
+_CONS_NF4_2 = tl.constexpr(_chunk_constraints(2, True))
+_CONS_NF4_3 = tl.constexpr(_chunk_constraints(3, True))
+_CONS_NF4_4 = tl.constexpr(_chunk_constraints(4, True))
 
 _PAIR_ASM = tl.constexpr("ld.global.nc.v2.b32 {$0, $1}, [$2];")
 
@@ -305,72 +333,151 @@ def _load_pair(ptrs):
 
 
 @triton.jit
-def _mma_chunk(words, xlo0, xhi0, xlo1, xhi1, raw, zraw, acc0, acc1, tab, FMT: tl.constexpr, NT: tl.constexpr,
-               XF16: tl.constexpr):
-    """The chunk's 4 mmas into the accumulators. The FP4, int4 and NF4 asm take the same operand list: after
+def _mma_chunk(words, xf, raw, zraw, acc, tab, FMT: tl.constexpr, NT: tl.constexpr, XF16: tl.constexpr):
+    """The chunk's 4 mmas per n-tile into the accumulators (a tuple of 4, the first NT used). ``xf``: the
+    (x-lo, x-hi) fragments of the 4 n-tiles, flat. The FP4, int4 and NF4 asm take the same operand list: after
     the words and x fragments, two per-lane int32 pairs (FP4: the bf16x2 scales of rows g and g + 8; int4: the
     fp16 scale pair and the zero pair; NF4: the fp32 absmax of rows g and g + 8)."""
     if FMT == FMT_INT4:
         a, b = raw, zraw
         if XF16:
-            ASM1: tl.constexpr = _INT4_ASM_F16_1
-            ASM2: tl.constexpr = _INT4_ASM_F16_2
+            if NT == 1:
+                ASM: tl.constexpr = _INT4_ASM_F16_1
+            elif NT == 2:
+                ASM: tl.constexpr = _INT4_ASM_F16_2
+            elif NT == 3:
+                ASM: tl.constexpr = _INT4_ASM_F16_3
+            else:
+                ASM: tl.constexpr = _INT4_ASM_F16_4
         else:
-            ASM1: tl.constexpr = _INT4_ASM_BF16_1
-            ASM2: tl.constexpr = _INT4_ASM_BF16_2
+            if NT == 1:
+                ASM: tl.constexpr = _INT4_ASM_BF16_1
+            elif NT == 2:
+                ASM: tl.constexpr = _INT4_ASM_BF16_2
+            elif NT == 3:
+                ASM: tl.constexpr = _INT4_ASM_BF16_3
+            else:
+                ASM: tl.constexpr = _INT4_ASM_BF16_4
     elif FMT == FMT_NF4:
         a, b = raw, zraw
         if XF16:
-            ASM1: tl.constexpr = _NF4_ASM_F16_1
-            ASM2: tl.constexpr = _NF4_ASM_F16_2
+            if NT == 1:
+                ASM: tl.constexpr = _NF4_ASM_F16_1
+            elif NT == 2:
+                ASM: tl.constexpr = _NF4_ASM_F16_2
+            elif NT == 3:
+                ASM: tl.constexpr = _NF4_ASM_F16_3
+            else:
+                ASM: tl.constexpr = _NF4_ASM_F16_4
         else:
-            ASM1: tl.constexpr = _NF4_ASM_BF16_1
-            ASM2: tl.constexpr = _NF4_ASM_BF16_2
+            if NT == 1:
+                ASM: tl.constexpr = _NF4_ASM_BF16_1
+            elif NT == 2:
+                ASM: tl.constexpr = _NF4_ASM_BF16_2
+            elif NT == 3:
+                ASM: tl.constexpr = _NF4_ASM_BF16_3
+            else:
+                ASM: tl.constexpr = _NF4_ASM_BF16_4
     else:
         a, b = _scale_pair(raw, FMT)
-        ASM1: tl.constexpr = _MMA_ASM_1
-        ASM2: tl.constexpr = _MMA_ASM_2
+        if NT == 1:
+            ASM: tl.constexpr = _MMA_ASM_1
+        elif NT == 2:
+            ASM: tl.constexpr = _MMA_ASM_2
+        elif NT == 3:
+            ASM: tl.constexpr = _MMA_ASM_3
+        else:
+            ASM: tl.constexpr = _MMA_ASM_4
     if FMT == FMT_NF4:
         if NT == 1:
-            acc0 = tl.inline_asm_elementwise(
-                ASM1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f" + ",r" * 32,
-                [words, xlo0, xhi0, a, b, acc0, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7]],
-                dtype=tl.float32, is_pure=True, pack=4)
+            CONS: tl.constexpr = _CONS_NF4_1
+        elif NT == 2:
+            CONS: tl.constexpr = _CONS_NF4_2
+        elif NT == 3:
+            CONS: tl.constexpr = _CONS_NF4_3
         else:
-            acc0, acc1 = tl.inline_asm_elementwise(
-                ASM2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f" + ",r" * 32,
-                [words, xlo0, xhi0, xlo1, xhi1, a, b, acc0, acc1, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5],
-                 tab[6], tab[7]], dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-    elif NT == 1:
-        acc0 = tl.inline_asm_elementwise(
-            ASM1, "=f,=f,=f,=f," + "r," * 4 + "r," * 8 + "r," * 8 + "f,f,f,f",
-            [words, xlo0, xhi0, a, b, acc0], dtype=tl.float32, is_pure=True, pack=4)
+            CONS: tl.constexpr = _CONS_NF4_4
+        t0, t1, t2, t3, t4, t5, t6, t7 = tab
+        if NT == 1:
+            acc0 = tl.inline_asm_elementwise(
+                ASM, CONS, [words, xf[0], xf[1], a, b, acc[0], t0, t1, t2, t3, t4, t5, t6, t7],
+                dtype=tl.float32, is_pure=True, pack=4)
+            out = (acc0, acc[1], acc[2], acc[3])
+        elif NT == 2:
+            o0, o1 = tl.inline_asm_elementwise(
+                ASM, CONS, [words, xf[0], xf[1], xf[2], xf[3], a, b, acc[0], acc[1], t0, t1, t2, t3, t4, t5, t6, t7],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            out = (o0, o1, acc[2], acc[3])
+        elif NT == 3:
+            o0, o1, o2 = tl.inline_asm_elementwise(
+                ASM, CONS, [words, xf[0], xf[1], xf[2], xf[3], xf[4], xf[5], a, b, acc[0], acc[1], acc[2],
+                            t0, t1, t2, t3, t4, t5, t6, t7],
+                dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=4)
+            out = (o0, o1, o2, acc[3])
+        else:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                ASM, CONS, [words, xf[0], xf[1], xf[2], xf[3], xf[4], xf[5], xf[6], xf[7], a, b,
+                            acc[0], acc[1], acc[2], acc[3], t0, t1, t2, t3, t4, t5, t6, t7],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=4)
+            out = (o0, o1, o2, o3)
     else:
-        acc0, acc1 = tl.inline_asm_elementwise(
-            ASM2, "=f,=f,=f,=f,=f,=f,=f,=f," + "r," * 4 + "r," * 16 + "r," * 8 + "f," * 7 + "f",
-            [words, xlo0, xhi0, xlo1, xhi1, a, b, acc0, acc1], dtype=(tl.float32, tl.float32),
-            is_pure=True, pack=4)
-    return acc0, acc1
+        if NT == 1:
+            CONS: tl.constexpr = _CONS_1
+        elif NT == 2:
+            CONS: tl.constexpr = _CONS_2
+        elif NT == 3:
+            CONS: tl.constexpr = _CONS_3
+        else:
+            CONS: tl.constexpr = _CONS_4
+        if NT == 1:
+            acc0 = tl.inline_asm_elementwise(ASM, CONS, [words, xf[0], xf[1], a, b, acc[0]],
+                                             dtype=tl.float32, is_pure=True, pack=4)
+            out = (acc0, acc[1], acc[2], acc[3])
+        elif NT == 2:
+            o0, o1 = tl.inline_asm_elementwise(
+                ASM, CONS, [words, xf[0], xf[1], xf[2], xf[3], a, b, acc[0], acc[1]],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            out = (o0, o1, acc[2], acc[3])
+        elif NT == 3:
+            o0, o1, o2 = tl.inline_asm_elementwise(
+                ASM, CONS, [words, xf[0], xf[1], xf[2], xf[3], xf[4], xf[5], a, b, acc[0], acc[1], acc[2]],
+                dtype=(tl.float32, tl.float32, tl.float32), is_pure=True, pack=4)
+            out = (o0, o1, o2, acc[3])
+        else:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                ASM, CONS, [words, xf[0], xf[1], xf[2], xf[3], xf[4], xf[5], xf[6], xf[7], a, b,
+                            acc[0], acc[1], acc[2], acc[3]],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=4)
+            out = (o0, o1, o2, o3)
+    return out
 
 
 @triton.jit
-def _fetch(w_tile, s_tile, xr0, xr1, kq, jj, FMT: tl.constexpr, SPC: tl.constexpr, CPG: tl.constexpr,
+def _fetch(w_tile, s_tile, xr, kq, jj, FMT: tl.constexpr, SPC: tl.constexpr, CPG: tl.constexpr,
            NT: tl.constexpr):
     """Everything one iteration at chunk kq consumes: words, scale pairs (int4: and zero pairs; NF4: the absmax
-    of the lane's two rows; else the second is a copy), x fragments (0 for an absent n-tile)."""
+    of the lane's two rows; else the second is a copy), the x fragments of the 4 n-tiles (x-lo, x-hi each; 0
+    for an absent n-tile). ``xr``: the x row pointers of the 4 n-tiles."""
     words = tl.load(w_tile + kq * 128)
     if FMT == FMT_INT4 or FMT == FMT_NF4:
         raw, zraw = _load_pair(s_tile + ((kq + jj) // CPG) * 16)
     else:
         raw = _load_scale_raw(s_tile + kq * SPC * 8)
         zraw = raw
-    xlo0, xhi0 = _load_x_frags(xr0 + kq * 64)
-    if NT == 2:
-        xlo1, xhi1 = _load_x_frags(xr1 + kq * 64)
-    else:
-        xlo1 = 0
-        xhi1 = 0
-    return words, raw, zraw, xlo0, xhi0, xlo1, xhi1
+    xlo0, xhi0 = _load_x_frags(xr[0] + kq * 64)
+    xlo1 = 0
+    xhi1 = 0
+    xlo2 = 0
+    xhi2 = 0
+    xlo3 = 0
+    xhi3 = 0
+    if NT >= 2:
+        xlo1, xhi1 = _load_x_frags(xr[1] + kq * 64)
+    if NT >= 3:
+        xlo2, xhi2 = _load_x_frags(xr[2] + kq * 64)
+    if NT >= 4:
+        xlo3, xhi3 = _load_x_frags(xr[3] + kq * 64)
+    return words, raw, zraw, (xlo0, xhi0, xlo1, xhi1, xlo2, xhi2, xlo3, xhi3)
 
 
 @triton.jit
@@ -382,7 +489,7 @@ def gemv_mma_kernel(
     GS_KIND: tl.constexpr, ROW_SCALE: tl.constexpr, POST: tl.constexpr,
     CPG: tl.constexpr = 1, XF16: tl.constexpr = False, MB: tl.constexpr = 1,
 ):
-    """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT MB.
+    """out[m, n] = act(POST * sum_k x[m, k] W'[n, k] (/ or *) gs + bias[n]) for m < M <= 8 NT MB (NT <= 4).
 
     w_ptr: int32 [N16, KQ, 128] (= [N16, KQ, 32 lanes, 4]) (N16 = ceil(N / 16) row groups, KQ = K / 64
     chunks); s_ptr: uint16 [N16, K / SB, 8] scale pairs (SB = 16 for NVFP4: one per lane t; 32 for MXFP4:
@@ -392,15 +499,16 @@ def gemv_mma_kernel(
     A program owns RG row groups and IPS iterations of J chunks starting at chunk
     pid_k * IPS * J; the tile is ``[J, RG, 128]`` and the warps split its J chunks, so a warp loads the x
     fragments of its chunk once and uses them for its RG row groups.
-    MB > 1 (M > 16): blocks of 16 x rows, each in programs of its own; the MB programs of one weight tile are
-    consecutive in dim 0, so they run together and all but the first read the tile from L2.
+    NT n-tiles of 8 x rows share each decoded weight register (one decode, NT mmas). MB > 1: blocks of 8 NT
+    x rows, each in programs of its own; the MB programs of one weight tile are consecutive in dim 0, so they
+    run together and all but the first read the tile from L2 (and decode it again).
     """
     if MB == 1:
         pid_n = tl.program_id(0)
     else:
         pid_n = tl.program_id(0) // MB
         pid_m = tl.program_id(0) % MB
-        m_base = pid_m * 16
+        m_base = pid_m * (8 * NT)
         x_ptr += m_base.to(tl.int64) * K
         if ACT >= ACT_GATED:
             out_ptr += m_base.to(tl.int64) * (N // 2)
@@ -438,11 +546,23 @@ def gemv_mma_kernel(
     # x rows of the two n-tiles (a row past M - 1 re-reads the last row; its output is masked); the 4
     # pointers of a lane's pack are equal (the asm reads 32 bytes from the first)
     x_col = jj * 64 + t * 16                                                          # [J, 1, 128]
-    xr0 = x_ptr + (tl.minimum(g, M - 1).to(tl.int64) * K + x_col)
-    xr1 = x_ptr + (tl.minimum(g + 8, M - 1).to(tl.int64) * K + x_col)
+    xr = (x_ptr + (tl.minimum(g, M - 1).to(tl.int64) * K + x_col),
+          x_ptr + (tl.minimum(g + 8, M - 1).to(tl.int64) * K + x_col),
+          x_ptr + (tl.minimum(g + 16, M - 1).to(tl.int64) * K + x_col),
+          x_ptr + (tl.minimum(g + 24, M - 1).to(tl.int64) * K + x_col))
 
+    # the accumulators of the 4 n-tiles; an absent n-tile's stays a scalar, never touched
     acc0 = tl.zeros((J, RG, 128), dtype=tl.float32)
-    acc1 = tl.zeros((J, RG, 128), dtype=tl.float32)
+    acc1 = 0.0
+    acc2 = 0.0
+    acc3 = 0.0
+    if NT >= 2:
+        acc1 = tl.zeros((J, RG, 128), dtype=tl.float32)
+    if NT >= 3:
+        acc2 = tl.zeros((J, RG, 128), dtype=tl.float32)
+    if NT >= 4:
+        acc3 = tl.zeros((J, RG, 128), dtype=tl.float32)
+    acc = (acc0, acc1, acc2, acc3)
     kq_start = pid_k * (IPS * J)
     # software pipeline in registers: what iteration i + 1 consumes is loaded during iteration i (the
     # prefetch after the last iteration re-reads the row's last chunks)
@@ -450,12 +570,12 @@ def gemv_mma_kernel(
     # memory as warp-uniform values they went to uniform registers, which prmt cannot read, and were copied back
     # at every use: 34 against 28 instructions per word at M <= 8)
     tab = (T0, T1, T2, T3, T4, T5, T6, T7)
-    w_a, r_a, z_a, xa0, xa1, xa2, xa3 = _fetch(w_tile, s_tile, xr0, xr1, kq_start, jj, FMT, SPC, CPG, NT)
+    w_a, r_a, z_a, xf_a = _fetch(w_tile, s_tile, xr, kq_start, jj, FMT, SPC, CPG, NT)
     for it in tl.range(0, IPS, num_stages=1):
         kq_n = tl.minimum(kq_start + (it + 1) * J, KQ - J)
-        w_n, r_n, z_n, xn0, xn1, xn2, xn3 = _fetch(w_tile, s_tile, xr0, xr1, kq_n, jj, FMT, SPC, CPG, NT)
-        acc0, acc1 = _mma_chunk(w_a, xa0, xa1, xa2, xa3, r_a, z_a, acc0, acc1, tab, FMT, NT, XF16)
-        w_a, r_a, z_a, xa0, xa1, xa2, xa3 = w_n, r_n, z_n, xn0, xn1, xn2, xn3
+        w_n, r_n, z_n, xf_n = _fetch(w_tile, s_tile, xr, kq_n, jj, FMT, SPC, CPG, NT)
+        acc = _mma_chunk(w_a, xf_a, r_a, z_a, acc, tab, FMT, NT, XF16)
+        w_a, r_a, z_a, xf_a = w_n, r_n, z_n, xf_n
 
     # C fragment register i of lane (g, t): row g + 8 (i // 2) of the group, x row 2 t + i % 2
     d2 = tl.arange(0, 128)[None, :]
@@ -463,8 +583,14 @@ def gemv_mma_kernel(
     rows = rg[:, None] * 16 + lane2 // 4 + 8 * ((d2 % 4) // 2)                        # [RG, 128]
     m0 = 2 * (lane2 % 4) + (d2 % 2)
     # split-K: workspace [SPLIT, 8 NT, N], one counter per (N tile, n-tile)
-    gemv_epilogue(tl.sum(acc0, axis=0), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
-              out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 2)
-    if NT == 2:
-        gemv_epilogue(tl.sum(acc1, axis=0), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
-                  bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 2)
+    gemv_epilogue(tl.sum(acc[0], axis=0), cnt_ptr + pid_n * NT, pid_k, m0, rows, M, N, gs_ptr, rs_ptr, bias_ptr,
+                  out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 2)
+    if NT >= 2:
+        gemv_epilogue(tl.sum(acc[1], axis=0), cnt_ptr + pid_n * NT + 1, pid_k, m0 + 8, rows, M, N, gs_ptr, rs_ptr,
+                      bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 2)
+    if NT >= 3:
+        gemv_epilogue(tl.sum(acc[2], axis=0), cnt_ptr + pid_n * NT + 2, pid_k, m0 + 16, rows, M, N, gs_ptr,
+                      rs_ptr, bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 2)
+    if NT >= 4:
+        gemv_epilogue(tl.sum(acc[3], axis=0), cnt_ptr + pid_n * NT + 3, pid_k, m0 + 24, rows, M, N, gs_ptr,
+                      rs_ptr, bias_ptr, out_ptr, ws_ptr, 8 * NT, SPLIT, POST, GS_KIND, ROW_SCALE, HAS_BIAS, ACT, 2)

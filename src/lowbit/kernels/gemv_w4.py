@@ -10,12 +10,12 @@ layout (:mod:`lowbit.kernels.gemv_mma_layout`). Layers that own their weight cal
 plans, the launch and the public entry.
 
 Kernels: NVFP4 / MXFP4 with bf16 x, and int4_awq (group a multiple of 64) and nf4 (blocksize a multiple of
-64) with bf16 or fp16 x, at
-``MMA["min_m"] <= M <= 16`` run the tensor-core GEMV (``_gemv_mma``: mma.sync over a weight laid out once by
-:func:`mma_layout`, a further copy of the 4-bit words; at M = 1 only for large weights, see :data:`MMA`);
-otherwise
-M <= ``TILE["fma_max_m"]`` runs the CUDA-core FMA kernel (``_gemv_w4``; M rows of x per program, so the
-weights are read once) and larger M the ``tl.dot`` kernel with M padded to 16. Both split K across programs when there are too few N tiles to fill the GPU, and reduce the
+64) with bf16 or fp16 x, at ``MMA["min_m"] <= M <= 16`` (and past 16 where ``MMA["row_blocks_max_m"]`` says so)
+run the tensor-core GEMV (``_gemv_mma``: mma.sync over a weight laid out once by :func:`mma_layout`, a further
+copy of the 4-bit words; at M = 1 only for large weights, see :data:`MMA`); otherwise M <= ``TILE["fma_max_m"]``
+runs the CUDA-core FMA kernel (``_gemv_w4``; M rows of x per program, so the weights are read once) and larger M
+the ``tl.dot`` kernel with M padded to 16. Both split K across programs when there are too few N tiles to fill
+the GPU, and reduce the
 split-K partials inside the same launch (last-arriving program, self-resetting counter), so a call is
 one kernel launch: safe to capture in a CUDA graph.
 
@@ -54,8 +54,9 @@ ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3,
 GATED = 4
 MAX_M = 16
 MMA_MAX_M = 64
-"""M up to MAX_M runs on every GEMV kernel; up to MMA_MAX_M only on the tensor-core GEMV (blocks of 16 x rows in
-programs of their own), where an ``mma_config`` with that ``max_m`` asks for it."""
+"""M up to MAX_M runs on every GEMV kernel; up to MMA_MAX_M only on the tensor-core GEMV (blocks of up to
+``MMA["block_rows"]`` x rows in programs of their own), where its config's ``max_m`` or ``row_blocks_max_m``
+asks for it."""
 
 TILE = {
     # M <= fma_max_m: CUDA-core FMA kernel (MP = 1, 2 or 4 rows of x per program); else the tl.dot kernel
@@ -119,14 +120,15 @@ def clear_cache() -> None:
 
 # ------------------------------------------------------------------------------------- tensor-core regime
 
-ROW_BLOCKS_MAX_M = {"nvfp4": 32, "mxfp4": 32}
+ROW_BLOCKS_MAX_M = {"nvfp4": 48, "mxfp4": 48}
 """The default ``MMA["row_blocks_max_m"]``, as measured. H200, CUDA graphs, against the tensor-core GEMMs
-``lowbit.linear`` ran there before (``benchmarks/experiments/sweep_gemv_row_blocks.py``): nvfp4 1.20-1.77x at
-M = 17-32 on 6144x4096, 4096x14336, 28672x8192 and 8192x28672, mxfp4 1.02-1.39x; at M = 48 0.83-1.08x and at
-M = 64 0.78x, int4_awq 0.73-0.95x everywhere: nvfp4 and mxfp4 up to 32."""
+``lowbit.linear`` runs there without row blocks (``benchmarks/experiments/sweep_gemv_row_blocks.py``; blocks of
+up to 24 rows): nvfp4 1.47-2.24x at M = 17-24 on 6144x4096, 4096x14336 and 28672x8192, mxfp4 1.23-1.75x; at
+M = 32 1.03-1.42x, at M = 40-48 1.00-1.19x; at M = 64 0.77-0.98x, and int4_awq 0.78-1.12x with a loss on
+most shapes: nvfp4 and mxfp4 up to 48."""
 
 MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": {"nf4": 1 << 25, "other": 1 << 27}, "rg": 2, "j": 4,
-       "warps": 4, "ctas_per_sm": (8, 4), "row_blocks_max_m": dict(ROW_BLOCKS_MAX_M)}
+       "warps": 4, "ctas_per_sm": (8, 4), "row_blocks_max_m": dict(ROW_BLOCKS_MAX_M), "block_rows": 24}
 """The tensor-core GEMV (``_gemv_mma``): used for min_m <= M <= max_m where the weight allows it (see
 :func:`mma_layout`), at M = 1 only for weights of at least m1_min_weights elements (an int, or per format with
 "other" for the rest: the FMA kernel's NF4 table loads make it slower, so NF4 switches on smaller
@@ -137,9 +139,14 @@ M > 8 (an int for both). ``min_m=17`` turns it off. H200 sweeps (NVFP4, CUDA gra
 row-major FMA kernel on 28672x8192 and 8192x28672 (42.0 / 44.2 us against 47.5 / 50.0) but not on the smaller
 shapes
 (8192x8192: 18.5 against 16.9 us); from M = 2 on it wins everywhere (28672x8192, M = 16: 52 against 168 us).
-row_blocks_max_m: per format, the largest M past max_m it takes in blocks of 16 x rows (at most MMA_MAX_M), with
-bf16 x; the dispatch rules (``lowbit.ops.policy.linear_decide``), prepared layers and their compiled path follow
-it. Change it before layers are prepared (``{}`` turns the row blocks off)."""
+row_blocks_max_m: per format, the largest M past max_m it takes in blocks of x rows (at most MMA_MAX_M), with
+bf16 x; block_rows: the most x rows (8, 16, 24 or 32) one block multiplies with each decoded weight register
+(its n-tiles of 8 rows share the decode; H200, CUDA graphs, nvfp4 and mxfp4: one block of 3 n-tiles against
+2 blocks of 2 at M = 17-24, 1.17-1.28x on 4096x14336 and 28672x8192, 0.94-0.99x on 6144x4096; 4 n-tiles
+against 2 blocks of 2 at M = 32, 0.73-1.02x: ptxas keeps that kernel at 128 registers and spills); the
+dispatch rules (``lowbit.ops.policy.linear_decide``), prepared
+layers and their compiled path follow row_blocks_max_m. Change it before layers are prepared (``{}`` turns the
+row blocks off)."""
 
 
 def mma_x_dtypes(fmt: str) -> tuple:
@@ -163,7 +170,7 @@ def mma_max_m(cfg: dict, fmt: str) -> int:
 
 def row_blocks_apply(w: QTensor | PreparedW4, m: int, x_dtype: torch.dtype) -> bool:
     """Whether :func:`gemv_w4` with the default :data:`MMA` runs ``m`` > :data:`MAX_M` rows of ``x_dtype`` on
-    ``w`` (the tensor-core GEMV in blocks of 16 rows); cheap once ``w``'s layouts are made (the first call for a
+    ``w`` (the tensor-core GEMV in blocks of x rows); cheap once ``w``'s layouts are made (the first call for a
     weight makes them)."""
     if not MAX_M < m <= MMA.get("row_blocks_max_m", {}).get(w.fmt, 0) or _interpreting():
         return False
@@ -178,8 +185,17 @@ def mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, p
              plan_n: int | None = None) -> Plan:
     """The launch plan of the tensor-core GEMV (static facts only: no tensor is read, so the compiled path can
     build it from fake tensors). K is split as for a weight of ``plan_n`` rows (default ``n``)."""
-    nt = 1 if m <= 8 else 2
-    mb = cdiv(m, 16)  # blocks of 16 x rows, each in programs of its own (M > 16)
+    if m <= 16:
+        nt, mb = (1 if m <= 8 else 2), 1
+    else:
+        # blocks of up to block_rows x rows, each in programs of its own; a block's n-tiles (8 rows each) share
+        # the decoded weight, so fewer, larger blocks decode less
+        rows = cfg.get("block_rows", 24)
+        if rows not in (8, 16, 24, 32):
+            raise ValueError(f"gemv_w4: mma_config['block_rows'] must be 8, 16, 24 or 32 (x rows a program "
+                             f"multiplies with each decoded weight register), got {rows!r}")
+        mb = cdiv(m, rows)
+        nt = cdiv(cdiv(m, mb), 8)
     kq = kdim // 64
     rg = cfg["rg"]
     j = cfg["j"]
@@ -188,7 +204,7 @@ def mma_plan(m: int, n: int, kdim: int, fmt_code: int, cpg: int, gs_kind: int, p
     iters = kq // j
     n_tiles = cdiv(cdiv(n, 16), rg)
     cps = cfg.get("ctas_per_sm", TILE["ctas_per_sm"])
-    cps = cps if isinstance(cps, int) else cps[nt - 1]
+    cps = cps if isinstance(cps, int) else cps[0 if m <= 8 else 1]
     split = _split_k(iters, cdiv(cdiv(plan_n or n, 16), rg) * mb, kdim, 8 * nt * mb, _num_sms(dev_index),
                      {**TILE, "ctas_per_sm": cps})
     consts = {"FMT": fmt_code, "RG": rg, "J": j, "IPS": iters // split, "NT": nt, "MB": mb,
@@ -536,10 +552,12 @@ def _variants():
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": gs_kind, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63}
         yield km.gemv_mma_kernel, mma_sig, consts
-    # blocks of 16 x rows (M > 16): split-K, per-row scales, the gated epilogue
-    for fmt_code, mb, split, has_bias, act, rs in [(0, 2, 4, True, 1, 2), (1, 4, 1, False, 7, 0),
-                                                   (0, 3, 2, False, 6, 1)]:
-        consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": 2,
+    # blocks of x rows (M > 16), 2, 3 or 4 n-tiles each: split-K, per-row scales, the gated epilogue
+    for fmt_code, nt, mb, split, has_bias, act, rs in [(0, 2, 2, 4, True, 1, 2), (1, 2, 4, 1, False, 7, 0),
+                                                       (0, 2, 3, 2, False, 6, 1), (0, 4, 1, 4, True, 1, 2),
+                                                       (1, 3, 1, 1, False, 7, 0), (0, 4, 2, 2, False, 6, 1),
+                                                       (1, 4, 2, 4, True, 0, 0)]:
+        consts = {"FMT": fmt_code, "RG": MMA["rg"], "J": MMA["j"], "IPS": 4, "NT": nt,
                   "SPLIT": split, "HAS_BIAS": has_bias, "ACT": act, "GS_KIND": 1, "ROW_SCALE": rs,
                   "POST": 2.0 ** 63, "CPG": 1, "XF16": False, "MB": mb}  # in the kernel's argument order
         yield km.gemv_mma_kernel, mma_sig, consts
@@ -550,6 +568,8 @@ def _variants():
         (km.FMT_NF4, 1, 1, False, 0, 1, False), (km.FMT_NF4, 2, 4, True, 1, 1, False),
         (km.FMT_NF4, 1, 4, True, 3, 2, True), (km.FMT_NF4, 2, 1, False, 2, 1, True),
         (km.FMT_INT4, 2, 4, False, 7, 2, False), (km.FMT_NF4, 1, 1, False, 7, 1, False),
+        (km.FMT_INT4, 4, 4, True, 1, 2, False), (km.FMT_NF4, 3, 1, False, 0, 1, True),
+        (km.FMT_NF4, 4, 2, False, 7, 2, False), (km.FMT_INT4, 3, 1, False, 0, 1, True),
     ]:
         xd = "*fp16" if xf16 else "*bf16"
         sig = dict(mma_sig, x_ptr=xd, s_ptr="*i32", bias_ptr=xd, out_ptr=xd)

@@ -10,8 +10,8 @@ W4A16 (``lowbit.linear``), on CUDA:
 
 - ``M <= GEMV_MAX_M``: the split-K GEMV (``lowbit.kernels.gemv_w4``) when it covers the weight, else the GEMM;
   past it, weights of the formats in ``gemv_w4.MMA["row_blocks_max_m"]`` (by default nvfp4 and mxfp4 with bf16 x
-  up to 32 rows, ``gemv_w4.ROW_BLOCKS_MAX_M``: 1.03-1.77x the GEMM there, H200) still take the tensor-core GEMV,
-  in blocks of 16 x rows;
+  up to 48 rows, ``gemv_w4.ROW_BLOCKS_MAX_M``: 1.00-2.24x the GEMM there, H200) still take the tensor-core GEMV,
+  in blocks of x rows;
 - ``GEMV_MAX_M < M < DEQUANT_GEMM_MIN_M``: the tensor-core GEMM (``lowbit.kernels.gemm_w4``);
 - ``M >= DEQUANT_GEMM_MIN_M``: dequantize a bounded chunk of rows at a time, then cuBLAS;
 - before both, where :func:`register_operand_config` says so (nvfp4, mxfp4, int4_awq weights whose tiles fill
@@ -366,7 +366,7 @@ def linear_reason(path: str, facts: tuple, m: int, device: torch.device, w: QTen
     if path == "gemv_w4":
         if facts[:1] == ("row_blocks",):
             return (f"{regime}, {w.fmt} up to gemv_w4.MMA['row_blocks_max_m']: the split-K tensor-core mma.sync GEMV "
-                    "in blocks of 16 x rows")
+                    "in blocks of x rows")
         return f"{regime}: split-K {kernel_module('gemv_w4').describe(w, m)}"
     if path == "dequant_gemm":
         if facts[:1] == ("dequant_only",):

@@ -199,7 +199,7 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
                     and (bias is None or (bias.dtype == x.dtype and not p.gated))):
                 x2 = x.reshape(-1, p.k)
                 m = x2.shape[0]
-                # past GEMV_MAX_M: the tensor-core GEMV's blocks of 16 rows, where the rule allows them
+                # past GEMV_MAX_M: the tensor-core GEMV's blocks of x rows, where the rule allows them
                 if 0 < m <= GEMV_MAX_M or (x.dtype in p.mma_rule[0] and GEMV_MAX_M < m <= p.mma_rule[2]):
                     t = self.gemv_tensors
                     # only the layouts of the kernel that runs become graph inputs (each input costs the compiled
