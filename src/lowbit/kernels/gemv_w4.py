@@ -123,9 +123,9 @@ def clear_cache() -> None:
 ROW_BLOCKS_MAX_M = {"nvfp4": 48, "mxfp4": 48}
 """The default ``MMA["row_blocks_max_m"]``, as measured. H200, CUDA graphs, against the tensor-core GEMMs
 ``lowbit.linear`` runs there without row blocks (``benchmarks/experiments/sweep_gemv_row_blocks.py``; blocks of
-up to 24 rows): nvfp4 1.47-2.24x at M = 17-24 on 6144x4096, 4096x14336 and 28672x8192, mxfp4 1.23-1.75x; at
-M = 32 1.03-1.42x, at M = 40-48 1.00-1.19x; at M = 64 0.77-0.98x, and int4_awq 0.78-1.12x with a loss on
-most shapes: nvfp4 and mxfp4 up to 48."""
+up to 24 rows), on 6144x4096, 4096x14336 and 28672x8192: nvfp4 1.44-2.24x at M = 17-24, mxfp4 1.16-1.75x; both
+1.04-1.42x at M = 32 and 1.00-1.20x at M = 40-48; at M = 64 0.77-0.80x (the two larger shapes); int4_awq
+0.70-1.12x, a loss on most: nvfp4 and mxfp4 up to 48."""
 
 MMA = {"min_m": 1, "max_m": 16, "m1_min_weights": {"nf4": 1 << 25, "other": 1 << 27}, "rg": 2, "j": 4,
        "warps": 4, "ctas_per_sm": (8, 4), "row_blocks_max_m": dict(ROW_BLOCKS_MAX_M), "block_rows": 24}
@@ -142,7 +142,7 @@ shapes
 row_blocks_max_m: per format, the largest M past max_m it takes in blocks of x rows (at most MMA_MAX_M), with
 bf16 x; block_rows: the most x rows (8, 16, 24 or 32) one block multiplies with each decoded weight register
 (its n-tiles of 8 rows share the decode; H200, CUDA graphs, nvfp4 and mxfp4: one block of 3 n-tiles against
-2 blocks of 2 at M = 17-24, 1.17-1.28x on 4096x14336 and 28672x8192, 0.94-0.99x on 6144x4096; 4 n-tiles
+2 blocks of 2 at M = 17-24, 1.16-1.28x on 4096x14336 and 28672x8192, 0.94-0.99x on 6144x4096; 4 n-tiles
 against 2 blocks of 2 at M = 32, 0.73-1.02x: ptxas keeps that kernel at 128 registers and spills); the
 dispatch rules (``lowbit.ops.policy.linear_decide``), prepared
 layers and their compiled path follow row_blocks_max_m. Change it before layers are prepared (``{}`` turns the
