@@ -3,7 +3,7 @@
 row blocks (the tensor-core GEMM) and cuBLAS bf16, at M = 16 ... 64.
 
     PYTHONPATH=src python benchmarks/experiments/sweep_gemv_row_blocks.py [--formats nvfp4,int4_awq] [--ms 24,32]
-        [--block-rows 16,32] [--ctas-per-sm 4,8]
+        [--block-rows 16,32] [--ctas-per-sm 4,8] [--maxnreg 0,168]
 
 CUDA-graph replays with the weights rotated out of L2 (the GPU time inside a model's graph). Each output is
 checked against the fp32 reference first. JSON to ``$OUT/sweep_gemv_row_blocks.json``.
@@ -31,6 +31,26 @@ from lowbit.bench.common import rel_errors
 from lowbit.bench.timing import graph_ms
 
 
+_MMA_PLAN = G.mma_plan
+_MAXNREG = [0]
+
+
+def _plan_with_register_limit(*a, **k):
+    plan = _MMA_PLAN(*a, **k)
+    if _MAXNREG[0]:
+        plan.launch = G.Launch(plan.fn, plan.grid, plan.consts, plan.num_warps, maxnreg=_MAXNREG[0])
+    return plan
+
+
+def _limit_registers(ps, regs: int) -> None:
+    """The tensor-core GEMV's launches compiled with ptxas' register limit ``regs`` (0: Triton's default) from
+    now on: the weights' cached plans are dropped, and new ones carry the option."""
+    _MAXNREG[0] = regs
+    G.mma_plan = _plan_with_register_limit
+    for p_ in ps:
+        mma_layout(p_).plans.clear()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="nvfp4,mxfp4,int4_awq,nf4")
@@ -38,6 +58,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="6144x4096,4096x14336,28672x8192")
     ap.add_argument("--ctas-per-sm", default="4", help="the split-K target(s) to try for M > 16, comma-separated")
     ap.add_argument("--block-rows", default="16,32", help="the most x rows per block to try, comma-separated")
+    ap.add_argument("--maxnreg", default="0", help="ptxas register limits to try (0: Triton's default), "
+                    "comma-separated")
     args = ap.parse_args()
     dev = torch.device("cuda")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -69,16 +91,19 @@ def main() -> None:
                 finally:
                     G.MMA["row_blocks_max_m"] = routes
                 row["blocks"] = {}
-                for cps in (int(v) for v in args.ctas_per_sm.split(",")):
-                    for br in (int(v) for v in args.block_rows.split(",")):
-                        cfg = {**G.MMA, "max_m": 64, "ctas_per_sm": cps, "block_rows": br}
-                        out = G.gemv_w4(x, ps[0], mma_config=cfg)
-                        fro, peak = rel_errors(out.float(), ref)
-                        fn = _rotating([lambda p_=p_, x=x, cfg=cfg: G.gemv_w4(x, p_, mma_config=cfg) for p_ in ps])
-                        us = graph_ms(fn, repeats=10, calls=5) * 1e3
-                        row["blocks"][f"cps{cps}/r{br}"] = {"us": us, "rel_fro": fro, "rel_peak": peak,
-                                                            "x_cublas": row["cublas_us"] / us,
-                                                            "x_default": row["default_us"] / us}
+                variants = [(int(c), int(b), int(r)) for c in args.ctas_per_sm.split(",")
+                            for b in args.block_rows.split(",") for r in args.maxnreg.split(",")]
+                for cps, br, regs in variants:
+                    cfg = {**G.MMA, "max_m": 64, "ctas_per_sm": cps, "block_rows": br}
+                    _limit_registers(ps, regs)
+                    out = G.gemv_w4(x, ps[0], mma_config=cfg)
+                    fro, peak = rel_errors(out.float(), ref)
+                    fn = _rotating([lambda p_=p_, x=x, cfg=cfg: G.gemv_w4(x, p_, mma_config=cfg) for p_ in ps])
+                    us = graph_ms(fn, repeats=10, calls=5) * 1e3
+                    name_ = f"cps{cps}/r{br}" + (f"/reg{regs}" if regs else "")
+                    row["blocks"][name_] = {"us": us, "rel_fro": fro, "rel_peak": peak,
+                                            "x_cublas": row["cublas_us"] / us, "x_default": row["default_us"] / us}
+                _limit_registers(ps, 0)
                 best = min(row["blocks"].values(), key=lambda v: v["us"])
                 rows.append(row)
                 blocks = " ".join(f"{c}:{v['us']:.1f}" for c, v in row["blocks"].items())
