@@ -223,6 +223,7 @@ class TensorSource:
         self._spans: dict[Path, dict[str, Span] | None] = {}
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
+        self._span_lock = threading.Lock()
 
     def keys(self) -> list[str]:
         return list(self.files)
@@ -293,8 +294,10 @@ class TensorSource:
             return None
         path = self.files[key]
         if path not in self._spans:
-            self._handle(path)  # the checks of every read (index against file, a valid file)
-            self._spans[path] = tensor_spans(path)
+            with self._span_lock:  # reader threads ask at once: one parse of the header per file
+                if path not in self._spans:
+                    self._handle(path)  # the checks of every read (index against file, a valid file)
+                    self._spans[path] = tensor_spans(path)
         spans = self._spans[path]
         return spans.get(key) if spans is not None else None
 
