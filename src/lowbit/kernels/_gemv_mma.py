@@ -112,10 +112,6 @@ def _mma_asm(nt: int) -> str:
     return "\n".join(lines)
 
 
-_MMA_ASM_1 = tl.constexpr(one_line(_mma_asm(1)))
-_MMA_ASM_2 = tl.constexpr(one_line(_mma_asm(2)))
-_MMA_ASM_3 = tl.constexpr(one_line(_mma_asm(3)))
-_MMA_ASM_4 = tl.constexpr(one_line(_mma_asm(4)))
 
 # int4 (AWQ/GPTQ): nibble q of element (row g + 8 h, column 4 i + c) sits at bit 4 (h + 2 (c // 2)) + 16 (c % 2)
 # of the lane's word, so A register j is ((w >> 4 j) & 0x000F000F) | MAGIC = (MAGIC + q) in both halves, exact
@@ -186,14 +182,6 @@ def _mma_int4_asm(nt: int, fp16: bool) -> str:
                             lambda w, _: _INT4_WORD.format(w=w, magic=magic, ty=ty))
 
 
-_INT4_ASM_BF16_1 = tl.constexpr(one_line(_mma_int4_asm(1, False)))
-_INT4_ASM_BF16_2 = tl.constexpr(one_line(_mma_int4_asm(2, False)))
-_INT4_ASM_BF16_3 = tl.constexpr(one_line(_mma_int4_asm(3, False)))
-_INT4_ASM_BF16_4 = tl.constexpr(one_line(_mma_int4_asm(4, False)))
-_INT4_ASM_F16_1 = tl.constexpr(one_line(_mma_int4_asm(1, True)))
-_INT4_ASM_F16_2 = tl.constexpr(one_line(_mma_int4_asm(2, True)))
-_INT4_ASM_F16_3 = tl.constexpr(one_line(_mma_int4_asm(3, True)))
-_INT4_ASM_F16_4 = tl.constexpr(one_line(_mma_int4_asm(4, True)))
 
 
 # NF4 (bitsandbytes): a 16-entry table lookup per nibble with prmt. The table of the 16 levels (rounded to the
@@ -252,14 +240,6 @@ def _mma_nf4_asm(nt: int, fp16: bool) -> str:
         lambda w, tab: _nf4_word(w, tab[:4], tab[4:]), extra_inputs=8)
 
 
-_NF4_ASM_BF16_1 = tl.constexpr(one_line(_mma_nf4_asm(1, False)))
-_NF4_ASM_BF16_2 = tl.constexpr(one_line(_mma_nf4_asm(2, False)))
-_NF4_ASM_BF16_3 = tl.constexpr(one_line(_mma_nf4_asm(3, False)))
-_NF4_ASM_BF16_4 = tl.constexpr(one_line(_mma_nf4_asm(4, False)))
-_NF4_ASM_F16_1 = tl.constexpr(one_line(_mma_nf4_asm(1, True)))
-_NF4_ASM_F16_2 = tl.constexpr(one_line(_mma_nf4_asm(2, True)))
-_NF4_ASM_F16_3 = tl.constexpr(one_line(_mma_nf4_asm(3, True)))
-_NF4_ASM_F16_4 = tl.constexpr(one_line(_mma_nf4_asm(4, True)))
 
 
 
@@ -269,14 +249,6 @@ def _chunk_constraints(nt: int, nf4: bool) -> str:
     return ",".join(["=f"] * (4 * nt) + ["r"] * (4 + 8 * nt + 8) + ["f"] * (4 * nt) + ["r"] * (32 if nf4 else 0))
 
 
-_CONS_1 = tl.constexpr(_chunk_constraints(1, False))
-_CONS_2 = tl.constexpr(_chunk_constraints(2, False))
-_CONS_3 = tl.constexpr(_chunk_constraints(3, False))
-_CONS_4 = tl.constexpr(_chunk_constraints(4, False))
-_CONS_NF4_1 = tl.constexpr(_chunk_constraints(1, True))
-_CONS_NF4_2 = tl.constexpr(_chunk_constraints(2, True))
-_CONS_NF4_3 = tl.constexpr(_chunk_constraints(3, True))
-_CONS_NF4_4 = tl.constexpr(_chunk_constraints(4, True))
 
 _PAIR_ASM = tl.constexpr("ld.global.nc.v2.b32 {$0, $1}, [$2];")
 
@@ -332,71 +304,28 @@ def _load_pair(ptrs):
                                      pack=1)
 
 
+# the chunk asm of every (format, x dtype, n-tile count) and its constraints, indexed by _mma_chunk (compile-time
+# tuples: Triton picks the entry when a kernel variant compiles)
+_CHUNK_ASM = tl.constexpr(tuple(
+    one_line(_mma_int4_asm(nt, xf16) if fmt == FMT_INT4.value else _mma_nf4_asm(nt, xf16) if fmt == FMT_NF4.value
+             else _mma_asm(nt))
+    for fmt in range(4) for xf16 in (False, True) for nt in range(1, 5)))
+_CHUNK_CONSTRAINTS = tl.constexpr(tuple(_chunk_constraints(nt, nf4) for nf4 in (False, True) for nt in range(1, 5)))
+
+
 @triton.jit
 def _mma_chunk(words, xf, raw, zraw, acc, tab, FMT: tl.constexpr, NT: tl.constexpr, XF16: tl.constexpr):
     """The chunk's 4 mmas per n-tile into the accumulators (a tuple of 4, the first NT used). ``xf``: the
     (x-lo, x-hi) fragments of the 4 n-tiles, flat. The FP4, int4 and NF4 asm take the same operand list: after
     the words and x fragments, two per-lane int32 pairs (FP4: the bf16x2 scales of rows g and g + 8; int4: the
-    fp16 scale pair and the zero pair; NF4: the fp32 absmax of rows g and g + 8)."""
-    if FMT == FMT_INT4:
+    fp16 scale pair and the zero pair; NF4: the fp32 absmax of rows g and g + 8), then (NF4) the table words."""
+    if FMT == FMT_INT4 or FMT == FMT_NF4:
         a, b = raw, zraw
-        if XF16:
-            if NT == 1:
-                ASM: tl.constexpr = _INT4_ASM_F16_1
-            elif NT == 2:
-                ASM: tl.constexpr = _INT4_ASM_F16_2
-            elif NT == 3:
-                ASM: tl.constexpr = _INT4_ASM_F16_3
-            else:
-                ASM: tl.constexpr = _INT4_ASM_F16_4
-        else:
-            if NT == 1:
-                ASM: tl.constexpr = _INT4_ASM_BF16_1
-            elif NT == 2:
-                ASM: tl.constexpr = _INT4_ASM_BF16_2
-            elif NT == 3:
-                ASM: tl.constexpr = _INT4_ASM_BF16_3
-            else:
-                ASM: tl.constexpr = _INT4_ASM_BF16_4
-    elif FMT == FMT_NF4:
-        a, b = raw, zraw
-        if XF16:
-            if NT == 1:
-                ASM: tl.constexpr = _NF4_ASM_F16_1
-            elif NT == 2:
-                ASM: tl.constexpr = _NF4_ASM_F16_2
-            elif NT == 3:
-                ASM: tl.constexpr = _NF4_ASM_F16_3
-            else:
-                ASM: tl.constexpr = _NF4_ASM_F16_4
-        else:
-            if NT == 1:
-                ASM: tl.constexpr = _NF4_ASM_BF16_1
-            elif NT == 2:
-                ASM: tl.constexpr = _NF4_ASM_BF16_2
-            elif NT == 3:
-                ASM: tl.constexpr = _NF4_ASM_BF16_3
-            else:
-                ASM: tl.constexpr = _NF4_ASM_BF16_4
     else:
         a, b = _scale_pair(raw, FMT)
-        if NT == 1:
-            ASM: tl.constexpr = _MMA_ASM_1
-        elif NT == 2:
-            ASM: tl.constexpr = _MMA_ASM_2
-        elif NT == 3:
-            ASM: tl.constexpr = _MMA_ASM_3
-        else:
-            ASM: tl.constexpr = _MMA_ASM_4
+    ASM: tl.constexpr = _CHUNK_ASM[(FMT * 2 + XF16) * 4 + NT - 1]
+    CONS: tl.constexpr = _CHUNK_CONSTRAINTS[(FMT == FMT_NF4) * 4 + NT - 1]
     if FMT == FMT_NF4:
-        if NT == 1:
-            CONS: tl.constexpr = _CONS_NF4_1
-        elif NT == 2:
-            CONS: tl.constexpr = _CONS_NF4_2
-        elif NT == 3:
-            CONS: tl.constexpr = _CONS_NF4_3
-        else:
-            CONS: tl.constexpr = _CONS_NF4_4
         t0, t1, t2, t3, t4, t5, t6, t7 = tab
         if NT == 1:
             acc0 = tl.inline_asm_elementwise(
@@ -421,14 +350,6 @@ def _mma_chunk(words, xf, raw, zraw, acc, tab, FMT: tl.constexpr, NT: tl.constex
                 dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=4)
             out = (o0, o1, o2, o3)
     else:
-        if NT == 1:
-            CONS: tl.constexpr = _CONS_1
-        elif NT == 2:
-            CONS: tl.constexpr = _CONS_2
-        elif NT == 3:
-            CONS: tl.constexpr = _CONS_3
-        else:
-            CONS: tl.constexpr = _CONS_4
         if NT == 1:
             acc0 = tl.inline_asm_elementwise(ASM, CONS, [words, xf[0], xf[1], a, b, acc[0]],
                                              dtype=tl.float32, is_pure=True, pack=4)
