@@ -112,7 +112,6 @@ def _mma_asm(nt: int) -> str:
     return "\n".join(lines)
 
 
-
 # int4 (AWQ/GPTQ): nibble q of element (row g + 8 h, column 4 i + c) sits at bit 4 (h + 2 (c // 2)) + 16 (c % 2)
 # of the lane's word, so A register j is ((w >> 4 j) & 0x000F000F) | MAGIC = (MAGIC + q) in both halves, exact
 # (bf16 0x4300 = 128, fp16 0x6400 = 1024, one unit per integer step there); minus (MAGIC + z) it is q - z
@@ -182,8 +181,6 @@ def _mma_int4_asm(nt: int, fp16: bool) -> str:
                             lambda w, _: _INT4_WORD.format(w=w, magic=magic, ty=ty))
 
 
-
-
 # NF4 (bitsandbytes): a 16-entry table lookup per nibble with prmt. The table of the 16 levels (rounded to the
 # mma operand type: bf16 for bf16 x, fp16 for fp16 x) is split into its low bytes and its high bytes, 4
 # registers each; a prmt indexes 8 bytes with the 3 low bits of a nibble, so each byte comes from two prmts
@@ -240,14 +237,10 @@ def _mma_nf4_asm(nt: int, fp16: bool) -> str:
         lambda w, tab: _nf4_word(w, tab[:4], tab[4:]), extra_inputs=8)
 
 
-
-
-
 def _chunk_constraints(nt: int, nf4: bool) -> str:
     """The chunk asm's constraints (pack = 4): 4 nt outputs; 4 words, 8 x registers per n-tile, 4 copies of each
     of the two pairs, 4 nt accumulators; NF4: 4 copies of each of the 8 table words."""
     return ",".join(["=f"] * (4 * nt) + ["r"] * (4 + 8 * nt + 8) + ["f"] * (4 * nt) + ["r"] * (32 if nf4 else 0))
-
 
 
 _PAIR_ASM = tl.constexpr("ld.global.nc.v2.b32 {$0, $1}, [$2];")

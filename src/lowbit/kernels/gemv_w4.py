@@ -15,9 +15,8 @@ run the tensor-core GEMV (``_gemv_mma``: mma.sync over a weight laid out once by
 copy of the 4-bit words; at M = 1 only for large weights, see :data:`MMA`); otherwise M <= ``TILE["fma_max_m"]``
 runs the CUDA-core FMA kernel (``_gemv_w4``; M rows of x per program, so the weights are read once) and larger M
 the ``tl.dot`` kernel with M padded to 16. Both split K across programs when there are too few N tiles to fill
-the GPU, and reduce the
-split-K partials inside the same launch (last-arriving program, self-resetting counter), so a call is
-one kernel launch: safe to capture in a CUDA graph.
+the GPU, and reduce the split-K partials inside the same launch (last-arriving program, self-resetting counter),
+so a call is one kernel launch: safe to capture in a CUDA graph.
 
 Bytes per weight element read from HBM (bf16 weights are 2 bytes, so the ideal speedup over a bf16 GEMV
 is 2 / these): nvfp4 0.5 + 1/16 (E4M3 per 16; 3.56x), mxfp4 0.5 + 1/32 (3.76x), fp4_b32 0.5 + 4/32 (3.2x),
@@ -144,9 +143,8 @@ bf16 x; block_rows: the most x rows (8, 16, 24 or 32) one block multiplies with 
 (its n-tiles of 8 rows share the decode; H200, CUDA graphs, nvfp4 and mxfp4: one block of 3 n-tiles against
 2 blocks of 2 at M = 17-24, 1.16-1.28x on 4096x14336 and 28672x8192, 0.94-0.99x on 6144x4096; 4 n-tiles
 against 2 blocks of 2 at M = 32, 0.73-1.02x: ptxas keeps that kernel at 128 registers and spills); the
-dispatch rules (``lowbit.ops.policy.linear_decide``), prepared
-layers and their compiled path follow row_blocks_max_m. Change it before layers are prepared (``{}`` turns the
-row blocks off)."""
+dispatch rules (``lowbit.ops.policy.linear_decide``), prepared layers and their compiled path follow
+row_blocks_max_m. Change it before layers are prepared (``{}`` turns the row blocks off)."""
 
 
 def mma_x_dtypes(fmt: str) -> tuple:
