@@ -12,7 +12,8 @@ Gluon) kernels and what they embed when compiled (inline-asm text, code tables),
 - fp8_block quantize/dequantize: ``_fp8_block`` -> ``fp8_block``; fp8_rowwise quantize: ``_fp8_block`` ->
   ``fp8_rowwise``;
 - NF4 and bitsandbytes FP4 dequantize: ``_nf4`` -> ``nf4``; AutoAWQ INT4 dequantize: ``_int4_awq`` -> ``int4_awq``;
-- W4A16 GEMV (M <= 16): ``_gemv_w4``, ``_gemv_mma`` -> ``gemv_w4`` (prepared-layer calls in ``gemv_runners``);
+- W4A16 GEMV (M <= 16; the tensor-core one to M = 64): ``_gemv_w4``, ``_gemv_mma`` -> ``gemv_w4`` (prepared-layer
+  calls in ``gemv_runners``);
 - W4A16 GEMM (prefill): ``_gemm_w4`` -> ``gemm_w4`` (tile tables in ``gemm_w4_tiles``);
 - quantized x quantized GEMM: ``_scaled_mm`` and the Gluon ``_fp8_block_ws`` -> ``scaled_mm`` with
   ``scaled_mm_launch`` (tiles, launches) and ``scaled_mm_routes`` (fold, dequant, cuBLASLt via

@@ -1,4 +1,5 @@
-"""Weight-only 4-bit GEMV for the decode regime (M <= 16): ``gemv_w4(x, w, bias, activation)``.
+"""Weight-only 4-bit GEMV for the decode regime (M <= 16; the tensor-core GEMV to M = 64):
+``gemv_w4(x, w, bias, activation)``.
 
 ``out = act(x @ dequant(w).T + bias)`` with fp32 accumulation, for ``w`` in nvfp4, mxfp4, fp4_b32, nf4 (plain
 or double-quantized absmax) and int4_awq; the weight is decoded in registers, never written to HBM.
@@ -393,7 +394,8 @@ def gemv_w4(x: torch.Tensor, w: QTensor | PreparedW4, bias: torch.Tensor | None 
             mma_config: dict | bool | None = None, *, row_scale: torch.Tensor | None = None,
             divide_by: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``act(x @ dequant(w).T + bias)`` in x's dtype, accumulated in fp32, for M <= 16 (M <= 64 on the
-    tensor-core GEMV when ``mma_config`` asks for it).
+    tensor-core GEMV where :data:`MMA` or ``mma_config`` asks for it: nvfp4 and mxfp4 with bf16 x to 48 by
+    default).
 
     Args:
         x: ``[M, K]`` bfloat16/float16 CUDA tensor (CPU under ``TRITON_INTERPRET=1``), ``M <= 16`` (up to

@@ -43,11 +43,11 @@ def _gemv_body(
     act: int,
     plan_n: int = 0,
 ) -> torch.Tensor:
-    """``act(x @ W.T + bias)`` for x ``[M, K]`` (M <= 16, contiguous) on a prepared weight's GEMV layouts
-    (``lowbit.kernels.gemv_prepack`` and ``gemv_mma_layout``: words, scales, nested absmax, NF4 table, global
-    scale, tensor-core words and scales; None where the weight has none), the device's split-K scratch and
-    placeholders (:func:`lowbit.kernels.gemv_runners.traced_gemv`) and the weight's static facts; the plan is
-    :func:`lowbit.kernels.gemv_w4.gemv_w4`'s default one."""
+    """``act(x @ W.T + bias)`` for x ``[M, K]`` (M <= 16, or to the row-block limit; contiguous) on a prepared
+    weight's GEMV layouts (``lowbit.kernels.gemv_prepack`` and ``gemv_mma_layout``: words, scales, nested
+    absmax, NF4 table, global scale, tensor-core words and scales; None where the weight has none), the device's
+    split-K scratch and placeholders (:func:`lowbit.kernels.gemv_runners.traced_gemv`) and the weight's static
+    facts; the plan is :func:`lowbit.kernels.gemv_w4.gemv_w4`'s default one."""
     from ..kernels.gemv_runners import GemvFacts, traced_gemv
 
     f = GemvFacts(fmt, fmt_code, n, k, sk, wpb, post, gs_kind, mma_fmt, cpg, plan_n)
