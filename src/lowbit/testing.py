@@ -3,7 +3,6 @@ the W4A16 oracle, adversarial NVFP4 ties, and small checkpoints on disk with a d
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -85,17 +84,12 @@ def tree_digest(root: Path | str) -> dict[str, str]:
     buffers), so checkpoints of many GB take seconds."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def digest(p: Path) -> str:
-        h = hashlib.sha256()
-        with open(p, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 24), b""):
-                h.update(chunk)
-        return h.hexdigest()
+    from .io.files import file_sha256
 
     root = Path(root)
     files = sorted(p for p in root.rglob("*") if p.is_file())
     with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
-        return dict(zip((str(p.relative_to(root)) for p in files), pool.map(digest, files)))
+        return dict(zip((str(p.relative_to(root)) for p in files), pool.map(file_sha256, files)))
 
 
 def write_tiny_llama(directory: Path | str, *, hidden: int = 64, intermediate: int = 128, layers: int = 2,

@@ -24,19 +24,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..io.files import file_sha256
 from .encoder import ModelDirError
 
 MARKER = ".lowbit-quantize.json"
 WRITER = "lowbit quantize"
 REPORT_FILES = ("report.txt", "report.json", "report.png")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _is_regular(path: Path) -> bool:
@@ -51,7 +44,7 @@ def checkpoint_fingerprint(path: Path) -> str | None:
     not a real directory with a regular ``config.json`` (then it cannot be lowbit's)."""
     if path.is_symlink() or not path.is_dir() or not _is_regular(path / "config.json"):
         return None
-    h = hashlib.sha256(_sha256(path / "config.json").encode())
+    h = hashlib.sha256(file_sha256(path / "config.json").encode())
     for p in sorted(path.rglob("*")):
         st = os.lstat(p)
         if not stat.S_ISDIR(st.st_mode):
@@ -122,7 +115,7 @@ class OutDir:
         for f in REPORT_FILES:
             p = self.path / f
             if p.exists() or p.is_symlink():
-                ok = _is_regular(p) and _sha256(p) in self.marker["files"].get(f, [])
+                ok = _is_regular(p) and file_sha256(p) in self.marker["files"].get(f, [])
                 (ours if ok else foreign).append(p)
         if foreign:
             raise ModelDirError(
@@ -161,7 +154,7 @@ class OutDir:
 
     def adopt_file(self, name: str, tmp: Path) -> None:
         """Move the finished temp file ``tmp`` (same directory) to ``DIR/name``, recorded first."""
-        digest = _sha256(tmp)
+        digest = file_sha256(tmp)
         self._accept(name, digest)
         os.replace(tmp, self.path / name)
         self._accept(name, digest, only=True)

@@ -6,6 +6,7 @@ Only safetensors is ever read (never pickle). Every error names the file and the
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -34,6 +35,15 @@ SAFETENSORS_DTYPES = {
 """torch dtypes of the safetensors header's dtype names (all that torch and safetensors share but F4: the
 ones lowbit's formats store, and those a conversion passes through)."""
 
+
+def file_sha256(path: Path | str) -> str:
+    """The sha256 hex digest of the file at ``path``, read in 16 MB pieces (hashlib releases the GIL on large
+    buffers, so threads can hash several files at once)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for piece in iter(lambda: fh.read(1 << 24), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 def read_json(path: Path, what: str = "JSON file") -> dict:
     """Parse a JSON object; FileNotFoundError / ValueError naming the file."""

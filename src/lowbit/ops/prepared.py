@@ -96,7 +96,7 @@ class PreparedWeight(W4A16Calls, ScaledCalls):
         self._chunks: dict = {}      # x dtype -> the decode calls of the dequantize-then-BLAS regime
         self._dequant_min_m = 1 << 62
         # M past GEMV_MAX_M up to this, of these x dtypes, still takes a GEMV runner (the tensor-core GEMV's blocks
-        # of 16 rows: lowbit.kernels.gemv_w4.MMA["row_blocks_max_m"]); set by _prepare_gemv
+        # of x rows: lowbit.kernels.gemv_w4.MMA["row_blocks_max_m"]); set by _prepare_gemv
         self._gemv_rows_max, self._gemv_rows_dtypes = 0, ()
         self._ra_configs: dict = {}  # M -> the register-operand GEMM's config where the rules choose it, else None
         self._scaled_ready = False   # activation-quantized schemes: the quick call below applies
